@@ -1,0 +1,152 @@
+// What the CPU and CUDA kernels share: argument checks, the statistics layout and the histogram threshold.
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#ifdef __CUDACC__
+#define GTOPK_HOST_DEVICE __host__ __device__
+#else
+#define GTOPK_HOST_DEVICE
+#endif
+
+// The dtypes every op accepts: fp32, fp16 and bf16 (statistics and sums are computed in fp32 or wider).
+#define GTOPK_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                 \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) \
+                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+namespace gtopk_ext {
+
+// Layout of gaussian_threshold's float32 output (mirrored in gtopk_ext/ops.py).
+constexpr int64_t kStatMean = 0;
+constexpr int64_t kStatStd = 1;
+constexpr int64_t kStatMaxAbs = 2;
+constexpr int64_t kStatGaussianThreshold = 3;
+constexpr int64_t kStatThreshold = 4;
+constexpr int64_t kNumStats = 5;
+
+// The histogram bins |acc| by the top bits of its float32 pattern: 8 exponent bits and 5 mantissa bits, so a
+// bin spans 2^(1/32) (about 2.2%) on a log scale covering every finite float, with no range to guess.
+// Non-negative floats order like their bit patterns, so counting bins from the top finds the k-th largest.
+constexpr int kHistShift = 18;
+constexpr int kHistBins = 1 << (31 - kHistShift);
+constexpr int kHistInfKey = 0x7F800000 >> kHistShift;  // +inf's bin; NaNs have larger keys and are skipped
+
+GTOPK_HOST_DEVICE inline uint32_t float_bits(float x) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(x);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return bits;
+#endif
+}
+
+GTOPK_HOST_DEVICE inline float bits_float(uint32_t bits) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(bits);
+#else
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+#endif
+}
+
+// Histogram key of a = |x| (a >= 0 or NaN); keys above kHistInfKey are NaN.
+GTOPK_HOST_DEVICE inline int hist_key(float a) { return static_cast<int>(float_bits(a) >> kHistShift); }
+
+// The threshold that keeps about k elements, from bin counts: find the bin where the count from the top
+// reaches k and interpolate linearly inside it. Clamped to max_abs when that bin holds the maximum, so that
+// equal values (all in one bin) are selected rather than all missed. 0 selects everything when k exceeds the
+// non-NaN count. Computed in double on every backend so the backends agree bit for bit.
+GTOPK_HOST_DEVICE inline float threshold_from_histogram(const int32_t* counts, int64_t k, float max_abs) {
+  int64_t above = 0;
+  for (int bin = kHistInfKey; bin >= 0; --bin) {
+    const int64_t in_bin = counts[bin];
+    if (above + in_bin < k) {
+      above += in_bin;
+      continue;
+    }
+    if (bin == kHistInfKey) return bits_float(0x7F800000u);
+    const double lo = bits_float(static_cast<uint32_t>(bin) << kHistShift);
+    const double hi = bits_float(static_cast<uint32_t>(bin + 1) << kHistShift);
+    const double needed = static_cast<double>(k - above);
+    float threshold = static_cast<float>(hi - (hi - lo) * needed / static_cast<double>(in_bin));
+    if (bin == hist_key(max_abs) && threshold > max_abs) threshold = max_abs;
+    return threshold;
+  }
+  return 0.0f;
+}
+
+inline void check_max_numel(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.numel() <= std::numeric_limits<int32_t>::max(), op, ": ", name, " has ", t.numel(),
+              " elements, but gtopk_ext uses int32 indices and supports at most 2^31 - 1 elements per tensor; "
+              "split it into smaller buckets");
+}
+
+inline void check_float_tensor(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
+              op, ": ", name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  check_max_numel(t, op, name);
+}
+
+inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* name,
+                              const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on ", ref_name, "'s device (", ref.device(),
+              "), got ", t.device());
+}
+
+// The mutated argument of an op must be contiguous: a copy would leave the caller's tensor unchanged.
+inline void check_mutable_contiguous(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " is updated in place and must be contiguous");
+}
+
+inline void check_gaussian_threshold_args(const at::Tensor& grad, const std::optional<at::Tensor>& residual,
+                                          double z, int64_t k) {
+  constexpr const char* op = "gaussian_threshold";
+  check_float_tensor(grad, op, "grad");
+  TORCH_CHECK(std::isfinite(z), op, ": z must be finite, got ", z);
+  TORCH_CHECK(k >= 0, op, ": k must be >= 0 (0: Gaussian threshold only), got ", k);
+  if (residual.has_value()) {
+    const at::Tensor& r = *residual;
+    TORCH_CHECK(r.scalar_type() == grad.scalar_type(), op, ": residual must have grad's dtype (",
+                grad.scalar_type(), "), got ", r.scalar_type());
+    TORCH_CHECK(r.sizes() == grad.sizes(), op, ": residual must have grad's shape ", grad.sizes(), ", got ",
+                r.sizes());
+    check_same_device(r, grad, op, "residual", "grad");
+    check_mutable_contiguous(r, op, "residual");
+  }
+}
+
+inline void check_compact_args(const at::Tensor& acc, const at::Tensor& threshold, int64_t capacity) {
+  constexpr const char* op = "compact";
+  check_float_tensor(acc, op, "acc");
+  TORCH_CHECK(threshold.scalar_type() == at::kFloat && threshold.numel() == 1, op,
+              ": threshold must be a float32 tensor of one element, got ", threshold.scalar_type(), " with ",
+              threshold.numel(), " elements");
+  check_same_device(threshold, acc, op, "threshold", "acc");
+  TORCH_CHECK(capacity >= 1, op, ": capacity must be >= 1, got ", capacity);
+  TORCH_CHECK(capacity <= std::numeric_limits<int32_t>::max(), op, ": capacity must be < 2^31, got ", capacity);
+}
+
+inline void check_scatter_args(const at::Tensor& dense, const at::Tensor& indices, const at::Tensor& values,
+                               const char* op, const char* dense_name) {
+  check_float_tensor(dense, op, dense_name);
+  check_mutable_contiguous(dense, op, dense_name);
+  TORCH_CHECK(indices.scalar_type() == at::kInt, op, ": indices must be int32, got ", indices.scalar_type());
+  TORCH_CHECK(indices.dim() == 1, op, ": indices must be 1-D, got ", indices.dim(), "-D");
+  TORCH_CHECK(values.scalar_type() == dense.scalar_type(), op, ": values must have ", dense_name, "'s dtype (",
+              dense.scalar_type(), "), got ", values.scalar_type());
+  TORCH_CHECK(values.sizes() == indices.sizes(), op, ": values must have indices' shape ", indices.sizes(),
+              ", got ", values.sizes());
+  check_same_device(indices, dense, op, "indices", dense_name);
+  check_same_device(values, dense, op, "values", dense_name);
+}
+
+}  // namespace gtopk_ext

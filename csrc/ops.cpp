@@ -1,0 +1,29 @@
+// The op schemas of gtopk_ext: the one place that defines what each op takes and returns.
+// Kernels live in cpu/kernels.cpp (CPU) and cuda/kernels.cu (CUDA); fake kernels in gtopk_ext/ops.py.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// Importing gtopk_ext._C loads this library, which runs the TORCH_LIBRARY blocks below.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(gtopk_ext, m) {
+  // One pass over acc = grad (+ residual, which becomes acc in place). Returns float32[5]:
+  // mean, std, max |acc| (NaN ignored), the Gaussian threshold |mean| + z * std, and the threshold to
+  // use: the histogram threshold that keeps about k elements when k > 0, else the Gaussian one.
+  m.def("gaussian_threshold(Tensor grad, Tensor(a!)? residual, float z, int k) -> Tensor");
+  // (values[capacity], int32 indices[capacity], int32 count[1]) of the elements with |acc| >= threshold[0],
+  // indices ascending; count is the number of such elements before truncation to capacity; the slots past
+  // it are padding (index 0, value 0).
+  m.def("compact(Tensor acc, Tensor threshold, int capacity) -> (Tensor, Tensor, Tensor)");
+  // dense[indices[j]] += values[j], duplicates summed. Out-of-range indices are skipped, never written;
+  // returns int32[1], how many were skipped.
+  m.def("scatter_add(Tensor(a!) dense, Tensor indices, Tensor values) -> Tensor");
+  // residual[indices[j]] -= values[j]: what was sent leaves the residual (exactly zero when values came
+  // from compact on this residual). Same index rules and return value as scatter_add.
+  m.def("residual_update(Tensor(a!) residual, Tensor indices, Tensor values) -> Tensor");
+}

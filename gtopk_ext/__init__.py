@@ -1,0 +1,13 @@
+"""gtopk_ext: sparse gradient communication for PyTorch data-parallel training."""
+
+try:
+    from gtopk_ext import _C  # noqa: F401  (loading the library registers the torch.ops.gtopk_ext kernels)
+except ImportError as error:  # pragma: no cover - exercised only on a broken install
+    raise ImportError(
+        "gtopk_ext's compiled kernels (gtopk_ext._C) are missing or do not match this torch: build them with "
+        "`pip install --no-build-isolation -e .` in the source tree (see README.md)"
+    ) from error
+
+from gtopk_ext import ops, reference  # noqa: E402,F401
+
+__all__ = ["ops", "reference"]

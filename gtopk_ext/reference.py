@@ -1,0 +1,99 @@
+"""Plain-PyTorch versions of every gtopk_ext op: slow, obvious, and the oracle of the tests.
+
+Each function has the semantics of the op of the same name in ``csrc/ops.cpp`` (including in-place updates).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gtopk_ext.ops import NUM_STATS, STAT_GAUSSIAN_THRESHOLD, STAT_MAX_ABS, STAT_MEAN, STAT_STD, STAT_THRESHOLD
+
+# The histogram of csrc/common.h: |acc| binned by the top 13 bits of its float32 pattern.
+HIST_SHIFT = 18
+HIST_BINS = 1 << (31 - HIST_SHIFT)
+HIST_INF_KEY = 0x7F800000 >> HIST_SHIFT
+
+
+def _bits_to_float(bits: int) -> float:
+    return float(np.array([bits], dtype=np.uint32).view(np.float32)[0])
+
+
+def histogram(acc: torch.Tensor) -> torch.Tensor:
+    """int64[HIST_BINS] counts of |acc| (as float32) by bit-pattern bin; NaNs are not counted."""
+    magnitude = acc.detach().float().abs().flatten()
+    magnitude = magnitude[~torch.isnan(magnitude)]
+    keys = (magnitude.view(torch.int32) >> HIST_SHIFT).long()
+    return torch.bincount(keys, minlength=HIST_BINS)
+
+
+def threshold_from_histogram(counts: torch.Tensor, k: int, max_abs: float) -> float:
+    """The bin where the count from the top reaches k, interpolated linearly; see csrc/common.h."""
+    from_top = counts.flip(0).cumsum(0).flip(0)  # from_top[b] = elements in bins >= b
+    reaching = torch.nonzero(from_top >= k).flatten()
+    if reaching.numel() == 0:
+        return 0.0
+    b = int(reaching[-1])
+    if b == HIST_INF_KEY:
+        return float("inf")
+    in_bin = int(counts[b])
+    above = int(from_top[b]) - in_bin
+    lo = _bits_to_float(b << HIST_SHIFT)
+    hi = _bits_to_float((b + 1) << HIST_SHIFT)
+    threshold = np.float32(hi - (hi - lo) * (k - above) / in_bin)
+    max_abs32 = np.float32(max_abs)
+    if b == (int(np.array([max_abs32]).view(np.int32)[0]) >> HIST_SHIFT) and threshold > max_abs32:
+        threshold = max_abs32
+    return float(threshold)
+
+
+def gaussian_threshold(grad: torch.Tensor, residual: torch.Tensor | None, z: float, k: int) -> torch.Tensor:
+    if residual is not None:
+        residual.add_(grad)
+        acc = residual
+    else:
+        acc = grad
+    values = acc.detach().double().flatten()
+    n = values.numel()
+    mean = values.mean().item() if n else 0.0
+    std = values.std(correction=0).item() if n else 0.0
+    magnitude = acc.detach().float().abs().flatten()
+    finite_or_inf = magnitude[~torch.isnan(magnitude)]
+    max_abs = float(finite_or_inf.max()) if finite_or_inf.numel() else 0.0
+    gaussian = float(np.float32(abs(mean) + z * std))
+    stats = torch.empty(NUM_STATS, dtype=torch.float32)
+    stats[STAT_MEAN] = mean
+    stats[STAT_STD] = std
+    stats[STAT_MAX_ABS] = max_abs
+    stats[STAT_GAUSSIAN_THRESHOLD] = gaussian
+    stats[STAT_THRESHOLD] = threshold_from_histogram(histogram(acc), k, max_abs) if k > 0 else gaussian
+    return stats.to(grad.device)
+
+
+def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int):
+    flat = acc.detach().flatten()
+    selected = torch.nonzero(flat.float().abs() >= threshold.float().flatten()[0]).flatten()
+    kept = selected[:capacity]
+    values = torch.zeros(capacity, dtype=acc.dtype, device=acc.device)
+    indices = torch.zeros(capacity, dtype=torch.int32, device=acc.device)
+    values[: kept.numel()] = flat[kept]
+    indices[: kept.numel()] = kept.int()
+    count = torch.tensor([selected.numel()], dtype=torch.int32, device=acc.device)
+    return values, indices, count
+
+
+def _signed_scatter(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, sign: float) -> torch.Tensor:
+    valid = (indices >= 0) & (indices < dense.numel())
+    flat = dense.view(-1)
+    summed = flat.float().index_add(0, indices[valid].long(), values[valid].float(), alpha=sign)
+    flat.copy_(summed.to(dense.dtype))
+    return torch.tensor([int((~valid).sum())], dtype=torch.int32, device=dense.device)
+
+
+def scatter_add(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return _signed_scatter(dense, indices, values, 1.0)
+
+
+def residual_update(residual: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return _signed_scatter(residual, indices, values, -1.0)

@@ -107,7 +107,8 @@ at::Tensor gaussian_threshold_cpu(const at::Tensor& grad, const std::optional<at
     max_abs = m.max_abs > max_abs ? m.max_abs : max_abs;
   }
   const double mean = n > 0 ? sum / n : 0.0;
-  const double variance = n > 0 ? std::max(0.0, sum_sq / n - mean * mean) : 0.0;
+  double variance = n > 0 ? sum_sq / n - mean * mean : 0.0;
+  if (variance < 0.0) variance = 0.0;  // rounding; a NaN stays NaN so non-finite input shows
   const double std_dev = std::sqrt(variance);
   const float gaussian = static_cast<float>(std::fabs(mean) + z * std_dev);
 

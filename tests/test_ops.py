@@ -1,0 +1,386 @@
+"""Every op against gtopk_ext/reference.py, on every backend this machine can run.
+
+Backends: "cpu" (the C++ kernels) always; "triton" under TRITON_INTERPRET=1 (CPU tensors) or on a GPU; "cuda"
+where torch.cuda.is_available().
+"""
+
+from __future__ import annotations
+
+import os
+
+import hypothesis.extra.numpy as hnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gtopk_ext as gx
+from gtopk_ext import ops, reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def available_backends() -> list[str]:
+    backends = ["cpu"]
+    if torch.cuda.is_available():
+        backends.append("cuda")
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        backends.append("triton")
+    return backends
+
+
+BACKENDS = available_backends()
+
+
+def backend_device(backend: str) -> torch.device:
+    if backend == "cuda" or (backend == "triton" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+def make_values(kind: str, n: int, generator: torch.Generator) -> torch.Tensor:
+    if kind == "normal":
+        return torch.randn(n, generator=generator)
+    if kind == "laplace":
+        u = torch.rand(n, generator=generator, dtype=torch.float64) - 0.5
+        return (-torch.sign(u) * torch.log1p(-2 * u.abs())).float()
+    if kind == "student_t3":
+        z = torch.randn(n, generator=generator, dtype=torch.float64)
+        chi2 = torch.randn(3, n, generator=generator, dtype=torch.float64).square().sum(0)
+        return (z / torch.sqrt(chi2 / 3)).float()
+    if kind == "spiky":  # Gaussian with 1% spikes 50x larger
+        x = torch.randn(n, generator=generator)
+        spikes = torch.rand(n, generator=generator) < 0.01
+        return torch.where(spikes, 50 * x, x)
+    if kind == "all_equal":
+        return torch.full((n,), -0.75)
+    if kind == "all_zero":
+        return torch.zeros(n)
+    if kind == "ties":  # few distinct magnitudes: many ties at any threshold
+        return torch.randint(-3, 4, (n,), generator=generator).float() * 0.5
+    if kind == "nonfinite":
+        x = torch.randn(n, generator=generator)
+        x[:: max(1, n // 5)] = float("nan")
+        x[1 :: max(2, n // 3)] = float("inf")
+        x[2 :: max(3, n // 4)] = float("-inf")
+        return x
+    raise ValueError(kind)
+
+
+KINDS = ["normal", "laplace", "student_t3", "spiky", "all_equal", "all_zero", "ties", "nonfinite"]
+SIZES = [1, 7, 1000, 4096, 4097, 65537]
+
+
+def sample_inputs(device: torch.device, sizes=SIZES, kinds=KINDS, dtypes=DTYPES):
+    """(description, grad, residual) triples: every size, distribution and dtype, with and without residual."""
+    generator = torch.Generator().manual_seed(0)
+    for n in sizes:
+        for kind in kinds:
+            for dtype in dtypes:
+                grad = make_values(kind, n, generator).to(dtype)
+                residual = (0.1 * make_values("normal", n, generator)).to(dtype)
+                yield f"{kind}-n{n}-{dtype}", grad.to(device), residual.to(device)
+
+
+def assert_identical(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
+    """Bit-for-bit equal values (NaN equals NaN), dtype and shape."""
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=0, atol=0, equal_nan=True, msg=msg or None)
+
+
+def assert_same_stats(actual: torch.Tensor, expected: torch.Tensor, exact_threshold: bool):
+    actual, expected = actual.cpu(), expected.cpu()
+    for slot in (ops.STAT_MEAN, ops.STAT_STD, ops.STAT_GAUSSIAN_THRESHOLD):
+        torch.testing.assert_close(actual[slot], expected[slot], rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert torch.equal(actual[ops.STAT_MAX_ABS], expected[ops.STAT_MAX_ABS])
+    if exact_threshold:
+        torch.testing.assert_close(actual[ops.STAT_THRESHOLD], expected[ops.STAT_THRESHOLD], rtol=0, atol=0,
+                                   equal_nan=True)
+
+
+@pytest.mark.parametrize("density", [0.001, 0.05, 0.5, 1.0])
+def test_gaussian_threshold_matches_reference(backend, density):
+    device = backend_device(backend)
+    z = ops.z_for_density(density)
+    for name, grad, residual in sample_inputs(device):
+        k = max(1, int(np.ceil(density * grad.numel())))
+        for use_residual in (False, True):
+            for k_arg in (0, k):
+                res_kernel = residual.clone() if use_residual else None
+                res_ref = residual.clone() if use_residual else None
+                stats = ops.gaussian_threshold(grad, res_kernel, z=z, k=k_arg, backend=backend)
+                expected = reference.gaussian_threshold(grad, res_ref, z, k_arg)
+                assert stats.device == grad.device and stats.dtype == torch.float32, name
+                try:
+                    assert_same_stats(stats, expected, exact_threshold=True)
+                    if use_residual:  # acc = residual + grad, rounded to the dtype exactly as the reference
+                        assert_identical(res_kernel, res_ref)
+                except AssertionError as error:
+                    raise AssertionError(f"{name} residual={use_residual} k={k_arg}: {error}") from error
+
+
+def test_gaussian_threshold_large(backend):
+    """A few million elements: the parallel reduction over many chunks agrees with the fp64 reference."""
+    device = backend_device(backend)
+    generator = torch.Generator().manual_seed(1)
+    n = 3_000_017
+    grad = make_values("laplace", n, generator).to(device)
+    residual = (0.3 * make_values("normal", n, generator)).to(device)
+    k = 3000
+    stats = ops.gaussian_threshold(grad, residual.clone(), z=ops.z_for_density(0.001), k=k, backend=backend)
+    expected = reference.gaussian_threshold(grad, residual.clone(), ops.z_for_density(0.001), k)
+    assert_same_stats(stats, expected, exact_threshold=True)
+
+
+@pytest.mark.parametrize("kind", ["normal", "laplace", "student_t3", "spiky"])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.05])
+def test_histogram_threshold_selects_about_k(kind, density):
+    """The accurate threshold keeps k within 10% on heavy tails and spikes, where the Gaussian one is far off."""
+    generator = torch.Generator().manual_seed(2)
+    n = 1_000_000
+    grad = make_values(kind, n, generator)
+    k = int(np.ceil(density * n))
+    stats = ops.gaussian_threshold(grad, None, z=ops.z_for_density(density), k=k)
+    selected = int((grad.abs() >= stats[ops.STAT_THRESHOLD]).sum())
+    assert 0.9 * k <= selected <= 1.1 * k, (kind, density, selected, k)
+
+
+def compact_cases(device):
+    for name, grad, _ in sample_inputs(device, sizes=[1, 7, 1000, 4097, 65537]):
+        magnitude = grad.float().abs()
+        finite = magnitude[torch.isfinite(magnitude)]
+        top = float(finite.max()) if finite.numel() else 0.0
+        thresholds = [0.0, top, top * 2 + 1, float("inf"), float("nan")]
+        if finite.numel():
+            thresholds.append(float(finite.median()))  # an element's own magnitude: ties at the threshold
+        for threshold in thresholds:
+            for capacity in (1, max(1, grad.numel() // 100), grad.numel() + 3):
+                yield f"{name}-thr{threshold}-cap{capacity}", grad, torch.tensor([threshold], device=device), capacity
+
+
+def test_compact_matches_reference(backend):
+    device = backend_device(backend)
+    for name, acc, threshold, capacity in compact_cases(device):
+        values, indices, count = ops.compact(acc, threshold, capacity, backend=backend)
+        exp_values, exp_indices, exp_count = reference.compact(acc, threshold, capacity)
+        assert values.dtype == acc.dtype and indices.dtype == torch.int32 and count.dtype == torch.int32, name
+        assert torch.equal(count.cpu(), exp_count.cpu()), name
+        assert torch.equal(indices.cpu(), exp_indices.cpu()), name
+        assert torch.equal(values.cpu(), exp_values.cpu()), name
+
+
+def test_compact_large(backend):
+    device = backend_device(backend)
+    acc = make_values("student_t3", 2_500_001, torch.Generator().manual_seed(3)).to(device)
+    threshold = torch.tensor([6.0], device=device)
+    for capacity in (100, 10_000, 100_000):
+        got = ops.compact(acc, threshold, capacity, backend=backend)
+        for actual, expected in zip(got, reference.compact(acc, threshold, capacity)):
+            assert torch.equal(actual.cpu(), expected.cpu())
+
+
+def scatter_cases(device):
+    generator = torch.Generator().manual_seed(4)
+    for n in (1, 13, 4097, 100_000):
+        for m in (1, 8, 5000):
+            for dtype in DTYPES:
+                dense = torch.randn(n, generator=generator).to(dtype)
+                indices = torch.randint(0, n, (m,), generator=generator, dtype=torch.int32)  # duplicates
+                values = torch.randn(m, generator=generator).to(dtype)
+                yield f"n{n}-m{m}-{dtype}", dense.to(device), indices.to(device), values.to(device)
+
+
+@pytest.mark.parametrize("op_name", ["scatter_add", "residual_update"])
+def test_scatter_matches_reference(backend, op_name):
+    device = backend_device(backend)
+    kernel = getattr(ops._kernels(device, backend), op_name)
+    oracle = getattr(reference, op_name)
+    for name, dense, indices, values in scatter_cases(device):
+        actual, expected = dense.clone(), dense.clone()
+        invalid = kernel(actual, indices, values)
+        oracle(expected, indices, values)
+        assert int(invalid) == 0, name
+        # Duplicates are summed in another order, rounding after each add: each add may be off by one rounding
+        # of the magnitudes involved.
+        eps = torch.finfo(dense.dtype).eps
+        adds = torch.zeros(dense.numel()).index_add_(0, indices.cpu().long(), torch.ones(indices.numel()))
+        magnitude = dense.cpu().float().abs().index_add(0, indices.cpu().long(), values.cpu().float().abs())
+        bound = eps * (adds + 1) * magnitude + 1e-6
+        error = (actual.cpu().float() - expected.cpu().float()).abs()
+        assert bool((error <= bound).all()), f"{name}: error {float((error - bound).max())} over the bound"
+
+
+@pytest.mark.parametrize("op_name", ["scatter_add", "residual_update"])
+def test_scatter_skips_and_counts_corrupted_indices(backend, op_name):
+    device = backend_device(backend)
+    n = 1000
+    dense = torch.zeros(n, device=device)
+    indices = torch.tensor([0, -1, n, n - 1, 2**31 - 1, -(2**31), 5], dtype=torch.int32, device=device)
+    values = torch.ones(7, device=device)
+    invalid = getattr(ops._kernels(device, backend), op_name)(dense, indices, values)
+    assert int(invalid) == 4
+    sign = 1.0 if op_name == "scatter_add" else -1.0
+    expected = torch.zeros(n)
+    expected[[0, n - 1, 5]] = sign
+    assert torch.equal(dense.cpu(), expected)
+    wrapper = ops.scatter_add_ if op_name == "scatter_add" else ops.residual_update_
+    with pytest.raises(ValueError, match=r"4 indices outside \[0, 1000\)"):
+        wrapper(dense, indices, values, backend=backend)
+
+
+def test_residual_update_zeroes_what_compact_sent(backend):
+    """Error feedback loses nothing: residual == grad + old residual - sent, with sent entries exactly 0."""
+    device = backend_device(backend)
+    for name, grad, residual in sample_inputs(device, sizes=[7, 4097, 65537], kinds=["normal", "ties", "spiky"]):
+        k = max(1, grad.numel() // 50)
+        old = residual.clone()
+        stats = ops.gaussian_threshold(grad, residual, z=ops.z_for_density(0.02), k=k, backend=backend)
+        acc = residual.clone()
+        values, indices, count = ops.compact(residual, stats[ops.STAT_THRESHOLD:], k, backend=backend)
+        ops.residual_update_(residual, indices, values, backend=backend)
+        sent = torch.zeros_like(acc)
+        stored = min(int(count), k)
+        sent[indices[:stored].long()] = values[:stored]
+        assert torch.equal(residual, acc - sent), name
+        assert torch.equal(residual[indices[:stored].long()], torch.zeros_like(values[:stored])), name
+        torch.testing.assert_close((acc - old).float(), grad.float(), rtol=1e-2, atol=1e-2, msg=name)
+
+
+# --- bad input: every op names the argument and what it expected ---------------------------------------------
+
+def bad_calls(device):
+    f32 = torch.randn(64, device=device)
+    idx = torch.zeros(4, dtype=torch.int32, device=device)
+    val = torch.zeros(4, device=device)
+    thr = torch.tensor([1.0], device=device)
+    huge = torch.empty(1, dtype=torch.float16, device=device).expand(2**31)  # 2^31 elements, no memory
+    return [
+        ("gaussian_threshold", (f32.long(), None, 1.0, 0), "grad must be float32, float16 or bfloat16"),
+        ("gaussian_threshold", (f32.double(), None, 1.0, 0), "grad must be float32, float16 or bfloat16"),
+        ("gaussian_threshold", (f32, f32[:32].clone(), 1.0, 0), "residual must have grad's shape"),
+        ("gaussian_threshold", (f32, f32.half(), 1.0, 0), "residual must have grad's dtype"),
+        ("gaussian_threshold", (f32, torch.randn(128, device=device)[::2], 1.0, 0), "residual is updated in place"),
+        ("gaussian_threshold", (f32, None, 1.0, -1), "k must be >= 0"),
+        ("gaussian_threshold", (f32, None, float("nan"), 0), "z must be finite"),
+        ("gaussian_threshold", (huge, None, 1.0, 0), "at most 2^31 - 1 elements"),
+        ("compact", (f32, thr, 0), "capacity must be >= 1"),
+        ("compact", (f32.int(), thr, 4), "acc must be float32, float16 or bfloat16"),
+        ("compact", (f32, thr.double(), 4), "threshold must be a float32 tensor of one element"),
+        ("compact", (f32, torch.ones(2, device=device), 4), "threshold must be a float32 tensor of one element"),
+        ("compact", (huge, thr, 4), "at most 2^31 - 1 elements"),
+        ("scatter_add", (f32, idx.long(), val), "indices must be int32"),
+        ("scatter_add", (f32, idx, val.half()), "values must have dense's dtype"),
+        ("scatter_add", (f32, idx, val[:3]), "values must have indices' shape"),
+        ("scatter_add", (torch.randn(128, device=device)[::2], idx, val), "dense is updated in place"),
+        ("residual_update", (f32.int(), idx, val), "residual must be float32, float16 or bfloat16"),
+        ("residual_update", (f32, idx.view(2, 2), val.view(2, 2)), "indices must be 1-D"),
+    ]
+
+
+def test_bad_input_is_rejected_clearly(backend):
+    device = backend_device(backend)
+    kernels = ops._kernels(device, backend)
+    for op_name, args, message in bad_calls(device):
+        with pytest.raises((RuntimeError, ValueError), match=message.replace("(", r"\(").replace("^", r"\^")):
+            getattr(kernels, op_name)(*args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_mixed_devices_are_rejected():
+    grad = torch.randn(64, device="cuda")
+    with pytest.raises(RuntimeError, match="residual must be on grad's device"):
+        torch.ops.gtopk_ext.gaussian_threshold(grad, torch.zeros(64), 1.0, 0)
+    with pytest.raises(RuntimeError, match="threshold must be on acc's device"):
+        torch.ops.gtopk_ext.compact(grad, torch.ones(1), 4)
+
+
+def test_backend_choice():
+    cpu = torch.device("cpu")
+    assert ops.resolve_backend(cpu, "auto") == "cpu"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ops.resolve_backend(cpu, "tpu")
+    with pytest.raises(ValueError, match="backend 'cuda' cannot run on tensors on cpu"):
+        ops.resolve_backend(cpu, "cuda")
+    assert ops.z_for_density(1.0) == 0.0
+    assert abs(ops.z_for_density(0.01) - 2.5758) < 1e-4
+    for density in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="density must be in"):
+            ops.z_for_density(density)
+
+
+# --- the ops as torch ops: opcheck and torch.compile --------------------------------------------------------
+
+def test_opcheck():
+    generator = torch.Generator().manual_seed(5)
+    for dtype in DTYPES:
+        grad = torch.randn(5000, generator=generator).to(dtype)
+        residual = torch.randn(5000, generator=generator).to(dtype)
+        torch.library.opcheck(torch.ops.gtopk_ext.gaussian_threshold, (grad, residual, 2.0, 50))
+        torch.library.opcheck(torch.ops.gtopk_ext.gaussian_threshold, (grad, None, 2.0, 0))
+        threshold = torch.tensor([1.5])
+        torch.library.opcheck(torch.ops.gtopk_ext.compact, (grad, threshold, 64))
+        indices = torch.randint(0, 5000, (64,), generator=generator, dtype=torch.int32)
+        values = torch.randn(64, generator=generator).to(dtype)
+        torch.library.opcheck(torch.ops.gtopk_ext.scatter_add, (residual.clone(), indices, values))
+        torch.library.opcheck(torch.ops.gtopk_ext.residual_update, (residual.clone(), indices, values))
+
+
+def test_torch_compile_fullgraph():
+    def compress(grad, residual):
+        stats = torch.ops.gtopk_ext.gaussian_threshold(grad, residual, 2.5, 40)
+        values, indices, count = torch.ops.gtopk_ext.compact(residual, stats[ops.STAT_THRESHOLD:], 40)
+        torch.ops.gtopk_ext.residual_update(residual, indices, values)
+        return values, indices, count
+
+    grad = torch.randn(4000, generator=torch.Generator().manual_seed(6))
+    residual_eager, residual_compiled = torch.zeros(4000), torch.zeros(4000)
+    compiled = torch.compile(compress, fullgraph=True, backend="aot_eager")
+    for _ in range(3):  # residual carries over: error feedback through the compiled graph
+        expected = compress(grad, residual_eager)
+        actual = compiled(grad, residual_compiled)
+        for a, e in zip(actual, expected):
+            assert torch.equal(a, e)
+        assert torch.equal(residual_compiled, residual_eager)
+
+
+# --- properties over arbitrary arrays -------------------------------------------------------------------
+
+float_arrays = hnp.arrays(np.float32, st.integers(1, 3000),
+                          elements=st.one_of(st.floats(-1e6, 1e6, width=32),
+                                             st.sampled_from([0.0, float("nan"), float("inf"), float("-inf")])))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=float_arrays, density=st.floats(1e-3, 1.0), use_residual=st.booleans())
+def test_property_threshold_and_compact(data, density, use_residual):
+    grad = torch.from_numpy(data.copy())
+    k = max(1, int(np.ceil(density * grad.numel())))
+    residual = torch.zeros_like(grad) if use_residual else None
+    stats = gx.ops.gaussian_threshold(grad, residual, z=ops.z_for_density(density), k=k, backend="cpu")
+    expected = reference.gaussian_threshold(grad, None, ops.z_for_density(density), k)
+    assert_same_stats(stats, expected, exact_threshold=True)
+    got = ops.compact(grad, stats[ops.STAT_THRESHOLD:], k, backend="cpu")
+    want = reference.compact(grad, stats[ops.STAT_THRESHOLD:], k)
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
+    not_nan = int((~torch.isnan(grad)).sum())
+    if k >= not_nan:  # asking for at least everything selects every non-NaN element
+        assert int(got[2]) == not_nan
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 500), pairs=st.lists(st.tuples(st.integers(-600, 600), st.floats(-100, 100, width=32)),
+                                              min_size=1, max_size=200))
+def test_property_scatter_add(n, pairs):
+    indices = torch.tensor([p[0] for p in pairs], dtype=torch.int32)
+    values = torch.tensor([p[1] for p in pairs], dtype=torch.float32)
+    actual, expected = torch.zeros(n), torch.zeros(n)
+    invalid = torch.ops.gtopk_ext.scatter_add(actual, indices, values)
+    expected_invalid = reference.scatter_add(expected, indices, values)
+    assert int(invalid) == int(expected_invalid)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)

@@ -61,27 +61,37 @@ GTOPK_HOST_DEVICE inline float bits_float(uint32_t bits) {
 // Histogram key of a = |x| (a >= 0 or NaN); keys above kHistInfKey are NaN.
 GTOPK_HOST_DEVICE inline int hist_key(float a) { return static_cast<int>(float_bits(a) >> kHistShift); }
 
+// The bin in which the count from the top (starting at top_bin) reaches k, with the count of the bins above it
+// in *above; -1 when all bins hold fewer than k.
+GTOPK_HOST_DEVICE inline int bin_reaching(const int32_t* counts, int64_t k, int top_bin, int64_t* above) {
+  int64_t total = 0;
+  for (int bin = top_bin; bin >= 0; --bin) {
+    if (total + counts[bin] >= k) {
+      *above = total;
+      return bin;
+    }
+    total += counts[bin];
+  }
+  *above = total;
+  return -1;
+}
+
 // The threshold that keeps about k elements, from bin counts: find the bin where the count from the top
 // reaches k and interpolate linearly inside it. Clamped to max_abs when that bin holds the maximum, so that
 // equal values (all in one bin) are selected rather than all missed. 0 selects everything when k exceeds the
-// non-NaN count. Computed in double on every backend so the backends agree bit for bit.
+// non-NaN count. Computed in double on every backend so the backends agree bit for bit. Only the counts of
+// that bin and the bins above it are read.
 GTOPK_HOST_DEVICE inline float threshold_from_histogram(const int32_t* counts, int64_t k, float max_abs) {
   int64_t above = 0;
-  for (int bin = kHistInfKey; bin >= 0; --bin) {
-    const int64_t in_bin = counts[bin];
-    if (above + in_bin < k) {
-      above += in_bin;
-      continue;
-    }
-    if (bin == kHistInfKey) return bits_float(0x7F800000u);
-    const double lo = bits_float(static_cast<uint32_t>(bin) << kHistShift);
-    const double hi = bits_float(static_cast<uint32_t>(bin + 1) << kHistShift);
-    const double needed = static_cast<double>(k - above);
-    float threshold = static_cast<float>(hi - (hi - lo) * needed / static_cast<double>(in_bin));
-    if (bin == hist_key(max_abs) && threshold > max_abs) threshold = max_abs;
-    return threshold;
-  }
-  return 0.0f;
+  const int bin = bin_reaching(counts, k, kHistInfKey, &above);
+  if (bin < 0) return 0.0f;
+  if (bin == kHistInfKey) return bits_float(0x7F800000u);
+  const double lo = bits_float(static_cast<uint32_t>(bin) << kHistShift);
+  const double hi = bits_float(static_cast<uint32_t>(bin + 1) << kHistShift);
+  const double needed = static_cast<double>(k - above);
+  float threshold = static_cast<float>(hi - (hi - lo) * needed / static_cast<double>(counts[bin]));
+  if (bin == hist_key(max_abs) && threshold > max_abs) threshold = max_abs;
+  return threshold;
 }
 
 inline void check_max_numel(const at::Tensor& t, const char* op, const char* name) {

@@ -59,9 +59,10 @@ def gaussian_threshold(grad: torch.Tensor, residual: torch.Tensor | None = None,
                        backend: str | None = None) -> torch.Tensor:
     """One pass over ``acc = grad + residual`` (``residual`` becomes ``acc`` in place; ``None``: ``acc = grad``).
 
-    Returns float32[NUM_STATS] on grad's device: mean, std, max |acc| (NaN ignored), the Gaussian threshold
-    ``|mean| + z * std`` and, at ``STAT_THRESHOLD``, the threshold to select with: when ``k > 0`` the one that a
-    log-scale histogram of |acc| says keeps about ``k`` elements, else the Gaussian one. No host sync.
+    Returns float32[NUM_STATS] on grad's device: mean and std (non-finite when acc has a non-finite element),
+    max |acc| (NaN ignored), the Gaussian threshold ``|mean| + z * std`` and, at ``STAT_THRESHOLD``, the threshold
+    to select with: when ``k > 0`` the one that a log-scale histogram of |acc| says keeps about ``k`` elements,
+    else the Gaussian one. No host sync.
     """
     return _kernels(grad.device, backend).gaussian_threshold(grad, residual, float(z), int(k))
 

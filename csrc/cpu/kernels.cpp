@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "../common.h"
@@ -13,67 +14,100 @@
 namespace gtopk_ext {
 namespace {
 
-// Statistics are reduced per fixed-size chunk and merged in chunk order, so the result does not depend on the
-// number of threads. Lanes let the compiler vectorise the double-precision sums.
-constexpr int64_t kChunk = 1 << 16;
-constexpr int kLanes = 8;
+// The hot loops are compiled for AVX-512, AVX2 and baseline x86-64 and picked at load time (GCC/Clang ifunc).
+#if defined(__x86_64__) && defined(__linux__)
+#define GTOPK_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define GTOPK_VECTOR_CLONES
+#endif
 
+// Statistics are reduced per fixed-size chunk and merged in chunk order, so the result does not depend on the
+// number of threads; explicit lanes (and -ffp-contract=off) fix the order of every addition, so it does not
+// depend on the instruction set either. Lane sums are float for speed, flushed to double every kBlock elements.
+constexpr int64_t kChunk = 1 << 16;
+constexpr int64_t kBlock = 1024;
+constexpr int kLanes = 16;
+
+// Sums of (acc - shift) and its square, shift being acc[0]: centring on a sample keeps the float lane sums
+// accurate when |mean| >> std (equal values give a deviation of exactly 0).
 struct ChunkMoments {
   double sum = 0.0;
   double sum_sq = 0.0;
   float max_abs = 0.0f;
 };
 
-template <typename scalar_t>
-ChunkMoments accumulate_chunk(const scalar_t* grad, scalar_t* residual, int64_t begin, int64_t end,
-                              int32_t* histogram) {
-  double sum[kLanes] = {};
-  double sum_sq[kLanes] = {};
-  float max_abs[kLanes] = {};
-  int64_t i = begin;
-  float acc[kLanes];
-  for (; i + kLanes <= end; i += kLanes) {
-    if (residual != nullptr) {
+// acc[i..i+kLanes) = residual + grad, stored back into residual when error feedback is on. Whole lanes are
+// loaded before anything is stored so the compiler can vectorise despite possible aliasing.
+template <bool kAccumulate, typename scalar_t>
+inline void load_acc(const scalar_t* __restrict__ grad, scalar_t* __restrict__ residual, int64_t i, int lanes,
+                     float* acc) {
+  for (int l = 0; l < lanes; ++l) acc[l] = static_cast<float>(grad[i + l]);
+  if constexpr (kAccumulate) {
+    for (int l = 0; l < lanes; ++l) {
+      const scalar_t sum = static_cast<scalar_t>(static_cast<float>(residual[i + l]) + acc[l]);
+      residual[i + l] = sum;
+      acc[l] = static_cast<float>(sum);
+    }
+  }
+}
+
+// Counts |acc| in the histogram when its key is at least floor_key (and it is not NaN).
+inline int histogram_key_if_counted(float abs_acc, int floor_key) {
+  const int key = hist_key(abs_acc);
+  return key >= floor_key && key <= kHistInfKey ? key : -1;
+}
+
+template <typename scalar_t, bool kAccumulate, bool kHistogram>
+GTOPK_VECTOR_CLONES ChunkMoments accumulate_chunk(const scalar_t* __restrict__ grad, scalar_t* __restrict__ residual,
+                                                  int64_t begin, int64_t end, int32_t* __restrict__ histogram,
+                                                  int floor_key, float shift) {
+  ChunkMoments m;
+  for (int64_t block = begin; block < end; block += kBlock) {
+    const int64_t block_end = std::min(end, block + kBlock);
+    float sum[kLanes] = {}, sum_sq[kLanes] = {}, max_abs[kLanes] = {};
+    int64_t i = block;
+    for (; i + kLanes <= block_end; i += kLanes) {
+      float acc[kLanes];
+      load_acc<kAccumulate>(grad, residual, i, kLanes, acc);
       for (int l = 0; l < kLanes; ++l) {
-        residual[i + l] = static_cast<scalar_t>(static_cast<float>(residual[i + l]) + static_cast<float>(grad[i + l]));
-        acc[l] = static_cast<float>(residual[i + l]);
+        const float centred = acc[l] - shift;
+        sum[l] += centred;
+        sum_sq[l] += centred * centred;
+        const float abs_acc = std::fabs(acc[l]);
+        max_abs[l] = abs_acc > max_abs[l] ? abs_acc : max_abs[l];  // NaN compares false: ignored
       }
-    } else {
-      for (int l = 0; l < kLanes; ++l) acc[l] = static_cast<float>(grad[i + l]);
+      if constexpr (kHistogram) {
+        int keys[kLanes];
+        int counted = 0;
+        for (int l = 0; l < kLanes; ++l) {
+          keys[l] = histogram_key_if_counted(std::fabs(acc[l]), floor_key);
+          counted += keys[l] >= 0;
+        }
+        if (counted != 0) {
+          for (int l = 0; l < kLanes; ++l) {
+            if (keys[l] >= 0) ++histogram[keys[l]];
+          }
+        }
+      }
+    }
+    for (; i < block_end; ++i) {
+      float acc;
+      load_acc<kAccumulate>(grad, residual, i, 1, &acc);
+      const float centred = acc - shift;
+      sum[0] += centred;
+      sum_sq[0] += centred * centred;
+      const float abs_acc = std::fabs(acc);
+      max_abs[0] = abs_acc > max_abs[0] ? abs_acc : max_abs[0];
+      if constexpr (kHistogram) {
+        const int key = histogram_key_if_counted(abs_acc, floor_key);
+        if (key >= 0) ++histogram[key];
+      }
     }
     for (int l = 0; l < kLanes; ++l) {
-      const double a = acc[l];
-      sum[l] += a;
-      sum_sq[l] += a * a;
-      const float abs_a = std::fabs(acc[l]);
-      max_abs[l] = abs_a > max_abs[l] ? abs_a : max_abs[l];  // NaN compares false: ignored
+      m.sum += sum[l];
+      m.sum_sq += sum_sq[l];
+      m.max_abs = max_abs[l] > m.max_abs ? max_abs[l] : m.max_abs;
     }
-    if (histogram != nullptr) {
-      for (int l = 0; l < kLanes; ++l) {
-        const int key = hist_key(std::fabs(acc[l]));
-        if (key <= kHistInfKey) ++histogram[key];
-      }
-    }
-  }
-  ChunkMoments m;
-  for (; i < end; ++i) {
-    if (residual != nullptr) {
-      residual[i] = static_cast<scalar_t>(static_cast<float>(residual[i]) + static_cast<float>(grad[i]));
-    }
-    const float a = static_cast<float>(residual != nullptr ? residual[i] : grad[i]);
-    m.sum += a;
-    m.sum_sq += static_cast<double>(a) * a;
-    const float abs_a = std::fabs(a);
-    m.max_abs = abs_a > m.max_abs ? abs_a : m.max_abs;
-    if (histogram != nullptr) {
-      const int key = hist_key(abs_a);
-      if (key <= kHistInfKey) ++histogram[key];
-    }
-  }
-  for (int l = 0; l < kLanes; ++l) {
-    m.sum += sum[l];
-    m.sum_sq += sum_sq[l];
-    m.max_abs = max_abs[l] > m.max_abs ? max_abs[l] : m.max_abs;
   }
   return m;
 }
@@ -87,16 +121,43 @@ at::Tensor gaussian_threshold_cpu(const at::Tensor& grad, const std::optional<at
   std::vector<ChunkMoments> partials(num_chunks);
   const int num_threads = at::get_num_threads();
   std::vector<int32_t> histograms(k > 0 ? static_cast<size_t>(num_threads) * kHistBins : 0, 0);
+  float shift = 0.0f;
 
   GTOPK_DISPATCH_FLOAT_TYPES(grad.scalar_type(), "gaussian_threshold_cpu", [&] {
     const scalar_t* grad_ptr = grad_contig.const_data_ptr<scalar_t>();
     scalar_t* residual_ptr = residual.has_value() ? residual->mutable_data_ptr<scalar_t>() : nullptr;
-    at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-      int32_t* histogram = k > 0 ? histograms.data() + static_cast<size_t>(at::get_thread_num()) * kHistBins : nullptr;
-      for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-        partials[c] = accumulate_chunk(grad_ptr, residual_ptr, c * kChunk, std::min(n, (c + 1) * kChunk), histogram);
+    if (n > 0) {  // acc[0], as the pass will compute it
+      shift = static_cast<float>(grad_ptr[0]);
+      if (residual_ptr != nullptr) {
+        shift = static_cast<float>(static_cast<scalar_t>(static_cast<float>(residual_ptr[0]) + shift));
       }
-    });
+    }
+    const auto run = [&](auto accumulate, auto with_histogram) {
+      at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+        int32_t* histogram = with_histogram ? histograms.data() + size_t(at::get_thread_num()) * kHistBins : nullptr;
+        // Once this thread alone has seen k elements at or above a bin, the global threshold lies in or above
+        // that bin, so smaller elements need not be counted: the merged counts stay exact where they are read
+        // (see threshold_from_histogram), and most elements skip the scalar histogram update.
+        int floor_key = 0;
+        float max_abs = 0.0f;
+        for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+          partials[c] = accumulate_chunk<scalar_t, decltype(accumulate)::value, decltype(with_histogram)::value>(
+              grad_ptr, residual_ptr, c * kChunk, std::min(n, (c + 1) * kChunk), histogram, floor_key, shift);
+          if constexpr (decltype(with_histogram)::value) {
+            max_abs = partials[c].max_abs > max_abs ? partials[c].max_abs : max_abs;
+            int64_t above = 0;
+            floor_key = std::max(floor_key, bin_reaching(histogram, k, hist_key(max_abs), &above));
+          }
+        }
+      });
+    };
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (residual_ptr != nullptr) {
+      k > 0 ? run(Yes{}, Yes{}) : run(Yes{}, No{});
+    } else {
+      k > 0 ? run(No{}, Yes{}) : run(No{}, No{});
+    }
   });
 
   double sum = 0.0, sum_sq = 0.0;
@@ -106,8 +167,9 @@ at::Tensor gaussian_threshold_cpu(const at::Tensor& grad, const std::optional<at
     sum_sq += m.sum_sq;
     max_abs = m.max_abs > max_abs ? m.max_abs : max_abs;
   }
-  const double mean = n > 0 ? sum / n : 0.0;
-  double variance = n > 0 ? sum_sq / n - mean * mean : 0.0;
+  const double centred_mean = n > 0 ? sum / n : 0.0;
+  const double mean = shift + centred_mean;
+  double variance = n > 0 ? sum_sq / n - centred_mean * centred_mean : 0.0;
   if (variance < 0.0) variance = 0.0;  // rounding; a NaN stays NaN so non-finite input shows
   const double std_dev = std::sqrt(variance);
   const float gaussian = static_cast<float>(std::fabs(mean) + z * std_dev);
@@ -130,7 +192,31 @@ at::Tensor gaussian_threshold_cpu(const at::Tensor& grad, const std::optional<at
   return stats;
 }
 
-// Each thread compacts one contiguous range into a buffer of at most `capacity` entries (no range can
+// Appends the indices i in [begin, end) with |acc[i]| >= thr to kept (up to capacity of them, in order) and
+// returns how many passed in all. Tests kLanes elements at once and looks closer only when one passes.
+template <typename scalar_t>
+GTOPK_VECTOR_CLONES int64_t select_range(const scalar_t* __restrict__ acc, int64_t begin, int64_t end, float thr,
+                                         int64_t capacity, int32_t* __restrict__ kept) {
+  int64_t hits = 0;
+  const auto visit = [&](int64_t i) {
+    if (std::fabs(static_cast<float>(acc[i])) >= thr) {
+      if (hits < capacity) kept[hits] = static_cast<int32_t>(i);
+      ++hits;
+    }
+  };
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    int passing = 0;  // an integer sum, which the compiler vectorises (a bool "any" it does not)
+    for (int l = 0; l < kLanes; ++l) passing += std::fabs(static_cast<float>(acc[i + l])) >= thr;
+    if (passing != 0) {
+      for (int l = 0; l < kLanes; ++l) visit(i + l);
+    }
+  }
+  for (; i < end; ++i) visit(i);
+  return hits;
+}
+
+// Each thread selects from one contiguous range into a buffer of at most `capacity` entries (no range can
 // contribute more), then the buffers are concatenated in range order: one read of acc, indices ascending.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cpu(const at::Tensor& acc, const at::Tensor& threshold,
                                                            int64_t capacity) {
@@ -145,36 +231,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cpu(const at::Tensor& acc
   const int64_t num_ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kChunk));
   const int64_t range_len = (n + num_ranges - 1) / num_ranges;
   std::vector<int64_t> found(num_ranges, 0);
-  std::vector<std::vector<int32_t>> range_indices(num_ranges);
+  std::vector<std::vector<int32_t>> kept(num_ranges);
 
   GTOPK_DISPATCH_FLOAT_TYPES(acc.scalar_type(), "compact_cpu", [&] {
     const scalar_t* acc_ptr = acc_contig.const_data_ptr<scalar_t>();
     at::parallel_for(0, num_ranges, 1, [&](int64_t range_begin, int64_t range_end) {
       for (int64_t r = range_begin; r < range_end; ++r) {
-        const int64_t begin = r * range_len, end = std::min(n, (r + 1) * range_len);
-        std::vector<int32_t>& kept = range_indices[r];
-        kept.reserve(std::min<int64_t>(capacity, std::max<int64_t>(0, end - begin)));
-        int64_t hits = 0;
-        int64_t i = begin;
-        // Test kLanes elements at once (vectorised) and look closer only when one passes.
-        for (; i + kLanes <= end; i += kLanes) {
-          bool any = false;
-          for (int l = 0; l < kLanes; ++l) any |= std::fabs(static_cast<float>(acc_ptr[i + l])) >= thr;
-          if (!any) continue;
-          for (int l = 0; l < kLanes; ++l) {
-            if (std::fabs(static_cast<float>(acc_ptr[i + l])) >= thr) {
-              if (hits < capacity) kept.push_back(static_cast<int32_t>(i + l));
-              ++hits;
-            }
-          }
-        }
-        for (; i < end; ++i) {
-          if (std::fabs(static_cast<float>(acc_ptr[i])) >= thr) {
-            if (hits < capacity) kept.push_back(static_cast<int32_t>(i));
-            ++hits;
-          }
-        }
-        found[r] = hits;
+        const int64_t begin = std::min(n, r * range_len), end = std::min(n, (r + 1) * range_len);
+        kept[r].resize(std::min(capacity, end - begin));
+        found[r] = select_range(acc_ptr, begin, end, thr, capacity, kept[r].data());
       }
     });
 
@@ -182,11 +247,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cpu(const at::Tensor& acc
     int32_t* indices_ptr = indices.mutable_data_ptr<int32_t>();
     int64_t offset = 0;
     for (int64_t r = 0; r < num_ranges && offset < capacity; ++r) {
-      const int64_t take = std::min<int64_t>(range_indices[r].size(), capacity - offset);
+      const int64_t take = std::min({found[r], static_cast<int64_t>(kept[r].size()), capacity - offset});
       for (int64_t j = 0; j < take; ++j) {
-        const int32_t idx = range_indices[r][j];
-        indices_ptr[offset + j] = idx;
-        values_ptr[offset + j] = acc_ptr[idx];
+        indices_ptr[offset + j] = kept[r][j];
+        values_ptr[offset + j] = acc_ptr[kept[r][j]];
       }
       offset += take;
     }

@@ -9,5 +9,6 @@ except ImportError as error:  # pragma: no cover - exercised only on a broken in
     ) from error
 
 from gtopk_ext import ops, reference  # noqa: E402,F401
+from gtopk_ext.averaging import GroupModelAverager  # noqa: E402,F401
 
 __all__ = ["ops", "reference"]

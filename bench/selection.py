@@ -1,0 +1,141 @@
+"""Selection benchmark: Gaussian-k (fused threshold + compaction + residual update) versus torch.topk.
+
+Every method does the whole error-feedback step on ``acc = residual + grad``: select k = ceil(density * n)
+elements, and leave the unsent rest in the residual. In the same run it times the physical floor
+``residual.add_(grad)`` (two arrays read, one written: the least any error-feedback compressor must move), and
+interleaves the methods repetition by repetition so that machine noise hits all alike. Reported: medians, the
+speed-up over the torch.topk path and the multiple of the floor.
+
+    python bench/selection.py                                # CPU, n = 2^20 .. 10^8, density 0.001 .. 0.05
+    python bench/selection.py --device cuda --backend triton # a GPU: CUDA events, the Triton kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from gtopk_ext.compressors import make_compressor
+
+DEFAULT_SIZES = [2**20, 2**24, 25_000_000, 100_000_000]
+DEFAULT_DENSITIES = [0.001, 0.01, 0.05]
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds one call of fn takes (CUDA events on a GPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+def topk_step(grad: torch.Tensor, residual: torch.Tensor, k: int, sorted_: bool):
+    """The plain-torch baseline: accumulate, exact top-k of |acc|, gather, zero what was sent."""
+    acc = residual.add_(grad)
+    indices = torch.topk(acc.abs(), k, sorted=sorted_).indices
+    values = acc[indices]
+    acc[indices] = 0
+    return values, indices
+
+
+def methods(density: float, n: int, backend: str | None) -> tuple[int, dict[str, Callable]]:
+    """k for n elements, and each method as fn(grad, residual)."""
+    accurate = make_compressor("gaussiank", density, mode="accurate", backend=backend)
+    paper = make_compressor("gaussiank", density, mode="paper", backend=backend)
+    k = accurate.k_for(n)
+    return k, {
+        "floor": lambda g, r: r.add_(g),
+        "gaussiank": lambda g, r: accurate.compress(g, r),
+        "gaussiank_paper": lambda g, r: paper.compress(g, r),
+        "topk": lambda g, r: topk_step(g, r, k, False),
+        "topk_sorted": lambda g, r: topk_step(g, r, k, True),
+    }
+
+
+def measure(n: int, density: float, dtype: torch.dtype, device: torch.device, backend: str | None,
+            repeats: int, seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    grad = torch.randn(n, generator=generator).to(device=device, dtype=dtype)
+    initial_residual = (0.1 * torch.randn(n, generator=generator)).to(device=device, dtype=dtype)
+    residual = torch.empty_like(initial_residual)
+    k, runs = methods(density, n, backend)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for name, fn in runs.items():  # warm-up: allocator, first-call costs
+        residual.copy_(initial_residual)
+        fn(grad, residual)
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            residual.copy_(initial_residual)  # same input every time; also evicts the caches
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(timed(lambda: fn(grad, residual), device))
+    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    return {
+        "n": n, "density": density, "k": k, "dtype": str(dtype).replace("torch.", ""), "device": device.type,
+        "backend": backend or os.environ.get("GTOPK_EXT_BACKEND", "auto"), "repeats": repeats,
+        "median_ms": ms,
+        "all_ms": {name: [1e3 * x for x in t] for name, t in times.items()},
+        "topk_over_gaussiank": ms["topk"] / ms["gaussiank"],
+        "gaussiank_over_floor": ms["gaussiank"] / ms["floor"],
+        "paper_over_floor": ms["gaussiank_paper"] / ms["floor"],
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    header = (f"{'n':>11} {'density':>7} {'k':>9} | {'floor':>8} {'gaussk':>8} {'paper':>8} {'topk':>9} "
+              f"{'topk(s)':>9} | {'topk/gk':>7} {'gk/floor':>8} {'pap/flr':>7}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        m = r["median_ms"]
+        lines.append(f"{r['n']:>11} {r['density']:>7} {r['k']:>9} | {m['floor']:>8.2f} {m['gaussiank']:>8.2f} "
+                     f"{m['gaussiank_paper']:>8.2f} {m['topk']:>9.2f} {m['topk_sorted']:>9.2f} | "
+                     f"{r['topk_over_gaussiank']:>7.1f} {r['gaussiank_over_floor']:>8.2f} {r['paper_over_floor']:>7.2f}")
+    return "\n".join(lines) + "\n(times: median ms; topk/gk: speed-up of Gaussian-k over the torch.topk path; " \
+                              "gk/floor, pap/flr: multiples of residual.add_(grad))"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
+    parser.add_argument("--densities", type=float, nargs="+", default=DEFAULT_DENSITIES)
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--backend", default=None, help="auto | cpu | cuda | triton (default: $GTOPK_EXT_BACKEND)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", default="bench/results/selection.json", help="where to write the rows")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for n in args.sizes:
+        for density in args.densities:
+            rows.append(measure(n, density, dtype, device, args.backend, args.repeats))
+            print(format_table(rows[-1:]).splitlines()[2], flush=True)
+    print()
+    print(format_table(rows))
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                               "torch": torch.__version__,
+                               "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None},
+                   "rows": rows}, f, indent=1)
+    print(f"wrote {args.json}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

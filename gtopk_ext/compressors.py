@@ -1,0 +1,210 @@
+"""Compressors: a dense gradient (+ error-feedback residual) -> a fixed-size sparse message.
+
+Every compressor keeps exactly ``k = ceil(density * numel)`` slots, so every collective moves fixed sizes.
+With a residual, ``compress`` leaves ``residual == grad + old_residual - msg.to_dense()`` (error feedback: what
+is not sent is kept, never lost); ``residual=None`` compresses ``grad`` alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gtopk_ext import ops
+
+COMPRESSOR_KINDS = ("gaussiank", "topk", "randomk")
+GAUSSIANK_MODES = ("accurate", "paper")
+# The paper's threshold correction (Shi et al. 2019): at most 3 steps, halve below 2k/3, x1.5 above 4k/3.
+PAPER_CORRECTION_STEPS = 3
+
+
+@dataclass
+class SparseMessage:
+    """k (index, value) slots of a flattened tensor of ``numel`` elements.
+
+    ``values`` has the gradient's dtype, ``indices`` is int32; the slots in use come first with ascending indices,
+    the rest are padding (index 0, value 0), which every sum ignores. ``count`` (int32[1], on the values' device)
+    is how many elements the compressor selected before truncation to k (a statistic: it may exceed k).
+    ``stats`` is the threshold statistics tensor (``ops.STAT_*`` layout) when the compressor computed one.
+    """
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    count: torch.Tensor
+    numel: int
+    stats: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        return self.values.numel()
+
+    def to_dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The flat dense tensor of ``numel`` elements that this message stands for (``dtype``: default the
+        values' dtype; sums of duplicate indices are taken in that dtype)."""
+        dense = torch.zeros(self.numel, dtype=dtype or self.values.dtype, device=self.values.device)
+        return ops.scatter_add_(dense, self.indices, self.values.to(dense.dtype))
+
+
+def k_for_density(density: float, numel: int) -> int:
+    """``ceil(density * numel)`` clamped to [1, numel]; float noise below 1e-6 (0.07 * 100) is not rounded up."""
+    check_density(density)
+    return max(1, min(numel, math.ceil(round(density * numel, 6))))
+
+
+def check_density(density: float, name: str = "density") -> None:
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+        raise ValueError(f"{name} must be a number in (0, 1], got {density!r}")
+
+
+def _check_inputs(grad: torch.Tensor, residual: torch.Tensor | None) -> None:
+    if not isinstance(grad, torch.Tensor) or grad.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"grad must be a float32, float16 or bfloat16 tensor, got "
+                        f"{grad.dtype if isinstance(grad, torch.Tensor) else type(grad).__name__}")
+    if grad.numel() == 0:
+        raise ValueError("grad must have at least one element")
+    if residual is not None and (residual.shape != grad.shape or residual.dtype != grad.dtype
+                                 or residual.device != grad.device or not residual.is_contiguous()):
+        raise ValueError(f"residual must be a contiguous tensor of grad's shape {tuple(grad.shape)}, dtype "
+                         f"{grad.dtype} and device {grad.device}, got shape {tuple(residual.shape)}, dtype "
+                         f"{residual.dtype}, device {residual.device}, contiguous={residual.is_contiguous()}")
+
+
+class Compressor:
+    """Base class: ``compress(grad, residual=None, *, step=None) -> SparseMessage``.
+
+    ``step`` identifies the call for randomized kinds (every rank must pass the same one to draw the same
+    indices); deterministic kinds ignore it.
+    """
+
+    kind = ""
+
+    def __init__(self, density: float, *, backend: str | None = None):
+        check_density(density)
+        self.density = float(density)
+        self.backend = backend
+
+    def k_for(self, numel: int) -> int:
+        return k_for_density(self.density, numel)
+
+    def compress(self, grad: torch.Tensor, residual: torch.Tensor | None = None, *,
+                 step: int | None = None) -> SparseMessage:
+        _check_inputs(grad, residual)
+        flat_grad = grad.detach().reshape(-1)
+        flat_residual = residual.view(-1) if residual is not None else None
+        return self._compress(flat_grad, flat_residual, self.k_for(flat_grad.numel()), step)
+
+    def _compress(self, grad: torch.Tensor, residual: torch.Tensor | None, k: int,
+                  step: int | None) -> SparseMessage:
+        raise NotImplementedError
+
+    def _accumulate(self, grad: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """acc = grad + residual, stored in the residual (error feedback); grad itself without one."""
+        return residual.add_(grad) if residual is not None else grad
+
+    def _message(self, acc: torch.Tensor, residual: torch.Tensor | None, values: torch.Tensor,
+                 indices: torch.Tensor, count: torch.Tensor, stats: torch.Tensor | None = None) -> SparseMessage:
+        """The message of (values, indices) taken from acc; what is sent leaves the residual."""
+        if residual is not None:
+            ops.residual_update_(residual, indices, values, backend=self.backend, check=False)
+        return SparseMessage(values, indices, count, acc.numel(), stats)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(density={self.density})"
+
+
+class GaussianK(Compressor):
+    """Gaussian-k (Shi et al. 2019): a threshold from one statistics pass instead of a sort.
+
+    ``mode="accurate"`` (default) selects with the histogram threshold of ``ops.gaussian_threshold`` (close to k
+    elements on any distribution); ``mode="paper"`` with the Gaussian estimate ``|mean| + z * std`` and the
+    paper's correction loop (up to 3 steps, on the device, no host sync). Elements past k slots (in index order)
+    stay in the residual.
+    """
+
+    kind = "gaussiank"
+
+    def __init__(self, density: float, *, mode: str = "accurate", backend: str | None = None):
+        super().__init__(density, backend=backend)
+        if mode not in GAUSSIANK_MODES:
+            raise ValueError(f"mode must be one of {GAUSSIANK_MODES}, got {mode!r}")
+        self.mode = mode
+        self.z = ops.z_for_density(self.density)
+
+    def _compress(self, grad, residual, k, step):
+        stats = ops.gaussian_threshold(grad, residual, z=self.z, k=k if self.mode == "accurate" else 0,
+                                       backend=self.backend)
+        acc = residual if residual is not None else grad
+        if self.mode == "accurate":
+            threshold = stats[ops.STAT_THRESHOLD:ops.STAT_THRESHOLD + 1]
+        else:
+            threshold = self._paper_correction(acc, stats[ops.STAT_GAUSSIAN_THRESHOLD:ops.STAT_GAUSSIAN_THRESHOLD + 1], k)
+        values, indices, count = ops.compact(acc, threshold, k, backend=self.backend)
+        return self._message(acc, residual, values, indices, count, stats)
+
+    @staticmethod
+    def _paper_correction(acc: torch.Tensor, threshold: torch.Tensor, k: int) -> torch.Tensor:
+        # Once the count is inside [2k/3, 4k/3] the factor is 1 and stays 1: that is the paper's early stop.
+        magnitude = acc.float().abs()
+        for _ in range(PAPER_CORRECTION_STEPS):
+            count = (magnitude >= threshold).sum()
+            factor = torch.where(count < 2 * k / 3, 0.5, torch.where(count > 4 * k / 3, 1.5, 1.0))
+            threshold = threshold * factor
+        return threshold.float()
+
+    def __repr__(self) -> str:
+        return f"GaussianK(density={self.density}, mode={self.mode!r})"
+
+
+class TopK(Compressor):
+    """Exact top-k of |acc| (``torch.topk``): the baseline; indices re-sorted ascending."""
+
+    kind = "topk"
+
+    def _compress(self, grad, residual, k, step):
+        acc = self._accumulate(grad, residual)
+        indices = torch.topk(acc.abs(), k, sorted=False).indices.sort().values.int()
+        count = torch.full((1,), k, dtype=torch.int32, device=acc.device)
+        return self._message(acc, residual, acc[indices.long()], indices, count)
+
+
+class RandomK(Compressor):
+    """k distinct random indices, drawn from a CPU generator seeded with ``seed + step``: the same on every rank
+    that passes the same ``step`` (default: the number of earlier calls of this compressor)."""
+
+    kind = "randomk"
+
+    def __init__(self, density: float, *, seed: int = 0, backend: str | None = None):
+        super().__init__(density, backend=backend)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        self.seed = seed
+        self.calls = 0
+
+    def _compress(self, grad, residual, k, step):
+        generator = torch.Generator().manual_seed(self.seed + (self.calls if step is None else step))
+        self.calls += 1
+        acc = self._accumulate(grad, residual)
+        indices = torch.randperm(acc.numel(), generator=generator)[:k].sort().values.int().to(acc.device)
+        count = torch.full((1,), k, dtype=torch.int32, device=acc.device)
+        return self._message(acc, residual, acc[indices.long()], indices, count)
+
+    def __repr__(self) -> str:
+        return f"RandomK(density={self.density}, seed={self.seed})"
+
+
+_KINDS = {cls.kind: cls for cls in (GaussianK, TopK, RandomK)}
+
+
+def make_compressor(kind: str = "gaussiank", density: float = 0.01, **kwargs) -> Compressor:
+    """A compressor by name: ``"gaussiank"`` (``mode=``, ``backend=``), ``"topk"`` (``backend=``) or
+    ``"randomk"`` (``seed=``, ``backend=``)."""
+    if kind not in _KINDS:
+        raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {kind!r}")
+    try:
+        return _KINDS[kind](density, **kwargs)
+    except TypeError as error:
+        if "unexpected keyword" not in str(error):
+            raise
+        raise TypeError(f"make_compressor({kind!r}): {error}") from None

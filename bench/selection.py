@@ -6,8 +6,8 @@ elements, and leave the unsent rest in the residual. In the same run it times th
 interleaves the methods repetition by repetition so that machine noise hits all alike. Reported: medians, the
 speed-up over the torch.topk path and the multiple of the floor.
 
-    python bench/selection.py                                # CPU, n = 2^20 .. 10^8, density 0.001 .. 0.05
-    python bench/selection.py --device cuda --backend triton # a GPU: CUDA events, the Triton kernels
+    python -m bench.selection                                # CPU, n = 2^20 .. 10^8, density 0.001 .. 0.05
+    python -m bench.selection --device cuda --backend triton # a GPU: CUDA events, the Triton kernels
 """
 
 from __future__ import annotations
@@ -65,13 +65,12 @@ def methods(density: float, n: int, backend: str | None) -> tuple[int, dict[str,
     }
 
 
-def measure(n: int, density: float, dtype: torch.dtype, device: torch.device, backend: str | None,
-            repeats: int, seed: int = 0) -> dict:
-    generator = torch.Generator().manual_seed(seed)
-    grad = torch.randn(n, generator=generator).to(device=device, dtype=dtype)
-    initial_residual = (0.1 * torch.randn(n, generator=generator)).to(device=device, dtype=dtype)
+def time_methods(grad: torch.Tensor, initial_residual: torch.Tensor, density: float, backend: str | None,
+                 repeats: int) -> tuple[int, dict[str, list[float]]]:
+    """k, and the seconds of each repetition of each method on (grad, a fresh copy of initial_residual)."""
+    device = grad.device
     residual = torch.empty_like(initial_residual)
-    k, runs = methods(density, n, backend)
+    k, runs = methods(density, grad.numel(), backend)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for name, fn in runs.items():  # warm-up: allocator, first-call costs
         residual.copy_(initial_residual)
@@ -82,6 +81,15 @@ def measure(n: int, density: float, dtype: torch.dtype, device: torch.device, ba
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times[name].append(timed(lambda: fn(grad, residual), device))
+    return k, times
+
+
+def measure(n: int, density: float, dtype: torch.dtype, device: torch.device, backend: str | None,
+            repeats: int, seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    grad = torch.randn(n, generator=generator).to(device=device, dtype=dtype)
+    initial_residual = (0.1 * torch.randn(n, generator=generator)).to(device=device, dtype=dtype)
+    k, times = time_methods(grad, initial_residual, density, backend, repeats)
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     return {
         "n": n, "density": density, "k": k, "dtype": str(dtype).replace("torch.", ""), "device": device.type,

@@ -76,22 +76,37 @@ GTOPK_HOST_DEVICE inline int bin_reaching(const int32_t* counts, int64_t k, int 
   return -1;
 }
 
-// The threshold that keeps about k elements, from bin counts: find the bin where the count from the top
-// reaches k and interpolate linearly inside it. Clamped to max_abs when that bin holds the maximum, so that
-// equal values (all in one bin) are selected rather than all missed. 0 selects everything when k exceeds the
-// non-NaN count. Computed in double on every backend so the backends agree bit for bit. Only the counts of
-// that bin and the bins above it are read.
-GTOPK_HOST_DEVICE inline float threshold_from_histogram(const int32_t* counts, int64_t k, float max_abs) {
-  int64_t above = 0;
-  const int bin = bin_reaching(counts, k, kHistInfKey, &above);
+// The threshold inside `bin` (found by bin_reaching, with `above` elements in the bins over it): interpolate
+// linearly to keep k elements. Clamped to max_abs when that bin holds the maximum, so that equal values (all in
+// one bin) are selected rather than all missed. 0 (select everything) when bin < 0, i.e. k exceeds the non-NaN
+// count. Computed in double on every backend so the backends agree bit for bit.
+GTOPK_HOST_DEVICE inline float threshold_in_bin(int bin, int64_t above, int32_t count_in_bin, int64_t k,
+                                                float max_abs) {
   if (bin < 0) return 0.0f;
   if (bin == kHistInfKey) return bits_float(0x7F800000u);
   const double lo = bits_float(static_cast<uint32_t>(bin) << kHistShift);
   const double hi = bits_float(static_cast<uint32_t>(bin + 1) << kHistShift);
   const double needed = static_cast<double>(k - above);
-  float threshold = static_cast<float>(hi - (hi - lo) * needed / static_cast<double>(counts[bin]));
+  float threshold = static_cast<float>(hi - (hi - lo) * needed / static_cast<double>(count_in_bin));
   if (bin == hist_key(max_abs) && threshold > max_abs) threshold = max_abs;
   return threshold;
+}
+
+// The threshold that keeps about k elements, from bin counts: the bin where the count from the top reaches k,
+// then threshold_in_bin. Only the counts of that bin and the bins above it are read.
+GTOPK_HOST_DEVICE inline float threshold_from_histogram(const int32_t* counts, int64_t k, float max_abs) {
+  int64_t above = 0;
+  const int bin = bin_reaching(counts, k, kHistInfKey, &above);
+  return threshold_in_bin(bin, above, bin < 0 ? 0 : counts[bin], k, max_abs);
+}
+
+// When more elements pass a threshold than a message has slots, the "sure" ones, at or above the upper edge of
+// the threshold's histogram bin, are kept first, and the rest of the slots go to the others in index order: so
+// an overflow drops only elements within one bin (2.2%) of the threshold, never a large one at a high index.
+GTOPK_HOST_DEVICE inline float sure_threshold(float threshold) {
+  const int key = hist_key(threshold);  // threshold >= 0
+  if (!(threshold >= 0.0f) || key >= kHistInfKey) return threshold;  // NaN, +inf
+  return bits_float(static_cast<uint32_t>(key + 1) << kHistShift);
 }
 
 inline void check_max_numel(const at::Tensor& t, const char* op, const char* name) {

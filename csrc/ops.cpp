@@ -18,7 +18,8 @@ TORCH_LIBRARY(gtopk_ext, m) {
   m.def("gaussian_threshold(Tensor grad, Tensor(a!)? residual, float z, int k) -> Tensor");
   // (values[capacity], int32 indices[capacity], int32 count[1]) of the elements with |acc| >= threshold[0],
   // indices ascending; count is the number of such elements before truncation to capacity; the slots past
-  // it are padding (index 0, value 0).
+  // it are padding (index 0, value 0). When more than capacity pass, those >= sure_threshold(threshold)
+  // (common.h) are kept first, then the others in index order.
   m.def("compact(Tensor acc, Tensor threshold, int capacity) -> (Tensor, Tensor, Tensor)");
   // dense[indices[j]] += values[j], duplicates summed. Out-of-range indices are skipped, never written;
   // returns int32[1], how many were skipped.

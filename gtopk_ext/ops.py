@@ -77,7 +77,9 @@ def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int, *,
     """``(values, indices, count)``: the elements with ``|acc| >= threshold[0]`` in ascending index order.
 
     ``values`` (acc's dtype) and ``indices`` (int32) have ``capacity`` slots; ``count`` (int32[1]) is how many
-    elements passed before truncation to ``capacity``; slots past it hold (index 0, value 0).
+    elements passed before truncation to ``capacity``; slots past it hold (index 0, value 0). When more than
+    ``capacity`` pass, the ones at or above the upper edge of the threshold's histogram bin (2.2% above it) are
+    kept first and the rest of the slots go to the others in index order, so no large element is dropped.
     """
     return _kernels(acc.device, backend).compact(acc, threshold, int(capacity))
 

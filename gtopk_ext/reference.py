@@ -71,10 +71,27 @@ def gaussian_threshold(grad: torch.Tensor, residual: torch.Tensor | None, z: flo
     return stats.to(grad.device)
 
 
+def sure_threshold(threshold: float) -> float:
+    """The upper edge of the threshold's histogram bin (itself for NaN, negative or infinite thresholds)."""
+    if not threshold >= 0.0:
+        return threshold
+    key = int(np.array([threshold], dtype=np.float32).view(np.int32)[0]) >> HIST_SHIFT
+    return threshold if key >= HIST_INF_KEY else _bits_to_float((key + 1) << HIST_SHIFT)
+
+
 def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int):
     flat = acc.detach().flatten()
-    selected = torch.nonzero(flat.float().abs() >= threshold.float().flatten()[0]).flatten()
-    kept = selected[:capacity]
+    magnitude = flat.float().abs()
+    thr = float(threshold.float().flatten()[0])
+    selected = torch.nonzero(magnitude >= thr).flatten()
+    sure = torch.nonzero(magnitude >= sure_threshold(thr)).flatten()
+    if selected.numel() <= capacity:
+        kept = selected
+    elif sure.numel() >= capacity:
+        kept = sure[:capacity]
+    else:
+        boundary = selected[~torch.isin(selected, sure)]
+        kept = torch.cat([sure, boundary[: capacity - sure.numel()]]).sort().values
     values = torch.zeros(capacity, dtype=acc.dtype, device=acc.device)
     indices = torch.zeros(capacity, dtype=torch.int32, device=acc.device)
     values[: kept.numel()] = flat[kept]

@@ -8,14 +8,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_bench(script: str, *args: str) -> None:
-    subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], check=True, cwd=ROOT, timeout=600,
-                   capture_output=True, text=True)
+def run_bench(module: str, *args: str) -> None:
+    result = subprocess.run([sys.executable, "-m", f"bench.{module}", *args], cwd=ROOT, timeout=600,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 def test_selection_benchmark(tmp_path):
     out = tmp_path / "selection.json"
-    run_bench("selection.py", "--sizes", "5000", "70001", "--densities", "0.01", "0.05", "--repeats", "2",
+    run_bench("selection", "--sizes", "5000", "70001", "--densities", "0.01", "0.05", "--repeats", "2",
               "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [(r["n"], r["density"]) for r in rows] == [(5000, 0.01), (5000, 0.05), (70001, 0.01), (70001, 0.05)]
@@ -23,3 +24,14 @@ def test_selection_benchmark(tmp_path):
         assert row["k"] == -(-row["n"] * row["density"] // 1)
         assert set(row["median_ms"]) == {"floor", "gaussiank", "gaussiank_paper", "topk", "topk_sorted"}
         assert all(t > 0 for t in row["median_ms"].values())
+
+
+def test_threshold_accuracy_benchmark(tmp_path):
+    out = tmp_path / "accuracy.json"
+    run_bench("threshold_accuracy", "--sizes", "20000", "--densities", "0.01", "--distributions", "laplace",
+              "spiky", "--real-steps", "0", "2", "--repeats", "1", "--json", str(out))
+    rows = json.loads(out.read_text())
+    assert [r["gradient"] for r in rows] == ["laplace", "spiky", "cnn-step0", "cnn-step2"]
+    for row in rows:
+        assert row["quality"]["topk"]["recall"] == 1.0 and row["quality"]["topk"]["norm"] == 1.0
+        assert 0 < row["quality"]["accurate"]["count_over_k"]

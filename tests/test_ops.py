@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gtopk_ext as gx
+from bench.gradients import SYNTHETIC, synthetic_gradient
 from gtopk_ext import ops, reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -45,19 +46,9 @@ def backend(request) -> str:
 
 
 def make_values(kind: str, n: int, generator: torch.Generator) -> torch.Tensor:
-    if kind == "normal":
-        return torch.randn(n, generator=generator)
-    if kind == "laplace":
-        u = torch.rand(n, generator=generator, dtype=torch.float64) - 0.5
-        return (-torch.sign(u) * torch.log1p(-2 * u.abs())).float()
-    if kind == "student_t3":
-        z = torch.randn(n, generator=generator, dtype=torch.float64)
-        chi2 = torch.randn(3, n, generator=generator, dtype=torch.float64).square().sum(0)
-        return (z / torch.sqrt(chi2 / 3)).float()
-    if kind == "spiky":  # Gaussian with 1% spikes 50x larger
-        x = torch.randn(n, generator=generator)
-        spikes = torch.rand(n, generator=generator) < 0.01
-        return torch.where(spikes, 50 * x, x)
+    """The benchmark's distributions (bench/gradients.py) and the edge cases of the kernels."""
+    if kind in SYNTHETIC:
+        return synthetic_gradient(kind, n, generator)
     if kind == "all_equal":
         return torch.full((n,), -0.75)
     if kind == "all_zero":
@@ -73,7 +64,7 @@ def make_values(kind: str, n: int, generator: torch.Generator) -> torch.Tensor:
     raise ValueError(kind)
 
 
-KINDS = ["normal", "laplace", "student_t3", "spiky", "all_equal", "all_zero", "ties", "nonfinite"]
+KINDS = [*SYNTHETIC, "all_equal", "all_zero", "ties", "nonfinite"]
 SIZES = [1, 7, 1000, 4096, 4097, 65537]
 
 
@@ -84,7 +75,7 @@ def sample_inputs(device: torch.device, sizes=SIZES, kinds=KINDS, dtypes=DTYPES)
         for kind in kinds:
             for dtype in dtypes:
                 grad = make_values(kind, n, generator).to(dtype)
-                residual = (0.1 * make_values("normal", n, generator)).to(dtype)
+                residual = (0.1 * make_values("gaussian", n, generator)).to(dtype)
                 yield f"{kind}-n{n}-{dtype}", grad.to(device), residual.to(device)
 
 
@@ -133,14 +124,14 @@ def test_gaussian_threshold_large(backend):
     generator = torch.Generator().manual_seed(1)
     n = 3_000_017
     grad = make_values("laplace", n, generator).to(device)
-    residual = (0.3 * make_values("normal", n, generator)).to(device)
+    residual = (0.3 * make_values("gaussian", n, generator)).to(device)
     k = 3000
     stats = ops.gaussian_threshold(grad, residual.clone(), z=ops.z_for_density(0.001), k=k, backend=backend)
     expected = reference.gaussian_threshold(grad, residual.clone(), ops.z_for_density(0.001), k)
     assert_same_stats(stats, expected, exact_threshold=True)
 
 
-@pytest.mark.parametrize("kind", ["normal", "laplace", "student_t3", "spiky"])
+@pytest.mark.parametrize("kind", SYNTHETIC)
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.05])
 def test_histogram_threshold_selects_about_k(kind, density):
     """The accurate threshold keeps k within 10% on heavy tails and spikes, where the Gaussian one is far off."""
@@ -175,6 +166,17 @@ def test_compact_matches_reference(backend):
         assert torch.equal(count.cpu(), exp_count.cpu()), name
         assert torch.equal(indices.cpu(), exp_indices.cpu()), name
         assert torch.equal(values.cpu(), exp_values.cpu()), name
+
+
+def test_compact_overflow_keeps_large_elements_first(backend):
+    """More candidates than slots: elements above the threshold's bin are kept before those at the threshold,
+    wherever their index, so truncation never drops a large gradient at a high index."""
+    device = backend_device(backend)
+    acc = torch.cat([torch.full((100,), -1.0), torch.tensor([50.0, -70.0, 90.0, 1.01, 1.03])]).to(device)
+    values, indices, count = ops.compact(acc, torch.tensor([1.0], device=device), 6, backend=backend)
+    assert int(count) == 105
+    assert indices.tolist() == [0, 1, 2, 100, 101, 102]  # 1.01 and 1.03 lie in 1.0's bin: boundary elements
+    assert values.tolist() == [-1.0, -1.0, -1.0, 50.0, -70.0, 90.0]
 
 
 def test_compact_large(backend):
@@ -239,7 +241,7 @@ def test_scatter_skips_and_counts_corrupted_indices(backend, op_name):
 def test_residual_update_zeroes_what_compact_sent(backend):
     """Error feedback loses nothing: residual == grad + old residual - sent, with sent entries exactly 0."""
     device = backend_device(backend)
-    for name, grad, residual in sample_inputs(device, sizes=[7, 4097, 65537], kinds=["normal", "ties", "spiky"]):
+    for name, grad, residual in sample_inputs(device, sizes=[7, 4097, 65537], kinds=["gaussian", "ties", "spiky"]):
         k = max(1, grad.numel() // 50)
         old = residual.clone()
         stats = ops.gaussian_threshold(grad, residual, z=ops.z_for_density(0.02), k=k, backend=backend)

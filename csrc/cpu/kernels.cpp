@@ -192,16 +192,28 @@ at::Tensor gaussian_threshold_cpu(const at::Tensor& grad, const std::optional<at
   return stats;
 }
 
-// Appends the indices i in [begin, end) with |acc[i]| >= thr to kept (up to capacity of them, in order) and
-// returns how many passed in all. Tests kLanes elements at once and looks closer only when one passes.
+// The candidates (|acc| >= thr) of one contiguous range, split into the sure ones (|acc| >= sure_thr) and the
+// boundary ones, each list ascending and cut at capacity entries (no range can contribute more).
+struct RangeSelection {
+  std::vector<int32_t> sure, boundary;
+  int64_t sure_count = 0, boundary_count = 0;
+};
+
+// Tests kLanes elements at once (vectorised) and looks closer only when one passes.
 template <typename scalar_t>
-GTOPK_VECTOR_CLONES int64_t select_range(const scalar_t* __restrict__ acc, int64_t begin, int64_t end, float thr,
-                                         int64_t capacity, int32_t* __restrict__ kept) {
-  int64_t hits = 0;
+GTOPK_VECTOR_CLONES void select_range(const scalar_t* __restrict__ acc, int64_t begin, int64_t end, float thr,
+                                      float sure_thr, int64_t capacity, RangeSelection& out) {
+  out.sure.resize(std::min(capacity, end - begin));
+  out.boundary.resize(std::min(capacity, end - begin));
+  int64_t sure = 0, boundary = 0;
   const auto visit = [&](int64_t i) {
-    if (std::fabs(static_cast<float>(acc[i])) >= thr) {
-      if (hits < capacity) kept[hits] = static_cast<int32_t>(i);
-      ++hits;
+    const float magnitude = std::fabs(static_cast<float>(acc[i]));
+    if (magnitude >= sure_thr) {
+      if (sure < capacity) out.sure[sure] = static_cast<int32_t>(i);
+      ++sure;
+    } else if (magnitude >= thr) {
+      if (boundary < capacity) out.boundary[boundary] = static_cast<int32_t>(i);
+      ++boundary;
     }
   };
   int64_t i = begin;
@@ -213,51 +225,64 @@ GTOPK_VECTOR_CLONES int64_t select_range(const scalar_t* __restrict__ acc, int64
     }
   }
   for (; i < end; ++i) visit(i);
-  return hits;
+  out.sure_count = sure;
+  out.boundary_count = boundary;
 }
 
-// Each thread selects from one contiguous range into a buffer of at most `capacity` entries (no range can
-// contribute more), then the buffers are concatenated in range order: one read of acc, indices ascending.
+// One read of acc: each thread selects from one contiguous range, then the ranges' lists are merged in range
+// order, so indices come out ascending. When more than capacity pass, the sure ones are kept first (see
+// sure_threshold in common.h), then boundary ones in index order.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cpu(const at::Tensor& acc, const at::Tensor& threshold,
                                                            int64_t capacity) {
   check_compact_args(acc, threshold, capacity);
   const at::Tensor acc_contig = acc.contiguous();
   const int64_t n = acc.numel();
   const float thr = threshold.item<float>();
+  const float sure_thr = sure_threshold(thr);
   at::Tensor values = at::zeros({capacity}, acc.options());
   at::Tensor indices = at::zeros({capacity}, acc.options().dtype(at::kInt));
   at::Tensor count = at::empty({1}, acc.options().dtype(at::kInt));
 
   const int64_t num_ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kChunk));
   const int64_t range_len = (n + num_ranges - 1) / num_ranges;
-  std::vector<int64_t> found(num_ranges, 0);
-  std::vector<std::vector<int32_t>> kept(num_ranges);
+  std::vector<RangeSelection> ranges(num_ranges);
+  int64_t total = 0;
 
   GTOPK_DISPATCH_FLOAT_TYPES(acc.scalar_type(), "compact_cpu", [&] {
     const scalar_t* acc_ptr = acc_contig.const_data_ptr<scalar_t>();
     at::parallel_for(0, num_ranges, 1, [&](int64_t range_begin, int64_t range_end) {
       for (int64_t r = range_begin; r < range_end; ++r) {
-        const int64_t begin = std::min(n, r * range_len), end = std::min(n, (r + 1) * range_len);
-        kept[r].resize(std::min(capacity, end - begin));
-        found[r] = select_range(acc_ptr, begin, end, thr, capacity, kept[r].data());
+        select_range(acc_ptr, std::min(n, r * range_len), std::min(n, (r + 1) * range_len), thr, sure_thr,
+                     capacity, ranges[r]);
       }
     });
 
+    int64_t sure_total = 0;
+    for (const RangeSelection& range : ranges) {
+      sure_total += range.sure_count;
+      total += range.sure_count + range.boundary_count;
+    }
+    int64_t sure_left = std::min(sure_total, capacity);  // slots for sure candidates, then boundary ones
+    int64_t boundary_left = capacity - sure_left;
     scalar_t* values_ptr = values.mutable_data_ptr<scalar_t>();
     int32_t* indices_ptr = indices.mutable_data_ptr<int32_t>();
-    int64_t offset = 0;
-    for (int64_t r = 0; r < num_ranges && offset < capacity; ++r) {
-      const int64_t take = std::min({found[r], static_cast<int64_t>(kept[r].size()), capacity - offset});
-      for (int64_t j = 0; j < take; ++j) {
-        indices_ptr[offset + j] = kept[r][j];
-        values_ptr[offset + j] = acc_ptr[kept[r][j]];
+    int64_t out = 0;
+    for (const RangeSelection& range : ranges) {
+      const int64_t sure = std::min(range.sure_count, sure_left);
+      const int64_t boundary = std::min(range.boundary_count, boundary_left);
+      sure_left -= sure;
+      boundary_left -= boundary;
+      int64_t a = 0, b = 0;  // merge the two ascending lists
+      while (a < sure || b < boundary) {
+        const bool take_sure = b == boundary || (a < sure && range.sure[a] < range.boundary[b]);
+        const int32_t idx = take_sure ? range.sure[a++] : range.boundary[b++];
+        indices_ptr[out] = idx;
+        values_ptr[out] = acc_ptr[idx];
+        ++out;
       }
-      offset += take;
     }
   });
 
-  int64_t total = 0;
-  for (int64_t h : found) total += h;
   count.mutable_data_ptr<int32_t>()[0] = static_cast<int32_t>(total);
   return {values, indices, count};
 }

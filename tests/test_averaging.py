@@ -193,13 +193,13 @@ def _check_wait_avoiding_steps(rank: int, world_size: int, group_size: int) -> N
 
 def _check_wait_avoiding_consensus(rank: int, world_size: int, group_size: int) -> None:
     """With no local progress (zero learning rate) and no global step, wait-avoiding group averaging drives the
-    ranks to the global mean, each step one step behind the synchronous averager; 200 steps never deadlock."""
+    ranks to the global mean, each step one step behind the synchronous averager; 60 steps never deadlock."""
     stale = GroupModelAverager(group_size, global_period=10**6, wait_avoiding=True)
     synchronous = GroupModelAverager(group_size, global_period=10**6, wait_avoiding=False)
     stale_params, sync_params = _make_params(rank), _make_params(rank)
     initial = _gather_rows(stale_params)
     sync_history = [initial]
-    for _ in range(200):
+    for _ in range(60):
         stale.average_parameters(stale_params)
         synchronous.average_parameters(sync_params)
         sync_history.append(_gather_rows(sync_params))

@@ -10,5 +10,9 @@ except ImportError as error:  # pragma: no cover - exercised only on a broken in
 
 from gtopk_ext import ops, reference  # noqa: E402,F401
 from gtopk_ext.averaging import GroupModelAverager  # noqa: E402,F401
+from gtopk_ext import collectives, compressors  # noqa: E402,F401
+from gtopk_ext.compressors import SparseMessage, make_compressor  # noqa: E402,F401
+from gtopk_ext.hooks import SparseGradState, sparse_grad_hook  # noqa: E402,F401
 
-__all__ = ["ops", "reference"]
+__all__ = ["ops", "reference", "collectives", "compressors", "SparseMessage", "make_compressor",
+           "SparseGradState", "sparse_grad_hook"]

@@ -1,0 +1,269 @@
+"""Sparse collectives on torch.distributed (Gloo or NCCL, any process group): TopK-SGD's allgather and the
+gTop-k butterfly allreduce of Shi et al. (ICDCS 2019), for any world size.
+
+Before any payload moves, the ranks agree on a small header (k, numel, dtype): Gloo aborts the whole process
+when a message's size differs from the receiver's buffer, and a check between two partners only would leave the
+other ranks waiting, so the header is gathered over the group and every rank raises the same clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gtopk_ext import ops
+from gtopk_ext.compressors import SparseMessage
+
+DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+MAX_NUMEL = 2**31 - 1
+_INVALID = -1  # a header field of a rank whose own input was invalid
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent and received, counted by the collectives that are given one. Collectives run by the
+    backend (all_gather, all_reduce) are counted as a ring algorithm moves them."""
+
+    sent: int = 0
+    received: int = 0
+
+    def add(self, sent: int, received: int) -> None:
+        self.sent += sent
+        self.received += received
+
+
+def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
+    """``(group, rank in it, its size)``; ``None`` is the default (world) group."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
+    group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the process group it was given")
+    return group, rank, dist.get_world_size(group)
+
+
+def ring_allgather_bytes(nbytes: int, size: int) -> int:
+    return (size - 1) * nbytes
+
+
+def ring_allreduce_bytes(nbytes: int, size: int) -> int:
+    return 2 * (size - 1) * nbytes // size
+
+
+def gather_headers(fields: dict[str, int], group: dist.ProcessGroup, device: torch.device,
+                   traffic: Traffic | None = None) -> list[dict[str, int]]:
+    """Every rank's ``fields`` (same names on every rank, int64 values), in group-rank order."""
+    header = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
+    size = dist.get_world_size(group)
+    gathered = [torch.empty_like(header) for _ in range(size)]
+    dist.all_gather(gathered, header, group=group)
+    if traffic is not None:
+        nbytes = ring_allgather_bytes(header.numel() * 8, size)
+        traffic.add(nbytes, nbytes)
+    return [dict(zip(fields, h.tolist())) for h in gathered]
+
+
+def require_same(headers: list[dict[str, int]], names: tuple[str, ...], what: str) -> None:
+    """Raise (on every rank alike, since all hold the same headers) when a rank's input was invalid or the
+    ranks disagree on one of ``names``."""
+    invalid = [rank for rank, h in enumerate(headers) if h["valid"] == 0]
+    if invalid:
+        raise ValueError(f"{what}: the input of rank(s) {invalid} was invalid (see the error on those ranks)")
+    for name in names:
+        seen = [h[name] for h in headers]
+        if len(set(seen)) > 1:
+            listing = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(seen))
+            raise ValueError(f"{what}: {name} differs across ranks ({listing}); every rank must pass the same "
+                             f"{', '.join(names)}")
+
+
+def check_message(msg: SparseMessage, name: str = "msg") -> None:
+    """Raise a clear error unless ``msg`` is a well-formed SparseMessage."""
+    if not isinstance(msg, SparseMessage):
+        raise TypeError(f"{name} must be a SparseMessage, got {type(msg).__name__}")
+    values, indices = msg.values, msg.indices
+    if values.dtype not in DTYPE_CODES:
+        raise TypeError(f"{name}.values must be float32, float16 or bfloat16, got {values.dtype}")
+    if indices.dtype != torch.int32:
+        raise TypeError(f"{name}.indices must be int32, got {indices.dtype}")
+    if values.dim() != 1 or indices.shape != values.shape or values.numel() == 0:
+        raise ValueError(f"{name}.values and {name}.indices must be 1-D with the same k >= 1 slots, got shapes "
+                         f"{tuple(values.shape)} and {tuple(indices.shape)}")
+    if indices.device != values.device or msg.count.device != values.device:
+        raise ValueError(f"{name}'s tensors must be on one device, got values on {values.device}, indices on "
+                         f"{indices.device}, count on {msg.count.device}")
+    if not isinstance(msg.numel, int) or not 0 < msg.numel <= MAX_NUMEL:
+        raise ValueError(f"{name}.numel must be an int in [1, 2^31 - 1], got {msg.numel!r}")
+
+
+def _agree_on_message(msg: SparseMessage, group: dist.ProcessGroup, what: str, traffic: Traffic | None) -> None:
+    """Every rank checks its message and the ranks compare (k, numel, dtype), so all of them raise together."""
+    try:
+        check_message(msg)
+        fields = {"valid": 1, "k": msg.k, "numel": msg.numel, "dtype": DTYPE_CODES[msg.values.dtype]}
+        device, local_error = msg.values.device, None
+    except (TypeError, ValueError) as error:
+        fields = {"valid": 0, "k": _INVALID, "numel": _INVALID, "dtype": _INVALID}
+        values = getattr(msg, "values", None)
+        device = values.device if isinstance(values, torch.Tensor) else torch.device("cpu")
+        local_error = error
+    headers = gather_headers(fields, group, device, traffic)
+    if local_error is not None:
+        raise local_error
+    require_same(headers, ("k", "numel", "dtype"), what)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def _pack(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """One uint8 tensor per send: count (int32), then the k indices (int32), then the k values' bits."""
+    return torch.cat([_as_bytes(count.reshape(1).int()), _as_bytes(indices), _as_bytes(values)])
+
+
+def _packed_size(k: int, dtype: torch.dtype) -> int:
+    return 4 + k * (4 + torch.empty((), dtype=dtype).element_size())
+
+
+def _unpack(payload: torch.Tensor, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(indices, values, count)`` of a payload made by :func:`_pack` (views, no copy)."""
+    values_end = _packed_size(k, dtype)
+    return payload[4:4 + 4 * k].view(torch.int32), payload[4 + 4 * k:values_end].view(dtype), payload[:4].view(torch.int32)
+
+
+def sparse_allgather(msg: SparseMessage, group: dist.ProcessGroup | None = None, *, dtype: torch.dtype | None = None,
+                     check: bool = True, traffic: Traffic | None = None) -> torch.Tensor:
+    """TopK-SGD: every rank's k pairs, scatter-added into a flat dense tensor of ``msg.numel`` elements: the SUM
+    over the group's ranks (not averaged), identical on every rank. Accumulates in float32 and returns ``dtype``
+    (default the message's). ``check=False`` skips the header agreement: only when the caller has already made
+    sure every rank passes the same k, numel and dtype."""
+    group, _, size = group_rank_and_size(group)
+    if check:
+        _agree_on_message(msg, group, "sparse_allgather", traffic)
+    payload = _pack(msg.indices, msg.values, msg.count)
+    gathered = [torch.empty_like(payload) for _ in range(size)]
+    dist.all_gather(gathered, payload, group=group)
+    if traffic is not None:
+        nbytes = ring_allgather_bytes(payload.numel(), size)
+        traffic.add(nbytes, nbytes)
+    pairs = [_unpack(p, msg.k, msg.values.dtype) for p in gathered]
+    total = torch.zeros(msg.numel, dtype=torch.float32, device=msg.values.device)
+    ops.scatter_add_(total, torch.cat([i for i, _, _ in pairs]), torch.cat([v for _, v, _ in pairs]).float())
+    return total.to(dtype or msg.values.dtype)
+
+
+def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch.Tensor, values_b: torch.Tensor,
+               k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gTop-k's merge: the union of two sparse sets, values of equal indices summed (in float32), then the k
+    largest |sums| with ties going to the lower index, re-sorted by index and padded with (0, 0) to k slots.
+
+    Returns ``(indices int32[k], values[k] in values_a's dtype, union_size int32[1])``. Padding slots (index 0,
+    value 0) join index 0's sum, where they add nothing. Deterministic: partners that pass the same two sets in
+    the same order get bitwise the same result.
+    """
+    union, inverse = torch.unique(torch.cat([indices_a, indices_b]), sorted=True, return_inverse=True)
+    sums = torch.zeros(union.numel(), dtype=torch.float32, device=union.device)
+    sums.index_add_(0, inverse, torch.cat([values_a, values_b]).float())
+    union_size = union.numel()
+    if union_size > k:
+        # A stable sort keeps equal magnitudes in index order, so the lower index wins a tie.
+        keep = torch.sort(sums.abs(), descending=True, stable=True).indices[:k].sort().values
+        union, sums = union[keep], sums[keep]
+    kept = union.numel()
+    indices = torch.zeros(k, dtype=torch.int32, device=union.device)
+    values = torch.zeros(k, dtype=values_a.dtype, device=union.device)
+    indices[:kept] = union
+    values[:kept] = sums.to(values_a.dtype)
+    return indices, values, torch.tensor([union_size], dtype=torch.int32, device=union.device)
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: dist.ProcessGroup,
+              traffic: Traffic | None) -> None:
+    """Send ``send`` to and receive ``recv`` from group rank ``peer`` at the same time."""
+    global_peer = dist.get_global_rank(group, peer)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, global_peer, group),
+                                    dist.P2POp(dist.irecv, recv, global_peer, group)])
+    for work in works:
+        work.wait()
+    if traffic is not None:
+        traffic.add(send.numel() * send.element_size(), recv.numel() * recv.element_size())
+
+
+def _send(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic: Traffic | None) -> None:
+    dist.send(tensor, dist.get_global_rank(group, peer), group=group)
+    if traffic is not None:
+        traffic.add(tensor.numel() * tensor.element_size(), 0)
+
+
+def _recv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic: Traffic | None) -> torch.Tensor:
+    dist.recv(tensor, dist.get_global_rank(group, peer), group=group)
+    if traffic is not None:
+        traffic.add(0, tensor.numel() * tensor.element_size())
+    return tensor
+
+
+def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, *, check: bool = True,
+                    traffic: Traffic | None = None) -> tuple[SparseMessage, torch.Tensor]:
+    """gTop-k: the global top-k of the sum of every rank's sparse message, in O(k log P) traffic.
+
+    In round r each rank merges its current set with that of rank ``rank XOR 2^r`` (:func:`merge_topk`). For a
+    world size P that is not a power of two, the ranks past the largest power of two first fold their set into
+    rank ``rank - 2^floor(log2 P)`` and receive the result at the end. Returns ``(glob, applied)``: ``glob`` is
+    the same SparseMessage on every rank (values summed over ranks, not averaged; ``glob.count`` is the size of
+    the last merged union); ``applied[j]`` is True where this rank's slot j is inside glob's sums, i.e. its
+    index survived every merge on its path. The caller keeps ``msg.values[~applied]`` (error feedback): nothing
+    is lost. ``check`` as in :func:`sparse_allgather`.
+    """
+    group, rank, size = group_rank_and_size(group)
+    if check:
+        _agree_on_message(msg, group, "gtopk_allreduce", traffic)
+    k, dtype = msg.k, msg.values.dtype
+    device = msg.values.device
+    applied = torch.ones(k, dtype=torch.bool, device=device)
+    if size == 1:
+        return SparseMessage(msg.values.clone(), msg.indices.clone(), msg.count.clone(), msg.numel), applied
+    butterfly = 1 << (size.bit_length() - 1)
+    payload_size = _packed_size(k, dtype)
+
+    if rank >= butterfly:  # folded into rank - butterfly; the result comes back with this rank's applied mask
+        partner = rank - butterfly
+        _send(_pack(msg.indices, msg.values, msg.count), partner, group, traffic)
+        result = _recv(torch.empty(payload_size + k, dtype=torch.uint8, device=device), partner, group, traffic)
+        indices, values, count = _unpack(result, k, dtype)
+        return SparseMessage(values.clone(), indices.clone(), count.clone(), msg.numel), result[payload_size:].bool()
+
+    indices, values, count = msg.indices, msg.values, msg.count
+    # (slot indices, applied mask) of every contributor this rank answers for: itself and a folded rank.
+    tracked = [(msg.indices, applied)]
+    folded = rank + butterfly
+    if folded < size:
+        received = _recv(torch.empty(payload_size, dtype=torch.uint8, device=device), folded, group, traffic)
+        folded_indices, folded_values, _ = _unpack(received, k, dtype)
+        tracked.append((folded_indices, torch.ones(k, dtype=torch.bool, device=device)))
+        indices, values, count = merge_topk(indices, values, folded_indices, folded_values, k)
+        _mark_survivors(tracked, indices)
+    for bit in range(butterfly.bit_length() - 1):
+        peer = rank ^ (1 << bit)
+        received = torch.empty(payload_size, dtype=torch.uint8, device=device)
+        _exchange(_pack(indices, values, count), received, peer, group, traffic)
+        peer_indices, peer_values, _ = _unpack(received, k, dtype)
+        # Both partners put the lower rank's set first, so they compute bitwise the same merge.
+        if rank < peer:
+            indices, values, count = merge_topk(indices, values, peer_indices, peer_values, k)
+        else:
+            indices, values, count = merge_topk(peer_indices, peer_values, indices, values, k)
+        _mark_survivors(tracked, indices)
+    if folded < size:
+        folded_applied = tracked[1][1]
+        _send(torch.cat([_pack(indices, values, count), folded_applied.to(torch.uint8)]), folded, group, traffic)
+    return SparseMessage(values, indices, count, msg.numel), applied
+
+
+def _mark_survivors(tracked: list[tuple[torch.Tensor, torch.Tensor]], kept_indices: torch.Tensor) -> None:
+    # A contribution whose index left the set in this merge is out of every later sum too.
+    for slot_indices, applied in tracked:
+        applied &= torch.isin(slot_indices, kept_indices)

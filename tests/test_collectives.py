@@ -1,0 +1,401 @@
+"""Sparse collectives, and the hook's reduction of a bucket (SparseGradState.reduce, what sparse_grad_hook
+calls), on real Gloo process groups of 1, 2, 3, 4, 5 and 8 ranks, against plain-Python oracles.
+
+Every rank builds every rank's message (deterministic data and compressors), so each rank can replay the whole
+collective in plain Python and compare its own result bit for bit. Starting processes is the expensive part, so
+one spawn of 8 processes runs every world size, each as a process group of its first P ranks (plus a strided
+group whose group ranks differ from the global ones). tests/test_hook.py has the DDP-level tests.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gtopk_ext as gx
+from gtopk_ext.collectives import Traffic, merge_topk
+from tests.distributed import run_distributed
+
+WORLD_SIZES = [1, 2, 3, 4, 5, 8]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# ----- plain-Python oracles -----
+
+
+def slots(indices: torch.Tensor, values: torch.Tensor) -> list[tuple[int, float]]:
+    return list(zip(indices.tolist(), values.float().tolist()))
+
+
+def oracle_merge(a: list[tuple[int, float]], b: list[tuple[int, float]], k: int,
+                 dtype: torch.dtype) -> tuple[list[tuple[int, float]], int]:
+    """Union of two slot lists (padding included: it joins index 0), float32 sums in slot order, the k largest
+    |sums| (lower index wins ties), by index, rounded to dtype; padded with (0, 0). Returns (slots, union size)."""
+    sums: dict[int, np.float32] = {}
+    for index, value in a + b:
+        sums[index] = np.float32(sums.get(index, np.float32(0.0)) + np.float32(value))
+    ranked = sorted(sums, key=lambda i: (-abs(float(sums[i])), i))[:k]
+    kept = sorted(ranked)
+    rounded = torch.tensor([float(sums[i]) for i in kept], dtype=torch.float32).to(dtype).float().tolist()
+    return list(zip(kept, rounded)) + [(0, 0.0)] * (k - len(kept)), len(sums)
+
+
+def oracle_gtopk(messages: list[gx.SparseMessage]) -> tuple[list[tuple[int, float]], int, list[list[bool]]]:
+    """Replays the butterfly (fold the ranks past the largest power of two, then XOR rounds), tracking which
+    ranks' contributions each set holds. Returns (glob slots, union size of the last merge, applied per rank)."""
+    size, k, dtype = len(messages), messages[0].k, messages[0].values.dtype
+    sets = [slots(m.indices, m.values) for m in messages]
+    applied = [[True] * k for _ in range(size)]
+    holders = [{r} for r in range(size)]  # the ranks whose contributions set r holds
+    union = int(messages[0].count)
+
+    def survive(contributors, kept):
+        kept_indices = {i for i, _ in kept}
+        for c in contributors:
+            applied[c] = [a and i in kept_indices for a, (i, _) in zip(applied[c], slots(messages[c].indices, messages[c].values))]
+
+    butterfly = 1 << (size.bit_length() - 1)
+    for extra in range(butterfly, size):
+        partner = extra - butterfly
+        sets[partner], union = oracle_merge(sets[partner], sets[extra], k, dtype)
+        holders[partner] |= holders[extra]
+        survive(holders[partner], sets[partner])
+    bit = 1
+    while bit < butterfly:
+        merged = {}
+        for r in range(butterfly):
+            low, high = min(r, r ^ bit), max(r, r ^ bit)
+            merged[r] = oracle_merge(sets[low], sets[high], k, dtype)
+        new_holders = {r: holders[r] | holders[r ^ bit] for r in range(butterfly)}
+        for r in range(butterfly):
+            sets[r], union = merged[r]
+            if r < r ^ bit:
+                survive(new_holders[r], sets[r])
+        for r in range(butterfly):
+            holders[r] = new_holders[r]
+        bit <<= 1
+    assert all(sets[r] == sets[0] for r in range(butterfly))
+    return sets[0], union, applied
+
+
+# ----- the merge on its own -----
+
+index_lists = st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True).map(sorted)
+value_choices = st.sampled_from([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0, 0.0, 3.25])
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=index_lists, b=index_lists, k=st.integers(1, 16), data=st.data(),
+       dtype=st.sampled_from(DTYPES), pad_a=st.integers(0, 3))
+def test_merge_topk_matches_oracle(a, b, k, data, dtype, pad_a):
+    """Few distinct magnitudes: many ties, which must go to the lower index; padding joins index 0."""
+    values_a = data.draw(st.lists(value_choices, min_size=len(a), max_size=len(a)))
+    values_b = data.draw(st.lists(value_choices, min_size=len(b), max_size=len(b)))
+    ia = torch.tensor(a + [0] * pad_a, dtype=torch.int32)
+    va = torch.tensor(values_a + [0.0] * pad_a).to(dtype)
+    ib, vb = torch.tensor(b, dtype=torch.int32), torch.tensor(values_b).to(dtype)
+    indices, values, union = merge_topk(ia, va, ib, vb, k)
+    expected, expected_union = oracle_merge(slots(ia, va), slots(ib, vb), k, dtype)
+    assert slots(indices, values) == expected and int(union) == expected_union
+    assert values.dtype == dtype and indices.dtype == torch.int32
+    swapped = merge_topk(ib, vb, ia, va, k)  # the sum of two is symmetric: same set either way
+    assert torch.equal(swapped[0], indices) and torch.equal(swapped[1], values)
+
+
+# ----- on real process groups -----
+
+
+@dataclass
+class Members:
+    """A process group and where this process sits in it."""
+
+    group: dist.ProcessGroup
+    ranks: list[int]  # global ranks, in group-rank order (new_group sorts them)
+    me: int  # this process's group rank
+    name: str
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+def case_data(case: int, rank: int, numel: int, dtype: torch.dtype, shape: str) -> torch.Tensor:
+    """A rank's gradient: a shared component plus noise (top-k sets overlap), or few values (ties)."""
+    if shape == "ties":
+        return torch.randint(-2, 3, (numel,), generator=torch.Generator().manual_seed(3000 + 100 * case + rank)).to(dtype)
+    shared = torch.randn(numel, generator=torch.Generator().manual_seed(1000 + case))
+    own = torch.randn(numel, generator=torch.Generator().manual_seed(2000 + 100 * case + rank))
+    return (shared + 0.5 * own).to(dtype)
+
+
+CASES = [  # (kind, density, numel, dtype, shape)
+    ("gaussiank", 0.01, 3001, torch.float32, "overlap"),
+    ("topk", 0.05, 1000, torch.float32, "ties"),
+    ("randomk", 0.02, 2000, torch.float32, "overlap"),
+    ("gaussiank", 0.05, 1000, torch.float16, "overlap"),
+    ("topk", 0.05, 1000, torch.bfloat16, "overlap"),
+    ("topk", 0.5, 5, torch.float32, "overlap"),
+    ("gaussiank", 1.0, 1, torch.float32, "overlap"),
+    ("gaussiank", 1.0, 300, torch.float32, "overlap"),
+]
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+
+
+def dense_sum(messages: list[gx.SparseMessage], applied: list[list[bool]] | None = None) -> torch.Tensor:
+    total = torch.zeros(messages[0].numel, dtype=torch.float64)
+    for r, m in enumerate(messages):
+        keep = torch.tensor(applied[r]) if applied is not None else torch.ones(m.k, dtype=torch.bool)
+        total.index_add_(0, m.indices.long(), (m.values.double() * keep))
+    return total
+
+
+def equal_on_every_rank(members: Members, *tensors: torch.Tensor) -> bool:
+    """Whether every rank of the group holds bitwise the same tensors."""
+    mine = torch.cat([t.contiguous().view(-1).view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+                      for t in tensors])
+    gathered = [torch.empty_like(mine) for _ in range(members.size)]
+    dist.all_gather(gathered, mine, group=members.group)
+    return all(torch.equal(g, mine) for g in gathered)
+
+
+def check_cases(members: Members) -> list[str]:
+    failures = []
+    for case, (kind, density, numel, dtype, shape) in enumerate(CASES):
+        where = f"{members.name}, case {case} ({kind}, {density}, {numel}, {dtype}, {shape})"
+        messages = [gx.make_compressor(kind, density).compress(case_data(case, r, numel, dtype, shape), None, step=case)
+                    for r in members.ranks]
+        mine = messages[members.me]
+        total = gx.collectives.sparse_allgather(mine, members.group)
+        expected = dense_sum(messages)
+        if total.dtype != dtype or not torch.allclose(total.double(), expected, rtol=tolerance(dtype),
+                                                      atol=tolerance(dtype) * members.size):
+            failures.append(f"{where}: sparse_allgather differs from the dense sum of all messages")
+
+        glob, applied = gx.collectives.gtopk_allreduce(mine, members.group)
+        expected_slots, expected_union, expected_applied = oracle_gtopk(messages)
+        if slots(glob.indices, glob.values) != expected_slots or int(glob.count) != expected_union:
+            failures.append(f"{where}: gtopk glob differs from the replayed butterfly")
+        if applied.tolist() != expected_applied[members.me]:
+            failures.append(f"{where}: gtopk applied mask differs from the replayed butterfly")
+        # Conservation inside the collective: glob is exactly the applied contributions, summed.
+        if not torch.allclose(glob.to_dense().double(), dense_sum(messages, expected_applied),
+                              rtol=4 * tolerance(dtype), atol=4 * tolerance(dtype) * members.size):
+            failures.append(f"{where}: glob is not the sum of the applied contributions")
+        if density == 1.0 and not (applied.all() and torch.allclose(glob.to_dense().double(), expected,
+                                                                    rtol=tolerance(dtype), atol=tolerance(dtype))):
+            failures.append(f"{where}: gtopk at density 1 is not the dense sum")
+        if not equal_on_every_rank(members, total, glob.indices, glob.values):
+            failures.append(f"{where}: a result differs across ranks")
+    return failures
+
+
+def check_traffic(members: Members) -> list[str]:
+    """gTop-k moves O(k log P) bytes per rank (payload: count, k indices, k values), allgather O(kP)."""
+    k, numel, size, me = 100, 10000, members.size, members.me
+    msg = gx.make_compressor("topk", k / numel).compress(case_data(0, me, numel, torch.float32, "overlap"))
+    payload = 4 + 8 * k
+    gtopk, allgather = Traffic(), Traffic()
+    gx.collectives.gtopk_allreduce(msg, members.group, check=False, traffic=gtopk)
+    gx.collectives.sparse_allgather(msg, members.group, check=False, traffic=allgather)
+    butterfly = 1 << (size.bit_length() - 1)
+    rounds = butterfly.bit_length() - 1
+    if me >= butterfly:  # folded: sends its set, receives the result and its applied mask
+        expected = (payload, payload + k)
+    else:
+        folds = me + butterfly < size
+        expected = (rounds * payload + folds * (payload + k), (rounds + folds) * payload)
+    failures = []
+    if (gtopk.sent, gtopk.received) != expected:
+        failures.append(f"{members.name}: gtopk moved {(gtopk.sent, gtopk.received)} bytes, expected {expected}")
+    if allgather.sent != (size - 1) * payload:
+        failures.append(f"{members.name}: allgather sent {allgather.sent} bytes, expected {(size - 1) * payload}")
+    return failures
+
+
+def expect_error(fn, exception, pattern: str) -> str | None:
+    try:
+        fn()
+    except exception as error:
+        return None if re.search(pattern, str(error)) else f"raised {error!r}, not matching {pattern!r}"
+    except Exception as error:  # noqa: BLE001 - reported as a failure
+        return f"raised {type(error).__name__}: {error}, expected {exception.__name__}"
+    return f"did not raise {exception.__name__} matching {pattern!r}"
+
+
+def check_mismatches(members: Members) -> list[str]:
+    """Mismatched or invalid messages fail on every rank with a clear error, and the group stays usable."""
+    failures, me, last, group = [], members.me, members.size - 1, members.group
+    base = gx.make_compressor("topk", 0.1).compress(case_data(0, me, 100, torch.float32, "overlap"))
+    wrong_k = gx.make_compressor("topk", 0.2).compress(case_data(0, me, 100, torch.float32, "overlap"))
+    wrong_numel = gx.make_compressor("topk", 0.1).compress(case_data(0, me, 95, torch.float32, "overlap"))  # k 10
+    wrong_dtype = gx.make_compressor("topk", 0.1).compress(case_data(0, me, 100, torch.float16, "overlap"))
+    broken = gx.SparseMessage(base.values, base.indices.long(), base.count, base.numel)
+    for collective in (gx.collectives.sparse_allgather, gx.collectives.gtopk_allreduce):
+        for name, odd in (("k", wrong_k), ("numel", wrong_numel), ("dtype", wrong_dtype)):
+            msg = odd if me == last else base
+            failure = expect_error(lambda: collective(msg, group), ValueError, f"{name} differs across ranks")
+            if failure:
+                failures.append(f"{members.name}: {collective.__name__} with another {name} on the last rank: {failure}")
+        if me == last:
+            failure = expect_error(lambda: collective(broken, group), TypeError, "msg.indices must be int32")
+        else:
+            failure = expect_error(lambda: collective(base, group), ValueError,
+                                   rf"input of rank\(s\) \[{last}\] was invalid")
+        if failure:
+            failures.append(f"{members.name}: {collective.__name__} with an invalid message on the last rank: {failure}")
+    glob, _ = gx.collectives.gtopk_allreduce(base, group)
+    if not equal_on_every_rank(members, glob.values):
+        failures.append(f"{members.name}: the group is out of step after the errors")
+    return failures
+
+
+# ----- the hook's reduction of a bucket -----
+
+HOOK_CONFIGS = [  # (compressor, collective, dtype)
+    ("gaussiank", "gtopk", torch.float32),
+    ("topk", "gtopk", torch.float32),
+    ("randomk", "gtopk", torch.float32),
+    ("gaussiank", "allgather", torch.float32),
+    ("randomk", "allgather", torch.float32),
+    ("gaussiank", "gtopk", torch.float16),
+    ("topk", "allgather", torch.bfloat16),
+]
+BUCKET_NUMELS = (3000, 700)  # the second is below min_compress_numel: dense
+HOOK_STEPS = 4  # two dense warm-up steps, then two compressed ones (error feedback carried between them)
+
+
+def bucket_input(rank: int, step: int, index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    shared = torch.randn(numel, generator=torch.Generator().manual_seed(10_000 * step + 100 * index + 99))
+    own = torch.randn(numel, generator=torch.Generator().manual_seed(10_000 * step + 100 * index + rank))
+    return ((shared + own) * 1e-2).to(dtype)
+
+
+def check_hook_reduce(members: Members) -> list[str]:
+    """Through SparseGradState.reduce: bitwise the same output on every rank, and per bucket and step
+    sum_r new_residual_r + P * output == sum_r (input_r + old_residual_r) up to rounding."""
+    failures, size = [], members.size
+    for compressor, collective, dtype in HOOK_CONFIGS:
+        state = gx.SparseGradState(members.group, density=0.02, compressor=compressor, collective=collective,
+                                   start_iter=2, min_compress_numel=1000, stats_logging_frequency=0)
+        for step in range(HOOK_STEPS):
+            for index, numel in enumerate(BUCKET_NUMELS):
+                where = f"{members.name}, {compressor}/{collective}/{dtype}, step {step}, bucket {index}"
+                grad = bucket_input(members.me, step, index, numel, dtype)
+                old_residual = state.residuals.get(index, torch.zeros(numel, dtype=dtype)).clone()
+                output = state.reduce(grad.clone(), index, is_last=index == len(BUCKET_NUMELS) - 1).wait()
+                new_residual = state.residuals.get(index, torch.zeros(numel, dtype=dtype))
+                if not equal_on_every_rank(members, output):
+                    failures.append(f"{where}: the averaged gradient differs across ranks")
+                # One allreduce: the imbalance of every element, and the scale it is measured against.
+                local = torch.cat([new_residual.double() - grad.double() - old_residual.double(),
+                                   grad.double().abs() + old_residual.double().abs()])
+                dist.all_reduce(local, group=members.group)
+                imbalance = local[:numel] + size * output.double()
+                scale = float(local[numel:].max())
+                if float(imbalance.abs().max()) > 4 * tolerance(dtype) * scale:
+                    failures.append(f"{where}: conservation broken by {float(imbalance.abs().max()):.3g} (scale {scale:.3g})")
+                expected_path = "sparse" if step >= 2 and numel >= 1000 else "dense"
+                stats = state.stats()["buckets"][index]
+                expected_k = math.ceil(0.02 * numel) if expected_path == "sparse" else numel
+                if stats["path"] != expected_path or stats["k"] != expected_k or (size > 1) != (stats["bytes_sent"] > 0):
+                    failures.append(f"{where}: stats {stats} (expected path {expected_path}, k {expected_k})")
+    return failures
+
+
+def check_hook_edge_cases(members: Members) -> list[str]:
+    failures, me, last, size, group = [], members.me, members.size - 1, members.size, members.group
+    numel = 2000
+    # Density 1.0 reproduces the dense average.
+    for collective in ("gtopk", "allgather"):
+        state = gx.SparseGradState(group, density=1.0, collective=collective, start_iter=0, error_feedback=False,
+                                   stats_logging_frequency=0)
+        grad = bucket_input(me, 0, 0, numel, torch.float32)
+        output = state.reduce(grad.clone(), 0).wait()
+        dense = grad / size
+        dist.all_reduce(dense, group=group)
+        if not torch.allclose(output, dense, rtol=1e-5, atol=1e-8):
+            failures.append(f"{members.name}: {collective} at density 1.0 differs from the dense average")
+
+    # A non-finite bucket on one rank: every rank goes dense, residuals untouched, the inf reaches every rank.
+    state = gx.SparseGradState(group, density=0.05, start_iter=2, stats_logging_frequency=0)
+    for step in range(3):  # two dense steps, one sparse step: a residual to keep
+        state.reduce(bucket_input(me, step, 0, numel, torch.float32), 0).wait()
+    residual_before = state.residuals[0].clone()
+    grad = bucket_input(me, 3, 0, numel, torch.float32)
+    if me == last:
+        grad[7] = float("inf")
+    output = state.reduce(grad, 0).wait()
+    path = state.stats()["buckets"][0]["path"]
+    if path != "nonfinite" or not torch.equal(state.residuals[0], residual_before) or not bool(torch.isinf(output[7])):
+        failures.append(f"{members.name}: non-finite bucket on the last rank: path {path}, residual kept "
+                        f"{torch.equal(state.residuals[0], residual_before)}, inf arrived {bool(torch.isinf(output[7]))}")
+
+    # A density schedule picks k per iteration.
+    state = gx.SparseGradState(group, density=0.01, density_schedule=[(0, 0.01), (3, 0.05)], start_iter=2,
+                               stats_logging_frequency=0)
+    ks = []
+    for step in range(4):
+        state.reduce(bucket_input(me, step, 0, numel, torch.float32), 0).wait()
+        ks.append(state.stats()["buckets"][0]["k"])
+    if ks != [numel, numel, 20, 100]:
+        failures.append(f"{members.name}: density schedule gave k {ks}, expected {[numel, numel, 20, 100]}")
+
+    if size >= 2:  # mismatches fail on every rank, with a clear message, and leave the group usable
+        state = gx.SparseGradState(group, density=0.05, start_iter=2, stats_logging_frequency=0)
+        odd = numel + 1 if me == last else numel
+        failure = expect_error(lambda: state.reduce(torch.ones(odd), 0), ValueError,
+                               "sparse_grad_hook: numel differs across ranks")
+        if failure:
+            failures.append(f"{members.name}: buckets of different sizes: {failure}")
+        state.iter = 1 if me == last else 0
+        failure = expect_error(lambda: state.reduce(torch.ones(numel), 0), ValueError,
+                               "sparse_grad_hook: iter differs across ranks")
+        if failure:
+            failures.append(f"{members.name}: states at different iterations: {failure}")
+        state.iter = 0
+        state.reduce(torch.ones(numel), 0).wait()
+    return failures
+
+
+def check_everything(members: Members) -> list[str]:
+    failures = check_cases(members) + check_traffic(members) + check_hook_reduce(members)
+    failures += check_hook_edge_cases(members)
+    if members.size >= 2:
+        failures += check_mismatches(members)
+    return failures
+
+
+def groups_worker(rank: int, world_size: int, sizes: list[int]) -> list[str]:
+    """Every size as the group of the first P ranks, then a strided group (group rank != global rank)."""
+    layouts = [(list(range(size)), f"{size} ranks") for size in sizes]
+    strided = list(range(1, world_size, 2)) + [0]
+    layouts.append((strided, f"strided group {strided}"))
+    failures = []
+    for ranks, name in layouts:
+        group = dist.new_group(ranks)  # a collective of the whole world: every process calls it
+        if rank in ranks:
+            in_group_order = [dist.get_global_rank(group, r) for r in range(len(ranks))]
+            failures += check_everything(Members(group, in_group_order, dist.get_rank(group), name))
+    return failures
+
+
+def test_collectives_and_hook_on_real_groups():
+    results = run_distributed(groups_worker, max(WORLD_SIZES), WORLD_SIZES, timeout=420)
+    failures = [f for rank_failures in results for f in rank_failures]
+    assert not failures, "\n".join(failures[:20])
+
+
+def test_collectives_need_an_initialized_group():
+    msg = gx.make_compressor("topk", 0.5).compress(torch.ones(4))
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        gx.collectives.gtopk_allreduce(msg)

@@ -1,0 +1,445 @@
+"""The demo: does a model still train with sparsified gradients, and what does each method send?
+
+Trains the digits task (bench/digits.py: scikit-learn's bundled 8x8 handwritten digits, nothing downloaded) with
+real DDP on ``--world-size`` Gloo processes on this machine's CPU, once per method, density and seed, all with
+the same initial weights, data order and epochs:
+
+    dense                 DDP's default allreduce (no hook)
+    hook-dense            gtopk_ext's hook with collective="dense" (its overhead over DDP, nothing sparsified)
+    topk-allgather        exact top-k (torch.topk) + allgather of every rank's k pairs   (TopK-SGD)
+    gaussiank-allgather   Gaussian-k threshold + allgather
+    gaussiank-gtopk       Gaussian-k threshold + gTop-k butterfly merge, O(k log P)
+
+Every sparse run uses the hook's error feedback, its residual warm-up (``--start-iter`` dense iterations) and a
+density warm-up: ``--warmup-steps`` iterations of density decaying geometrically from ``--warmup-density`` to the
+target (Deep Gradient Compression's schedule, through the hook's ``density_schedule``). It prints a table (final
+test accuracy, final training loss, bytes sent per rank per step as ``state.stats()`` counts them - for
+``dense``, a ring allreduce's -, time per step) and writes ``demo.json`` and ``demo.png`` (accuracy and loss
+against steps and against bytes sent) under ``--out``.
+
+    python -m bench.demo                        # the defaults: 4 processes, CNN, densities 0.01 and 0.001
+    python -m bench.demo --seeds 0 1 2          # the convergence comparison
+    python -m bench.demo --overhead             # time per step only: the hook against DDP's allreduce
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gtopk_ext as gx  # noqa: E402
+from bench.digits import MODELS, load_digits_split, make_model  # noqa: E402
+from gtopk_ext.collectives import ring_allreduce_bytes  # noqa: E402
+
+# method -> (compressor, collective) of the hook; None: DDP's own allreduce.
+METHODS: dict[str, tuple[str, str] | None] = {
+    "dense": None,
+    "hook-dense": ("gaussiank", "dense"),
+    "topk-allgather": ("topk", "allgather"),
+    "gaussiank-allgather": ("gaussiank", "allgather"),
+    "gaussiank-gtopk": ("gaussiank", "gtopk"),
+}
+DEFAULT_METHODS = ("dense", "topk-allgather", "gaussiank-allgather", "gaussiank-gtopk")
+
+
+def is_sparse(method: str) -> bool:
+    return METHODS[method] is not None and METHODS[method][1] != "dense"
+
+
+def density_warmup(target: float, start: float, steps: int, start_iter: int) -> list[tuple[int, float]]:
+    """A geometric density decay from ``start`` to ``target`` over ``steps`` iterations after ``start_iter``, in
+    4 stages (as Deep Gradient Compression warms up), then ``target``; just ``target`` when there is no warm-up."""
+    if steps <= 0 or start <= target:
+        return [(0, target)]
+    stages = 4
+    return [(start_iter + steps * i // stages, start * (target / start) ** (i / stages)) for i in range(stages)] + [
+        (start_iter + steps, target)]
+
+
+def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx.SparseGradState | None:
+    if METHODS[method] is None:
+        return None
+    compressor, collective = METHODS[method]
+    return gx.SparseGradState(density=density, compressor=compressor, collective=collective,
+                              start_iter=args.start_iter, min_compress_numel=args.min_compress_numel,
+                              density_schedule=density_warmup(density, args.warmup_density, args.warmup_steps,
+                                                              args.start_iter),
+                              stats_logging_frequency=0)
+
+
+def batches_of_epoch(epoch: int, seed: int, n_train: int, rank: int, world_size: int, batch_size: int):
+    """This rank's index batches for one epoch: one shuffle shared by every rank (same seed), each global batch of
+    world_size * batch_size split by rank; the incomplete last batch is dropped."""
+    order = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    global_batch = world_size * batch_size
+    for start in range(0, n_train - global_batch + 1, global_batch):
+        yield order[start + rank * batch_size: start + (rank + 1) * batch_size]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``model`` on (x, y)."""
+    logits = model(x)
+    return float((logits.argmax(1) == y).float().mean()), float(nn.functional.cross_entropy(logits, y))
+
+
+def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple, method: str, density: float,
+              seed: int, progress) -> dict:
+    """One DDP training run; every rank returns the same record (rank 0's evaluations, losses averaged over
+    ranks, step times as the slowest rank saw them)."""
+    train_x, train_y, test_x, test_y = data
+    model = make_model(args.model, seed)  # the same initial weights on every rank and for every method
+    ddp = DistributedDataParallel(model)
+    state = make_hook_state(method, density, args)
+    if state is not None:
+        ddp.register_comm_hook(state, gx.sparse_grad_hook)
+    dense_bytes = ring_allreduce_bytes(sum(p.numel() * p.element_size() for p in model.parameters()), world_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    losses, step_seconds, bytes_sent, selected_over_k = [], [], [], []
+    evals = [(0, *evaluate(model, test_x, test_y))]
+    dist.barrier()
+    for epoch in range(args.epochs):
+        for index in batches_of_epoch(epoch, seed, len(train_y), rank, world_size, args.batch_size):
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(ddp(train_x[index]), train_y[index])
+            loss.backward()
+            optimizer.step()
+            step_seconds.append(time.perf_counter() - start)
+            losses.append(float(loss.detach()))
+            if state is None:
+                bytes_sent.append(dense_bytes)
+            else:
+                total = state.stats()["total"]
+                bytes_sent.append(total["bytes_sent"])
+                if is_sparse(method) and state.iter > args.start_iter:
+                    selected_over_k.append(total["selected"] / total["k"])
+            if progress is not None:
+                progress.update(1)
+        if rank == 0:  # DDP keeps the replicas identical: rank 0's model is everyone's
+            evals.append((len(losses), *evaluate(model, test_x, test_y)))
+            if progress is not None:
+                progress.set_postfix(loss=f"{statistics.fmean(losses[-10:]):.3f}", acc=f"{evals[-1][1]:.3f}")
+        dist.barrier()  # the evaluation stays out of the next step's time
+
+    mean_losses = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(mean_losses)
+    mean_losses /= world_size
+    slowest = torch.tensor(step_seconds, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    evals_tensor = torch.tensor(evals if rank == 0 else [(0, 0.0, 0.0)] * (args.epochs + 1), dtype=torch.float64)
+    dist.broadcast(evals_tensor, src=0)
+    steps_per_epoch = len(losses) // args.epochs
+    timed = slowest[args.start_iter + max(args.warmup_steps, 0):] if len(slowest) > 2 * (
+        args.start_iter + args.warmup_steps) else slowest[1:]
+    steady_bytes = bytes_sent[args.start_iter + args.warmup_steps:] or bytes_sent
+    return {
+        "method": method, "density": density if is_sparse(method) else 1.0, "seed": seed,
+        "compressor": METHODS[method][0] if METHODS[method] else None,
+        "collective": METHODS[method][1] if METHODS[method] else "ddp-allreduce",
+        "train_loss": mean_losses.tolist(),
+        "bytes_sent": bytes_sent,
+        "step_ms": (1e3 * slowest).tolist(),
+        "eval": [{"step": int(s), "test_accuracy": a, "test_loss": l} for s, a, l in evals_tensor.tolist()],
+        "final_test_accuracy": float(evals_tensor[-1, 1]),
+        "final_train_loss": float(mean_losses[-steps_per_epoch:].mean()),
+        "bytes_per_step": statistics.median(steady_bytes),
+        "total_bytes": sum(bytes_sent),
+        "ms_per_step": 1e3 * float(timed.median()),
+        "selected_over_k": statistics.median(selected_over_k) if selected_over_k else None,
+    }
+
+
+def planned_runs(args: argparse.Namespace) -> list[tuple[str, float, int]]:
+    """(method, density, seed) of every run; methods that do not sparsify run once per seed."""
+    return [(method, density, seed) for seed in args.seeds for method in args.methods
+            for density in (args.densities if is_sparse(method) else [1.0])]
+
+
+def worker(rank: int, world_size: int, args: argparse.Namespace, init_file: str, result_file: str) -> None:
+    torch.set_num_threads(1)  # several processes share a few cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        data = load_digits_split(seed=0)  # one fixed split for every run
+        runs = planned_runs(args)
+        progress = None
+        if rank == 0 and not args.no_progress:
+            from tqdm import tqdm
+
+            steps = args.epochs * (len(data[1]) // (world_size * args.batch_size))
+            # Redirected to a file, a bar redrawn every 0.1 s would flood it.
+            progress = tqdm(total=steps * len(runs), unit="step", dynamic_ncols=True,
+                            mininterval=0.2 if sys.stderr.isatty() else 20)
+        records = []
+        for method, density, seed in runs:
+            if progress is not None:
+                progress.set_description(f"seed {seed} {method}" + (f" {density:g}" if is_sparse(method) else ""))
+            records.append(train_run(rank, world_size, args, data, method, density, seed, progress))
+        if progress is not None:
+            progress.close()
+        if rank == 0:
+            with open(result_file, "w") as f:
+                json.dump(records, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def overhead_worker(rank: int, world_size: int, args: argparse.Namespace, init_file: str, result_file: str) -> None:
+    """Time per step only (no evaluation): each method in turn, ``--overhead-repeats`` interleaved rounds of
+    ``--overhead-steps`` steps after a warm-up; the slowest rank's median per round."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        train_x, train_y, _, _ = load_digits_split(seed=0)
+        configs = [(m, d) for m in args.methods for d in (args.densities if is_sparse(m) else [1.0])]
+        models = {}
+        for method, density in configs:
+            ddp = DistributedDataParallel(make_model(args.model, 0))
+            state = make_hook_state(method, density, args)
+            if state is not None:
+                ddp.register_comm_hook(state, gx.sparse_grad_hook)
+            models[(method, density)] = (ddp, torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum))
+        batches = torch.Generator().manual_seed(rank)
+        warmup = args.start_iter + args.warmup_steps + 3
+
+        def timed_steps(config, steps: int) -> list[float]:
+            ddp, optimizer = models[config]
+            seconds = []
+            for _ in range(steps):
+                index = torch.randint(0, len(train_y), (args.batch_size,), generator=batches)
+                start = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                nn.functional.cross_entropy(ddp(train_x[index]), train_y[index]).backward()
+                optimizer.step()
+                seconds.append(time.perf_counter() - start)
+            return seconds
+
+        for config in configs:
+            timed_steps(config, warmup)
+        medians = {config: [] for config in configs}
+        for repeat in range(args.overhead_repeats):
+            shift = repeat % len(configs)
+            for config in configs[shift:] + configs[:shift]:  # interleaved, so drifts of a busy machine spread
+                dist.barrier()
+                slowest = torch.tensor(timed_steps(config, args.overhead_steps), dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                medians[config].append(1e3 * float(slowest.median()))
+        if rank == 0:
+            with open(result_file, "w") as f:
+                json.dump([{"method": m, "density": d, "ms_per_step_rounds": ms} for (m, d), ms in medians.items()], f)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(target, args: argparse.Namespace) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "records.json")
+        mp.spawn(target, args=(args.world_size, args, os.path.join(tmp, "rendezvous"), result_file),
+                 nprocs=args.world_size, join=True)
+        with open(result_file) as f:
+            return json.load(f)
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (method, density): means over seeds (and the seeds' spread of the accuracy)."""
+    rows = []
+    for key in dict.fromkeys((r["method"], r["density"]) for r in records):
+        group = [r for r in records if (r["method"], r["density"]) == key]
+        accuracies = [r["final_test_accuracy"] for r in group]
+        selected = [r["selected_over_k"] for r in group if r["selected_over_k"] is not None]
+        rows.append({
+            "method": key[0], "density": key[1], "seeds": [r["seed"] for r in group],
+            "test_accuracy": statistics.fmean(accuracies),
+            "test_accuracy_min": min(accuracies), "test_accuracy_max": max(accuracies),
+            "train_loss": statistics.fmean(r["final_train_loss"] for r in group),
+            "bytes_per_step": statistics.fmean(r["bytes_per_step"] for r in group),
+            "total_bytes": statistics.fmean(r["total_bytes"] for r in group),
+            "ms_per_step": statistics.median(r["ms_per_step"] for r in group),
+            "selected_over_k": statistics.fmean(selected) if selected else None,
+        })
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    dense = next((r for r in rows if r["method"] == "dense"), None)
+    print(f"{'method':<21}{'density':>8}{'test acc':>10}{'(min-max)':>14}{'vs dense':>9}{'train loss':>11}"
+          f"{'B/step':>11}{'total MB':>10}{'ms/step':>9}{'sel/k':>7}")
+    for r in rows:
+        spread = f"({100 * r['test_accuracy_min']:.1f}-{100 * r['test_accuracy_max']:.1f})"
+        gap = f"{100 * (r['test_accuracy'] - dense['test_accuracy']):+.2f}pp" if dense else "-"
+        selected = f"{r['selected_over_k']:.2f}" if r["selected_over_k"] is not None else "-"
+        print(f"{r['method']:<21}{r['density']:>8g}{100 * r['test_accuracy']:>9.2f}%{spread:>14}{gap:>9}"
+              f"{r['train_loss']:>11.4f}{r['bytes_per_step']:>11.0f}{r['total_bytes'] / 1e6:>10.2f}"
+              f"{r['ms_per_step']:>9.2f}{selected:>7}")
+
+
+def mean_curve(records: list[dict], key) -> list[float]:
+    """The mean over seeds of ``key(record)`` (equal-length lists)."""
+    return [statistics.fmean(values) for values in zip(*(key(r) for r in records))]
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average: the per-step loss of a small batch is too noisy to read."""
+    out, running = [], 0.0
+    for i, v in enumerate(values):
+        running += v - (values[i - window] if i >= window else 0.0)
+        out.append(running / min(i + 1, window))
+    return out
+
+
+def plot(records: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    colors = dict(zip(METHODS, ("black", "tab:gray", "tab:blue", "tab:orange", "tab:green")))
+    densities = sorted({r["density"] for r in records if r["density"] < 1.0}, reverse=True)
+    styles = dict(zip(densities, ("-", "--", ":", "-.")))
+    steps = len(records[0]["train_loss"])
+    window = max(1, steps // 40)
+    for key in dict.fromkeys((r["method"], r["density"]) for r in records):
+        group = [r for r in records if (r["method"], r["density"]) == key]
+        method, density = key
+        label = method if density == 1.0 else f"{method} d={density:g}"
+        style = dict(color=colors[method], linestyle=styles.get(density, "-"), linewidth=1.6 if density == 1.0 else 1.3)
+        cumulative_mb = [b / 1e6 for b in _cumsum(mean_curve(group, lambda r: r["bytes_sent"]))]
+        loss = smooth(mean_curve(group, lambda r: r["train_loss"]), window)
+        eval_steps = [e["step"] for e in group[0]["eval"]]
+        accuracy = [100 * a for a in mean_curve(group, lambda r: [e["test_accuracy"] for e in r["eval"]])]
+        eval_mb = [cumulative_mb[s - 1] for s in eval_steps[1:]]  # the untrained model (step 0) sent nothing
+        axes[0, 0].plot(eval_steps, accuracy, marker=".", label=label, **style)
+        axes[0, 1].plot(eval_mb, accuracy[1:], marker=".", **style)
+        axes[1, 0].plot(range(1, steps + 1), loss, **style)
+        axes[1, 1].plot(cumulative_mb, loss, label=label, **style)
+    for ax in axes[:, 1]:
+        ax.set_xscale("log")
+        ax.set_xlabel("MB sent per rank (cumulative, log scale)")
+    for ax in axes[:, 0]:
+        ax.set_xlabel("step")
+    lowest_final = min(100 * r["final_test_accuracy"] for r in records)
+    for ax in axes[0]:  # the final accuracies are what differ: the axis starts a little below the lowest
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_ylim(min(max(0, lowest_final - 15), 80), 100)
+    for ax in axes[1]:
+        ax.set_ylabel(f"training loss (moving average of {window} steps)")
+        ax.set_yscale("log")
+    for ax in axes.flat:
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title)
+    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.96), ncol=4, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _cumsum(values: list[float]) -> list[float]:
+    out, total = [], 0.0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=4, help="Gloo processes (DDP ranks)")
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
+    parser.add_argument("--densities", nargs="+", type=float, default=[0.01, 0.001])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--model", choices=MODELS, default="cnn")
+    parser.add_argument("--batch-size", type=int, default=16, help="per rank")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--start-iter", type=int, default=2, help="dense iterations before the residuals start")
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="iterations of density decaying from --warmup-density to the target (0: none)")
+    parser.add_argument("--warmup-density", type=float, default=0.25)
+    parser.add_argument("--min-compress-numel", type=int, default=1024, help="smaller buckets go dense")
+    parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder of demo.json and demo.png")
+    parser.add_argument("--overhead", action="store_true",
+                        help="measure time per step only (no training curves): the hook against DDP's allreduce")
+    parser.add_argument("--overhead-steps", type=int, default=30)
+    parser.add_argument("--overhead-repeats", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before failing")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    for name in ("world_size", "epochs", "batch_size", "overhead_steps", "overhead_repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.start_iter < 2:
+        parser.error(f"--start-iter must be >= 2 (the hook's residuals need DDP's rebuilt buckets), got "
+                     f"{args.start_iter}")
+    if args.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    for density in args.densities + [args.warmup_density]:
+        if not 0 < density <= 1:
+            parser.error(f"densities must be in (0, 1], got {density}")
+    args.methods = list(dict.fromkeys(args.methods))
+    args.densities = sorted(set(args.densities), reverse=True)
+    args.seeds = list(dict.fromkeys(args.seeds))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    setting = (f"{args.world_size} Gloo processes on {os.cpu_count()} CPU cores, digits, {args.model}, batch "
+               f"{args.batch_size}/rank, lr {args.lr:g}, momentum {args.momentum:g}")
+    machine = {"torch": torch.__version__, "platform": platform.platform(), "cpus": os.cpu_count()}
+    if args.overhead:
+        rows = spawn(overhead_worker, args)
+        baseline = next((statistics.median(r["ms_per_step_rounds"]) for r in rows if r["method"] == "dense"), None)
+        print(f"time per step, {setting}; median of {args.overhead_repeats} interleaved rounds of "
+              f"{args.overhead_steps} steps (each round: the slowest rank's median)")
+        print(f"{'method':<21}{'density':>8}{'ms/step':>9}{'(min-max)':>16}{'vs dense':>9}")
+        for r in rows:
+            ms = r["ms_per_step_rounds"]
+            r["ms_per_step"] = statistics.median(ms)
+            ratio = f"{r['ms_per_step'] / baseline:.2f}x" if baseline else "-"
+            print(f"{r['method']:<21}{r['density']:>8g}{r['ms_per_step']:>9.2f}"
+                  f"{f'({min(ms):.2f}-{max(ms):.2f})':>16}{ratio:>9}")
+        path = args.out / "overhead.json"
+        path.write_text(json.dumps({"settings": {k: str(v) if isinstance(v, Path) else v for k, v in
+                                                 vars(args).items()}, **machine, "rows": rows}, indent=1))
+        print(f"wrote {path}")
+        return
+
+    records = spawn(worker, args)
+    rows = summarize(records)
+    seeds = " ".join(map(str, args.seeds))
+    print(f"{setting}; {args.epochs} epochs ({len(records[0]['train_loss'])} steps), seeds {seeds} (mean), "
+          f"dense warm-up {args.start_iter} iterations, density warm-up {args.warmup_steps} iterations")
+    print_table(rows)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    (args.out / "demo.json").write_text(json.dumps({"settings": settings, **machine, "table": rows,
+                                                    "runs": records}))
+    plot(records, args.out / "demo.png", f"{setting}; {args.epochs} epochs, mean of seeds {seeds}")
+    print(f"wrote {args.out / 'demo.json'} and {args.out / 'demo.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -22,11 +23,66 @@ namespace {
 #endif
 
 // Statistics are reduced per fixed-size chunk and merged in chunk order, so the result does not depend on the
-// number of threads; explicit lanes (and -ffp-contract=off) fix the order of every addition, so it does not
-// depend on the instruction set either. Lane sums are float for speed, flushed to double every kBlock elements.
+// number of threads; lanes of vector types (and -ffp-contract=off) fix the order of every addition, so it does
+// not depend on the instruction set either. Lane sums are float for speed, flushed to double every kBlock.
 constexpr int64_t kChunk = 1 << 16;
 constexpr int64_t kBlock = 1024;
 constexpr int kLanes = 16;
+
+// kLanes floats (or their bit patterns) as one value: GCC/Clang vector extensions, lowered to AVX-512, AVX2 or
+// SSE registers by each clone, where the auto-vectoriser gives up on these loops.
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t LaneInts __attribute__((vector_size(kLanes * sizeof(int32_t))));
+// Functions taking or returning Lanes must be inlined into each clone: called across clones they would pass
+// vectors by one ABI and receive them by another.
+#define GTOPK_LANES_INLINE inline __attribute__((always_inline))
+
+template <typename scalar_t>
+GTOPK_LANES_INLINE Lanes load_lanes(const scalar_t* p) {
+  Lanes v;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(&v, p, sizeof(v));
+  } else {
+    for (int l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
+  }
+  return v;
+}
+
+template <typename scalar_t>
+GTOPK_LANES_INLINE void store_lanes(scalar_t* p, Lanes v) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(p, &v, sizeof(v));
+  } else {
+    for (int l = 0; l < kLanes; ++l) p[l] = static_cast<scalar_t>(v[l]);
+  }
+}
+
+GTOPK_LANES_INLINE Lanes abs_lanes(Lanes v) { return reinterpret_cast<Lanes>(reinterpret_cast<LaneInts>(v) & 0x7FFFFFFF); }
+
+GTOPK_LANES_INLINE bool any_lane(LaneInts mask) {
+  uint64_t halves[kLanes / 2];
+  std::memcpy(halves, &mask, sizeof(halves));
+  uint64_t any = 0;
+  for (uint64_t h : halves) any |= h;
+  return any != 0;
+}
+
+// acc = residual + grad (rounded to the dtype and stored back into residual when error feedback is on).
+template <bool kAccumulate, typename scalar_t>
+GTOPK_LANES_INLINE Lanes load_acc(const scalar_t* __restrict__ grad, scalar_t* __restrict__ residual) {
+  const Lanes g = load_lanes(grad);
+  if constexpr (!kAccumulate) {
+    return g;
+  } else {
+    const Lanes sum = load_lanes(residual) + g;
+    store_lanes(residual, sum);
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      return sum;
+    } else {
+      return load_lanes(residual);  // rounded to the dtype, as stored
+    }
+  }
+}
 
 // Sums of (acc - shift) and its square, shift being acc[0]: centring on a sample keeps the float lane sums
 // accurate when |mean| >> std (equal values give a deviation of exactly 0).
@@ -35,21 +91,6 @@ struct ChunkMoments {
   double sum_sq = 0.0;
   float max_abs = 0.0f;
 };
-
-// acc[i..i+kLanes) = residual + grad, stored back into residual when error feedback is on. Whole lanes are
-// loaded before anything is stored so the compiler can vectorise despite possible aliasing.
-template <bool kAccumulate, typename scalar_t>
-inline void load_acc(const scalar_t* __restrict__ grad, scalar_t* __restrict__ residual, int64_t i, int lanes,
-                     float* acc) {
-  for (int l = 0; l < lanes; ++l) acc[l] = static_cast<float>(grad[i + l]);
-  if constexpr (kAccumulate) {
-    for (int l = 0; l < lanes; ++l) {
-      const scalar_t sum = static_cast<scalar_t>(static_cast<float>(residual[i + l]) + acc[l]);
-      residual[i + l] = sum;
-      acc[l] = static_cast<float>(sum);
-    }
-  }
-}
 
 // Counts |acc| in the histogram when its key is at least floor_key (and it is not NaN).
 inline int histogram_key_if_counted(float abs_acc, int floor_key) {
@@ -64,35 +105,31 @@ GTOPK_VECTOR_CLONES ChunkMoments accumulate_chunk(const scalar_t* __restrict__ g
   ChunkMoments m;
   for (int64_t block = begin; block < end; block += kBlock) {
     const int64_t block_end = std::min(end, block + kBlock);
-    float sum[kLanes] = {}, sum_sq[kLanes] = {}, max_abs[kLanes] = {};
+    Lanes sum = {}, sum_sq = {}, max_abs = {};
     int64_t i = block;
     for (; i + kLanes <= block_end; i += kLanes) {
-      float acc[kLanes];
-      load_acc<kAccumulate>(grad, residual, i, kLanes, acc);
-      for (int l = 0; l < kLanes; ++l) {
-        const float centred = acc[l] - shift;
-        sum[l] += centred;
-        sum_sq[l] += centred * centred;
-        const float abs_acc = std::fabs(acc[l]);
-        max_abs[l] = abs_acc > max_abs[l] ? abs_acc : max_abs[l];  // NaN compares false: ignored
-      }
+      const Lanes acc = load_acc<kAccumulate>(grad + i, residual + i);
+      const Lanes centred = acc - shift;
+      sum += centred;
+      sum_sq += centred * centred;
+      const Lanes abs_acc = abs_lanes(acc);
+      max_abs = abs_acc > max_abs ? abs_acc : max_abs;  // NaN compares false: ignored
       if constexpr (kHistogram) {
-        int keys[kLanes];
-        int counted = 0;
-        for (int l = 0; l < kLanes; ++l) {
-          keys[l] = histogram_key_if_counted(std::fabs(acc[l]), floor_key);
-          counted += keys[l] >= 0;
-        }
-        if (counted != 0) {
+        const LaneInts keys = reinterpret_cast<LaneInts>(abs_acc) >> kHistShift;
+        const LaneInts counted = (keys >= floor_key) & (keys <= kHistInfKey);  // NaN keys are larger
+        if (any_lane(counted)) {
           for (int l = 0; l < kLanes; ++l) {
-            if (keys[l] >= 0) ++histogram[keys[l]];
+            if (counted[l]) ++histogram[keys[l]];
           }
         }
       }
     }
-    for (; i < block_end; ++i) {
-      float acc;
-      load_acc<kAccumulate>(grad, residual, i, 1, &acc);
+    for (; i < block_end; ++i) {  // the tail, in lane 0
+      float acc = static_cast<float>(grad[i]);
+      if constexpr (kAccumulate) {
+        residual[i] = static_cast<scalar_t>(static_cast<float>(residual[i]) + acc);
+        acc = static_cast<float>(residual[i]);
+      }
       const float centred = acc - shift;
       sum[0] += centred;
       sum_sq[0] += centred * centred;
@@ -218,9 +255,7 @@ GTOPK_VECTOR_CLONES void select_range(const scalar_t* __restrict__ acc, int64_t 
   };
   int64_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
-    int passing = 0;  // an integer sum, which the compiler vectorises (a bool "any" it does not)
-    for (int l = 0; l < kLanes; ++l) passing += std::fabs(static_cast<float>(acc[i + l])) >= thr;
-    if (passing != 0) {
+    if (any_lane(abs_lanes(load_lanes(acc + i)) >= thr)) {
       for (int l = 0; l < kLanes; ++l) visit(i + l);
     }
   }

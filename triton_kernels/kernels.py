@@ -1,0 +1,250 @@
+"""The Triton kernels behind gtopk_ext.triton_kernels.ops (semantics: csrc/ops.cpp; shared rules: csrc/common.h).
+
+Tuning (one config per kernel: a multi-config autotune cannot run without a GPU). The passes over the data are
+memory-bound, so a block of 4096 elements with 4 warps gives each thread 32 elements (eight 16-byte loads of
+fp32) and leaves enough blocks in flight on an A100/H100 from about 1M elements up. The finishing kernel runs
+one program over the 8192 histogram bins, so it uses 8 warps (32 bins a thread). Under TRITON_INTERPRET=1 a
+program instance costs milliseconds, which these large blocks also keep low.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Elements per program of the passes over the data, and their warps (see the module docstring).
+BLOCK = 4096
+NUM_WARPS = 4
+# The finishing kernel reduces the per-block partials this many at a time.
+PARTIAL_BLOCK = 1024
+FINISH_NUM_WARPS = 8
+
+# The histogram of csrc/common.h: |acc| binned by the top 13 bits of its float32 pattern (8 exponent bits,
+# 5 mantissa bits: bins 2^(1/32) wide on a log scale); +inf has its own bin, NaN is not counted.
+HIST_SHIFT = 18
+HIST_BINS = 1 << (31 - HIST_SHIFT)
+HIST_INF_KEY = 0x7F800000 >> HIST_SHIFT
+# Programs add into one of this many copies of the histogram (program id modulo), so that the hot bins of a
+# bell-shaped gradient see a few times less contention on the same address; the finishing kernel sums them.
+HIST_COPIES = 8
+
+
+@triton.jit
+def round_to_dtype(x, dtype: tl.constexpr):
+    """fp32 x rounded to nearest even in dtype. bf16 is rounded by hand (as c10::BFloat16 does) because the
+    interpreter's fp32 -> bf16 cast truncates; on a GPU this costs a few integer operations."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)  # NaN stays a (quiet) NaN
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def moments_histogram_kernel(grad_ptr, residual_ptr, shift_ptr, partial_sum_ptr, partial_sum_sq_ptr,
+                             partial_max_ptr, histogram_ptr, n, HAS_RESIDUAL: tl.constexpr, USE_HISTOGRAM: tl.constexpr,
+                             HIST_COPIES: tl.constexpr, HIST_BINS: tl.constexpr, HIST_SHIFT: tl.constexpr,
+                             BLOCK: tl.constexpr):
+    """One block of acc = grad (+ residual, stored back rounded to the dtype): fp64 sums of acc - shift and of
+    its square, max |acc| ignoring NaN, and the histogram counts of |acc| (NaN not counted).
+
+    shift = grad[0] (0 when empty or not finite; program 0 stores it for the finishing kernel): moments about
+    a sample keep the variance of values whose |mean| dwarfs their spread (equal values give exactly 0). grad,
+    not acc, because the residual is being overwritten while the programs read it."""
+    pid = tl.program_id(0)
+    first = tl.load(grad_ptr, mask=n > 0, other=0.0).to(tl.float32)
+    shift = tl.where(tl.abs(first) < float("inf"), first, 0.0).to(tl.float64)
+    if pid == 0:
+        tl.store(shift_ptr, shift)
+    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offsets < n
+    grad = tl.load(grad_ptr + offsets, mask=in_range, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + offsets, mask=in_range, other=0.0)
+        # Sum in fp32, round once to the dtype: what the C++ kernels and torch's add_ do.
+        acc_stored = round_to_dtype(residual.to(tl.float32) + grad.to(tl.float32), grad.dtype)
+        tl.store(residual_ptr + offsets, acc_stored, mask=in_range)
+    else:
+        acc_stored = grad
+    acc = acc_stored.to(tl.float32)
+    centred = tl.where(in_range, acc.to(tl.float64) - shift, 0.0)
+    tl.store(partial_sum_ptr + pid, tl.sum(centred, axis=0))
+    tl.store(partial_sum_sq_ptr + pid, tl.sum(centred * centred, axis=0))
+    magnitude = tl.abs(acc)
+    not_nan = magnitude == magnitude
+    tl.store(partial_max_ptr + pid, tl.max(tl.where(not_nan, magnitude, 0.0), axis=0))
+    if USE_HISTOGRAM:
+        key = magnitude.to(tl.int32, bitcast=True) >> HIST_SHIFT
+        copy = pid % HIST_COPIES
+        tl.atomic_add(histogram_ptr + copy * HIST_BINS + key, 1, mask=in_range & not_nan)
+
+
+@triton.jit
+def finish_stats_kernel(shift_ptr, partial_sum_ptr, partial_sum_sq_ptr, partial_max_ptr, num_partials,
+                        histogram_ptr, stats_ptr, n, z: tl.float64, k, USE_HISTOGRAM: tl.constexpr, HIST_COPIES: tl.constexpr,
+                        HIST_BINS: tl.constexpr, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr,
+                        PARTIAL_BLOCK: tl.constexpr):
+    """One program: merges the partials into float32[5] stats (mean, std, max|acc|, Gaussian threshold,
+    threshold) with the arithmetic of csrc/cpu/kernels.cpp and csrc/common.h threshold_from_histogram."""
+    lanes = tl.arange(0, PARTIAL_BLOCK)
+    sum_lanes = tl.zeros([PARTIAL_BLOCK], dtype=tl.float64)
+    sum_sq_lanes = tl.zeros([PARTIAL_BLOCK], dtype=tl.float64)
+    max_lanes = tl.zeros([PARTIAL_BLOCK], dtype=tl.float32)
+    for start in range(0, num_partials, PARTIAL_BLOCK):
+        mask = start + lanes < num_partials
+        sum_lanes += tl.load(partial_sum_ptr + start + lanes, mask=mask, other=0.0)
+        sum_sq_lanes += tl.load(partial_sum_sq_ptr + start + lanes, mask=mask, other=0.0)
+        max_lanes = tl.maximum(max_lanes, tl.load(partial_max_ptr + start + lanes, mask=mask, other=0.0))
+    total = tl.sum(sum_lanes, axis=0)
+    total_sq = tl.sum(sum_sq_lanes, axis=0)
+    max_abs = tl.max(max_lanes, axis=0)  # the partials are never NaN
+
+    count = n.to(tl.float64)
+    centred_mean = tl.where(n > 0, total / count, 0.0)
+    mean = tl.load(shift_ptr) + centred_mean
+    variance = tl.where(n > 0, total_sq / count - centred_mean * centred_mean, 0.0)
+    variance = tl.where(variance < 0.0, 0.0, variance)  # rounding; NaN (from inf/NaN input) stays NaN
+    std = tl.sqrt(variance)
+    gaussian = (tl.abs(mean) + z * std).to(tl.float32)
+    tl.store(stats_ptr + 0, mean.to(tl.float32))
+    tl.store(stats_ptr + 1, std.to(tl.float32))
+    tl.store(stats_ptr + 2, max_abs)
+    tl.store(stats_ptr + 3, gaussian)
+
+    if USE_HISTOGRAM:
+        bins = tl.arange(0, HIST_BINS)
+        counts = tl.load(histogram_ptr + bins)
+        for copy in tl.static_range(1, HIST_COPIES):
+            counts += tl.load(histogram_ptr + copy * HIST_BINS + bins)
+        counts = counts.to(tl.int64)
+        from_top = tl.cumsum(counts, axis=0, reverse=True)  # elements in bins >= b
+        # The highest bin where the count from the top reaches k (-1: fewer than k non-NaN elements).
+        bin = tl.max(tl.where((from_top >= k) & (bins <= HIST_INF_KEY), bins, -1), axis=0)
+        in_bin = tl.sum(tl.where(bins == bin, counts, 0), axis=0)
+        above = tl.sum(tl.where(bins == bin, from_top, 0), axis=0) - in_bin
+        lo = (bin << HIST_SHIFT).to(tl.float32, bitcast=True).to(tl.float64)
+        hi = ((bin + 1) << HIST_SHIFT).to(tl.float32, bitcast=True).to(tl.float64)
+        needed = (k - above).to(tl.float64)
+        safe_in_bin = tl.where(in_bin > 0, in_bin, 1).to(tl.float64)
+        # Same operations in the same order as csrc/common.h, all in fp64, one rounding to fp32 at the end.
+        threshold = (hi - (hi - lo) * needed / safe_in_bin).to(tl.float32)
+        max_key = max_abs.to(tl.int32, bitcast=True) >> HIST_SHIFT
+        threshold = tl.where((bin == max_key) & (threshold > max_abs), max_abs, threshold)
+        threshold = tl.where(bin == HIST_INF_KEY, float("inf"), threshold)
+        threshold = tl.where(bin < 0, 0.0, threshold)
+        tl.store(stats_ptr + 4, threshold)
+    else:
+        tl.store(stats_ptr + 4, gaussian)
+
+
+@triton.jit
+def candidates(acc_ptr, threshold_ptr, offsets, n, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr):
+    """(acc, sure, boundary) of a block: boundary elements have threshold <= |acc| < the upper edge of the
+    threshold's histogram bin, sure ones |acc| >= that edge (csrc/common.h sure_threshold). NaN is neither."""
+    threshold = tl.load(threshold_ptr)
+    key = threshold.to(tl.uint32, bitcast=True) >> HIST_SHIFT  # as unsigned as in C++: -0.0 gets a high key
+    upper_edge = ((key + 1) << HIST_SHIFT).to(tl.float32, bitcast=True)
+    sure_threshold = tl.where((threshold >= 0.0) & (key < HIST_INF_KEY), upper_edge, threshold)
+    in_range = offsets < n
+    acc = tl.load(acc_ptr + offsets, mask=in_range, other=0.0)
+    magnitude = tl.abs(acc.to(tl.float32))
+    sure = in_range & (magnitude >= sure_threshold)
+    boundary = in_range & (magnitude >= threshold) & ~sure
+    return acc, sure, boundary
+
+
+@triton.jit
+def count_candidates_kernel(acc_ptr, threshold_ptr, block_counts_ptr, n, HIST_SHIFT: tl.constexpr,
+                            HIST_INF_KEY: tl.constexpr, BLOCK: tl.constexpr):
+    """block_counts[0, b] / [1, b] = how many sure / boundary elements block b holds."""
+    pid = tl.program_id(0)
+    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _, sure, boundary = candidates(acc_ptr, threshold_ptr, offsets, n, HIST_SHIFT, HIST_INF_KEY)
+    tl.store(block_counts_ptr + pid, tl.sum(sure.to(tl.int32), axis=0))
+    tl.store(block_counts_ptr + tl.num_programs(0) + pid, tl.sum(boundary.to(tl.int32), axis=0))
+
+
+@triton.jit
+def write_selected_kernel(acc_ptr, threshold_ptr, block_counts_ptr, block_ends_ptr, values_ptr, indices_ptr,
+                          count_ptr, n, capacity, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Writes block b's kept candidates in index order. block_ends = inclusive scans of block_counts' rows,
+    so the scans' last entries are the totals. The first min(sure total, capacity) sure elements are kept
+    and the first (capacity - that) boundary ones; an element's slot is the number of kept elements before it.
+    The last block writes the count of all candidates."""
+    pid = tl.program_id(0)
+    num_blocks = tl.num_programs(0)
+    sure_end = tl.load(block_ends_ptr + pid)
+    boundary_end = tl.load(block_ends_ptr + num_blocks + pid)
+    sure_start = sure_end - tl.load(block_counts_ptr + pid)
+    boundary_start = boundary_end - tl.load(block_counts_ptr + num_blocks + pid)
+    sure_total = tl.load(block_ends_ptr + num_blocks - 1)
+    boundary_total = tl.load(block_ends_ptr + 2 * num_blocks - 1)
+    sure_slots = tl.minimum(sure_total, capacity)
+    boundary_slots = capacity - sure_slots
+    if pid == num_blocks - 1:
+        tl.store(count_ptr, sure_total + boundary_total)
+    # Most blocks of a sparse selection hold nothing to keep and skip the second read.
+    if ((sure_start < sure_end) & (sure_start < sure_slots)) | (
+            (boundary_start < boundary_end) & (boundary_start < boundary_slots)):
+        offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        acc, sure, boundary = candidates(acc_ptr, threshold_ptr, offsets, n, HIST_SHIFT, HIST_INF_KEY)
+        sure_before = sure_start + tl.cumsum(sure.to(tl.int32), axis=0) - sure.to(tl.int32)
+        boundary_before = boundary_start + tl.cumsum(boundary.to(tl.int32), axis=0) - boundary.to(tl.int32)
+        kept = (sure & (sure_before < sure_slots)) | (boundary & (boundary_before < boundary_slots))
+        slots = tl.minimum(sure_before, sure_slots) + tl.minimum(boundary_before, boundary_slots)
+        tl.store(values_ptr + slots, acc, mask=kept)
+        tl.store(indices_ptr + slots, offsets.to(tl.int32), mask=kept)
+
+
+@triton.jit
+def count_invalid(indices, in_range, n_dense, invalid_ptr):
+    """Adds to invalid_ptr[0] how many in-range indices fall outside [0, n_dense); returns the valid mask."""
+    valid = in_range & (indices >= 0) & (indices < n_dense)
+    invalid = tl.sum((in_range & ~valid).to(tl.int32), axis=0)
+    tl.atomic_add(invalid_ptr, invalid, mask=invalid > 0)
+    return valid
+
+
+@triton.jit
+def scatter_atomic_kernel(dense_ptr, indices_ptr, values_ptr, invalid_ptr, n_dense, m, SIGN: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """dense[indices[j]] += SIGN * values[j] with fp32 atomics (fp32 dense only)."""
+    pid = tl.program_id(0)
+    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offsets < m
+    indices = tl.load(indices_ptr + offsets, mask=in_range, other=0)
+    values = tl.load(values_ptr + offsets, mask=in_range, other=0.0)
+    valid = count_invalid(indices, in_range, n_dense, invalid_ptr)
+    tl.atomic_add(dense_ptr + indices, SIGN * values, mask=valid)
+
+
+@triton.jit
+def segment_sum_kernel(order_ptr, segments_ptr, values_ptr, sums_ptr, m, BLOCK: tl.constexpr):
+    """sums[segments[j]] += float32(values[order[j]]): duplicates of one index summed in fp32 (atomics)."""
+    pid = tl.program_id(0)
+    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offsets < m
+    order = tl.load(order_ptr + offsets, mask=in_range, other=0)
+    segments = tl.load(segments_ptr + offsets, mask=in_range, other=0)
+    values = tl.load(values_ptr + order, mask=in_range, other=0.0).to(tl.float32)
+    tl.atomic_add(sums_ptr + segments, values, mask=in_range)
+
+
+@triton.jit
+def apply_segment_sums_kernel(dense_ptr, sorted_indices_ptr, segments_ptr, sums_ptr, invalid_ptr, n_dense, m,
+                              SIGN: tl.constexpr, BLOCK: tl.constexpr):
+    """At the first slot of each run of equal sorted indices: dense[index] = dtype(dense + SIGN * run sum),
+    one rounding per index and no two programs writing the same element."""
+    pid = tl.program_id(0)
+    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offsets < m
+    indices = tl.load(sorted_indices_ptr + offsets, mask=in_range, other=0)
+    previous = tl.load(sorted_indices_ptr + offsets - 1, mask=in_range & (offsets > 0), other=0)
+    valid = count_invalid(indices, in_range, n_dense, invalid_ptr)
+    run_start = valid & ((offsets == 0) | (indices != previous))
+    sums = tl.load(sums_ptr + tl.load(segments_ptr + offsets, mask=run_start, other=0), mask=run_start, other=0.0)
+    dense = tl.load(dense_ptr + indices, mask=run_start, other=0.0)
+    tl.store(dense_ptr + indices, round_to_dtype(dense.to(tl.float32) + SIGN * sums, dense.dtype), mask=run_start)

@@ -311,6 +311,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
     colors = dict(zip(METHODS, ("black", "tab:gray", "tab:blue", "tab:orange", "tab:green")))
@@ -331,7 +332,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
         axes[0, 0].plot(eval_steps, accuracy, marker=".", label=label, **style)
         axes[0, 1].plot(eval_mb, accuracy[1:], marker=".", **style)
         axes[1, 0].plot(range(1, steps + 1), loss, **style)
-        axes[1, 1].plot(cumulative_mb, loss, label=label, **style)
+        axes[1, 1].plot(cumulative_mb, loss, **style)
     for ax in axes[:, 1]:
         ax.set_xscale("log")
         ax.set_xlabel("MB sent per rank (cumulative, log scale)")
@@ -344,11 +345,16 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     for ax in axes[1]:
         ax.set_ylabel(f"training loss (moving average of {window} steps)")
         ax.set_yscale("log")
+    plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")  # 0.1, not 10^-1, on log axes
     for ax in axes.flat:
         ax.grid(True, which="both", alpha=0.3)
+        for axis in (ax.xaxis, ax.yaxis):
+            if axis.get_scale() == "log":
+                axis.set_major_formatter(plain)
+                axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.suptitle(title)
-    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.96), ncol=4, fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.965), ncol=4, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -222,7 +222,8 @@ def plot(fit_result: Fit, prediction: dict, args: argparse.Namespace, path: Path
                           (PAPER["world_size"], 0.55), xytext=(40, 0.6), fontsize=8)
         axis.set_xscale("log", base=2)
         axis.set_ylim(0, 1.02)
-        axis.set_title(f"{rate / 1e9:g} Gbit/s: n = {args.numel / 1e6:g}M, compute {args.compute_s * 1e3:g} ms")
+        axis.set_title(f"{rate / 1e9:g} Gbit/s: n = {args.numel / 1e6:g}M, compute {args.compute_s * 1e3:g} ms, "
+                       f"per-element costs x{args.compute_scale:g}", fontsize=10)
         axis.set_xlabel("ranks P")
         axis.set_ylabel("scaling efficiency")
         axis.grid(alpha=0.3)

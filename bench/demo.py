@@ -147,9 +147,10 @@ def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple,
     evals_tensor = torch.tensor(evals if rank == 0 else [(0, 0.0, 0.0)] * (args.epochs + 1), dtype=torch.float64)
     dist.broadcast(evals_tensor, src=0)
     steps_per_epoch = len(losses) // args.epochs
-    timed = slowest[args.start_iter + max(args.warmup_steps, 0):] if len(slowest) > 2 * (
-        args.start_iter + args.warmup_steps) else slowest[1:]
-    steady_bytes = bytes_sent[args.start_iter + args.warmup_steps:] or bytes_sent
+    # Time and bytes per step at the target density: after both warm-ups, when the run is long enough.
+    warmed_up = args.start_iter + args.warmup_steps
+    timed = slowest[warmed_up:] if len(slowest) > 2 * warmed_up else slowest[1:]
+    steady_bytes = bytes_sent[warmed_up:] or bytes_sent
     return {
         "method": method, "density": density if is_sparse(method) else 1.0, "seed": seed,
         "compressor": METHODS[method][0] if METHODS[method] else None,
@@ -374,14 +375,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
     parser.add_argument("--densities", nargs="+", type=float, default=[0.01, 0.001])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--model", choices=MODELS, default="cnn")
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--start-iter", type=int, default=2, help="dense iterations before the residuals start")
-    parser.add_argument("--warmup-steps", type=int, default=0,
+    parser.add_argument("--warmup-steps", type=int, default=44,
                         help="iterations of density decaying from --warmup-density to the target (0: none)")
     parser.add_argument("--warmup-density", type=float, default=0.25)
     parser.add_argument("--min-compress-numel", type=int, default=1024, help="smaller buckets go dense")

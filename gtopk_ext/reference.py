@@ -43,7 +43,7 @@ def threshold_from_histogram(counts: torch.Tensor, k: int, max_abs: float) -> fl
     hi = _bits_to_float((b + 1) << HIST_SHIFT)
     threshold = np.float32(hi - (hi - lo) * (k - above) / in_bin)
     max_abs32 = np.float32(max_abs)
-    if b == (int(np.array([max_abs32]).view(np.int32)[0]) >> HIST_SHIFT) and threshold > max_abs32:
+    if b == (int(np.array([max_abs32]).view(np.uint32)[0]) >> HIST_SHIFT) and threshold > max_abs32:
         threshold = max_abs32
     return float(threshold)
 
@@ -75,7 +75,7 @@ def sure_threshold(threshold: float) -> float:
     """The upper edge of the threshold's histogram bin (itself for NaN, negative or infinite thresholds)."""
     if not threshold >= 0.0:
         return threshold
-    key = int(np.array([threshold], dtype=np.float32).view(np.int32)[0]) >> HIST_SHIFT
+    key = int(np.array([threshold], dtype=np.float32).view(np.uint32)[0]) >> HIST_SHIFT
     return threshold if key >= HIST_INF_KEY else _bits_to_float((key + 1) << HIST_SHIFT)
 
 

@@ -149,7 +149,7 @@ def compact_cases(device):
         magnitude = grad.float().abs()
         finite = magnitude[torch.isfinite(magnitude)]
         top = float(finite.max()) if finite.numel() else 0.0
-        thresholds = [0.0, top, top * 2 + 1, float("inf"), float("nan")]
+        thresholds = [0.0, -0.0, -1.0, top, top * 2 + 1, float("inf"), float("nan")]
         if finite.numel():
             thresholds.append(float(finite.median()))  # an element's own magnitude: ties at the threshold
         for threshold in thresholds:

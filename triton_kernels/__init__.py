@@ -1,5 +1,5 @@
 """Triton versions of the gtopk_ext kernels (installed as gtopk_ext.triton_kernels)."""
 
-from . import ops  # noqa: E402  (registers torch.ops.gtopk_ext_triton.*)
+from . import ops  # noqa: F401  (registers torch.ops.gtopk_ext_triton.*)
 
 __all__ = ["ops"]

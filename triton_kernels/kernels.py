@@ -30,6 +30,16 @@ HIST_COPIES = 8
 
 
 @triton.jit
+def to_float32(x):
+    """x widened to fp32 (exact). bf16 by hand, its bits being the top half of fp32's, because the interpreter's
+    bf16 -> fp32 cast loses subnormals; on a GPU this is the same shift the hardware does."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def round_to_dtype(x, dtype: tl.constexpr):
     """fp32 x rounded to nearest even in dtype. bf16 is rounded by hand (as c10::BFloat16 does) because the
     interpreter's fp32 -> bf16 cast truncates; on a GPU this costs a few integer operations."""
@@ -64,11 +74,11 @@ def moments_histogram_kernel(grad_ptr, residual_ptr, shift_ptr, partial_sum_ptr,
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + offsets, mask=in_range, other=0.0)
         # Sum in fp32, round once to the dtype: what the C++ kernels and torch's add_ do.
-        acc_stored = round_to_dtype(residual.to(tl.float32) + grad.to(tl.float32), grad.dtype)
+        acc_stored = round_to_dtype(to_float32(residual) + to_float32(grad), grad.dtype)
         tl.store(residual_ptr + offsets, acc_stored, mask=in_range)
     else:
         acc_stored = grad
-    acc = acc_stored.to(tl.float32)
+    acc = to_float32(acc_stored)
     centred = tl.where(in_range, acc.to(tl.float64) - shift, 0.0)
     tl.store(partial_sum_ptr + pid, tl.sum(centred, axis=0))
     tl.store(partial_sum_sq_ptr + pid, tl.sum(centred * centred, axis=0))
@@ -101,10 +111,11 @@ def finish_stats_kernel(shift_ptr, partial_sum_ptr, partial_sum_sq_ptr, partial_
     total_sq = tl.sum(sum_sq_lanes, axis=0)
     max_abs = tl.max(max_lanes, axis=0)  # the partials are never NaN
 
-    count = n.to(tl.float64)
-    centred_mean = tl.where(n > 0, total / count, 0.0)
+    # n = 0: the sums are 0 and so are the moments. (zeros + n: n may be the constant 1 Triton specializes.)
+    count = tl.maximum(tl.zeros([], dtype=tl.float64) + n, 1.0)
+    centred_mean = total / count
     mean = tl.load(shift_ptr) + centred_mean
-    variance = tl.where(n > 0, total_sq / count - centred_mean * centred_mean, 0.0)
+    variance = total_sq / count - centred_mean * centred_mean
     variance = tl.where(variance < 0.0, 0.0, variance)  # rounding; NaN (from inf/NaN input) stays NaN
     std = tl.sqrt(variance)
     gaussian = (tl.abs(mean) + z * std).to(tl.float32)
@@ -149,7 +160,7 @@ def candidates(acc_ptr, threshold_ptr, offsets, n, HIST_SHIFT: tl.constexpr, HIS
     sure_threshold = tl.where((threshold >= 0.0) & (key < HIST_INF_KEY), upper_edge, threshold)
     in_range = offsets < n
     acc = tl.load(acc_ptr + offsets, mask=in_range, other=0.0)
-    magnitude = tl.abs(acc.to(tl.float32))
+    magnitude = tl.abs(to_float32(acc))
     sure = in_range & (magnitude >= sure_threshold)
     boundary = in_range & (magnitude >= threshold) & ~sure
     return acc, sure, boundary
@@ -229,7 +240,7 @@ def segment_sum_kernel(order_ptr, segments_ptr, values_ptr, sums_ptr, m, BLOCK: 
     in_range = offsets < m
     order = tl.load(order_ptr + offsets, mask=in_range, other=0)
     segments = tl.load(segments_ptr + offsets, mask=in_range, other=0)
-    values = tl.load(values_ptr + order, mask=in_range, other=0.0).to(tl.float32)
+    values = to_float32(tl.load(values_ptr + order, mask=in_range, other=0.0))
     tl.atomic_add(sums_ptr + segments, values, mask=in_range)
 
 
@@ -247,4 +258,4 @@ def apply_segment_sums_kernel(dense_ptr, sorted_indices_ptr, segments_ptr, sums_
     run_start = valid & ((offsets == 0) | (indices != previous))
     sums = tl.load(sums_ptr + tl.load(segments_ptr + offsets, mask=run_start, other=0), mask=run_start, other=0.0)
     dense = tl.load(dense_ptr + indices, mask=run_start, other=0.0)
-    tl.store(dense_ptr + indices, round_to_dtype(dense.to(tl.float32) + SIGN * sums, dense.dtype), mask=run_start)
+    tl.store(dense_ptr + indices, round_to_dtype(to_float32(dense) + SIGN * sums, dense.dtype), mask=run_start)

@@ -230,7 +230,7 @@ def _signed_scatter(dense: torch.Tensor, indices: torch.Tensor, values: torch.Te
     run_starts = torch.cat([torch.ones(1, dtype=torch.bool, device=dense.device),
                             sorted_indices[1:] != sorted_indices[:-1]])
     segments = torch.cumsum(run_starts, 0, dtype=torch.int32) - 1
-    sums = torch.zeros(m, dtype=torch.float32, device=dense.device)
+    sums = torch.full((m,), -0.0, dtype=torch.float32, device=dense.device)  # -0.0 + x is x, signed zeros too
     wrap_triton(kernels.segment_sum_kernel)[grid](order, segments, values, sums, m, **launch)
     wrap_triton(kernels.apply_segment_sums_kernel)[grid](
         dense, sorted_indices, segments, sums, invalid, dense.numel(), m, SIGN=sign, **launch)

@@ -26,6 +26,7 @@ HIST_BINS = 1 << (31 - HIST_SHIFT)
 HIST_INF_KEY = 0x7F800000 >> HIST_SHIFT
 # Programs add into one of this many copies of the histogram (program id modulo), so that the hot bins of a
 # bell-shaped gradient see a few times less contention on the same address; the finishing kernel sums them.
+# Every atomic is relaxed: only sums are needed, and the kernel boundary orders them before any read.
 HIST_COPIES = 8
 
 
@@ -54,9 +55,9 @@ def round_to_dtype(x, dtype: tl.constexpr):
 
 @triton.jit
 def moments_histogram_kernel(grad_ptr, residual_ptr, shift_ptr, partial_sum_ptr, partial_sum_sq_ptr,
-                             partial_max_ptr, histogram_ptr, n, HAS_RESIDUAL: tl.constexpr, USE_HISTOGRAM: tl.constexpr,
-                             HIST_COPIES: tl.constexpr, HIST_BINS: tl.constexpr, HIST_SHIFT: tl.constexpr,
-                             BLOCK: tl.constexpr):
+                             partial_max_ptr, histogram_ptr, n, HAS_RESIDUAL: tl.constexpr,
+                             USE_HISTOGRAM: tl.constexpr, HIST_COPIES: tl.constexpr, HIST_BINS: tl.constexpr,
+                             HIST_SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """One block of acc = grad (+ residual, stored back rounded to the dtype): fp64 sums of acc - shift and of
     its square, max |acc| ignoring NaN, and the histogram counts of |acc| (NaN not counted).
 
@@ -88,14 +89,14 @@ def moments_histogram_kernel(grad_ptr, residual_ptr, shift_ptr, partial_sum_ptr,
     if USE_HISTOGRAM:
         key = magnitude.to(tl.int32, bitcast=True) >> HIST_SHIFT
         copy = pid % HIST_COPIES
-        tl.atomic_add(histogram_ptr + copy * HIST_BINS + key, 1, mask=in_range & not_nan)
+        tl.atomic_add(histogram_ptr + copy * HIST_BINS + key, 1, mask=in_range & not_nan, sem="relaxed")
 
 
 @triton.jit
 def finish_stats_kernel(shift_ptr, partial_sum_ptr, partial_sum_sq_ptr, partial_max_ptr, num_partials,
-                        histogram_ptr, stats_ptr, n, z: tl.float64, k, USE_HISTOGRAM: tl.constexpr, HIST_COPIES: tl.constexpr,
-                        HIST_BINS: tl.constexpr, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr,
-                        PARTIAL_BLOCK: tl.constexpr):
+                        histogram_ptr, stats_ptr, n, z: tl.float64, k, USE_HISTOGRAM: tl.constexpr,
+                        HIST_COPIES: tl.constexpr, HIST_BINS: tl.constexpr, HIST_SHIFT: tl.constexpr,
+                        HIST_INF_KEY: tl.constexpr, PARTIAL_BLOCK: tl.constexpr):
     """One program: merges the partials into float32[5] stats (mean, std, max|acc|, Gaussian threshold,
     threshold) with the arithmetic of csrc/cpu/kernels.cpp and csrc/common.h threshold_from_histogram."""
     lanes = tl.arange(0, PARTIAL_BLOCK)
@@ -132,19 +133,19 @@ def finish_stats_kernel(shift_ptr, partial_sum_ptr, partial_sum_sq_ptr, partial_
         counts = counts.to(tl.int64)
         from_top = tl.cumsum(counts, axis=0, reverse=True)  # elements in bins >= b
         # The highest bin where the count from the top reaches k (-1: fewer than k non-NaN elements).
-        bin = tl.max(tl.where((from_top >= k) & (bins <= HIST_INF_KEY), bins, -1), axis=0)
-        in_bin = tl.sum(tl.where(bins == bin, counts, 0), axis=0)
-        above = tl.sum(tl.where(bins == bin, from_top, 0), axis=0) - in_bin
-        lo = (bin << HIST_SHIFT).to(tl.float32, bitcast=True).to(tl.float64)
-        hi = ((bin + 1) << HIST_SHIFT).to(tl.float32, bitcast=True).to(tl.float64)
+        crossing = tl.max(tl.where((from_top >= k) & (bins <= HIST_INF_KEY), bins, -1), axis=0)
+        in_bin = tl.sum(tl.where(bins == crossing, counts, 0), axis=0)
+        above = tl.sum(tl.where(bins == crossing, from_top, 0), axis=0) - in_bin
+        lo = (crossing << HIST_SHIFT).to(tl.float32, bitcast=True).to(tl.float64)
+        hi = ((crossing + 1) << HIST_SHIFT).to(tl.float32, bitcast=True).to(tl.float64)
         needed = (k - above).to(tl.float64)
         safe_in_bin = tl.where(in_bin > 0, in_bin, 1).to(tl.float64)
         # Same operations in the same order as csrc/common.h, all in fp64, one rounding to fp32 at the end.
         threshold = (hi - (hi - lo) * needed / safe_in_bin).to(tl.float32)
         max_key = max_abs.to(tl.int32, bitcast=True) >> HIST_SHIFT
-        threshold = tl.where((bin == max_key) & (threshold > max_abs), max_abs, threshold)
-        threshold = tl.where(bin == HIST_INF_KEY, float("inf"), threshold)
-        threshold = tl.where(bin < 0, 0.0, threshold)
+        threshold = tl.where((crossing == max_key) & (threshold > max_abs), max_abs, threshold)
+        threshold = tl.where(crossing == HIST_INF_KEY, float("inf"), threshold)
+        threshold = tl.where(crossing < 0, 0.0, threshold)
         tl.store(stats_ptr + 4, threshold)
     else:
         tl.store(stats_ptr + 4, gaussian)
@@ -215,7 +216,7 @@ def count_invalid(indices, in_range, n_dense, invalid_ptr):
     """Adds to invalid_ptr[0] how many in-range indices fall outside [0, n_dense); returns the valid mask."""
     valid = in_range & (indices >= 0) & (indices < n_dense)
     invalid = tl.sum((in_range & ~valid).to(tl.int32), axis=0)
-    tl.atomic_add(invalid_ptr, invalid, mask=invalid > 0)
+    tl.atomic_add(invalid_ptr, invalid, mask=invalid > 0, sem="relaxed")
     return valid
 
 
@@ -229,7 +230,7 @@ def scatter_atomic_kernel(dense_ptr, indices_ptr, values_ptr, invalid_ptr, n_den
     indices = tl.load(indices_ptr + offsets, mask=in_range, other=0)
     values = tl.load(values_ptr + offsets, mask=in_range, other=0.0)
     valid = count_invalid(indices, in_range, n_dense, invalid_ptr)
-    tl.atomic_add(dense_ptr + indices, SIGN * values, mask=valid)
+    tl.atomic_add(dense_ptr + indices, SIGN * values, mask=valid, sem="relaxed")
 
 
 @triton.jit
@@ -241,7 +242,7 @@ def segment_sum_kernel(order_ptr, segments_ptr, values_ptr, sums_ptr, m, BLOCK: 
     order = tl.load(order_ptr + offsets, mask=in_range, other=0)
     segments = tl.load(segments_ptr + offsets, mask=in_range, other=0)
     values = to_float32(tl.load(values_ptr + order, mask=in_range, other=0.0))
-    tl.atomic_add(sums_ptr + segments, values, mask=in_range)
+    tl.atomic_add(sums_ptr + segments, values, mask=in_range, sem="relaxed")
 
 
 @triton.jit

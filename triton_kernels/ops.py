@@ -139,14 +139,12 @@ def _compact_fake(acc, threshold, capacity):
             acc.new_empty(1, dtype=torch.int32))
 
 
-def _scatter_add_fake(dense, indices, values):
-    check_scatter_args(dense, indices, values, "scatter_add", "dense")
-    return dense.new_empty(1, dtype=torch.int32)
+def _scatter_fake(op: str, dense_name: str) -> Callable:
+    def fake(dense, indices, values):
+        check_scatter_args(dense, indices, values, op, dense_name)
+        return dense.new_empty(1, dtype=torch.int32)
 
-
-def _residual_update_fake(residual, indices, values):
-    check_scatter_args(residual, indices, values, "residual_update", "residual")
-    return residual.new_empty(1, dtype=torch.int32)
+    return fake
 
 
 def _num_blocks(numel: int) -> int:
@@ -237,14 +235,14 @@ def _signed_scatter(dense: torch.Tensor, indices: torch.Tensor, values: torch.Te
     return invalid
 
 
-@_register("scatter_add", {"dense"}, _scatter_add_fake)
+@_register("scatter_add", {"dense"}, _scatter_fake("scatter_add", "dense"))
 def scatter_add(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """dense[indices[j]] += values[j], duplicates summed; returns int32[1], how many indices were out of range
     (skipped, never written)."""
     return _signed_scatter(dense, indices, values, 1.0, "scatter_add", "dense")
 
 
-@_register("residual_update", {"residual"}, _residual_update_fake)
+@_register("residual_update", {"residual"}, _scatter_fake("residual_update", "residual"))
 def residual_update(residual: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """residual[indices[j]] -= values[j]: what was sent leaves the residual (exactly zero when values came from
     compact on this residual). Index rules and result as scatter_add."""

@@ -97,6 +97,9 @@ def check_message(msg: SparseMessage, name: str = "msg") -> None:
                          f"{indices.device}, count on {msg.count.device}")
     if not isinstance(msg.numel, int) or not 0 < msg.numel <= MAX_NUMEL:
         raise ValueError(f"{name}.numel must be an int in [1, 2^31 - 1], got {msg.numel!r}")
+    if not bool(((indices >= 0) & (indices < msg.numel)).all()):
+        raise ValueError(f"{name}.indices must lie in [0, {name}.numel = {msg.numel}), got "
+                         f"{int(indices.min())} to {int(indices.max())}")
 
 
 def _agree_on_message(msg: SparseMessage, group: dist.ProcessGroup, what: str, traffic: Traffic | None) -> None:

@@ -240,19 +240,22 @@ def check_mismatches(members: Members) -> list[str]:
     wrong_numel = gx.make_compressor("topk", 0.1).compress(case_data(0, me, 95, torch.float32, "overlap"))  # k 10
     wrong_dtype = gx.make_compressor("topk", 0.1).compress(case_data(0, me, 100, torch.float16, "overlap"))
     broken = gx.SparseMessage(base.values, base.indices.long(), base.count, base.numel)
+    outside = gx.SparseMessage(base.values, base.indices + 100, base.count, base.numel)
     for collective in (gx.collectives.sparse_allgather, gx.collectives.gtopk_allreduce):
         for name, odd in (("k", wrong_k), ("numel", wrong_numel), ("dtype", wrong_dtype)):
             msg = odd if me == last else base
             failure = expect_error(lambda: collective(msg, group), ValueError, f"{name} differs across ranks")
             if failure:
                 failures.append(f"{members.name}: {collective.__name__} with another {name} on the last rank: {failure}")
-        if me == last:
-            failure = expect_error(lambda: collective(broken, group), TypeError, "msg.indices must be int32")
-        else:
-            failure = expect_error(lambda: collective(base, group), ValueError,
-                                   rf"input of rank\(s\) \[{last}\] was invalid")
-        if failure:
-            failures.append(f"{members.name}: {collective.__name__} with an invalid message on the last rank: {failure}")
+        for bad, error, pattern in ((broken, TypeError, r"msg.indices must be int32"),
+                                    (outside, ValueError, r"msg.indices must lie in \[0, msg.numel = 100\)")):
+            if me == last:
+                failure = expect_error(lambda: collective(bad, group), error, pattern)
+            else:
+                failure = expect_error(lambda: collective(base, group), ValueError,
+                                       rf"input of rank\(s\) \[{last}\] was invalid")
+            if failure:
+                failures.append(f"{members.name}: {collective.__name__} with an invalid message on the last rank: {failure}")
     glob, _ = gx.collectives.gtopk_allreduce(base, group)
     if not equal_on_every_rank(members, glob.values):
         failures.append(f"{members.name}: the group is out of step after the errors")

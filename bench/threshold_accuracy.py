@@ -38,8 +38,8 @@ def selection_quality(grad: torch.Tensor, density: float, backend: str | None) -
     for mode, (kind, kwargs) in MODES.items():
         compressor = make_compressor(kind, density, backend=backend, **kwargs)
         k = compressor.k_for(grad.numel())
-        if exact is None:
-            exact = torch.topk(grad.abs(), k).indices
+        if exact is None:  # ascending, as messages hold them: the same set then sums in the same order
+            exact = torch.topk(grad.abs(), k).indices.sort().values
         message = compressor.compress(grad)
         count = int(message.count)
         sent = message.indices[: min(count, k)].long()

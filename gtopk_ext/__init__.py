@@ -1,5 +1,7 @@
 """gtopk_ext: sparse gradient communication for PyTorch data-parallel training."""
 
+import torch  # noqa: F401  (first: the compiled library links against torch's libraries)
+
 try:
     from gtopk_ext import _C  # noqa: F401  (loading the library registers the torch.ops.gtopk_ext kernels)
 except ImportError as error:  # pragma: no cover - exercised only on a broken install
@@ -15,4 +17,4 @@ from gtopk_ext.compressors import SparseMessage, make_compressor  # noqa: E402,F
 from gtopk_ext.hooks import SparseGradState, sparse_grad_hook  # noqa: E402,F401
 
 __all__ = ["ops", "reference", "collectives", "compressors", "SparseMessage", "make_compressor",
-           "SparseGradState", "sparse_grad_hook"]
+           "SparseGradState", "sparse_grad_hook", "GroupModelAverager"]

@@ -133,8 +133,7 @@ inline void check_mutable_contiguous(const at::Tensor& t, const char* op, const 
 }
 
 inline void check_gaussian_threshold_args(const at::Tensor& grad, const std::optional<at::Tensor>& residual,
-                                          double z, int64_t k) {
-  constexpr const char* op = "gaussian_threshold";
+                                          double z, int64_t k, const char* op = "gaussian_threshold") {
   check_float_tensor(grad, op, "grad");
   TORCH_CHECK(std::isfinite(z), op, ": z must be finite, got ", z);
   TORCH_CHECK(k >= 0, op, ": k must be >= 0 (0: Gaussian threshold only), got ", k);
@@ -149,6 +148,11 @@ inline void check_gaussian_threshold_args(const at::Tensor& grad, const std::opt
   }
 }
 
+inline void check_capacity(int64_t capacity, const char* op) {
+  TORCH_CHECK(capacity >= 1, op, ": capacity must be >= 1, got ", capacity);
+  TORCH_CHECK(capacity <= std::numeric_limits<int32_t>::max(), op, ": capacity must be < 2^31, got ", capacity);
+}
+
 inline void check_compact_args(const at::Tensor& acc, const at::Tensor& threshold, int64_t capacity) {
   constexpr const char* op = "compact";
   check_float_tensor(acc, op, "acc");
@@ -156,8 +160,15 @@ inline void check_compact_args(const at::Tensor& acc, const at::Tensor& threshol
               ": threshold must be a float32 tensor of one element, got ", threshold.scalar_type(), " with ",
               threshold.numel(), " elements");
   check_same_device(threshold, acc, op, "threshold", "acc");
-  TORCH_CHECK(capacity >= 1, op, ": capacity must be >= 1, got ", capacity);
-  TORCH_CHECK(capacity <= std::numeric_limits<int32_t>::max(), op, ": capacity must be < 2^31, got ", capacity);
+  check_capacity(capacity, op);
+}
+
+inline void check_gaussian_select_args(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z,
+                                       int64_t k, int64_t capacity) {
+  constexpr const char* op = "gaussian_select";
+  check_gaussian_threshold_args(grad, residual, z, k, op);
+  TORCH_CHECK(k >= 1, op, ": k must be >= 1 (it selects at the histogram threshold), got ", k);
+  check_capacity(capacity, op);
 }
 
 inline void check_scatter_args(const at::Tensor& dense, const at::Tensor& indices, const at::Tensor& values,

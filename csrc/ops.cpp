@@ -21,6 +21,11 @@ TORCH_LIBRARY(gtopk_ext, m) {
   // it are padding (index 0, value 0). When more than capacity pass, those >= sure_threshold(threshold)
   // (common.h) are kept first, then the others in index order.
   m.def("compact(Tensor acc, Tensor threshold, int capacity) -> (Tensor, Tensor, Tensor)");
+  // gaussian_threshold(grad, residual, z, k) with k >= 1, then compact(acc, stats[4:5], capacity), in one call:
+  // returns (values, indices, count, stats), equal to theirs. The CPU kernel selects from the candidates that its
+  // statistics pass recorded instead of reading acc a second time.
+  m.def("gaussian_select(Tensor grad, Tensor(a!)? residual, float z, int k, int capacity) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
   // dense[indices[j]] += values[j], duplicates summed. Out-of-range indices are skipped, never written;
   // returns int32[1], how many were skipped.
   m.def("scatter_add(Tensor(a!) dense, Tensor indices, Tensor values) -> Tensor");

@@ -133,14 +133,15 @@ class GaussianK(Compressor):
         self.z = ops.z_for_density(self.density)
 
     def _compress(self, grad, residual, k, step):
-        stats = ops.gaussian_threshold(grad, residual, z=self.z, k=k if self.mode == "accurate" else 0,
-                                       backend=self.backend)
         acc = residual if residual is not None else grad
         if self.mode == "accurate":
-            threshold = stats[ops.STAT_THRESHOLD:ops.STAT_THRESHOLD + 1]
+            values, indices, count, stats = ops.gaussian_select(grad, residual, z=self.z, k=k, capacity=k,
+                                                                backend=self.backend)
         else:
-            threshold = self._paper_correction(acc, stats[ops.STAT_GAUSSIAN_THRESHOLD:ops.STAT_GAUSSIAN_THRESHOLD + 1], k)
-        values, indices, count = ops.compact(acc, threshold, k, backend=self.backend)
+            stats = ops.gaussian_threshold(grad, residual, z=self.z, k=0, backend=self.backend)
+            gaussian = stats[ops.STAT_GAUSSIAN_THRESHOLD:ops.STAT_GAUSSIAN_THRESHOLD + 1]
+            threshold = self._paper_correction(acc, gaussian, k)
+            values, indices, count = ops.compact(acc, threshold, k, backend=self.backend)
         return self._message(acc, residual, values, indices, count, stats)
 
     @staticmethod

@@ -90,6 +90,23 @@ def _(acc, threshold, capacity):
             acc.new_empty(1, dtype=torch.int32))
 
 
+def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None = None, *, z: float, k: int, capacity: int,
+                    backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gaussian_threshold` with ``k >= 1``, then :func:`compact` of acc at its threshold, in one call:
+    returns ``(values, indices, count, stats)``, equal to what the two return.
+
+    The C++ CPU kernel reads the data once: its statistics pass records the elements above its running histogram
+    floor (a superset of the selection) and the compaction filters those. CUDA and Triton run the two kernels.
+    """
+    return _kernels(grad.device, backend).gaussian_select(grad, residual, float(z), int(k), int(capacity))
+
+
+@torch.library.register_fake("gtopk_ext::gaussian_select")
+def _(grad, residual, z, k, capacity):
+    return (grad.new_empty(capacity), grad.new_empty(capacity, dtype=torch.int32),
+            grad.new_empty(1, dtype=torch.int32), grad.new_empty(NUM_STATS, dtype=torch.float32))
+
+
 def scatter_add_(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, backend: str | None = None,
                  check: bool = True) -> torch.Tensor:
     """``dense[indices[j]] += values[j]`` in place, duplicate indices summed; returns ``dense``.

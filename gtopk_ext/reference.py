@@ -100,6 +100,12 @@ def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int):
     return values, indices, count
 
 
+def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None, z: float, k: int, capacity: int):
+    stats = gaussian_threshold(grad, residual, z, k)
+    acc = residual if residual is not None else grad
+    return (*compact(acc, stats[STAT_THRESHOLD:STAT_THRESHOLD + 1], capacity), stats)
+
+
 def _signed_scatter(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, sign: float) -> torch.Tensor:
     valid = (indices >= 0) & (indices < dense.numel())
     flat = dense.view(-1)

@@ -60,6 +60,9 @@ def make_values(kind: str, n: int, generator: torch.Generator) -> torch.Tensor:
         x[:: max(1, n // 5)] = float("nan")
         x[1 :: max(2, n // 3)] = float("inf")
         x[2 :: max(3, n // 4)] = float("-inf")
+        # NaNs of payload 1 (+ and -): their bit patterns lie just past +inf's, inside its histogram key.
+        nan_slots = x.view(torch.int32)[3 :: max(4, n // 6)]
+        nan_slots.copy_(torch.tensor([0x7F800001, -0x7FFFFF], dtype=torch.int32).repeat(n)[: nan_slots.numel()])
         return x
     raise ValueError(kind)
 
@@ -189,6 +192,62 @@ def test_compact_large(backend):
             assert torch.equal(actual.cpu(), expected.cpu())
 
 
+def select_cases(device):
+    """(description, grad, residual, k, capacity): small inputs (every range re-reads acc) and a few million
+    elements at low density (the CPU kernel selects from the candidates of its statistics pass), with ties
+    at the threshold and fewer slots than candidates."""
+    for name, grad, residual in sample_inputs(device, sizes=[1, 7, 4097, 65537]):
+        for density in (0.001, 0.05, 1.0):
+            k = max(1, int(np.ceil(density * grad.numel())))
+            for capacity in (k, max(1, k // 3)):
+                yield f"{name}-d{density}-cap{capacity}", grad, residual, k, capacity
+    generator = torch.Generator().manual_seed(7)
+    n = 2_600_011
+    for kind in ("laplace", "spiky", "ties", "nonfinite", "all_equal"):
+        for dtype in DTYPES:
+            grad = make_values(kind, n, generator).to(dtype)
+            residual = (0.1 * make_values("gaussian", n, generator)).to(dtype)
+            for k, capacity in ((2600, 2600), (2600, 1000), (26_000, 26_000)):
+                yield f"{kind}-n{n}-{dtype}-k{k}-cap{capacity}", grad.to(device), residual.to(device), k, capacity
+
+
+def check_gaussian_select(backend: str, cases) -> None:
+    """gaussian_select equals gaussian_threshold then compact at its threshold (the reference), bit for bit."""
+    for name, grad, residual, k, capacity in cases:
+        for use_residual in (False, True):
+            res_kernel = residual.clone() if use_residual else None
+            res_ref = residual.clone() if use_residual else None
+            z = ops.z_for_density(k / grad.numel())
+            got = ops.gaussian_select(grad, res_kernel, z=z, k=k, capacity=capacity, backend=backend)
+            want = reference.gaussian_select(grad, res_ref, z, k, capacity)
+            where = f"{name} residual={use_residual}"
+            assert_same_stats(got[3], want[3], exact_threshold=True)
+            for actual, expected, field in zip(got[:3], want[:3], ("values", "indices", "count")):
+                assert torch.equal(actual.cpu(), expected.cpu()), f"{where}: {field} differ"
+            if use_residual:
+                assert_identical(res_kernel, res_ref, where)
+
+
+def test_gaussian_select_matches_reference(backend):
+    device = backend_device(backend)
+    # The interpreter runs the Triton kernels slowly; they are the ones test_compact* and test_gaussian_threshold*
+    # check at every size, so the smaller cases cover the op built from them.
+    largest = 5000 if backend == "triton" and device.type == "cpu" else None
+    check_gaussian_select(backend, (case for case in select_cases(device)
+                                    if largest is None or case[1].numel() <= largest))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_gaussian_select_with_any_number_of_threads(threads):
+    """The CPU kernel's candidate lists are per parallel range: other splits of the data give the same result."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_gaussian_select("cpu", (case for case in select_cases(torch.device("cpu")) if case[1].numel() > 100_000))
+    finally:
+        torch.set_num_threads(previous)
+
+
 def scatter_cases(device):
     generator = torch.Generator().manual_seed(4)
     for n in (1, 13, 4097, 100_000):
@@ -278,6 +337,10 @@ def bad_calls(device):
         ("compact", (f32, thr.double(), 4), "threshold must be a float32 tensor of one element"),
         ("compact", (f32, torch.ones(2, device=device), 4), "threshold must be a float32 tensor of one element"),
         ("compact", (huge, thr, 4), "at most 2^31 - 1 elements"),
+        ("gaussian_select", (f32, None, 1.0, 0, 4), "k must be >= 1"),
+        ("gaussian_select", (f32, None, 1.0, 4, 0), "capacity must be >= 1"),
+        ("gaussian_select", (f32, f32.half(), 1.0, 4, 4), "gaussian_select: residual must have grad's dtype"),
+        ("gaussian_select", (huge, None, 1.0, 4, 4), "at most 2^31 - 1 elements"),
         ("scatter_add", (f32, idx.long(), val), "indices must be int32"),
         ("scatter_add", (f32, idx, val.half()), "values must have dense's dtype"),
         ("scatter_add", (f32, idx, val[:3]), "values must have indices' shape"),
@@ -329,6 +392,8 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.gtopk_ext.gaussian_threshold, (grad, None, 2.0, 0))
         threshold = torch.tensor([1.5])
         torch.library.opcheck(torch.ops.gtopk_ext.compact, (grad, threshold, 64))
+        torch.library.opcheck(torch.ops.gtopk_ext.gaussian_select, (grad, residual, 2.0, 50, 50))
+        torch.library.opcheck(torch.ops.gtopk_ext.gaussian_select, (grad, None, 2.0, 50, 20))
         indices = torch.randint(0, 5000, (64,), generator=generator, dtype=torch.int32)
         values = torch.randn(64, generator=generator).to(dtype)
         torch.library.opcheck(torch.ops.gtopk_ext.scatter_add, (residual.clone(), indices, values))
@@ -340,7 +405,9 @@ def test_torch_compile_fullgraph():
         stats = torch.ops.gtopk_ext.gaussian_threshold(grad, residual, 2.5, 40)
         values, indices, count = torch.ops.gtopk_ext.compact(residual, stats[ops.STAT_THRESHOLD:], 40)
         torch.ops.gtopk_ext.residual_update(residual, indices, values)
-        return values, indices, count
+        fused = torch.ops.gtopk_ext.gaussian_select(grad, residual, 2.5, 40, 40)
+        torch.ops.gtopk_ext.residual_update(residual, fused[1], fused[0])
+        return values, indices, count, *fused
 
     grad = torch.randn(4000, generator=torch.Generator().manual_seed(6))
     residual_eager, residual_compiled = torch.zeros(4000), torch.zeros(4000)

@@ -324,6 +324,8 @@ def op_samples(device: torch.device):
         yield "gaussian_threshold", (grad, residual, 2.0, 50)
         yield "gaussian_threshold", (grad, None, 2.0, 0)
         yield "compact", (grad, torch.tensor([1.5], device=device), 64)
+        yield "gaussian_select", (grad, residual, 2.0, 50, 50)
+        yield "gaussian_select", (grad, None, 2.0, 50, 20)
         yield "scatter_add", (residual.clone(), indices, values)
         yield "residual_update", (residual.clone(), indices, values)
 
@@ -337,7 +339,9 @@ def compress_step(grad, residual):
     stats = TRITON.gaussian_threshold(grad, residual, 2.5, 40)
     values, indices, count = TRITON.compact(residual, stats[ops.STAT_THRESHOLD:], 40)
     TRITON.residual_update(residual, indices, values)
-    return values, indices, count
+    fused = TRITON.gaussian_select(grad, residual, 2.5, 40, 40)
+    TRITON.residual_update(residual, fused[1], fused[0])
+    return values, indices, count, *fused
 
 
 @pytest.mark.parametrize("compile_backend", ["aot_eager"] + (["inductor"] if HAS_GPU else []))

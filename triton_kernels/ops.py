@@ -15,7 +15,7 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
-from gtopk_ext.ops import NUM_STATS
+from gtopk_ext.ops import NUM_STATS, STAT_THRESHOLD
 
 from . import kernels
 
@@ -62,9 +62,9 @@ def _check_mutable_contiguous(t: torch.Tensor, op: str, name: str) -> None:
     _check(t.is_contiguous(), op, f"{name} is updated in place and must be contiguous")
 
 
-def check_gaussian_threshold_args(grad: torch.Tensor, residual: Optional[torch.Tensor], z: float, k: int) -> None:
-    """Raises RuntimeError naming the first bad argument of gaussian_threshold."""
-    op = "gaussian_threshold"
+def check_gaussian_threshold_args(grad: torch.Tensor, residual: Optional[torch.Tensor], z: float, k: int,
+                                  op: str = "gaussian_threshold") -> None:
+    """Raises RuntimeError naming the first bad argument of gaussian_threshold (or of ``op``, which calls it)."""
     _check_float_tensor(grad, op, "grad")
     _check_triton_device(grad, op, "grad")
     _check(z == z and abs(z) != float("inf"), op, f"z must be finite, got {z}")
@@ -87,8 +87,21 @@ def check_compact_args(acc: torch.Tensor, threshold: torch.Tensor, capacity: int
            f"threshold must be a float32 tensor of one element, got {_scalar_type_name(threshold.dtype)} with "
            f"{threshold.numel()} elements")
     _check_same_device(threshold, acc, op, "threshold", "acc")
+    _check_capacity(capacity, op)
+
+
+def _check_capacity(capacity: int, op: str) -> None:
     _check(capacity >= 1, op, f"capacity must be >= 1, got {capacity}")
     _check(capacity <= INT32_MAX, op, f"capacity must be < 2^31, got {capacity}")
+
+
+def check_gaussian_select_args(grad: torch.Tensor, residual: Optional[torch.Tensor], z: float, k: int,
+                               capacity: int) -> None:
+    """Raises RuntimeError naming the first bad argument of gaussian_select."""
+    op = "gaussian_select"
+    check_gaussian_threshold_args(grad, residual, z, k, op)
+    _check(k >= 1, op, f"k must be >= 1 (it selects at the histogram threshold), got {k}")
+    _check_capacity(capacity, op)
 
 
 def check_scatter_args(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, op: str,
@@ -133,10 +146,19 @@ def _gaussian_threshold_fake(grad, residual, z, k):
     return grad.new_empty(NUM_STATS, dtype=torch.float32)
 
 
-def _compact_fake(acc, threshold, capacity):
-    check_compact_args(acc, threshold, capacity)
+def _selection_outputs(acc: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (acc.new_empty(capacity), acc.new_empty(capacity, dtype=torch.int32),
             acc.new_empty(1, dtype=torch.int32))
+
+
+def _compact_fake(acc, threshold, capacity):
+    check_compact_args(acc, threshold, capacity)
+    return _selection_outputs(acc, capacity)
+
+
+def _gaussian_select_fake(grad, residual, z, k, capacity):
+    check_gaussian_select_args(grad, residual, z, k, capacity)
+    return (*_selection_outputs(grad, capacity), grad.new_empty(NUM_STATS, dtype=torch.float32))
 
 
 def _scatter_fake(op: str, dense_name: str) -> Callable:
@@ -157,6 +179,33 @@ def gaussian_threshold(grad: torch.Tensor, residual: Optional[torch.Tensor], z: 
     place). Two launches: a pass over the data (per-block partials, histogram atomics) and one program that
     merges them, so the threshold never leaves the device."""
     check_gaussian_threshold_args(grad, residual, z, k)
+    return _launch_gaussian_threshold(grad, residual, z, k)
+
+
+@_register("compact", set(), _compact_fake)
+def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+    """(values[capacity], int32 indices[capacity], int32 count[1]) of the elements with |acc| >= threshold[0],
+    indices ascending, count before truncation, padding (index 0, value 0); on overflow the sure candidates
+    (csrc/common.h sure_threshold) first. Counts per block, scans the counts on the device, then each block
+    with candidates to keep writes them at their slots."""
+    check_compact_args(acc, threshold, capacity)
+    return _launch_compact(acc, threshold, capacity)
+
+
+@_register("gaussian_select", {"residual"}, _gaussian_select_fake)
+def gaussian_select(grad: torch.Tensor, residual: Optional[torch.Tensor], z: float, k: int,
+                    capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values, indices, count, stats): gaussian_threshold, then compact of acc at its threshold, on the device
+    (a second read of acc is cheap on a GPU)."""
+    check_gaussian_select_args(grad, residual, z, k, capacity)
+    stats = _launch_gaussian_threshold(grad, residual, z, k)
+    acc = residual if residual is not None else grad
+    return (*_launch_compact(acc, stats[STAT_THRESHOLD:STAT_THRESHOLD + 1], capacity), stats)
+
+
+def _launch_gaussian_threshold(grad: torch.Tensor, residual: Optional[torch.Tensor], z: float,
+                               k: int) -> torch.Tensor:
     grad = grad.contiguous()
     n = grad.numel()
     num_blocks = _num_blocks(n)
@@ -181,14 +230,8 @@ def gaussian_threshold(grad: torch.Tensor, residual: Optional[torch.Tensor], z: 
     return stats
 
 
-@_register("compact", set(), _compact_fake)
-def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                              torch.Tensor]:
-    """(values[capacity], int32 indices[capacity], int32 count[1]) of the elements with |acc| >= threshold[0],
-    indices ascending, count before truncation, padding (index 0, value 0); on overflow the sure candidates
-    (csrc/common.h sure_threshold) first. Counts per block, scans the counts on the device, then each block
-    with candidates to keep writes them at their slots."""
-    check_compact_args(acc, threshold, capacity)
+def _launch_compact(acc: torch.Tensor, threshold: torch.Tensor,
+                    capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     acc = acc.contiguous()
     n = acc.numel()
     num_blocks = _num_blocks(n)

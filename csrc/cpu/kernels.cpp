@@ -59,12 +59,64 @@ GTOPK_LANES_INLINE void store_lanes(scalar_t* p, Lanes v) {
 
 GTOPK_LANES_INLINE Lanes abs_lanes(Lanes v) { return reinterpret_cast<Lanes>(reinterpret_cast<LaneInts>(v) & 0x7FFFFFFF); }
 
-GTOPK_LANES_INLINE bool any_lane(LaneInts mask) {
-  uint64_t halves[kLanes / 2];
-  std::memcpy(halves, &mask, sizeof(halves));
-  uint64_t any = 0;
-  for (uint64_t h : halves) any |= h;
-  return any != 0;
+// -1 in the lanes of |x| (abs_values) whose bit pattern is at least floor_bits and at most +inf's (so never NaN),
+// else 0. Non-negative floats order like their bits. Sign-bit arithmetic rather than a vector compare, which GCC
+// lowers lane by lane in these loops.
+GTOPK_LANES_INLINE LaneInts lanes_at_least(Lanes abs_values, int32_t floor_bits) {
+  const LaneInts bits = reinterpret_cast<LaneInts>(abs_values);
+  return ((floor_bits - 1 - bits) & (bits - 0x7F800001)) >> 31;
+}
+
+// The floor_bits of lanes_at_least that selects |x| >= threshold: NaN selects nothing, <= 0 everything.
+inline int32_t threshold_floor_bits(float threshold) {
+  if (threshold != threshold) return 0x7F800001;
+  return threshold > 0.0f ? static_cast<int32_t>(float_bits(threshold)) : 0;
+}
+
+// The lanes set in a comparison's mask (0 or -1 per lane) as bits: masked by each lane's bit and OR-folded in
+// registers (a loop over the lanes or a memcpy to scalars makes GCC extract every lane).
+typedef int32_t LaneInts8 __attribute__((vector_size(8 * sizeof(int32_t))));
+typedef int32_t LaneInts4 __attribute__((vector_size(4 * sizeof(int32_t))));
+GTOPK_LANES_INLINE uint32_t lane_bits(LaneInts mask) {
+  static_assert(kLanes == 16, "lane_bits folds 16 lanes");
+  constexpr LaneInts kBit = {1 << 0, 1 << 1, 1 << 2,  1 << 3,  1 << 4,  1 << 5,  1 << 6,  1 << 7,
+                             1 << 8, 1 << 9, 1 << 10, 1 << 11, 1 << 12, 1 << 13, 1 << 14, 1 << 15};
+  const LaneInts bits = mask & kBit;
+  const LaneInts8 b8 = __builtin_shufflevector(bits, bits, 0, 1, 2, 3, 4, 5, 6, 7) |
+                       __builtin_shufflevector(bits, bits, 8, 9, 10, 11, 12, 13, 14, 15);
+  const LaneInts4 b4 = __builtin_shufflevector(b8, b8, 0, 1, 2, 3) | __builtin_shufflevector(b8, b8, 4, 5, 6, 7);
+  return static_cast<uint32_t>(b4[0] | b4[1] | b4[2] | b4[3]);
+}
+
+// Calls visit(i, |values[i]|) for every i in [begin, end), ascending, whose |values[i]| has a bit pattern of at
+// least floor_bits (and is not NaN). kGroup vectors are tested with one lane_bits fold: most groups hold no such
+// element when the floor is high, and skipping them at one branch each keeps the scan at memory speed.
+template <typename scalar_t, typename Visit>
+GTOPK_LANES_INLINE void for_each_at_least(const scalar_t* __restrict__ values, int64_t begin, int64_t end,
+                                          int32_t floor_bits, Visit&& visit) {
+  constexpr int kGroup = 8;
+  int64_t i = begin;
+  for (; i + kGroup * kLanes <= end; i += kGroup * kLanes) {
+    Lanes magnitude[kGroup];
+    LaneInts passed[kGroup];
+    LaneInts any_passed = {};
+    for (int g = 0; g < kGroup; ++g) {
+      magnitude[g] = abs_lanes(load_lanes(values + i + g * kLanes));
+      passed[g] = lanes_at_least(magnitude[g], floor_bits);
+      any_passed |= passed[g];
+    }
+    if (lane_bits(any_passed) == 0) continue;
+    for (int g = 0; g < kGroup; ++g) {
+      for (uint32_t lanes = lane_bits(passed[g]); lanes != 0; lanes &= lanes - 1) {
+        const int lane = __builtin_ctz(lanes);
+        visit(i + g * kLanes + lane, magnitude[g][lane]);
+      }
+    }
+  }
+  for (; i < end; ++i) {
+    const float magnitude = std::fabs(static_cast<float>(values[i]));
+    if (static_cast<int32_t>(float_bits(magnitude)) >= floor_bits && !std::isnan(magnitude)) visit(i, magnitude);
+  }
 }
 
 // acc = residual + grad (rounded to the dtype and stored back into residual when error feedback is on).
@@ -92,16 +144,50 @@ struct ChunkMoments {
   float max_abs = 0.0f;
 };
 
-// Counts |acc| in the histogram when its key is at least floor_key (and it is not NaN).
-inline int histogram_key_if_counted(float abs_acc, int floor_key) {
-  const int key = hist_key(abs_acc);
-  return key >= floor_key && key <= kHistInfKey ? key : -1;
-}
+// An element whose |acc| passed its range's histogram floor: a candidate for the selection.
+struct Candidate {
+  int32_t index;
+  float magnitude;
+};
+
+// The candidates of one parallel_for range [begin, end) of the statistics pass, ascending: every element whose
+// |acc| was at or above the range's histogram floor when it was read. The floor only rises and never exceeds the
+// final threshold (a range's own k largest lie at or below the k-th largest overall), so they include every
+// element that the threshold selects. Past max_size the list is dropped (complete = false): reading acc again
+// then costs less than the list.
+struct RangeCandidates {
+  int64_t begin = 0, end = 0, max_size = 0;
+  bool complete = true;
+  std::vector<Candidate> list;
+
+  // Starts recording [begin, end) when the candidates of a range of independent values would fit in a sixteenth
+  // of it: the floor, the k-th largest of the m elements read so far, passes about k / m of them, so about
+  // k * (1 + ln(size / k)) elements plus the first chunk. Otherwise the list would cost as much as a second read.
+  void start(int64_t range_begin, int64_t range_end, int64_t k) {
+    begin = range_begin;
+    end = range_end;
+    const int64_t size = end - begin;
+    max_size = size / 16;
+    const double expected = kChunk + (k < size ? k * (1.0 + std::log(static_cast<double>(size) / k)) : size);
+    complete = expected <= max_size;
+    if (complete) list.reserve(static_cast<size_t>(expected));
+  }
+
+  void add(int64_t index, float magnitude) {
+    if (!complete) return;
+    if (static_cast<int64_t>(list.size()) == max_size) {
+      complete = false;
+      list = {};
+      return;
+    }
+    list.push_back({static_cast<int32_t>(index), magnitude});
+  }
+};
 
 template <typename scalar_t, bool kAccumulate, bool kHistogram>
 GTOPK_VECTOR_CLONES ChunkMoments accumulate_chunk(const scalar_t* __restrict__ grad, scalar_t* __restrict__ residual,
                                                   int64_t begin, int64_t end, int32_t* __restrict__ histogram,
-                                                  int floor_key, float shift) {
+                                                  int32_t floor_bits, RangeCandidates* candidates, float shift) {
   ChunkMoments m;
   for (int64_t block = begin; block < end; block += kBlock) {
     const int64_t block_end = std::min(end, block + kBlock);
@@ -114,15 +200,6 @@ GTOPK_VECTOR_CLONES ChunkMoments accumulate_chunk(const scalar_t* __restrict__ g
       sum_sq += centred * centred;
       const Lanes abs_acc = abs_lanes(acc);
       max_abs = abs_acc > max_abs ? abs_acc : max_abs;  // NaN compares false: ignored
-      if constexpr (kHistogram) {
-        const LaneInts keys = reinterpret_cast<LaneInts>(abs_acc) >> kHistShift;
-        const LaneInts counted = (keys >= floor_key) & (keys <= kHistInfKey);  // NaN keys are larger
-        if (any_lane(counted)) {
-          for (int l = 0; l < kLanes; ++l) {
-            if (counted[l]) ++histogram[keys[l]];
-          }
-        }
-      }
     }
     for (; i < block_end; ++i) {  // the tail, in lane 0
       float acc = static_cast<float>(grad[i]);
@@ -135,10 +212,12 @@ GTOPK_VECTOR_CLONES ChunkMoments accumulate_chunk(const scalar_t* __restrict__ g
       sum_sq[0] += centred * centred;
       const float abs_acc = std::fabs(acc);
       max_abs[0] = abs_acc > max_abs[0] ? abs_acc : max_abs[0];
-      if constexpr (kHistogram) {
-        const int key = histogram_key_if_counted(abs_acc, floor_key);
-        if (key >= 0) ++histogram[key];
-      }
+    }
+    if constexpr (kHistogram) {  // a second look at the block while it is in L1: acc as stored
+      for_each_at_least(kAccumulate ? residual : grad, block, block_end, floor_bits, [&](int64_t i, float magnitude) {
+        ++histogram[hist_key(magnitude)];
+        if (candidates != nullptr) candidates->add(i, magnitude);
+      });
     }
     for (int l = 0; l < kLanes; ++l) {
       m.sum += sum[l];
@@ -149,18 +228,20 @@ GTOPK_VECTOR_CLONES ChunkMoments accumulate_chunk(const scalar_t* __restrict__ g
   return m;
 }
 
-at::Tensor gaussian_threshold_cpu(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z,
-                                  int64_t k) {
-  check_gaussian_threshold_args(grad, residual, z, k);
-  const at::Tensor grad_contig = grad.contiguous();
-  const int64_t n = grad.numel();
+// The pass of gaussian_threshold (see csrc/ops.cpp) over grad_contig (+ residual): returns its float32 stats.
+// With candidates (and k > 0) it also records each parallel range's candidates, in range order.
+at::Tensor statistics_pass(const at::Tensor& grad_contig, const std::optional<at::Tensor>& residual, double z,
+                           int64_t k, std::vector<RangeCandidates>* candidates) {
+  const int64_t n = grad_contig.numel();
   const int64_t num_chunks = std::max<int64_t>(1, (n + kChunk - 1) / kChunk);
   std::vector<ChunkMoments> partials(num_chunks);
   const int num_threads = at::get_num_threads();
   std::vector<int32_t> histograms(k > 0 ? static_cast<size_t>(num_threads) * kHistBins : 0, 0);
+  // Indexed by each parallel range's first chunk, so that reading them in chunk order gives index order.
+  std::vector<RangeCandidates> by_first_chunk(candidates != nullptr && k > 0 ? num_chunks : 0);
   float shift = 0.0f;
 
-  GTOPK_DISPATCH_FLOAT_TYPES(grad.scalar_type(), "gaussian_threshold_cpu", [&] {
+  GTOPK_DISPATCH_FLOAT_TYPES(grad_contig.scalar_type(), "gaussian_threshold_cpu", [&] {
     const scalar_t* grad_ptr = grad_contig.const_data_ptr<scalar_t>();
     scalar_t* residual_ptr = residual.has_value() ? residual->mutable_data_ptr<scalar_t>() : nullptr;
     if (n > 0) {  // acc[0], as the pass will compute it
@@ -172,14 +253,20 @@ at::Tensor gaussian_threshold_cpu(const at::Tensor& grad, const std::optional<at
     const auto run = [&](auto accumulate, auto with_histogram) {
       at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
         int32_t* histogram = with_histogram ? histograms.data() + size_t(at::get_thread_num()) * kHistBins : nullptr;
-        // Once this thread alone has seen k elements at or above a bin, the global threshold lies in or above
+        RangeCandidates* range_candidates = nullptr;
+        if (!by_first_chunk.empty()) {
+          range_candidates = &by_first_chunk[chunk_begin];
+          range_candidates->start(chunk_begin * kChunk, std::min(n, chunk_end * kChunk), k);
+        }
+        // Once this range alone has seen k elements at or above a bin, the global threshold lies in or above
         // that bin, so smaller elements need not be counted: the merged counts stay exact where they are read
         // (see threshold_from_histogram), and most elements skip the scalar histogram update.
         int floor_key = 0;
         float max_abs = 0.0f;
         for (int64_t c = chunk_begin; c < chunk_end; ++c) {
           partials[c] = accumulate_chunk<scalar_t, decltype(accumulate)::value, decltype(with_histogram)::value>(
-              grad_ptr, residual_ptr, c * kChunk, std::min(n, (c + 1) * kChunk), histogram, floor_key, shift);
+              grad_ptr, residual_ptr, c * kChunk, std::min(n, (c + 1) * kChunk), histogram,
+              floor_key << kHistShift, range_candidates, shift);
           if constexpr (decltype(with_histogram)::value) {
             max_abs = partials[c].max_abs > max_abs ? partials[c].max_abs : max_abs;
             int64_t above = 0;
@@ -196,6 +283,11 @@ at::Tensor gaussian_threshold_cpu(const at::Tensor& grad, const std::optional<at
       k > 0 ? run(No{}, Yes{}) : run(No{}, No{});
     }
   });
+  if (!by_first_chunk.empty()) {
+    for (RangeCandidates& range : by_first_chunk) {
+      if (range.end > range.begin) candidates->push_back(std::move(range));
+    }
+  }
 
   double sum = 0.0, sum_sq = 0.0;
   float max_abs = 0.0f;
@@ -211,7 +303,7 @@ at::Tensor gaussian_threshold_cpu(const at::Tensor& grad, const std::optional<at
   const double std_dev = std::sqrt(variance);
   const float gaussian = static_cast<float>(std::fabs(mean) + z * std_dev);
 
-  at::Tensor stats = at::empty({kNumStats}, grad.options().dtype(at::kFloat));
+  at::Tensor stats = at::empty({kNumStats}, grad_contig.options().dtype(at::kFloat));
   float* out = stats.mutable_data_ptr<float>();
   out[kStatMean] = static_cast<float>(mean);
   out[kStatStd] = static_cast<float>(std_dev);
@@ -229,44 +321,90 @@ at::Tensor gaussian_threshold_cpu(const at::Tensor& grad, const std::optional<at
   return stats;
 }
 
-// The candidates (|acc| >= thr) of one contiguous range, split into the sure ones (|acc| >= sure_thr) and the
+at::Tensor gaussian_threshold_cpu(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z,
+                                  int64_t k) {
+  check_gaussian_threshold_args(grad, residual, z, k);
+  return statistics_pass(grad.contiguous(), residual, z, k, nullptr);
+}
+
+// The elements with |acc| >= thr of one contiguous range, split into the sure ones (|acc| >= sure_thr) and the
 // boundary ones, each list ascending and cut at capacity entries (no range can contribute more).
 struct RangeSelection {
   std::vector<int32_t> sure, boundary;
   int64_t sure_count = 0, boundary_count = 0;
+
+  void add(int64_t index, bool is_sure, int64_t capacity) {
+    std::vector<int32_t>& list = is_sure ? sure : boundary;
+    int64_t& count = is_sure ? sure_count : boundary_count;
+    if (count < capacity) list.push_back(static_cast<int32_t>(index));
+    ++count;
+  }
 };
 
-// Tests kLanes elements at once (vectorised) and looks closer only when one passes.
 template <typename scalar_t>
 GTOPK_VECTOR_CLONES void select_range(const scalar_t* __restrict__ acc, int64_t begin, int64_t end, float thr,
                                       float sure_thr, int64_t capacity, RangeSelection& out) {
-  out.sure.resize(std::min(capacity, end - begin));
-  out.boundary.resize(std::min(capacity, end - begin));
-  int64_t sure = 0, boundary = 0;
-  const auto visit = [&](int64_t i) {
-    const float magnitude = std::fabs(static_cast<float>(acc[i]));
-    if (magnitude >= sure_thr) {
-      if (sure < capacity) out.sure[sure] = static_cast<int32_t>(i);
-      ++sure;
-    } else if (magnitude >= thr) {
-      if (boundary < capacity) out.boundary[boundary] = static_cast<int32_t>(i);
-      ++boundary;
-    }
-  };
-  int64_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) {
-    if (any_lane(abs_lanes(load_lanes(acc + i)) >= thr)) {
-      for (int l = 0; l < kLanes; ++l) visit(i + l);
+  out.sure.reserve(std::min(capacity, end - begin));
+  out.boundary.reserve(std::min(capacity, end - begin));
+  for_each_at_least(acc, begin, end, threshold_floor_bits(thr), [&](int64_t i, float magnitude) {
+    out.add(i, magnitude >= sure_thr, capacity);
+  });
+}
+
+// select_range from the statistics pass's candidates of the range, or from acc when they are incomplete.
+template <typename scalar_t>
+void select_candidates(const RangeCandidates& candidates, const scalar_t* acc, float thr, float sure_thr,
+                       int64_t capacity, RangeSelection& out) {
+  if (!candidates.complete) {
+    select_range(acc, candidates.begin, candidates.end, thr, sure_thr, capacity, out);
+    return;
+  }
+  for (const Candidate& c : candidates.list) {
+    if (c.magnitude >= thr) out.add(c.index, c.magnitude >= sure_thr, capacity);
+  }
+}
+
+// Writes the ranges' selections (in index order) into values and indices, zero-filled with capacity slots: when
+// more than capacity were selected, the sure ones first (see sure_threshold in common.h), then boundary ones in
+// index order. Returns how many were selected before that cut.
+template <typename scalar_t>
+int64_t write_selection(const std::vector<RangeSelection>& ranges, const scalar_t* acc, int64_t capacity,
+                        at::Tensor& values, at::Tensor& indices) {
+  int64_t sure_total = 0, total = 0;
+  for (const RangeSelection& range : ranges) {
+    sure_total += range.sure_count;
+    total += range.sure_count + range.boundary_count;
+  }
+  int64_t sure_left = std::min(sure_total, capacity);  // slots for sure candidates, then boundary ones
+  int64_t boundary_left = capacity - sure_left;
+  scalar_t* values_ptr = values.mutable_data_ptr<scalar_t>();
+  int32_t* indices_ptr = indices.mutable_data_ptr<int32_t>();
+  int64_t out = 0;
+  for (const RangeSelection& range : ranges) {
+    const int64_t sure = std::min(range.sure_count, sure_left);
+    const int64_t boundary = std::min(range.boundary_count, boundary_left);
+    sure_left -= sure;
+    boundary_left -= boundary;
+    int64_t a = 0, b = 0;  // merge the two ascending lists
+    while (a < sure || b < boundary) {
+      const bool take_sure = b == boundary || (a < sure && range.sure[a] < range.boundary[b]);
+      const int32_t idx = take_sure ? range.sure[a++] : range.boundary[b++];
+      indices_ptr[out] = idx;
+      values_ptr[out] = acc[idx];
+      ++out;
     }
   }
-  for (; i < end; ++i) visit(i);
-  out.sure_count = sure;
-  out.boundary_count = boundary;
+  return total;
+}
+
+// The outputs of a selection from acc: values and indices of capacity padding slots (value 0, index 0), count.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_selection(const at::Tensor& acc, int64_t capacity) {
+  return {at::zeros({capacity}, acc.options()), at::zeros({capacity}, acc.options().dtype(at::kInt)),
+          at::empty({1}, acc.options().dtype(at::kInt))};
 }
 
 // One read of acc: each thread selects from one contiguous range, then the ranges' lists are merged in range
-// order, so indices come out ascending. When more than capacity pass, the sure ones are kept first (see
-// sure_threshold in common.h), then boundary ones in index order.
+// order, so indices come out ascending.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cpu(const at::Tensor& acc, const at::Tensor& threshold,
                                                            int64_t capacity) {
   check_compact_args(acc, threshold, capacity);
@@ -274,15 +412,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cpu(const at::Tensor& acc
   const int64_t n = acc.numel();
   const float thr = threshold.item<float>();
   const float sure_thr = sure_threshold(thr);
-  at::Tensor values = at::zeros({capacity}, acc.options());
-  at::Tensor indices = at::zeros({capacity}, acc.options().dtype(at::kInt));
-  at::Tensor count = at::empty({1}, acc.options().dtype(at::kInt));
-
+  at::Tensor values, indices, count;
+  std::tie(values, indices, count) = empty_selection(acc, capacity);
   const int64_t num_ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kChunk));
   const int64_t range_len = (n + num_ranges - 1) / num_ranges;
   std::vector<RangeSelection> ranges(num_ranges);
-  int64_t total = 0;
-
   GTOPK_DISPATCH_FLOAT_TYPES(acc.scalar_type(), "compact_cpu", [&] {
     const scalar_t* acc_ptr = acc_contig.const_data_ptr<scalar_t>();
     at::parallel_for(0, num_ranges, 1, [&](int64_t range_begin, int64_t range_end) {
@@ -291,35 +425,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cpu(const at::Tensor& acc
                      capacity, ranges[r]);
       }
     });
-
-    int64_t sure_total = 0;
-    for (const RangeSelection& range : ranges) {
-      sure_total += range.sure_count;
-      total += range.sure_count + range.boundary_count;
-    }
-    int64_t sure_left = std::min(sure_total, capacity);  // slots for sure candidates, then boundary ones
-    int64_t boundary_left = capacity - sure_left;
-    scalar_t* values_ptr = values.mutable_data_ptr<scalar_t>();
-    int32_t* indices_ptr = indices.mutable_data_ptr<int32_t>();
-    int64_t out = 0;
-    for (const RangeSelection& range : ranges) {
-      const int64_t sure = std::min(range.sure_count, sure_left);
-      const int64_t boundary = std::min(range.boundary_count, boundary_left);
-      sure_left -= sure;
-      boundary_left -= boundary;
-      int64_t a = 0, b = 0;  // merge the two ascending lists
-      while (a < sure || b < boundary) {
-        const bool take_sure = b == boundary || (a < sure && range.sure[a] < range.boundary[b]);
-        const int32_t idx = take_sure ? range.sure[a++] : range.boundary[b++];
-        indices_ptr[out] = idx;
-        values_ptr[out] = acc_ptr[idx];
-        ++out;
-      }
-    }
+    const int64_t selected = write_selection(ranges, acc_ptr, capacity, values, indices);
+    count.mutable_data_ptr<int32_t>()[0] = static_cast<int32_t>(selected);
   });
-
-  count.mutable_data_ptr<int32_t>()[0] = static_cast<int32_t>(total);
   return {values, indices, count};
+}
+
+// gaussian_threshold then compact at its threshold, without a second read of acc: the selection comes from the
+// candidates that the statistics pass recorded (a range whose candidates overflowed reads acc again).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_cpu(
+    const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity) {
+  check_gaussian_select_args(grad, residual, z, k, capacity);
+  const at::Tensor grad_contig = grad.contiguous();
+  std::vector<RangeCandidates> candidates;
+  at::Tensor stats = statistics_pass(grad_contig, residual, z, k, &candidates);
+  const float thr = stats.const_data_ptr<float>()[kStatThreshold];
+  const float sure_thr = sure_threshold(thr);
+  const at::Tensor& acc = residual.has_value() ? *residual : grad_contig;
+  at::Tensor values, indices, count;
+  std::tie(values, indices, count) = empty_selection(acc, capacity);
+  std::vector<RangeSelection> ranges(candidates.size());
+  GTOPK_DISPATCH_FLOAT_TYPES(acc.scalar_type(), "gaussian_select_cpu", [&] {
+    const scalar_t* acc_ptr = acc.const_data_ptr<scalar_t>();
+    at::parallel_for(0, static_cast<int64_t>(candidates.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        select_candidates(candidates[r], acc_ptr, thr, sure_thr, capacity, ranges[r]);
+      }
+    });
+    const int64_t selected = write_selection(ranges, acc_ptr, capacity, values, indices);
+    count.mutable_data_ptr<int32_t>()[0] = static_cast<int32_t>(selected);
+  });
+  return {values, indices, count, stats};
 }
 
 // dense[indices[j]] += sign * values[j], skipping (and counting) indices outside [0, numel).
@@ -362,6 +498,7 @@ at::Tensor residual_update_cpu(const at::Tensor& residual, const at::Tensor& ind
 TORCH_LIBRARY_IMPL(gtopk_ext, CPU, m) {
   m.impl("gaussian_threshold", &gaussian_threshold_cpu);
   m.impl("compact", &compact_cpu);
+  m.impl("gaussian_select", &gaussian_select_cpu);
   m.impl("scatter_add", &scatter_add_cpu);
   m.impl("residual_update", &residual_update_cpu);
 }

@@ -168,8 +168,7 @@ __global__ void __launch_bounds__(kThreads) accumulate_kernel(const scalar_t* gr
       const float abs_acc = valid ? fabsf(acc) : 0.0f;
       max_abs = abs_acc > max_abs ? abs_acc : max_abs;  // NaN compares false: ignored
       if constexpr (kHistogram) {
-        int key = valid ? hist_key(abs_acc) : -1;
-        if (key > kHistInfKey) key = -1;  // NaN
+        const int key = valid && !isnan(abs_acc) ? hist_key(abs_acc) : -1;  // NaNs with small payloads share inf's key
         // Lanes sharing lane 0's bin (zeros, repeated values) add with one atomic; the others one each.
         const int lead_key = __shfl_sync(kFullMask, key, 0);
         const unsigned same = __ballot_sync(kFullMask, key == lead_key);
@@ -481,11 +480,21 @@ at::Tensor residual_update_cuda(const at::Tensor& residual, const at::Tensor& in
   return signed_scatter_cuda<true>(residual, indices, values, "residual_update", "residual");
 }
 
+// On the GPU a second read of acc is cheap next to the CPU's: the two kernels in sequence, on the same stream.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_cuda(
+    const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity) {
+  check_gaussian_select_args(grad, residual, z, k, capacity);
+  at::Tensor stats = gaussian_threshold_cuda(grad, residual, z, k);
+  auto selection = compact_cuda(residual.has_value() ? *residual : grad, stats.narrow(0, kStatThreshold, 1), capacity);
+  return {std::get<0>(selection), std::get<1>(selection), std::get<2>(selection), stats};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gtopk_ext, CUDA, m) {
   m.impl("gaussian_threshold", &gaussian_threshold_cuda);
   m.impl("compact", &compact_cuda);
+  m.impl("gaussian_select", &gaussian_select_cuda);
   m.impl("scatter_add", &scatter_add_cuda);
   m.impl("residual_update", &residual_update_cuda);
 }

@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+from bench.processes import destroy_process_group
+
 COLLECTIVES = ("dense", "allgather", "gtopk")
 WARMUP = 2  # the hook's dense iterations (start_iter)
 
@@ -71,7 +73,7 @@ def _worker(rank: int, world_size: int, init_file: str, measure_fn, args: tuple,
     try:
         results.put((rank, measure_fn(rank, world_size, *args)))
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def run_on_gloo(measure_fn, world_size: int, *args, timeout: float = 900.0) -> list:

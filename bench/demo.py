@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gtopk_ext as gx  # noqa: E402
 from bench.digits import MODELS, load_digits_split, make_model  # noqa: E402
+from bench.processes import destroy_process_group  # noqa: E402
 from gtopk_ext.collectives import ring_allreduce_bytes  # noqa: E402
 
 # method -> (compressor, collective) of the hook; None: DDP's own allreduce.
@@ -200,7 +201,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_file: str,
             with open(result_file, "w") as f:
                 json.dump(records, f)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def overhead_worker(rank: int, world_size: int, args: argparse.Namespace, init_file: str, result_file: str) -> None:
@@ -248,7 +249,7 @@ def overhead_worker(rank: int, world_size: int, args: argparse.Namespace, init_f
             with open(result_file, "w") as f:
                 json.dump([{"method": m, "density": d, "ms_per_step_rounds": ms} for (m, d), ms in medians.items()], f)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def spawn(target, args: argparse.Namespace) -> list[dict]:

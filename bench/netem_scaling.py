@@ -121,6 +121,7 @@ def run_worker(config: dict) -> None:
     import torch.distributed as dist
 
     import gtopk_ext as gx
+    from bench.processes import destroy_process_group
 
     torch.set_num_threads(1)
     args = argparse.Namespace(**config["args"])
@@ -202,7 +203,7 @@ def run_worker(config: dict) -> None:
     if rank == 0:
         Path(config["out"]).write_text(json.dumps(rows))
     dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 def exchange_for(method: str, grad, msg):

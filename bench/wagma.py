@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gtopk_ext as gx  # noqa: E402
 from bench.digits import MODELS, load_digits_split, make_model  # noqa: E402
+from bench.processes import destroy_process_group  # noqa: E402
 
 METHODS = ("ddp", "group-sync", "group-wait-avoiding")
 
@@ -90,7 +91,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_file: str,
             with open(result_file, "w") as f:
                 json.dump(runs, f)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def summarize(runs: dict[str, list[dict]]) -> list[dict]:

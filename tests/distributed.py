@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.processes import destroy_process_group
+
 
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, results) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -24,7 +26,7 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
         try:
             results.put((rank, True, fn(rank, world_size, *args)))
         finally:
-            dist.destroy_process_group()
+            destroy_process_group()
     except BaseException:  # the parent re-raises it with the rank's traceback
         results.put((rank, False, traceback.format_exc()))
 

@@ -148,9 +148,10 @@ inline void check_gaussian_threshold_args(const at::Tensor& grad, const std::opt
   }
 }
 
-inline void check_capacity(int64_t capacity, const char* op) {
-  TORCH_CHECK(capacity >= 1, op, ": capacity must be >= 1, got ", capacity);
-  TORCH_CHECK(capacity <= std::numeric_limits<int32_t>::max(), op, ": capacity must be < 2^31, got ", capacity);
+// A number of output slots (named `name`): at least 1, and int32 indices must reach them all.
+inline void check_capacity(int64_t capacity, const char* op, const char* name = "capacity") {
+  TORCH_CHECK(capacity >= 1, op, ": ", name, " must be >= 1, got ", capacity);
+  TORCH_CHECK(capacity <= std::numeric_limits<int32_t>::max(), op, ": ", name, " must be < 2^31, got ", capacity);
 }
 
 inline void check_compact_args(const at::Tensor& acc, const at::Tensor& threshold, int64_t capacity) {
@@ -169,6 +170,27 @@ inline void check_gaussian_select_args(const at::Tensor& grad, const std::option
   check_gaussian_threshold_args(grad, residual, z, k, op);
   TORCH_CHECK(k >= 1, op, ": k must be >= 1 (it selects at the histogram threshold), got ", k);
   check_capacity(capacity, op);
+}
+
+inline void check_merge_args(const at::Tensor& indices_a, const at::Tensor& values_a, const at::Tensor& indices_b,
+                             const at::Tensor& values_b, int64_t k) {
+  constexpr const char* op = "merge_topk";
+  const at::Tensor* sets[2][2] = {{&indices_a, &values_a}, {&indices_b, &values_b}};
+  const char* names[2][2] = {{"indices_a", "values_a"}, {"indices_b", "values_b"}};
+  for (int s = 0; s < 2; ++s) {
+    const at::Tensor& indices = *sets[s][0];
+    const at::Tensor& values = *sets[s][1];
+    TORCH_CHECK(indices.scalar_type() == at::kInt && indices.dim() == 1, op, ": ", names[s][0],
+                " must be a 1-D int32 tensor, got ", indices.scalar_type(), " of ", indices.dim(), " dimensions");
+    check_float_tensor(values, op, names[s][1]);
+    TORCH_CHECK(values.sizes() == indices.sizes(), op, ": ", names[s][1], " must have ", names[s][0], "'s shape ",
+                indices.sizes(), ", got ", values.sizes());
+    check_same_device(indices, values_a, op, names[s][0], "values_a");
+    check_same_device(values, values_a, op, names[s][1], "values_a");
+  }
+  TORCH_CHECK(values_b.scalar_type() == values_a.scalar_type(), op, ": values_b must have values_a's dtype (",
+              values_a.scalar_type(), "), got ", values_b.scalar_type());
+  check_capacity(k, op, "k");
 }
 
 inline void check_scatter_args(const at::Tensor& dense, const at::Tensor& indices, const at::Tensor& values,

@@ -26,6 +26,13 @@ TORCH_LIBRARY(gtopk_ext, m) {
   // statistics pass recorded instead of reading acc a second time.
   m.def("gaussian_select(Tensor grad, Tensor(a!)? residual, float z, int k, int capacity) -> "
         "(Tensor, Tensor, Tensor, Tensor)");
+  // gTop-k's merge of two sparse sets: the union of their slots' indices (padding slots join index 0), each
+  // index's values summed in float32 in slot order (a's slots, then b's), the k largest |sums| kept (NaN first;
+  // ties to the lower index), by ascending index and padded with (0, 0). Returns (int32 indices[k], values[k]
+  // in values_a's dtype, int32 union_size[1]). CPU kernel only: on a GPU, gtopk_ext.ops.merge_topk merges
+  // with torch's sort and unique, which are fast there.
+  m.def("merge_topk(Tensor indices_a, Tensor values_a, Tensor indices_b, Tensor values_b, int k) -> "
+        "(Tensor, Tensor, Tensor)");
   // dense[indices[j]] += values[j], duplicates summed. Out-of-range indices are skipped, never written;
   // returns int32[1], how many were skipped.
   m.def("scatter_add(Tensor(a!) dense, Tensor indices, Tensor values) -> Tensor");

@@ -159,31 +159,6 @@ def sparse_allgather(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     return total.to(dtype or msg.values.dtype)
 
 
-def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch.Tensor, values_b: torch.Tensor,
-               k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gTop-k's merge: the union of two sparse sets, values of equal indices summed (in float32), then the k
-    largest |sums| with ties going to the lower index, re-sorted by index and padded with (0, 0) to k slots.
-
-    Returns ``(indices int32[k], values[k] in values_a's dtype, union_size int32[1])``. Padding slots (index 0,
-    value 0) join index 0's sum, where they add nothing. Deterministic: partners that pass the same two sets in
-    the same order get bitwise the same result.
-    """
-    union, inverse = torch.unique(torch.cat([indices_a, indices_b]), sorted=True, return_inverse=True)
-    sums = torch.zeros(union.numel(), dtype=torch.float32, device=union.device)
-    sums.index_add_(0, inverse, torch.cat([values_a, values_b]).float())
-    union_size = union.numel()
-    if union_size > k:
-        # A stable sort keeps equal magnitudes in index order, so the lower index wins a tie.
-        keep = torch.sort(sums.abs(), descending=True, stable=True).indices[:k].sort().values
-        union, sums = union[keep], sums[keep]
-    kept = union.numel()
-    indices = torch.zeros(k, dtype=torch.int32, device=union.device)
-    values = torch.zeros(k, dtype=values_a.dtype, device=union.device)
-    indices[:kept] = union
-    values[:kept] = sums.to(values_a.dtype)
-    return indices, values, torch.tensor([union_size], dtype=torch.int32, device=union.device)
-
-
 def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: dist.ProcessGroup,
               traffic: Traffic | None) -> None:
     """Send ``send`` to and receive ``recv`` from group rank ``peer`` at the same time."""
@@ -213,7 +188,7 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
                     traffic: Traffic | None = None) -> tuple[SparseMessage, torch.Tensor]:
     """gTop-k: the global top-k of the sum of every rank's sparse message, in O(k log P) traffic.
 
-    In round r each rank merges its current set with that of rank ``rank XOR 2^r`` (:func:`merge_topk`). For a
+    In round r each rank merges its current set with that of rank ``rank XOR 2^r`` (:func:`gtopk_ext.ops.merge_topk`). For a
     world size P that is not a power of two, the ranks past the largest power of two first fold their set into
     rank ``rank - 2^floor(log2 P)`` and receive the result at the end. Returns ``(glob, applied)``: ``glob`` is
     the same SparseMessage on every rank (values summed over ranks, not averaged; ``glob.count`` is the size of
@@ -247,8 +222,8 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         received = _recv(torch.empty(payload_size, dtype=torch.uint8, device=device), folded, group, traffic)
         folded_indices, folded_values, _ = _unpack(received, k, dtype)
         tracked.append((folded_indices, torch.ones(k, dtype=torch.bool, device=device)))
-        indices, values, count = merge_topk(indices, values, folded_indices, folded_values, k)
-        _mark_survivors(tracked, indices)
+        indices, values, count = ops.merge_topk(indices, values, folded_indices, folded_values, k)
+        _mark_survivors(tracked, indices, count)
     for bit in range(butterfly.bit_length() - 1):
         peer = rank ^ (1 << bit)
         received = torch.empty(payload_size, dtype=torch.uint8, device=device)
@@ -256,17 +231,24 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         peer_indices, peer_values, _ = _unpack(received, k, dtype)
         # Both partners put the lower rank's set first, so they compute bitwise the same merge.
         if rank < peer:
-            indices, values, count = merge_topk(indices, values, peer_indices, peer_values, k)
+            indices, values, count = ops.merge_topk(indices, values, peer_indices, peer_values, k)
         else:
-            indices, values, count = merge_topk(peer_indices, peer_values, indices, values, k)
-        _mark_survivors(tracked, indices)
+            indices, values, count = ops.merge_topk(peer_indices, peer_values, indices, values, k)
+        _mark_survivors(tracked, indices, count)
     if folded < size:
         folded_applied = tracked[1][1]
         _send(torch.cat([_pack(indices, values, count), folded_applied.to(torch.uint8)]), folded, group, traffic)
     return SparseMessage(values, indices, count, msg.numel), applied
 
 
-def _mark_survivors(tracked: list[tuple[torch.Tensor, torch.Tensor]], kept_indices: torch.Tensor) -> None:
-    # A contribution whose index left the set in this merge is out of every later sum too.
+def _mark_survivors(tracked: list[tuple[torch.Tensor, torch.Tensor]], kept_indices: torch.Tensor,
+                    union_size: torch.Tensor) -> None:
+    """A contribution whose index left the set in this merge is out of every later sum too. Only a union larger
+    than k drops indices, and then the k kept ones fill every slot in ascending order: a binary search finds
+    them (one host sync)."""
+    if int(union_size) <= kept_indices.numel():
+        return
+    last = kept_indices.numel() - 1
     for slot_indices, applied in tracked:
-        applied &= torch.isin(slot_indices, kept_indices)
+        found = kept_indices[torch.searchsorted(kept_indices, slot_indices).clamp_(max=last)]
+        applied &= found == slot_indices

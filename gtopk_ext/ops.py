@@ -107,6 +107,44 @@ def _(grad, residual, z, k, capacity):
             grad.new_empty(1, dtype=torch.int32), grad.new_empty(NUM_STATS, dtype=torch.float32))
 
 
+def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch.Tensor, values_b: torch.Tensor,
+               k: int, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gTop-k's merge: the union of two sparse sets, values of equal indices summed (float32, in slot order: a's
+    slots, then b's), then the k largest |sums| (NaN first; ties to the lower index), by ascending index and
+    padded with (0, 0) to k slots. Padding slots (index 0, value 0) join index 0's sum, where they add nothing.
+
+    Returns ``(indices int32[k], values[k] in values_a's dtype, union_size int32[1])``. Deterministic: partners
+    that pass the same two sets in the same order get bitwise the same result. On the CPU a C++ kernel (a linear
+    merge of the ascending sets and a selection of the k-th best); on other devices torch's unique and sort.
+    """
+    if resolve_backend(indices_a.device, backend) == "cpu":
+        return torch.ops.gtopk_ext.merge_topk(indices_a, values_a, indices_b, values_b, int(k))
+    return merge_topk_with_torch(indices_a, values_a, indices_b, values_b, int(k))
+
+
+def merge_topk_with_torch(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch.Tensor,
+                          values_b: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`merge_topk` with torch's unique and sort, on any device (what runs on GPUs)."""
+    union, inverse = torch.unique(torch.cat([indices_a, indices_b]), sorted=True, return_inverse=True)
+    sums = torch.zeros(union.numel(), dtype=torch.float32, device=union.device)
+    sums.index_add_(0, inverse, torch.cat([values_a, values_b]).float())
+    union_size = union.numel()
+    if union_size > k:
+        # A stable sort keeps equal magnitudes in index order, so the lower index wins a tie.
+        keep = torch.sort(sums.abs(), descending=True, stable=True).indices[:k].sort().values
+        union, sums = union[keep], sums[keep]
+    indices = torch.zeros(k, dtype=torch.int32, device=union.device)
+    values = torch.zeros(k, dtype=values_a.dtype, device=union.device)
+    indices[:union.numel()] = union
+    values[:union.numel()] = sums.to(values_a.dtype)
+    return indices, values, torch.tensor([union_size], dtype=torch.int32, device=union.device)
+
+
+@torch.library.register_fake("gtopk_ext::merge_topk")
+def _(indices_a, values_a, indices_b, values_b, k):
+    return (indices_a.new_empty(k), values_a.new_empty(k), indices_a.new_empty(1))
+
+
 def scatter_add_(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, backend: str | None = None,
                  check: bool = True) -> torch.Tensor:
     """``dense[indices[j]] += values[j]`` in place, duplicate indices summed; returns ``dense``.

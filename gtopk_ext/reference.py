@@ -106,6 +106,24 @@ def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None, z: float,
     return (*compact(acc, stats[STAT_THRESHOLD:STAT_THRESHOLD + 1], capacity), stats)
 
 
+def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch.Tensor, values_b: torch.Tensor,
+               k: int):
+    """Every slot's value added to its index's float32 sum in slot order; the k best by (NaN first, larger |sum|,
+    lower index), by index, rounded to values_a's dtype, padded with (0, 0); and the number of distinct indices."""
+    sums: dict[int, np.float32] = {}
+    slots = zip(torch.cat([indices_a, indices_b]).tolist(), torch.cat([values_a, values_b]).float().tolist())
+    for index, value in slots:
+        sums[index] = np.float32(sums.get(index, np.float32(0.0)) + np.float32(value))
+    best = sorted(sums, key=lambda i: (not np.isnan(sums[i]), 0.0 if np.isnan(sums[i]) else -abs(float(sums[i])), i))[:k]
+    kept = sorted(best)
+    indices = torch.zeros(k, dtype=torch.int32)
+    values = torch.zeros(k, dtype=values_a.dtype)
+    indices[:len(kept)] = torch.tensor(kept, dtype=torch.int32)
+    values[:len(kept)] = torch.tensor([float(sums[i]) for i in kept], dtype=torch.float32).to(values_a.dtype)
+    device = indices_a.device
+    return indices.to(device), values.to(device), torch.tensor([len(sums)], dtype=torch.int32, device=device)
+
+
 def _signed_scatter(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, sign: float) -> torch.Tensor:
     valid = (indices >= 0) & (indices < dense.numel())
     flat = dense.view(-1)

@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gtopk_ext as gx
-from gtopk_ext.collectives import Traffic, merge_topk
+from gtopk_ext import ops, reference
+from gtopk_ext.collectives import Traffic
 from tests.distributed import run_distributed
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
@@ -36,15 +37,13 @@ def slots(indices: torch.Tensor, values: torch.Tensor) -> list[tuple[int, float]
 
 def oracle_merge(a: list[tuple[int, float]], b: list[tuple[int, float]], k: int,
                  dtype: torch.dtype) -> tuple[list[tuple[int, float]], int]:
-    """Union of two slot lists (padding included: it joins index 0), float32 sums in slot order, the k largest
-    |sums| (lower index wins ties), by index, rounded to dtype; padded with (0, 0). Returns (slots, union size)."""
-    sums: dict[int, np.float32] = {}
-    for index, value in a + b:
-        sums[index] = np.float32(sums.get(index, np.float32(0.0)) + np.float32(value))
-    ranked = sorted(sums, key=lambda i: (-abs(float(sums[i])), i))[:k]
-    kept = sorted(ranked)
-    rounded = torch.tensor([float(sums[i]) for i in kept], dtype=torch.float32).to(dtype).float().tolist()
-    return list(zip(kept, rounded)) + [(0, 0.0)] * (k - len(kept)), len(sums)
+    """reference.merge_topk on slot lists: (slots, union size)."""
+    def tensors(slot_list):
+        return (torch.tensor([i for i, _ in slot_list], dtype=torch.int32),
+                torch.tensor([v for _, v in slot_list], dtype=torch.float32).to(dtype))
+
+    indices, values, union = reference.merge_topk(*tensors(a), *tensors(b), k)
+    return slots(indices, values), int(union)
 
 
 def oracle_gtopk(messages: list[gx.SparseMessage]) -> tuple[list[tuple[int, float]], int, list[list[bool]]]:
@@ -91,22 +90,67 @@ index_lists = st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True)
 value_choices = st.sampled_from([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0, 0.0, 3.25])
 
 
+MERGES = {"cpp": ops.merge_topk, "torch": ops.merge_topk_with_torch}  # the CPU kernel, and what GPUs run
+
+
+def assert_merge_matches_reference(ia, va, ib, vb, k):
+    expected = reference.merge_topk(ia, va, ib, vb, k)
+    for name, merge in MERGES.items():
+        got = merge(ia, va, ib, vb, k)
+        assert got[0].dtype == torch.int32 and got[1].dtype == va.dtype and got[2].dtype == torch.int32, name
+        for actual, want in zip(got, expected):
+            torch.testing.assert_close(actual, want, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
 @settings(max_examples=200, deadline=None)
 @given(a=index_lists, b=index_lists, k=st.integers(1, 16), data=st.data(),
        dtype=st.sampled_from(DTYPES), pad_a=st.integers(0, 3))
 def test_merge_topk_matches_oracle(a, b, k, data, dtype, pad_a):
-    """Few distinct magnitudes: many ties, which must go to the lower index; padding joins index 0."""
+    """Messages as collectives see them (ascending, then padding): few distinct magnitudes, so many ties,
+    which must go to the lower index; padding joins index 0."""
     values_a = data.draw(st.lists(value_choices, min_size=len(a), max_size=len(a)))
     values_b = data.draw(st.lists(value_choices, min_size=len(b), max_size=len(b)))
     ia = torch.tensor(a + [0] * pad_a, dtype=torch.int32)
     va = torch.tensor(values_a + [0.0] * pad_a).to(dtype)
     ib, vb = torch.tensor(b, dtype=torch.int32), torch.tensor(values_b).to(dtype)
-    indices, values, union = merge_topk(ia, va, ib, vb, k)
-    expected, expected_union = oracle_merge(slots(ia, va), slots(ib, vb), k, dtype)
-    assert slots(indices, values) == expected and int(union) == expected_union
-    assert values.dtype == dtype and indices.dtype == torch.int32
-    swapped = merge_topk(ib, vb, ia, va, k)  # the sum of two is symmetric: same set either way
+    assert_merge_matches_reference(ia, va, ib, vb, k)
+    indices, values, _ = ops.merge_topk(ia, va, ib, vb, k)
+    swapped = ops.merge_topk(ib, vb, ia, va, k)  # the sum of two is symmetric: same set either way
     assert torch.equal(swapped[0], indices) and torch.equal(swapped[1], values)
+
+
+any_values = st.one_of(st.floats(-4, 4, width=32), st.sampled_from([0.0, -0.0, float("nan"), float("inf")]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.lists(st.integers(-5, 40), max_size=14), b=st.lists(st.integers(-5, 40), max_size=14),
+       k=st.integers(1, 16), data=st.data(), dtype=st.sampled_from(DTYPES))
+def test_merge_topk_any_slots(a, b, k, data, dtype):
+    """Any slots: unsorted, repeated or negative indices, empty sets, NaN, inf and signed zeros."""
+    ia, ib = torch.tensor(a, dtype=torch.int32), torch.tensor(b, dtype=torch.int32)
+    va = torch.tensor(data.draw(st.lists(any_values, min_size=len(a), max_size=len(a))), dtype=torch.float32)
+    vb = torch.tensor(data.draw(st.lists(any_values, min_size=len(b), max_size=len(b))), dtype=torch.float32)
+    assert_merge_matches_reference(ia, va.to(dtype), ib, vb.to(dtype), k)
+
+
+def test_merge_topk_large_sets_and_bad_arguments():
+    generator = torch.Generator().manual_seed(21)
+    for k in (1, 1000, 50_000):
+        ia = torch.randperm(20 * k, generator=generator)[:k].sort().values.int()
+        ib = torch.randperm(20 * k, generator=generator)[: k // 2].sort().values.int()
+        ib = torch.cat([ib, torch.zeros(k - ib.numel(), dtype=torch.int32)])  # padded, as after a small union
+        va, vb = torch.randn(k, generator=generator), torch.randn(k, generator=generator)
+        vb[k // 2:] = 0.0
+        for actual, want in zip(ops.merge_topk(ia, va, ib, vb, k), ops.merge_topk_with_torch(ia, va, ib, vb, k)):
+            assert torch.equal(actual, want), k
+    idx, val = torch.zeros(4, dtype=torch.int32), torch.zeros(4)
+    for args, message in (((idx.long(), val, idx, val, 4), "indices_a must be a 1-D int32 tensor"),
+                          ((idx, val, idx, val.half(), 4), "values_b must have values_a's dtype"),
+                          ((idx, val[:3], idx, val, 4), "values_a must have indices_a's shape"),
+                          ((idx, val.int(), idx, val, 4), "values_a must be float32, float16 or bfloat16"),
+                          ((idx, val, idx, val, 0), "k must be >= 1")):
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.gtopk_ext.merge_topk(*args)
 
 
 # ----- on real process groups -----

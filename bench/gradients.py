@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -28,11 +30,20 @@ def synthetic_gradient(kind: str, n: int, generator: torch.Generator) -> torch.T
     raise ValueError(f"kind must be one of {SYNTHETIC}, got {kind!r}")
 
 
-def captured_gradients(model_name: str = "cnn", steps: tuple[int, ...] = (0, 20, 100), batch_size: int = 64,
+def wide_mlp(numel: int, seed: int = 0) -> nn.Module:
+    """An MLP for the digits, 64 -> h -> h -> 10, with h chosen so that it has about ``numel`` parameters: real
+    gradients of any size from the same task."""
+    h = max(16, round(math.sqrt(numel + 38**2) - 38))  # h^2 + 76h + 10 parameters, about numel
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 10))
+
+
+def captured_gradients(model: str | nn.Module = "cnn", steps: tuple[int, ...] = (0, 20, 100), batch_size: int = 64,
                        lr: float = 0.05, seed: int = 0) -> dict[int, torch.Tensor]:
-    """The flattened gradient of a real training run (SGD with momentum on the digits) at the given steps."""
+    """The flattened gradient of a real training run (SGD with momentum on the digits) at the given steps, for a
+    model of bench.digits by name or a given one."""
     train_x, train_y, _, _ = load_digits_split(seed)
-    model = make_model(model_name, seed)
+    model = make_model(model, seed) if isinstance(model, str) else model
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     generator = torch.Generator().manual_seed(seed)
     captured = {}

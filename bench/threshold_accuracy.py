@@ -1,7 +1,7 @@
 """Threshold accuracy: how close each selection lands to k, and how much of the exact top-k it captures.
 
 For Gaussian, Laplace, Student-t(3) and spiky gradients (n = 1M and 25M) and real gradients captured while
-training the demo's CNN on the digits, at densities 0.001, 0.01 and 0.05, for Gaussian-k's paper mode (the
+training on the digits (the demo's CNN, 0.55M parameters, and MLPs of about 1M and 25M), at densities 0.001, 0.01 and 0.05, for Gaussian-k's paper mode (the
 3-step correction loop), its accurate mode (the histogram threshold) and exact top-k:
 - count / k: elements selected before truncation to k slots;
 - recall: |sent indices ∩ exact top-k| / k;
@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from bench.gradients import SYNTHETIC, captured_gradients, synthetic_gradient
+from bench.gradients import SYNTHETIC, captured_gradients, synthetic_gradient, wide_mlp
 from bench.selection import time_methods
 from gtopk_ext.compressors import make_compressor
 
@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--distributions", nargs="+", default=list(SYNTHETIC), choices=SYNTHETIC)
     parser.add_argument("--real-steps", type=int, nargs="+", default=[0, 20, 100],
                         help="training steps at which real gradients are captured")
-    parser.add_argument("--skip-real", action="store_true", help="no real gradients (they take a minute)")
+    parser.add_argument("--real-sizes", type=int, nargs="*", default=[1_000_000, 25_000_000],
+                        help="also capture real gradients of wide MLPs of about these many parameters")
+    parser.add_argument("--skip-real", action="store_true", help="no real gradients (they take a minute or two)")
     parser.add_argument("--backend", default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default="bench/results/threshold_accuracy.json")
@@ -98,8 +100,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for kind in args.distributions:
             gradients.append((kind, synthetic_gradient(kind, n, torch.Generator().manual_seed(n))))
     if not args.skip_real:
-        for step, grad in captured_gradients("cnn", tuple(args.real_steps)).items():
-            gradients.append((f"cnn-step{step}", grad))
+        models = [("cnn", "cnn")] + [(f"mlp{size / 1e6:g}M", wide_mlp(size)) for size in args.real_sizes]
+        for name, model in models:
+            for step, grad in captured_gradients(model, tuple(args.real_steps)).items():
+                gradients.append((f"{name}-step{step}", grad))
     rows = []
     for name, grad in gradients:
         for density in args.densities:

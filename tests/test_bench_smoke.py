@@ -29,9 +29,11 @@ def test_selection_benchmark(tmp_path):
 def test_threshold_accuracy_benchmark(tmp_path):
     out = tmp_path / "accuracy.json"
     run_bench("threshold_accuracy", "--sizes", "20000", "--densities", "0.01", "--distributions", "laplace",
-              "spiky", "--real-steps", "0", "2", "--repeats", "1", "--json", str(out))
+              "spiky", "--real-steps", "0", "2", "--real-sizes", "5000", "--repeats", "1", "--json", str(out))
     rows = json.loads(out.read_text())
-    assert [r["gradient"] for r in rows] == ["laplace", "spiky", "cnn-step0", "cnn-step2"]
+    assert [r["gradient"] for r in rows] == ["laplace", "spiky", "cnn-step0", "cnn-step2", "mlp0.005M-step0",
+                                             "mlp0.005M-step2"]
+    assert 4000 < rows[-1]["n"] < 6000  # the wide MLP has about the asked number of parameters
     for row in rows:
         assert row["quality"]["topk"]["recall"] == 1.0 and row["quality"]["topk"]["norm"] == 1.0
         assert 0 < row["quality"]["accurate"]["count_over_k"]

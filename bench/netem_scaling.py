@@ -22,17 +22,11 @@ is removed on exit, on failure and on SIGINT/SIGTERM; ``--cleanup`` removes what
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import math
 import os
 import platform
-import re
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,29 +34,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.emulated_network import (Network, Networks, check_can_emulate, cleanup_stale, parse_rate, rate_name,
+                                    run_ranks)
+
 METHODS = ("dense", "allgather", "gtopk")
-SUBNET = "10.77.0"  # private, and only ever assigned inside this script's own namespaces
-RANK_IFNAME = "eth0"
-GLOO_PORT = 29500  # each run has its own namespaces, hence its own port space
 BARRIER_PROBES = 20  # barriers timed to subtract their bytes from each measurement
-
-
-def parse_rate(text: str) -> int:
-    """'1gbit', '100mbit', '250kbit' or a plain number of bits per second -> bits per second."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)(?:bit)?", text.strip().lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"rate must look like 1gbit, 100mbit or 5e8, got {text!r}")
-    return int(float(match[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match[2]])
-
-
-def rate_name(bps: int | None) -> str:
-    if bps is None:
-        return "loopback"
-    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:g}{unit}"
-    return f"{bps}bit"
 
 
 def density_k(density: float, numel: int) -> int:
@@ -220,149 +196,18 @@ def exchange_for(method: str, grad, msg):
     return lambda: collectives.gtopk_allreduce(msg, check=False)
 
 
-# ------------------------------------------------------------------------------------------ namespaces (root)
-
-def run_ip(*argv: str) -> None:
-    result = subprocess.run(["ip", *argv], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"`ip {' '.join(argv)}` failed: {result.stderr.strip()}")
-
-
-class Network:
-    """One bridge namespace and ``world_size`` rank namespaces, each rank linked to the bridge by a veth pair.
-    ``close()`` deletes the namespaces, which deletes every link and qdisc in them."""
-
-    def __init__(self, prefix: str, world_size: int):
-        self.bridge_ns = f"{prefix}{os.getpid()}-br"
-        self.rank_ns = [f"{prefix}{os.getpid()}-r{rank}" for rank in range(world_size)]
-        self.created: list[str] = []
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-
-    def _add_ns(self, name: str) -> None:
-        run_ip("netns", "add", name)
-        self.created.append(name)
-
-    def _build(self) -> None:
-        self._add_ns(self.bridge_ns)
-        run_ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-        run_ip("-n", self.bridge_ns, "link", "set", "br0", "up")
-        for rank, ns in enumerate(self.rank_ns):
-            self._add_ns(ns)
-            run_ip("-n", ns, "link", "add", RANK_IFNAME, "type", "veth", "peer", "name", f"p{rank}", "netns",
-                   self.bridge_ns)
-            run_ip("-n", self.bridge_ns, "link", "set", f"p{rank}", "master", "br0")
-            run_ip("-n", self.bridge_ns, "link", "set", f"p{rank}", "up")
-            run_ip("-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", RANK_IFNAME)
-            run_ip("-n", ns, "link", "set", RANK_IFNAME, "up")
-            run_ip("-n", ns, "link", "set", "lo", "up")
-
-    @staticmethod
-    def address(rank: int) -> str:
-        return f"{SUBNET}.{rank + 1}"
-
-    def limit(self, rate_bps: int) -> None:
-        """tbf on both ends of every link: rank -> bridge and bridge -> rank, each at ``rate_bps``."""
-        # The bucket holds 1 ms of traffic (at least a few full frames): a message passes at most 1 ms early.
-        # tbf splits larger GSO segments into frames, so a small bucket does not drop them.
-        burst = max(4096, rate_bps // 8 // 1000)
-        tbf = ["root", "tbf", "rate", str(rate_bps), "burst", str(burst), "latency", "50ms"]
-        for rank, ns in enumerate(self.rank_ns):
-            run_ip("netns", "exec", ns, "tc", "qdisc", "replace", "dev", RANK_IFNAME, *tbf)
-            run_ip("netns", "exec", self.bridge_ns, "tc", "qdisc", "replace", "dev", f"p{rank}", *tbf)
-
-    def close(self) -> None:
-        while self.created:
-            name = self.created.pop()
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
-
-def cleanup_stale(prefix: str) -> list[str]:
-    """Deletes the namespaces of earlier runs with this prefix whose process is gone; returns their names."""
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    removed = []
-    for line in listing.splitlines():
-        name = line.split()[0] if line.strip() else ""
-        match = re.fullmatch(rf"{re.escape(prefix)}(\d+)-(br|r\d+)", name)
-        if match and not Path(f"/proc/{match[1]}").exists():
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            removed.append(name)
-    return removed
-
-
-def check_can_emulate() -> str | None:
-    """Why the emulated network cannot run here, or None."""
-    if os.geteuid() != 0:
-        return "it needs root (network namespaces and tc); run it as root, or use --loopback (no shaping)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` (iproute2) is not installed; install iproute2, or use --loopback"
-    return None
-
-
 # ------------------------------------------------------------------------------------------------- the driver
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def run_group(world_size: int, rate_bps: int | None, network: Network | None, args: argparse.Namespace,
               workdir: Path) -> list[dict]:
-    """Starts one process per rank (inside its namespace when there is a network) and returns rank 0's rows."""
+    """Runs every configuration on one process group (inside the namespaces when there is a network) and returns
+    rank 0's rows."""
     out = workdir / f"rows-p{world_size}-{rate_name(rate_bps)}.json"
-    master = Network.address(0) if network else "127.0.0.1"
-    port = GLOO_PORT if network else free_port()
-    worker_args = {key: value for key, value in vars(args).items() if key not in ("json", "worker")}
-    procs, logs = [], []
-    try:
-        for rank in range(world_size):
-            config = {"args": worker_args, "rank": rank, "world_size": world_size, "rate_bps": rate_bps,
-                      "master_addr": master, "port": port, "ifname": RANK_IFNAME if network else None,
-                      "out": str(out)}
-            config_path = workdir / f"config-{world_size}-{rank}.json"
-            config_path.write_text(json.dumps(config))
-            command = [sys.executable, "-m", "bench.netem_scaling", "--worker", str(config_path)]
-            if network:
-                command = ["ip", "netns", "exec", network.rank_ns[rank], *command]
-            env = dict(os.environ, GLOO_SOCKET_IFNAME=RANK_IFNAME if network else "lo", OMP_NUM_THREADS="1")
-            log = open(workdir / f"log-p{world_size}-{rate_name(rate_bps)}-r{rank}.txt", "w+")
-            logs.append(log)
-            procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-        wait_all(procs, logs, args.group_timeout)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
+    config = {"args": {key: value for key, value in vars(args).items() if key not in ("json", "worker")},
+              "rate_bps": rate_bps, "out": str(out)}
+    run_ranks("bench.netem_scaling", world_size, network, config, workdir, f"p{world_size}-{rate_name(rate_bps)}",
+              args.group_timeout)
     return json.loads(out.read_text())
-
-
-def wait_all(procs: list[subprocess.Popen], logs: list, timeout: float) -> None:
-    """Waits for every rank, streaming rank 0's table; raises with the failing rank's log if one fails."""
-    deadline = time.monotonic() + timeout
-    shown = 0
-    while True:
-        logs[0].flush()
-        text = Path(logs[0].name).read_text()
-        print(text[shown:], end="", flush=True)
-        shown = len(text)
-        codes = [proc.poll() for proc in procs]
-        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
-            tail = Path(logs[failed[0]].name).read_text()[-3000:]
-            raise RuntimeError(f"rank {failed[0]} exited with status {codes[failed[0]]}:\n{tail}")
-        if all(code == 0 for code in codes):
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the group did not finish within --group-timeout {timeout:g} s")
-        time.sleep(0.5)
 
 
 HEADER = (f"{'P':>2} {'rate':>8} {'method':>9} {'n':>10} {'density':>7} {'k':>9} {'reps':>4} {'ms/exch':>9} "
@@ -429,15 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"removed {len(removed)} namespace(s): {' '.join(removed) or '-'}")
         return 0
 
-    networks: list[Network] = []
-
-    def close_networks() -> None:
-        while networks:
-            networks.pop().close()
-
-    atexit.register(close_networks)
-    # SIGTERM unwinds like SIGINT (KeyboardInterrupt), so the finally blocks remove the namespaces.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    networks = Networks(args.prefix)
     rates = [None] if args.loopback else args.rates
     rows: list[dict] = []
     started = time.perf_counter()
@@ -448,11 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                 network = None
                 if not args.loopback:
                     try:
-                        network = Network(args.prefix, world_size)
+                        network = networks.create(world_size)
                     except RuntimeError as error:
                         print(f"netem_scaling cannot run: could not create the namespaces: {error}", file=sys.stderr)
                         return 2
-                    networks.append(network)
                 for rate_bps in rates:
                     if network:
                         try:
@@ -462,9 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                                   f"{error}", file=sys.stderr)
                             return 2
                     rows += run_group(world_size, rate_bps, network, args, Path(tmp))
-                close_networks()
+                networks.close()
     finally:
-        close_networks()
+        networks.close()
     elapsed = time.perf_counter() - started
     skipped = [row for row in rows if row["skipped"]]
     print(f"\n{len(rows) - len(skipped)} exchanges measured, {len(skipped)} skipped, in {elapsed:.0f} s")

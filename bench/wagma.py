@@ -1,14 +1,17 @@
 """WAGMA benchmark: throughput and test accuracy of DDP gradient allreduce, synchronous group model averaging and
-wait-avoiding group model averaging, on P Gloo processes over loopback with a straggler.
+wait-avoiding group model averaging, on P Gloo processes with a straggler, each rank behind an emulated link of
+``--rate`` (bench/emulated_network.py: its own network namespace, tbf; needs root, else loopback) or, with
+``--loopback``, on 127.0.0.1.
 
-The task is the demo's (bench/digits.py): scikit-learn's bundled digits and its MLP (or CNN). Every rank trains on its own shard with the same seeds for every
-method; a straggler sleeps ``--sleep-ms`` per step: always ``--slow-rank`` (``--straggler fixed``) or a rank
+The task is the demo's (bench/digits.py): scikit-learn's bundled digits and its MLP (or CNN). Every rank trains
+on its own shard with the same seeds for every method; a straggler sleeps ``--sleep-ms`` per step: always ``--slow-rank`` (``--straggler fixed``) or a rank
 drawn at random each step, the same draw on every rank (``--straggler random``). Throughput is steps per second
 of the whole job (steps / the slowest rank's wall time, group averaging's last in-flight average included);
 accuracy is that of the globally averaged model after the same number of steps. Methods run interleaved,
 ``--repeats`` times, and the table shows medians.
 
-    python bench/wagma.py --json bench_wagma.json
+    python -m bench.wagma --json wagma.json                # 1 Gbit/s links
+    python -m bench.wagma --loopback --steps 100
 """
 
 from __future__ import annotations
@@ -21,15 +24,16 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gtopk_ext as gx  # noqa: E402
 from bench.digits import MODELS, load_digits_split, make_model  # noqa: E402
+from bench.emulated_network import Networks, check_can_emulate, parse_rate, rate_name, run_ranks  # noqa: E402
 from bench.processes import destroy_process_group  # noqa: E402
 
 METHODS = ("ddp", "group-sync", "group-wait-avoiding")
@@ -77,9 +81,13 @@ def run_method(method: str, rank: int, world_size: int, args: argparse.Namespace
     return {"steps_per_s": args.steps / float(elapsed), "accuracy": accuracy}
 
 
-def worker(rank: int, world_size: int, args: argparse.Namespace, init_file: str, result_file: str) -> None:
+def run_worker(config: dict) -> None:
+    """One rank (started by emulated_network.run_ranks): every method, interleaved; rank 0 writes the runs."""
+    args = argparse.Namespace(**config["args"])
+    rank, world_size = config["rank"], config["world_size"]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"tcp://{config['master_addr']}:{config['port']}", rank=rank,
+                            world_size=world_size)
     try:
         data = load_digits_split()
         runs = {method: [] for method in args.methods}
@@ -88,8 +96,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_file: str,
             for method in order:  # interleaved, starting elsewhere each repeat, so drifts spread evenly
                 runs[method].append(run_method(method, rank, world_size, args, data, repeat))
         if rank == 0:
-            with open(result_file, "w") as f:
-                json.dump(runs, f)
+            Path(config["out"]).write_text(json.dumps(runs))
     finally:
         destroy_process_group()
 
@@ -123,8 +130,17 @@ def main() -> None:
     parser.add_argument("--sleep-ms", type=float, default=10.0, help="the straggler's extra time per step")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    parser.add_argument("--rate", type=parse_rate, default=parse_rate("1gbit"),
+                        help="every rank in its own network namespace behind a link of this rate (needs root)")
+    parser.add_argument("--loopback", action="store_true", help="plain processes on 127.0.0.1, no shaping")
+    parser.add_argument("--prefix", default="gxwagma", help="name prefix of the namespaces this run creates")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the whole job may take")
     parser.add_argument("--json", default=None, help="write the settings, every run and the table here")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        run_worker(json.loads(args.worker.read_text()))
+        return
     args.methods = args.methods.split(",")
     unknown = set(args.methods) - set(METHODS)
     if unknown:
@@ -136,14 +152,25 @@ def main() -> None:
     if args.world_size % args.group_size:
         parser.error(f"--group-size {args.group_size} must divide --world-size {args.world_size}")
 
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = os.path.join(tmp, "runs.json")
-        mp.spawn(worker, args=(args.world_size, args, os.path.join(tmp, "rendezvous"), result_file),
-                 nprocs=args.world_size, join=True)
-        with open(result_file) as f:
-            runs = json.load(f)
+    if not args.loopback:
+        reason = check_can_emulate()
+        if reason:
+            print(f"wagma: no emulated network ({reason}); running on loopback", file=sys.stderr)
+            args.loopback = True
+    network_name = "loopback" if args.loopback else f"{rate_name(args.rate)} links (namespaces, tbf)"
+    networks = Networks(args.prefix)
+    try:
+        with tempfile.TemporaryDirectory(prefix="wagma_") as tmp:
+            network = None if args.loopback else networks.create(args.world_size, args.rate)
+            out = Path(tmp) / "runs.json"
+            worker_args = {key: value for key, value in vars(args).items() if key != "worker"}
+            run_ranks("bench.wagma", args.world_size, network, {"args": worker_args, "out": str(out)}, Path(tmp),
+                      "wagma", args.timeout)
+            runs = json.loads(out.read_text())
+    finally:
+        networks.close()
     rows = summarize(runs)
-    print(f"{args.world_size} Gloo processes on loopback, digits, {args.model}, "
+    print(f"{args.world_size} Gloo processes on {network_name}, digits, {args.model}, "
           f"batch {args.batch_size}/rank, {args.steps} steps, straggler {args.straggler} "
           f"(+{args.sleep_ms:g} ms/step), group size {args.group_size}, global period {args.global_period}, "
           f"median of {args.repeats}")

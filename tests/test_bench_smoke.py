@@ -1,9 +1,13 @@
 """The benchmarks are not timed tests; these runs at tiny sizes only keep them from rotting."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,3 +41,20 @@ def test_threshold_accuracy_benchmark(tmp_path):
     for row in rows:
         assert row["quality"]["topk"]["recall"] == 1.0 and row["quality"]["topk"]["norm"] == 1.0
         assert 0 < row["quality"]["accurate"]["count_over_k"]
+
+
+@pytest.mark.parametrize("network", ["--loopback",
+                                     pytest.param("--rate=1gbit", marks=pytest.mark.skipif(
+                                         os.geteuid() != 0 or shutil.which("tc") is None,
+                                         reason="namespaces and tc need root and iproute2"))])
+def test_wagma_benchmark(tmp_path, network):
+    out = tmp_path / "wagma.json"
+    run_bench("wagma", network, "--world-size", "2", "--group-size", "2", "--global-period", "3", "--steps", "12",
+              "--repeats", "1", "--prefix", "gxsmokewagma", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert [row["method"] for row in report["table"]] == ["ddp", "group-sync", "group-wait-avoiding"]
+    for row in report["table"]:
+        assert row["steps_per_s"] > 0 and 0.0 <= row["accuracy"] <= 1.0
+    assert report["table"][0]["speedup_vs_ddp"] == 1.0
+    if network != "--loopback":  # the run removed the namespaces it made
+        assert "gxsmokewagma" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

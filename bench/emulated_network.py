@@ -1,0 +1,207 @@
+"""An emulated network for multi-process benchmarks: every rank in its own network namespace, linked to a bridge
+through a veth pair whose both ends ``tc tbf`` limits to a rate, so a link behaves as a full-duplex Ethernet port
+of that rate. Needs root, ``ip`` and ``tc`` (iproute2) with tbf; everything it creates is removed on close, on
+failure and on SIGINT/SIGTERM. The addresses (10.77.0.0/24) exist only inside these namespaces.
+
+``run_ranks`` starts one process per rank (``python -m <module> --worker <config.json>``) inside the namespaces,
+or on loopback without a network: bench/netem_scaling.py and bench/wagma.py run their workers through it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBNET = "10.77.0"  # private, and only ever assigned inside this module's own namespaces
+RANK_IFNAME = "eth0"
+GLOO_PORT = 29500  # each run has its own namespaces, hence its own port space
+
+
+def parse_rate(text: str) -> int:
+    """'1gbit', '100mbit', '250kbit' or a plain number of bits per second -> bits per second."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)(?:bit)?", text.strip().lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"rate must look like 1gbit, 100mbit or 5e8, got {text!r}")
+    return int(float(match[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match[2]])
+
+
+def rate_name(bps: int | None) -> str:
+    if bps is None:
+        return "loopback"
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g}{unit}"
+    return f"{bps}bit"
+
+
+def run_ip(*argv: str) -> None:
+    result = subprocess.run(["ip", *argv], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"`ip {' '.join(argv)}` failed: {result.stderr.strip()}")
+
+
+class Network:
+    """One bridge namespace and ``world_size`` rank namespaces, each rank linked to the bridge by a veth pair.
+    ``close()`` deletes the namespaces, which deletes every link and qdisc in them."""
+
+    def __init__(self, prefix: str, world_size: int):
+        self.bridge_ns = f"{prefix}{os.getpid()}-br"
+        self.rank_ns = [f"{prefix}{os.getpid()}-r{rank}" for rank in range(world_size)]
+        self.created: list[str] = []
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _add_ns(self, name: str) -> None:
+        run_ip("netns", "add", name)
+        self.created.append(name)
+
+    def _build(self) -> None:
+        self._add_ns(self.bridge_ns)
+        run_ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+        run_ip("-n", self.bridge_ns, "link", "set", "br0", "up")
+        for rank, ns in enumerate(self.rank_ns):
+            self._add_ns(ns)
+            run_ip("-n", ns, "link", "add", RANK_IFNAME, "type", "veth", "peer", "name", f"p{rank}", "netns",
+                   self.bridge_ns)
+            run_ip("-n", self.bridge_ns, "link", "set", f"p{rank}", "master", "br0")
+            run_ip("-n", self.bridge_ns, "link", "set", f"p{rank}", "up")
+            run_ip("-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", RANK_IFNAME)
+            run_ip("-n", ns, "link", "set", RANK_IFNAME, "up")
+            run_ip("-n", ns, "link", "set", "lo", "up")
+
+    @staticmethod
+    def address(rank: int) -> str:
+        return f"{SUBNET}.{rank + 1}"
+
+    def limit(self, rate_bps: int) -> None:
+        """tbf on both ends of every link: rank -> bridge and bridge -> rank, each at ``rate_bps``."""
+        # The bucket holds 1 ms of traffic (at least a few full frames): a message passes at most 1 ms early.
+        # tbf splits larger GSO segments into frames, so a small bucket does not drop them.
+        burst = max(4096, rate_bps // 8 // 1000)
+        tbf = ["root", "tbf", "rate", str(rate_bps), "burst", str(burst), "latency", "50ms"]
+        for rank, ns in enumerate(self.rank_ns):
+            run_ip("netns", "exec", ns, "tc", "qdisc", "replace", "dev", RANK_IFNAME, *tbf)
+            run_ip("netns", "exec", self.bridge_ns, "tc", "qdisc", "replace", "dev", f"p{rank}", *tbf)
+
+    def close(self) -> None:
+        while self.created:
+            name = self.created.pop()
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def cleanup_stale(prefix: str) -> list[str]:
+    """Deletes the namespaces of earlier runs with this prefix whose process is gone; returns their names."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    removed = []
+    for line in listing.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        match = re.fullmatch(rf"{re.escape(prefix)}(\d+)-(br|r\d+)", name)
+        if match and not Path(f"/proc/{match[1]}").exists():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            removed.append(name)
+    return removed
+
+
+def check_can_emulate() -> str | None:
+    """Why the emulated network cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "it needs root (network namespaces and tc); run it as root, or use --loopback (no shaping)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed; install iproute2, or use --loopback"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_all(procs: list[subprocess.Popen], logs: list, timeout: float) -> None:
+    """Waits for every rank, streaming rank 0's table; raises with the failing rank's log if one fails."""
+    deadline = time.monotonic() + timeout
+    shown = 0
+    while True:
+        logs[0].flush()
+        text = Path(logs[0].name).read_text()
+        print(text[shown:], end="", flush=True)
+        shown = len(text)
+        codes = [proc.poll() for proc in procs]
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            tail = Path(logs[failed[0]].name).read_text()[-3000:]
+            raise RuntimeError(f"rank {failed[0]} exited with status {codes[failed[0]]}:\n{tail}")
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the group did not finish within --group-timeout {timeout:g} s")
+        time.sleep(0.5)
+
+
+def run_ranks(module: str, world_size: int, network: Network | None, config: dict, workdir: Path, name: str,
+              timeout: float) -> None:
+    """Runs ``python -m <module> --worker <file>`` once per rank, where the file holds ``config`` plus ``rank``,
+    ``world_size``, ``master_addr``, ``port`` and ``ifname`` (the interface whose bytes a rank may count; None on
+    loopback). Each rank runs inside its namespace with Gloo bound to its interface, or on 127.0.0.1 without a
+    network. Streams rank 0's output; raises with a failing rank's log. ``name`` tells this run's files apart."""
+    master = Network.address(0) if network else "127.0.0.1"
+    port = GLOO_PORT if network else free_port()
+    procs, logs = [], []
+    try:
+        for rank in range(world_size):
+            rank_config = {**config, "rank": rank, "world_size": world_size, "master_addr": master, "port": port,
+                           "ifname": RANK_IFNAME if network else None}
+            config_path = workdir / f"config-{name}-r{rank}.json"
+            config_path.write_text(json.dumps(rank_config))
+            command = [sys.executable, "-m", module, "--worker", str(config_path)]
+            if network:
+                command = ["ip", "netns", "exec", network.rank_ns[rank], *command]
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=RANK_IFNAME if network else "lo", OMP_NUM_THREADS="1")
+            log = open(workdir / f"log-{name}-r{rank}.txt", "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        wait_all(procs, logs, timeout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+
+
+class Networks:
+    """The networks of one run, all deleted by ``close()``, at exit, and on SIGTERM (which unwinds like SIGINT, so
+    the callers' finally blocks run)."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.open: list[Network] = []
+        atexit.register(self.close)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+    def create(self, world_size: int, rate_bps: int | None = None) -> Network:
+        network = Network(self.prefix, world_size)
+        self.open.append(network)
+        if rate_bps is not None:
+            network.limit(rate_bps)
+        return network
+
+    def close(self) -> None:
+        while self.open:
+            self.open.pop().close()

@@ -114,8 +114,12 @@ def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch
     slots = zip(torch.cat([indices_a, indices_b]).tolist(), torch.cat([values_a, values_b]).float().tolist())
     for index, value in slots:
         sums[index] = np.float32(sums.get(index, np.float32(0.0)) + np.float32(value))
-    best = sorted(sums, key=lambda i: (not np.isnan(sums[i]), 0.0 if np.isnan(sums[i]) else -abs(float(sums[i])), i))[:k]
-    kept = sorted(best)
+
+    def rank(index: int) -> tuple:
+        nan = bool(np.isnan(sums[index]))
+        return (not nan, 0.0 if nan else -abs(float(sums[index])), index)
+
+    kept = sorted(sorted(sums, key=rank)[:k])
     indices = torch.zeros(k, dtype=torch.int32)
     values = torch.zeros(k, dtype=values_a.dtype)
     indices[:len(kept)] = torch.tensor(kept, dtype=torch.int32)

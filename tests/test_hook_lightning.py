@@ -6,8 +6,8 @@ CPU, so on CPU a callback registers the same state and hook on the DDP model the
 
 The processes are launched the way a job scheduler launches them (LOCAL_RANK set, the group already initialised),
 by `run_distributed`, so that each ends with `bench.processes.destroy_process_group()`. Under Lightning's own spawn
-launcher a process exits right after the last all_gather and, in 4 of 80 runs here, the Gloo
-worker thread releases that all_gather's tensors during interpreter finalization and aborts the process.
+launcher a process exits right after the last all_gather and, in 4 of 80 runs here, the Gloo worker thread
+released that all_gather's tensors during interpreter finalization, which aborts the process.
 """
 
 import os

@@ -9,12 +9,13 @@ from torch import nn
 
 from bench.digits import load_digits_split, make_model
 
-SYNTHETIC = ("gaussian", "laplace", "student_t3", "spiky")
+SYNTHETIC = ("gaussian", "laplace", "student_t3", "spiky", "offset")
 
 
 def synthetic_gradient(kind: str, n: int, generator: torch.Generator) -> torch.Tensor:
     """n float32 samples: "gaussian"; "laplace"; "student_t3" (heavy tails); "spiky" (Gaussian, 1% of the
-    elements 50x larger, which inflates the deviation the paper's threshold relies on)."""
+    elements 50x larger, which inflates the deviation the paper's threshold relies on); "offset" (N(30, 1): a
+    spread small next to the magnitude, so the top k share a few log-scale histogram bins)."""
     if kind == "gaussian":
         return torch.randn(n, generator=generator)
     if kind == "laplace":
@@ -27,6 +28,8 @@ def synthetic_gradient(kind: str, n: int, generator: torch.Generator) -> torch.T
     if kind == "spiky":
         x = torch.randn(n, generator=generator)
         return torch.where(torch.rand(n, generator=generator) < 0.01, 50 * x, x)
+    if kind == "offset":
+        return torch.randn(n, generator=generator) + 30
     raise ValueError(f"kind must be one of {SYNTHETIC}, got {kind!r}")
 
 

@@ -21,9 +21,13 @@ TORCH_LIBRARY(gtopk_ext, m) {
   // it are padding (index 0, value 0). When more than capacity pass, those >= sure_threshold(threshold)
   // (common.h) are kept first, then the others in index order.
   m.def("compact(Tensor acc, Tensor threshold, int capacity) -> (Tensor, Tensor, Tensor)");
-  // gaussian_threshold(grad, residual, z, k) with k >= 1, then compact(acc, stats[4:5], capacity), in one call:
-  // returns (values, indices, count, stats), equal to theirs. The CPU kernel selects from the candidates that its
-  // statistics pass recorded instead of reading acc a second time.
+  // gaussian_threshold(grad, residual, z, k) with k >= 1, its threshold refined, then compact(acc, stats[4:5],
+  // capacity), in one call: returns (values, indices, count, stats), stats[4] being the refined threshold. The
+  // refinement counts the elements of the threshold's histogram bin by the next 13 bits of their pattern and
+  // moves the threshold to the lower edge of the sub-bin (32 float patterns) holding the k-th largest |acc|
+  // (common.h fine_threshold), so the count reaches k within that sub-bin's ties even when the bin holds many
+  // more than k. The CPU kernel counts and selects from the candidates that its statistics pass recorded
+  // instead of reading acc again (while they fit in a sixteenth of the data: about density < 0.01).
   m.def("gaussian_select(Tensor grad, Tensor(a!)? residual, float z, int k, int capacity) -> "
         "(Tensor, Tensor, Tensor, Tensor)");
   // gTop-k's merge of two sparse sets: the union of their slots' indices (padding slots join index 0), each

@@ -14,6 +14,8 @@ from gtopk_ext.ops import NUM_STATS, STAT_GAUSSIAN_THRESHOLD, STAT_MAX_ABS, STAT
 HIST_SHIFT = 18
 HIST_BINS = 1 << (31 - HIST_SHIFT)
 HIST_INF_KEY = 0x7F800000 >> HIST_SHIFT
+# gaussian_select's second level: sub-bins of 2^5 consecutive float32 patterns.
+FINE_SHIFT = 5
 
 
 def _bits_to_float(bits: int) -> float:
@@ -100,9 +102,27 @@ def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int):
     return values, indices, count
 
 
+def refined_threshold(acc: torch.Tensor, threshold: float, k: int) -> float:
+    """Within the threshold's histogram bin, the lower edge of the sub-bin (32 float patterns) holding the k-th
+    largest |acc| (csrc/common.h fine_threshold): by sorting that bin's magnitudes rather than counting."""
+    if not 0.0 < threshold < float("inf"):
+        return threshold
+    bits = acc.detach().float().abs().flatten()
+    bits = bits[~torch.isnan(bits)].view(torch.int32).long()
+    b = int(np.array([threshold], dtype=np.float32).view(np.int32)[0]) >> HIST_SHIFT
+    above = int(((bits >> HIST_SHIFT) > b).sum())
+    if above >= k:
+        return _bits_to_float((b + 1) << HIST_SHIFT)
+    in_bin = bits[(bits >> HIST_SHIFT) == b].sort(descending=True).values
+    if in_bin.numel() < k - above:
+        return _bits_to_float(b << HIST_SHIFT)
+    return _bits_to_float(int(in_bin[k - above - 1]) >> FINE_SHIFT << FINE_SHIFT)
+
+
 def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None, z: float, k: int, capacity: int):
     stats = gaussian_threshold(grad, residual, z, k)
     acc = residual if residual is not None else grad
+    stats[STAT_THRESHOLD] = refined_threshold(acc, float(stats[STAT_THRESHOLD]), k)
     return (*compact(acc, stats[STAT_THRESHOLD:STAT_THRESHOLD + 1], capacity), stats)
 
 

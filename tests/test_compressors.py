@@ -72,15 +72,14 @@ def test_without_residual_grad_is_untouched(kind):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heavy_tailed", [False, True])
 def test_gaussiank_accurate_matches_reference(dtype, heavy_tailed):
-    """The accurate mode is reference.gaussian_threshold's histogram threshold, then reference.compact."""
+    """The accurate mode is reference.gaussian_select: the histogram threshold, refined, then compact."""
     n, density = 20000, 0.01
     k = k_for_density(density, n)
     grad = gradient((n,), dtype, seed=5, heavy_tailed=heavy_tailed)
     residual = gradient((n,), dtype, seed=6)
     oracle_residual = residual.clone()
     msg = gx.make_compressor("gaussiank", density).compress(grad, residual)
-    stats = reference.gaussian_threshold(grad, oracle_residual, ops.z_for_density(density), k)
-    values, indices, count = reference.compact(oracle_residual, stats[ops.STAT_THRESHOLD:], k)
+    values, indices, count, stats = reference.gaussian_select(grad, oracle_residual, ops.z_for_density(density), k, k)
     assert torch.equal(msg.indices, indices) and torch.equal(msg.values, values) and torch.equal(msg.count, count)
     assert msg.stats[ops.STAT_THRESHOLD] == stats[ops.STAT_THRESHOLD]
     torch.testing.assert_close(msg.stats, stats)  # mean and std: double sums, in another order

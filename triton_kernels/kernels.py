@@ -24,6 +24,9 @@ FINISH_NUM_WARPS = 8
 HIST_SHIFT = 18
 HIST_BINS = 1 << (31 - HIST_SHIFT)
 HIST_INF_KEY = 0x7F800000 >> HIST_SHIFT
+# gaussian_select's second level: the threshold's bin split into sub-bins of 2^FINE_SHIFT float32 patterns.
+FINE_SHIFT = 5
+FINE_BINS = 1 << (HIST_SHIFT - FINE_SHIFT)
 # Programs add into one of this many copies of the histogram (program id modulo), so that the hot bins of a
 # bell-shaped gradient see a few times less contention on the same address; the finishing kernel sums them.
 # Every atomic is relaxed: only sums are needed, and the kernel boundary orders them before any read.
@@ -149,6 +152,43 @@ def finish_stats_kernel(shift_ptr, partial_sum_ptr, partial_sum_sq_ptr, partial_
         tl.store(stats_ptr + 4, threshold)
     else:
         tl.store(stats_ptr + 4, gaussian)
+
+
+@triton.jit
+def fine_count_kernel(acc_ptr, stats_ptr, fine_ptr, n, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr,
+                      FINE_SHIFT: tl.constexpr, FINE_BINS: tl.constexpr, BLOCK: tl.constexpr):
+    """gaussian_select's second level (csrc/common.h fine_threshold) for one block: adds the count of |acc| above
+    the threshold's histogram bin into fine_ptr[FINE_BINS] and those in it by sub-bin into fine_ptr[sub-bin]."""
+    threshold = tl.load(stats_ptr + 4)
+    bin = threshold.to(tl.int32, bitcast=True) >> HIST_SHIFT
+    # Not refinable (csrc/common.h refinable): a bin above every key, so nothing is counted.
+    bin = tl.where((threshold > 0.0) & (bin < HIST_INF_KEY), bin, 1 << 30)
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offsets < n
+    magnitude = tl.abs(to_float32(tl.load(acc_ptr + offsets, mask=in_range, other=0.0)))
+    bits = magnitude.to(tl.int32, bitcast=True)
+    counted = in_range & (magnitude == magnitude)
+    key = bits >> HIST_SHIFT
+    tl.atomic_add(fine_ptr + FINE_BINS, tl.sum((counted & (key > bin)).to(tl.int32), axis=0), sem="relaxed")
+    sub_bin = (bits >> FINE_SHIFT) & (FINE_BINS - 1)
+    tl.atomic_add(fine_ptr + sub_bin, 1, mask=counted & (key == bin), sem="relaxed")
+
+
+@triton.jit
+def fine_finish_kernel(stats_ptr, fine_ptr, k, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr,
+                       FINE_SHIFT: tl.constexpr, FINE_BINS: tl.constexpr):
+    """One program: stats[4] becomes the refined threshold, the lower edge of the highest sub-bin at which the
+    count from the top reaches k (csrc/common.h sub_bin_reaching)."""
+    threshold = tl.load(stats_ptr + 4)
+    bin = threshold.to(tl.int32, bitcast=True) >> HIST_SHIFT
+    refinable = (threshold > 0.0) & (bin < HIST_INF_KEY)
+    sub_bins = tl.arange(0, FINE_BINS)
+    above = tl.load(fine_ptr + FINE_BINS).to(tl.int64)
+    from_top = tl.cumsum(tl.load(fine_ptr + sub_bins).to(tl.int64), axis=0, reverse=True) + above
+    sub_bin = tl.max(tl.where(from_top >= k, sub_bins, 0), axis=0)  # from_top falls with the sub-bin
+    sub_bin = tl.where(above >= k, FINE_BINS, sub_bin)
+    refined = ((bin << HIST_SHIFT) + (sub_bin << FINE_SHIFT)).to(tl.float32, bitcast=True)
+    tl.store(stats_ptr + 4, tl.where(refinable, refined, threshold))
 
 
 @triton.jit

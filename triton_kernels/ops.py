@@ -196,11 +196,17 @@ def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int) -> tuple[
 @_register("gaussian_select", {"residual"}, _gaussian_select_fake)
 def gaussian_select(grad: torch.Tensor, residual: Optional[torch.Tensor], z: float, k: int,
                     capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(values, indices, count, stats): gaussian_threshold, then compact of acc at its threshold, on the device
-    (a second read of acc is cheap on a GPU)."""
+    """(values, indices, count, stats): gaussian_threshold, its threshold refined inside its bin, then compact of
+    acc at it, on the device (more reads of acc are cheap on a GPU)."""
     check_gaussian_select_args(grad, residual, z, k, capacity)
     stats = _launch_gaussian_threshold(grad, residual, z, k)
-    acc = residual if residual is not None else grad
+    acc = (residual if residual is not None else grad).contiguous()
+    fine = torch.zeros(kernels.FINE_BINS + 1, dtype=torch.int32, device=acc.device)  # sub-bins, then above
+    fine_layout = dict(HIST_SHIFT=kernels.HIST_SHIFT, HIST_INF_KEY=kernels.HIST_INF_KEY,
+                       FINE_SHIFT=kernels.FINE_SHIFT, FINE_BINS=kernels.FINE_BINS)
+    wrap_triton(kernels.fine_count_kernel)[(_num_blocks(acc.numel()),)](
+        acc, stats, fine, acc.numel(), BLOCK=kernels.BLOCK, num_warps=kernels.NUM_WARPS, **fine_layout)
+    wrap_triton(kernels.fine_finish_kernel)[(1,)](stats, fine, k, num_warps=kernels.FINISH_NUM_WARPS, **fine_layout)
     return (*_launch_compact(acc, stats[STAT_THRESHOLD:STAT_THRESHOLD + 1], capacity), stats)
 
 

@@ -201,6 +201,24 @@ __global__ void __launch_bounds__(kThreads) accumulate_kernel(const scalar_t* gr
   }
 }
 
+// The scan of both finishing kernels over 8192 counts: thread t loads the kBinsPerThread of them from
+// top = 8191 - t * kBinsPerThread down into counts, sets own to their sum and gets the sum of all counts above
+// them (a block-wide exclusive scan, which synchronises the block).
+__device__ long long scan_from_top(const int32_t* bin_counts, int top, int32_t (&counts)[kBinsPerThread],
+                                   long long& own) {
+  using BlockScan = cub::BlockScan<long long, kFinishThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  own = 0;
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) {
+    counts[j] = bin_counts[top - j];
+    own += counts[j];
+  }
+  long long above = 0;
+  BlockScan(scan_storage).ExclusiveSum(own, above);
+  return above;
+}
+
 // Merges the per-block partials (fixed order) into mean, std, max |acc| and the Gaussian threshold, and when
 // k > 0 finds the histogram threshold: each thread sums kBinsPerThread consecutive bins (thread 0 the top ones),
 // a block scan gives the count above each thread's bins, and the one thread whose bins hold the k-th largest
@@ -229,18 +247,11 @@ __global__ void __launch_bounds__(kFinishThreads) finish_kernel(const Moments* p
   if (k == 0) return;
   __syncthreads();
 
-  using BlockScan = cub::BlockScan<long long, kFinishThreads>;
-  __shared__ typename BlockScan::TempStorage scan_storage;
   const int top_bin = kHistBins - 1 - static_cast<int>(threadIdx.x) * kBinsPerThread;
   int32_t counts[kBinsPerThread];
   long long own = 0;
-#pragma unroll
-  for (int j = 0; j < kBinsPerThread; ++j) {
-    counts[j] = histogram[top_bin - j];  // the bins above kHistInfKey (NaN) are never counted: zero
-    own += counts[j];
-  }
-  long long above = 0;
-  BlockScan(scan_storage).ExclusiveSum(own, above);
+  // The bins above kHistInfKey (NaN) are never counted: zero.
+  const long long above = scan_from_top(histogram, top_bin, counts, own);
   if (above < k && above + own >= k) {
     long long total = above;
     for (int j = 0; j < kBinsPerThread; ++j) {
@@ -519,10 +530,8 @@ __global__ void __launch_bounds__(kThreads) fine_count_kernel(const scalar_t* ac
 }
 
 // One block: stats[kStatThreshold] becomes fine_threshold(bin, sub_bin), the sub-bin found as finish_kernel
-// finds the histogram bin (a block scan of per-thread sums of consecutive sub-bins, then one thread's walk), so
-// that it equals sub_bin_reaching().
-static_assert(kFineBins % kFinishThreads == 0, "every finishing thread owns the same number of sub-bins");
-constexpr int kSubBinsPerThread = kFineBins / kFinishThreads;
+// finds the histogram bin (scan_from_top, then one thread's walk), so that it equals sub_bin_reaching().
+static_assert(kFineBins == kHistBins, "scan_from_top serves both levels");
 
 __global__ void __launch_bounds__(kFinishThreads) fine_finish_kernel(const int32_t* fine_counts, int64_t k,
                                                                      float* stats) {
@@ -535,22 +544,14 @@ __global__ void __launch_bounds__(kFinishThreads) fine_finish_kernel(const int32
     if (threadIdx.x == 0) stats[kStatThreshold] = fine_threshold(bin, kFineBins);
     return;
   }
-  using BlockScan = cub::BlockScan<long long, kFinishThreads>;
-  __shared__ typename BlockScan::TempStorage scan_storage;
-  const int top = kFineBins - 1 - static_cast<int>(threadIdx.x) * kSubBinsPerThread;
-  int32_t counts[kSubBinsPerThread];
+  const int top = kFineBins - 1 - static_cast<int>(threadIdx.x) * kBinsPerThread;
+  int32_t counts[kBinsPerThread];
   long long own = 0;
-#pragma unroll
-  for (int j = 0; j < kSubBinsPerThread; ++j) {
-    counts[j] = fine_counts[top - j];
-    own += counts[j];
-  }
-  long long above = 0;
-  BlockScan(scan_storage).ExclusiveSum(own, above);  // synchronises: every thread has read the threshold
-  above += above_bin;
+  // The scan synchronises the block: every thread has read the threshold before one writes it.
+  const long long above = above_bin + scan_from_top(fine_counts, top, counts, own);
   if (above < k && above + own >= k) {
     long long total = above;
-    for (int j = 0; j < kSubBinsPerThread; ++j) {
+    for (int j = 0; j < kBinsPerThread; ++j) {
       total += counts[j];
       if (total >= k) {
         stats[kStatThreshold] = fine_threshold(bin, top - j);

@@ -190,8 +190,8 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
 
     In round r each rank merges its current set with that of rank ``rank XOR 2^r``
     (:func:`gtopk_ext.ops.merge_topk`). For a world size P that is not a power of two, the ranks past the largest
-    power of two first fold their set into rank ``rank - 2^floor(log2 P)`` and receive the result at the end. Returns ``(glob, applied)``: ``glob`` is
-    the same SparseMessage on every rank (values summed over ranks, not averaged; ``glob.count`` is the size of
+    power of two first fold their set into rank ``rank - 2^floor(log2 P)`` and receive the result at the end.
+    Returns ``(glob, applied)``: ``glob`` is the same SparseMessage on every rank (values summed over ranks, not averaged; ``glob.count`` is the size of
     the last merged union); ``applied[j]`` is True where this rank's slot j is inside glob's sums, i.e. its
     index survived every merge on its path. The caller keeps ``msg.values[~applied]`` (error feedback): nothing
     is lost. ``check`` as in :func:`sparse_allgather`.

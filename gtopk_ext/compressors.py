@@ -118,9 +118,9 @@ class GaussianK(Compressor):
     """Gaussian-k (Shi et al. 2019): a threshold from one statistics pass instead of a sort.
 
     ``mode="accurate"`` (default) selects with ``ops.gaussian_select``: the histogram threshold of the statistics
-    pass, refined inside its bin (k elements, plus the ties of a 32-float sub-bin, on any distribution); ``mode="paper"`` with the Gaussian estimate ``|mean| + z * std`` and the
-    paper's correction loop (up to 3 steps, on the device, no host sync). Elements past k slots (in index order)
-    stay in the residual.
+    pass, refined inside its bin (k elements, plus the ties of a 32-float sub-bin, on any distribution);
+    ``mode="paper"`` with the Gaussian estimate ``|mean| + z * std`` and the paper's correction loop (up to 3
+    steps, on the device, no host sync). Elements past k slots (in index order) stay in the residual.
     """
 
     kind = "gaussiank"

@@ -92,11 +92,13 @@ def _(acc, threshold, capacity):
 
 def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None = None, *, z: float, k: int, capacity: int,
                     backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`gaussian_threshold` with ``k >= 1``, then :func:`compact` of acc at its threshold, in one call:
-    returns ``(values, indices, count, stats)``, equal to what the two return.
+    """:func:`gaussian_threshold` with ``k >= 1``, its threshold refined inside its histogram bin (moved to the
+    lower edge of the 32-float sub-bin holding the k-th largest |acc|), then :func:`compact` of acc at it, in one
+    call: returns ``(values, indices, count, stats)``, ``stats[STAT_THRESHOLD]`` being the refined threshold.
 
-    The C++ CPU kernel reads the data once: its statistics pass records the elements above its running histogram
-    floor (a superset of the selection) and the compaction filters those. CUDA and Triton run the two kernels.
+    The C++ CPU kernel records, in its statistics pass, the elements above its running histogram floor (a
+    superset of the selection) and refines and selects from those while they fit (about density < 0.01), else
+    reads acc again. CUDA and Triton run the threshold, a counting pass with one finishing block, and compact.
     """
     return _kernels(grad.device, backend).gaussian_select(grad, residual, float(z), int(k), int(capacity))
 

@@ -155,14 +155,19 @@ def finish_stats_kernel(shift_ptr, partial_sum_ptr, partial_sum_sq_ptr, partial_
 
 
 @triton.jit
+def refinable_bin(threshold, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr):
+    """The histogram bin of a threshold that gaussian_select refines (csrc/common.h refinable: positive and
+    finite), else 1 << 30, a bin above every key."""
+    bin = threshold.to(tl.int32, bitcast=True) >> HIST_SHIFT
+    return tl.where((threshold > 0.0) & (bin < HIST_INF_KEY), bin, 1 << 30)
+
+
+@triton.jit
 def fine_count_kernel(acc_ptr, stats_ptr, fine_ptr, n, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr,
                       FINE_SHIFT: tl.constexpr, FINE_BINS: tl.constexpr, BLOCK: tl.constexpr):
     """gaussian_select's second level (csrc/common.h fine_threshold) for one block: adds the count of |acc| above
     the threshold's histogram bin into fine_ptr[FINE_BINS] and those in it by sub-bin into fine_ptr[sub-bin]."""
-    threshold = tl.load(stats_ptr + 4)
-    bin = threshold.to(tl.int32, bitcast=True) >> HIST_SHIFT
-    # Not refinable (csrc/common.h refinable): a bin above every key, so nothing is counted.
-    bin = tl.where((threshold > 0.0) & (bin < HIST_INF_KEY), bin, 1 << 30)
+    bin = refinable_bin(tl.load(stats_ptr + 4), HIST_SHIFT, HIST_INF_KEY)  # not refinable: nothing counted
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = offsets < n
     magnitude = tl.abs(to_float32(tl.load(acc_ptr + offsets, mask=in_range, other=0.0)))
@@ -180,15 +185,14 @@ def fine_finish_kernel(stats_ptr, fine_ptr, k, HIST_SHIFT: tl.constexpr, HIST_IN
     """One program: stats[4] becomes the refined threshold, the lower edge of the highest sub-bin at which the
     count from the top reaches k (csrc/common.h sub_bin_reaching)."""
     threshold = tl.load(stats_ptr + 4)
-    bin = threshold.to(tl.int32, bitcast=True) >> HIST_SHIFT
-    refinable = (threshold > 0.0) & (bin < HIST_INF_KEY)
+    bin = refinable_bin(threshold, HIST_SHIFT, HIST_INF_KEY)
     sub_bins = tl.arange(0, FINE_BINS)
     above = tl.load(fine_ptr + FINE_BINS).to(tl.int64)
     from_top = tl.cumsum(tl.load(fine_ptr + sub_bins).to(tl.int64), axis=0, reverse=True) + above
     sub_bin = tl.max(tl.where(from_top >= k, sub_bins, 0), axis=0)  # from_top falls with the sub-bin
     sub_bin = tl.where(above >= k, FINE_BINS, sub_bin)
     refined = ((bin << HIST_SHIFT) + (sub_bin << FINE_SHIFT)).to(tl.float32, bitcast=True)
-    tl.store(stats_ptr + 4, tl.where(refinable, refined, threshold))
+    tl.store(stats_ptr + 4, tl.where(bin < HIST_INF_KEY, refined, threshold))
 
 
 @triton.jit

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #ifdef __CUDACC__
 #define GTOPK_HOST_DEVICE __host__ __device__
@@ -23,7 +24,20 @@
 
 namespace gtopk_ext {
 
-// Layout of gaussian_threshold's float32 output (mirrored in gtopk_ext/ops.py).
+// Calls f(std::bool_constant<a>{}, std::bool_constant<b>{}): a kernel template instantiated for each pair of
+// run-time flags (residual or not, histogram or not), the pair chosen once per call.
+template <typename F>
+void dispatch_flags(bool a, bool b, F&& f) {
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (a) {
+    b ? f(Yes{}, Yes{}) : f(Yes{}, No{});
+  } else {
+    b ? f(No{}, Yes{}) : f(No{}, No{});
+  }
+}
+
+// Layout of gaussian_threshold's float32 output (mirrored in gtopk_ext/_contract.py, compared by a test).
 constexpr int64_t kStatMean = 0;
 constexpr int64_t kStatStd = 1;
 constexpr int64_t kStatMaxAbs = 2;

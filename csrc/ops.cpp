@@ -1,13 +1,41 @@
-// The op schemas of gtopk_ext: the one place that defines what each op takes and returns.
-// Kernels live in cpu/kernels.cpp (CPU) and cuda/kernels.cu (CUDA); fake kernels in gtopk_ext/ops.py.
+// The op schemas of gtopk_ext: the one place that defines what each op takes and returns. Argument checks and
+// layout constants are in common.h; kernels in cpu/<family>.cpp and cuda/<family>.cu; the Python side of each
+// op's contract (checks for the fakes and the Triton ops, layout, fakes) in gtopk_ext/_contract.py.
 #include <Python.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 extern "C" {
-// Importing gtopk_ext._C loads this library, which runs the TORCH_LIBRARY blocks below.
+// Importing gtopk_ext._C loads this library, which runs the TORCH_LIBRARY blocks below. The module carries the
+// layout constants of common.h, which a test compares with gtopk_ext/_contract.py.
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+  if (module == nullptr) return nullptr;
+  const struct {
+    const char* name;
+    long value;
+  } constants[] = {
+      {"STAT_MEAN", gtopk_ext::kStatMean},
+      {"STAT_STD", gtopk_ext::kStatStd},
+      {"STAT_MAX_ABS", gtopk_ext::kStatMaxAbs},
+      {"STAT_GAUSSIAN_THRESHOLD", gtopk_ext::kStatGaussianThreshold},
+      {"STAT_THRESHOLD", gtopk_ext::kStatThreshold},
+      {"NUM_STATS", gtopk_ext::kNumStats},
+      {"HIST_SHIFT", gtopk_ext::kHistShift},
+      {"HIST_BINS", gtopk_ext::kHistBins},
+      {"HIST_INF_KEY", gtopk_ext::kHistInfKey},
+      {"FINE_SHIFT", gtopk_ext::kFineShift},
+      {"FINE_BINS", gtopk_ext::kFineBins},
+  };
+  for (const auto& constant : constants) {
+    if (PyModule_AddIntConstant(module, constant.name, constant.value) != 0) {
+      Py_DECREF(module);
+      return nullptr;
+    }
+  }
+  return module;
 }
 }
 

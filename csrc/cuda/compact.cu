@@ -1,0 +1,134 @@
+// CUDA kernels of compact (schema in csrc/ops.cpp), with the semantics of csrc/cpu/compact.cpp. The threshold is
+// read on the device: no host synchronisation.
+#include <cub/device/device_partition.cuh>
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/iterator/discard_iterator.h>
+#include <thrust/iterator/tabulate_output_iterator.h>
+
+#include "common.cuh"
+
+namespace gtopk_ext::cuda {
+namespace {
+
+//
+// One read of acc: a single-pass (decoupled look-back) three-way partition of the indices (cub::DevicePartition)
+// into the sure candidates (|acc| >= sure_threshold(thr)) and the boundary ones (thr <= |acc| < that), each kept
+// in index order and written only while its rank is below the capacity, with their totals on the device. A
+// second kernel over at most `capacity` entries keeps the first min(sure, capacity) sure ones and fills the
+// remaining slots with boundary ones, merging the two ascending lists by binary search. A plain
+// DeviceSelect would need the sure total before writing, i.e. a second pass over acc or a host sync.
+
+// Does |acc[i]| reach the threshold (sure: the upper edge of its histogram bin)? The threshold is read on the
+// device at every call, from L1.
+template <typename scalar_t>
+struct ReachesThreshold {
+  const scalar_t* acc;
+  const float* threshold;
+  bool sure;
+  __device__ bool operator()(int32_t i) const {
+    const float thr = *threshold;
+    return fabsf(static_cast<float>(acc[i])) >= (sure ? sure_threshold(thr) : thr);
+  }
+};
+
+// Writes index i at position `rank` of a list of `slots` entries, dropping what does not fit.
+struct StoreWhileRoom {
+  int32_t* list;
+  int64_t slots;
+  __device__ void operator()(std::ptrdiff_t rank, int32_t i) const {
+    if (rank < slots) list[rank] = i;
+  }
+};
+
+// Number of entries of the ascending list[0, length) below value.
+__device__ __forceinline__ int64_t lower_bound(const int32_t* list, int64_t length, int32_t value) {
+  int64_t lo = 0, hi = length;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (list[mid] < value) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// Output slot of each kept candidate: its rank in its own list plus the number of kept entries of the other
+// list with a smaller index (the lists are disjoint and ascending), so the output is ascending.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) merge_selected_kernel(const scalar_t* acc, const int32_t* sure,
+                                                                  const int32_t* boundary,
+                                                                  const int32_t* part_totals, int64_t capacity,
+                                                                  scalar_t* values, int32_t* indices,
+                                                                  int32_t* count) {
+  const int64_t sure_total = part_totals[0], boundary_total = part_totals[1];
+  const int64_t sure_kept = sure_total < capacity ? sure_total : capacity;
+  const int64_t boundary_room = capacity - sure_kept;
+  const int64_t boundary_kept = boundary_total < boundary_room ? boundary_total : boundary_room;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (first == 0) count[0] = static_cast<int32_t>(sure_total + boundary_total);  // < 2^31: at most numel
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t t = first; t < sure_kept + boundary_kept; t += stride) {
+    const bool from_sure = t < sure_kept;
+    const int64_t rank = from_sure ? t : t - sure_kept;
+    const int32_t idx = from_sure ? sure[rank] : boundary[rank];
+    const int64_t slot =
+        rank + (from_sure ? lower_bound(boundary, boundary_kept, idx) : lower_bound(sure, sure_kept, idx));
+    indices[slot] = idx;
+    values[slot] = acc[idx];
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cuda(const at::Tensor& acc, const at::Tensor& threshold,
+                                                            int64_t capacity) {
+  check_compact_args(acc, threshold, capacity);
+  const c10::cuda::CUDAGuard guard(acc.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor acc_contig = acc.contiguous();
+  const int64_t n = acc.numel();
+  at::Tensor values = at::zeros({capacity}, acc.options());
+  at::Tensor indices = at::zeros({capacity}, acc.options().dtype(at::kInt));
+  at::Tensor count = at::zeros({1}, acc.options().dtype(at::kInt));
+  if (n == 0) return {values, indices, count};
+
+  const int64_t slots = std::min(capacity, n);  // no list can hold more
+  at::Tensor lists = at::empty({2 * slots}, acc.options().dtype(at::kInt));
+  at::Tensor part_totals = at::empty({2}, acc.options().dtype(at::kInt));
+  int32_t* sure_list = lists.mutable_data_ptr<int32_t>();
+  int32_t* boundary_list = sure_list + slots;
+  const float* threshold_ptr = threshold.const_data_ptr<float>();
+
+  GTOPK_DISPATCH_FLOAT_TYPES(acc.scalar_type(), "compact_cuda", [&] {
+    const scalar_t* acc_ptr = acc_contig.const_data_ptr<scalar_t>();
+    const auto partition = [&](void* temp, size_t& temp_bytes) {
+      return cub::DevicePartition::If(
+          temp, temp_bytes, thrust::counting_iterator<int32_t>(0),
+          thrust::make_tabulate_output_iterator(StoreWhileRoom{sure_list, slots}),
+          thrust::make_tabulate_output_iterator(StoreWhileRoom{boundary_list, slots}),
+          thrust::make_discard_iterator(), part_totals.mutable_data_ptr<int32_t>(), static_cast<int>(n),
+          ReachesThreshold<scalar_t>{acc_ptr, threshold_ptr, true},
+          ReachesThreshold<scalar_t>{acc_ptr, threshold_ptr, false}, stream);
+    };
+    size_t temp_bytes = 0;
+    C10_CUDA_CHECK(partition(nullptr, temp_bytes));
+    at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, acc.options().dtype(at::kByte));
+    C10_CUDA_CHECK(partition(temp.mutable_data_ptr(), temp_bytes));
+
+    const auto merge_kernel = merge_selected_kernel<scalar_t>;
+    const int grid = resident_grid(merge_kernel, kThreads, 0, (slots + kThreads - 1) / kThreads, acc.device());
+    merge_kernel<<<grid, kThreads, 0, stream>>>(acc_ptr, sure_list, boundary_list,
+                                                part_totals.const_data_ptr<int32_t>(), capacity,
+                                                values.mutable_data_ptr<scalar_t>(),
+                                                indices.mutable_data_ptr<int32_t>(),
+                                                count.mutable_data_ptr<int32_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {values, indices, count};
+}
+
+TORCH_LIBRARY_IMPL(gtopk_ext, CUDA, m) { m.impl("compact", &compact_cuda); }
+
+}  // namespace gtopk_ext::cuda

@@ -8,14 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gtopk_ext.ops import NUM_STATS, STAT_GAUSSIAN_THRESHOLD, STAT_MAX_ABS, STAT_MEAN, STAT_STD, STAT_THRESHOLD
-
-# The histogram of csrc/common.h: |acc| binned by the top 13 bits of its float32 pattern.
-HIST_SHIFT = 18
-HIST_BINS = 1 << (31 - HIST_SHIFT)
-HIST_INF_KEY = 0x7F800000 >> HIST_SHIFT
-# gaussian_select's second level: sub-bins of 2^5 consecutive float32 patterns.
-FINE_SHIFT = 5
+from gtopk_ext._contract import (FINE_SHIFT, HIST_BINS, HIST_INF_KEY, HIST_SHIFT, NUM_STATS,  # noqa: F401
+                                 STAT_GAUSSIAN_THRESHOLD, STAT_MAX_ABS, STAT_MEAN, STAT_STD, STAT_THRESHOLD)
 
 
 def _bits_to_float(bits: int) -> float:

@@ -8,7 +8,9 @@ kernels run under TRITON_INTERPRET=1 (tests/conftest.py); the cases marked "need
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,6 +18,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -396,13 +399,38 @@ def test_gpu_registration_traces_and_builds_for_sm80_and_sm90():
                         "TRITON_INTERPRET=1 set before triton is imported), got cpu")
     builds = lines[3:]
     assert len(builds) >= 80 and all(line.startswith("ok sm_") for line in builds), builds
-    for kernel in ("moments_histogram_kernel", "finish_stats_kernel", "count_candidates_kernel",
-                   "write_selected_kernel", "scatter_atomic_kernel", "segment_sum_kernel",
-                   "apply_segment_sums_kernel"):
+    launched = set(re.findall(r"wrap_triton\(kernels\.(\w+)\)", inspect.getsource(triton_kernels.ops)))
+    defined = {name for name, value in vars(kernels).items()
+               if isinstance(value, triton.JITFunction) and name.endswith("_kernel")}
+    assert launched == defined and {"fine_count_kernel", "fine_finish_kernel"} <= launched, (launched, defined)
+    for kernel in sorted(launched):
         for arch in (80, 90):
             assert any(line.startswith(f"ok sm_{arch} {kernel}(") for line in builds), (kernel, arch)
 
 
-def test_histogram_layout_is_the_reference_one():
-    assert (kernels.HIST_SHIFT, kernels.HIST_BINS, kernels.HIST_INF_KEY) == (
-        reference.HIST_SHIFT, reference.HIST_BINS, reference.HIST_INF_KEY)
+def test_layout_constants_are_the_cpp_ones():
+    """The layout of csrc/common.h (exported by gtopk_ext._C) is the one that the Python contract, the Triton
+    kernels and ops, and the reference use."""
+    from gtopk_ext import _C, _contract
+
+    cpp = {name: getattr(_C, name) for name in _contract.LAYOUT}
+    assert cpp == _contract.LAYOUT
+    for name in ("HIST_SHIFT", "HIST_BINS", "HIST_INF_KEY", "FINE_SHIFT", "FINE_BINS", "NUM_STATS", "STAT_THRESHOLD"):
+        assert getattr(triton_kernels.ops, name) == cpp[name], name
+    for name in ("HIST_SHIFT", "HIST_BINS", "HIST_INF_KEY", "FINE_SHIFT", "NUM_STATS", "STAT_MEAN", "STAT_STD",
+                 "STAT_MAX_ABS", "STAT_GAUSSIAN_THRESHOLD", "STAT_THRESHOLD"):
+        assert getattr(reference, name) == cpp[name], name
+    for name in ("STAT_MEAN", "STAT_STD", "STAT_MAX_ABS", "STAT_GAUSSIAN_THRESHOLD", "STAT_THRESHOLD"):
+        assert getattr(kernels, name).value == cpp[name], name
+
+
+def test_triton_schemas_are_the_cpp_ones():
+    """Every op of gtopk_ext_triton has the schema of the C++ op of the same name (types, alias annotations,
+    names, defaults), and every C++ op with a Triton kernel has its Triton op."""
+    from gtopk_ext import _contract
+
+    assert sorted(triton_kernels.ops.REGISTERED) == sorted(set(_contract.OPS) - {"merge_topk"})
+    for name in triton_kernels.ops.REGISTERED:
+        cpp = str(getattr(torch.ops.gtopk_ext, name).default._schema)
+        tri = str(getattr(torch.ops.gtopk_ext_triton, name).default._schema)
+        assert tri == cpp.replace("gtopk_ext::", "gtopk_ext_triton::", 1), (tri, cpp)

@@ -1,7 +1,7 @@
 """Builds every Triton kernel launch of the ops for GPUs, on a machine without one.
 
-``TRITON_INTERPRET=0 python -m gtopk_ext.triton_kernels.gpu_build`` traces the ops with fake CUDA tensors, the way
-torch.compile traces them, takes each recorded launch (kernel, argument types, constants, num_warps) and runs
+``TRITON_INTERPRET=0 python -m gtopk_ext.triton_kernels.gpu_build`` traces every registered op (ops.REGISTERED) on
+example calls with fake CUDA tensors, the way torch.compile traces them, takes each recorded launch (kernel, argument types, constants, num_warps) and runs
 Triton's whole compiler on it for sm_80 (A100) and sm_90 (H100), ptxas included. It prints one line per build and
 exits non-zero when one fails. The ops must be registered as triton_ops, so TRITON_INTERPRET must be unset or 0.
 """
@@ -99,16 +99,46 @@ def compress_step(grad: torch.Tensor, residual: torch.Tensor | None, k: int) -> 
     return values, indices, count
 
 
+def op_calls(dtype: torch.dtype, numel: int) -> dict[str, list[tuple]]:
+    """Example arguments of every Triton op on CUDA tensors of ``dtype`` (under a FakeTensorMode): with and
+    without residual and histogram, ``numel`` elements (1: a size Triton turns into a constant)."""
+    def tensor(n=numel, dtype=dtype):
+        return torch.empty(n, device="cuda", dtype=dtype)
+
+    indices = torch.zeros(max(1, numel // 100), device="cuda", dtype=torch.int32)
+    values = tensor(indices.numel())
+    threshold = tensor(1, torch.float32)
+    return {
+        "gaussian_threshold": [(tensor(), tensor(), 2.5, max(1, numel // 250)), (tensor(), None, 2.5, 0)],
+        "compact": [(tensor(), threshold, max(1, numel // 250))],
+        "gaussian_select": [(tensor(), tensor(), 2.5, max(1, numel // 250), max(1, numel // 250)),
+                            (tensor(), None, 2.5, 1, 1)],
+        "scatter_add": [(tensor(), indices, values)],
+        "residual_update": [(tensor(), indices, values)],
+    }
+
+
 def all_launches() -> list[Launch]:
-    """The distinct launches of compress_step over the dtypes, with and without residual and histogram, and a
-    one-element tensor (whose size Triton turns into a constant)."""
+    """The distinct launches of every registered Triton op (ops.REGISTERED) over the dtypes and the examples of
+    op_calls: an op without examples is an error, so no op's kernels can be left out of the build."""
     launches: dict[Launch, None] = {}
     with FakeTensorMode():
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            for numel, use_residual, k in ((10_000, True, 40), (10_000, False, 0), (1, True, 1)):
-                inputs = [torch.empty(numel, device="cuda", dtype=dtype) for _ in range(1 + use_residual)]
-                step = lambda grad, residual=None, k=k: compress_step(grad, residual, k)  # noqa: E731
-                launches.update(dict.fromkeys(traced_launches(step, *inputs)))
+            for numel in (10_000, 1):
+                calls = op_calls(dtype, numel)
+                missing = set(ops.REGISTERED) - set(calls)
+                if missing:
+                    raise RuntimeError(f"gpu_build: no example call of the Triton ops {sorted(missing)}")
+                for name in ops.REGISTERED:
+                    op = getattr(torch.ops.gtopk_ext_triton, name)
+                    for args in calls[name]:
+                        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+
+                        def call(*tensors, args=args, op=op):
+                            it = iter(tensors)
+                            return op(*(next(it) if isinstance(a, torch.Tensor) else a for a in args))
+
+                        launches.update(dict.fromkeys(traced_launches(call, *inputs)))
     return list(launches)
 
 

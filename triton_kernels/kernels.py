@@ -12,6 +12,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from gtopk_ext import _contract
+
+# Slots of the statistics tensor (gtopk_ext/_contract.py, csrc/common.h), as constants of the kernels.
+STAT_MEAN = tl.constexpr(_contract.STAT_MEAN)
+STAT_STD = tl.constexpr(_contract.STAT_STD)
+STAT_MAX_ABS = tl.constexpr(_contract.STAT_MAX_ABS)
+STAT_GAUSSIAN_THRESHOLD = tl.constexpr(_contract.STAT_GAUSSIAN_THRESHOLD)
+STAT_THRESHOLD = tl.constexpr(_contract.STAT_THRESHOLD)
+
 # Elements per program of the passes over the data, and their warps (see the module docstring).
 BLOCK = 4096
 NUM_WARPS = 4
@@ -19,14 +28,6 @@ NUM_WARPS = 4
 PARTIAL_BLOCK = 1024
 FINISH_NUM_WARPS = 8
 
-# The histogram of csrc/common.h: |acc| binned by the top 13 bits of its float32 pattern (8 exponent bits,
-# 5 mantissa bits: bins 2^(1/32) wide on a log scale); +inf has its own bin, NaN is not counted.
-HIST_SHIFT = 18
-HIST_BINS = 1 << (31 - HIST_SHIFT)
-HIST_INF_KEY = 0x7F800000 >> HIST_SHIFT
-# gaussian_select's second level: the threshold's bin split into sub-bins of 2^FINE_SHIFT float32 patterns.
-FINE_SHIFT = 5
-FINE_BINS = 1 << (HIST_SHIFT - FINE_SHIFT)
 # Programs add into one of this many copies of the histogram (program id modulo), so that the hot bins of a
 # bell-shaped gradient see a few times less contention on the same address; the finishing kernel sums them.
 # Every atomic is relaxed: only sums are needed, and the kernel boundary orders them before any read.
@@ -100,8 +101,8 @@ def finish_stats_kernel(shift_ptr, partial_sum_ptr, partial_sum_sq_ptr, partial_
                         histogram_ptr, stats_ptr, n, z: tl.float64, k, USE_HISTOGRAM: tl.constexpr,
                         HIST_COPIES: tl.constexpr, HIST_BINS: tl.constexpr, HIST_SHIFT: tl.constexpr,
                         HIST_INF_KEY: tl.constexpr, PARTIAL_BLOCK: tl.constexpr):
-    """One program: merges the partials into float32[5] stats (mean, std, max|acc|, Gaussian threshold,
-    threshold) with the arithmetic of csrc/cpu/kernels.cpp and csrc/common.h threshold_from_histogram."""
+    """One program: merges the partials into the float32 stats (mean, std, max|acc|, Gaussian threshold,
+    threshold) with the arithmetic of csrc/cpu/threshold.cpp and csrc/common.h threshold_from_histogram."""
     lanes = tl.arange(0, PARTIAL_BLOCK)
     sum_lanes = tl.zeros([PARTIAL_BLOCK], dtype=tl.float64)
     sum_sq_lanes = tl.zeros([PARTIAL_BLOCK], dtype=tl.float64)
@@ -123,10 +124,10 @@ def finish_stats_kernel(shift_ptr, partial_sum_ptr, partial_sum_sq_ptr, partial_
     variance = tl.where(variance < 0.0, 0.0, variance)  # rounding; NaN (from inf/NaN input) stays NaN
     std = tl.sqrt(variance)
     gaussian = (tl.abs(mean) + z * std).to(tl.float32)
-    tl.store(stats_ptr + 0, mean.to(tl.float32))
-    tl.store(stats_ptr + 1, std.to(tl.float32))
-    tl.store(stats_ptr + 2, max_abs)
-    tl.store(stats_ptr + 3, gaussian)
+    tl.store(stats_ptr + STAT_MEAN, mean.to(tl.float32))
+    tl.store(stats_ptr + STAT_STD, std.to(tl.float32))
+    tl.store(stats_ptr + STAT_MAX_ABS, max_abs)
+    tl.store(stats_ptr + STAT_GAUSSIAN_THRESHOLD, gaussian)
 
     if USE_HISTOGRAM:
         bins = tl.arange(0, HIST_BINS)
@@ -149,9 +150,9 @@ def finish_stats_kernel(shift_ptr, partial_sum_ptr, partial_sum_sq_ptr, partial_
         threshold = tl.where((crossing == max_key) & (threshold > max_abs), max_abs, threshold)
         threshold = tl.where(crossing == HIST_INF_KEY, float("inf"), threshold)
         threshold = tl.where(crossing < 0, 0.0, threshold)
-        tl.store(stats_ptr + 4, threshold)
+        tl.store(stats_ptr + STAT_THRESHOLD, threshold)
     else:
-        tl.store(stats_ptr + 4, gaussian)
+        tl.store(stats_ptr + STAT_THRESHOLD, gaussian)
 
 
 @triton.jit
@@ -167,7 +168,7 @@ def fine_count_kernel(acc_ptr, stats_ptr, fine_ptr, n, HIST_SHIFT: tl.constexpr,
                       FINE_SHIFT: tl.constexpr, FINE_BINS: tl.constexpr, BLOCK: tl.constexpr):
     """gaussian_select's second level (csrc/common.h fine_threshold) for one block: adds the count of |acc| above
     the threshold's histogram bin into fine_ptr[FINE_BINS] and those in it by sub-bin into fine_ptr[sub-bin]."""
-    bin = refinable_bin(tl.load(stats_ptr + 4), HIST_SHIFT, HIST_INF_KEY)  # not refinable: nothing counted
+    bin = refinable_bin(tl.load(stats_ptr + STAT_THRESHOLD), HIST_SHIFT, HIST_INF_KEY)  # not refinable: nothing counted
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = offsets < n
     magnitude = tl.abs(to_float32(tl.load(acc_ptr + offsets, mask=in_range, other=0.0)))
@@ -182,9 +183,9 @@ def fine_count_kernel(acc_ptr, stats_ptr, fine_ptr, n, HIST_SHIFT: tl.constexpr,
 @triton.jit
 def fine_finish_kernel(stats_ptr, fine_ptr, k, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr,
                        FINE_SHIFT: tl.constexpr, FINE_BINS: tl.constexpr):
-    """One program: stats[4] becomes the refined threshold, the lower edge of the highest sub-bin at which the
+    """One program: stats[STAT_THRESHOLD] becomes the refined threshold, the lower edge of the highest sub-bin at which the
     count from the top reaches k (csrc/common.h sub_bin_reaching)."""
-    threshold = tl.load(stats_ptr + 4)
+    threshold = tl.load(stats_ptr + STAT_THRESHOLD)
     bin = refinable_bin(threshold, HIST_SHIFT, HIST_INF_KEY)
     sub_bins = tl.arange(0, FINE_BINS)
     above = tl.load(fine_ptr + FINE_BINS).to(tl.int64)
@@ -192,7 +193,7 @@ def fine_finish_kernel(stats_ptr, fine_ptr, k, HIST_SHIFT: tl.constexpr, HIST_IN
     sub_bin = tl.max(tl.where(from_top >= k, sub_bins, 0), axis=0)  # from_top falls with the sub-bin
     sub_bin = tl.where(above >= k, FINE_BINS, sub_bin)
     refined = ((bin << HIST_SHIFT) + (sub_bin << FINE_SHIFT)).to(tl.float32, bitcast=True)
-    tl.store(stats_ptr + 4, tl.where(bin < HIST_INF_KEY, refined, threshold))
+    tl.store(stats_ptr + STAT_THRESHOLD, tl.where(bin < HIST_INF_KEY, refined, threshold))
 
 
 @triton.jit

@@ -155,7 +155,8 @@ def sparse_allgather(msg: SparseMessage, group: dist.ProcessGroup | None = None,
         traffic.add(nbytes, nbytes)
     pairs = [_unpack(p, msg.k, msg.values.dtype) for p in gathered]
     total = torch.zeros(msg.numel, dtype=torch.float32, device=msg.values.device)
-    ops.scatter_add_(total, torch.cat([i for i, _, _ in pairs]), torch.cat([v for _, v, _ in pairs]).float())
+    ops.scatter_add_(total, torch.cat([i for i, _, _ in pairs]), torch.cat([v for _, v, _ in pairs]).float(),
+                     backend=msg.backend)
     return total.to(dtype or msg.values.dtype)
 
 
@@ -203,7 +204,8 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
     device = msg.values.device
     applied = torch.ones(k, dtype=torch.bool, device=device)
     if size == 1:
-        return SparseMessage(msg.values.clone(), msg.indices.clone(), msg.count.clone(), msg.numel), applied
+        return SparseMessage(msg.values.clone(), msg.indices.clone(), msg.count.clone(), msg.numel,
+                             backend=msg.backend), applied
     butterfly = 1 << (size.bit_length() - 1)
     payload_size = _packed_size(k, dtype)
 
@@ -212,7 +214,8 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         _send(_pack(msg.indices, msg.values, msg.count), partner, group, traffic)
         result = _recv(torch.empty(payload_size + k, dtype=torch.uint8, device=device), partner, group, traffic)
         indices, values, count = _unpack(result, k, dtype)
-        return SparseMessage(values.clone(), indices.clone(), count.clone(), msg.numel), result[payload_size:].bool()
+        return (SparseMessage(values.clone(), indices.clone(), count.clone(), msg.numel, backend=msg.backend),
+                result[payload_size:].bool())
 
     indices, values, count = msg.indices, msg.values, msg.count
     # (slot indices, applied mask) of every contributor this rank answers for: itself and a folded rank.
@@ -222,7 +225,8 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         received = _recv(torch.empty(payload_size, dtype=torch.uint8, device=device), folded, group, traffic)
         folded_indices, folded_values, _ = _unpack(received, k, dtype)
         tracked.append((folded_indices, torch.ones(k, dtype=torch.bool, device=device)))
-        indices, values, count = ops.merge_topk(indices, values, folded_indices, folded_values, k)
+        indices, values, count = ops.merge_topk(indices, values, folded_indices, folded_values, k,
+                                                backend=msg.backend)
         _mark_survivors(tracked, indices, count)
     for bit in range(butterfly.bit_length() - 1):
         peer = rank ^ (1 << bit)
@@ -231,14 +235,16 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         peer_indices, peer_values, _ = _unpack(received, k, dtype)
         # Both partners put the lower rank's set first, so they compute bitwise the same merge.
         if rank < peer:
-            indices, values, count = ops.merge_topk(indices, values, peer_indices, peer_values, k)
+            indices, values, count = ops.merge_topk(indices, values, peer_indices, peer_values, k,
+                                                    backend=msg.backend)
         else:
-            indices, values, count = ops.merge_topk(peer_indices, peer_values, indices, values, k)
+            indices, values, count = ops.merge_topk(peer_indices, peer_values, indices, values, k,
+                                                    backend=msg.backend)
         _mark_survivors(tracked, indices, count)
     if folded < size:
         folded_applied = tracked[1][1]
         _send(torch.cat([_pack(indices, values, count), folded_applied.to(torch.uint8)]), folded, group, traffic)
-    return SparseMessage(values, indices, count, msg.numel), applied
+    return SparseMessage(values, indices, count, msg.numel, backend=msg.backend), applied
 
 
 def _mark_survivors(tracked: list[tuple[torch.Tensor, torch.Tensor]], kept_indices: torch.Tensor,

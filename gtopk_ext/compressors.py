@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from gtopk_ext import ops
+from gtopk_ext.backends import Backend, BackendChoice, BackendLike
 
 COMPRESSOR_KINDS = ("gaussiank", "topk", "randomk")
 GAUSSIANK_MODES = ("accurate", "paper")
@@ -28,6 +29,8 @@ class SparseMessage:
     the rest are padding (index 0, value 0), which every sum ignores. ``count`` (int32[1], on the values' device)
     is how many elements the compressor selected before truncation to k (a statistic: it may exceed k).
     ``stats`` is the threshold statistics tensor (``ops.STAT_*`` layout) when the compressor computed one.
+    ``backend`` is the backend that made it, which the collectives and ``to_dense`` use for their ops too
+    (``None``: each op's default).
     """
 
     values: torch.Tensor
@@ -35,6 +38,7 @@ class SparseMessage:
     count: torch.Tensor
     numel: int
     stats: torch.Tensor | None = None
+    backend: Backend | None = None
 
     @property
     def k(self) -> int:
@@ -44,7 +48,7 @@ class SparseMessage:
         """The flat dense tensor of ``numel`` elements that this message stands for (``dtype``: default the
         values' dtype; sums of duplicate indices are taken in that dtype)."""
         dense = torch.zeros(self.numel, dtype=dtype or self.values.dtype, device=self.values.device)
-        return ops.scatter_add_(dense, self.indices, self.values.to(dense.dtype))
+        return ops.scatter_add_(dense, self.indices, self.values.to(dense.dtype), backend=self.backend)
 
 
 def k_for_density(density: float, numel: int) -> int:
@@ -75,15 +79,17 @@ class Compressor:
     """Base class: ``compress(grad, residual=None, *, step=None) -> SparseMessage``.
 
     ``step`` identifies the call for randomized kinds (every rank must pass the same one to draw the same
-    indices); deterministic kinds ignore it.
+    indices); deterministic kinds ignore it. ``backend`` (a name, a :class:`gtopk_ext.backends.Backend` or None
+    for ``$GTOPK_EXT_BACKEND``) is resolved once per device, at the first message on it, and runs every op of
+    the compressor and of the message's collectives.
     """
 
     kind = ""
 
-    def __init__(self, density: float, *, backend: str | None = None):
+    def __init__(self, density: float, *, backend: BackendLike = None):
         check_density(density)
         self.density = float(density)
-        self.backend = backend
+        self.backend = BackendChoice(backend)
 
     def k_for(self, numel: int) -> int:
         return k_for_density(self.density, numel)
@@ -93,10 +99,11 @@ class Compressor:
         _check_inputs(grad, residual)
         flat_grad = grad.detach().reshape(-1)
         flat_residual = residual.view(-1) if residual is not None else None
-        return self._compress(flat_grad, flat_residual, self.k_for(flat_grad.numel()), step)
+        backend = self.backend.for_device(flat_grad.device)
+        return self._compress(flat_grad, flat_residual, self.k_for(flat_grad.numel()), step, backend)
 
-    def _compress(self, grad: torch.Tensor, residual: torch.Tensor | None, k: int,
-                  step: int | None) -> SparseMessage:
+    def _compress(self, grad: torch.Tensor, residual: torch.Tensor | None, k: int, step: int | None,
+                  backend: Backend) -> SparseMessage:
         raise NotImplementedError
 
     def _accumulate(self, grad: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -104,11 +111,12 @@ class Compressor:
         return residual.add_(grad) if residual is not None else grad
 
     def _message(self, acc: torch.Tensor, residual: torch.Tensor | None, values: torch.Tensor,
-                 indices: torch.Tensor, count: torch.Tensor, stats: torch.Tensor | None = None) -> SparseMessage:
+                 indices: torch.Tensor, count: torch.Tensor, backend: Backend,
+                 stats: torch.Tensor | None = None) -> SparseMessage:
         """The message of (values, indices) taken from acc; what is sent leaves the residual."""
         if residual is not None:
-            ops.residual_update_(residual, indices, values, backend=self.backend, check=False)
-        return SparseMessage(values, indices, count, acc.numel(), stats)
+            ops.residual_update_(residual, indices, values, backend=backend, check=False)
+        return SparseMessage(values, indices, count, acc.numel(), stats, backend)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(density={self.density})"
@@ -125,24 +133,24 @@ class GaussianK(Compressor):
 
     kind = "gaussiank"
 
-    def __init__(self, density: float, *, mode: str = "accurate", backend: str | None = None):
+    def __init__(self, density: float, *, mode: str = "accurate", backend: BackendLike = None):
         super().__init__(density, backend=backend)
         if mode not in GAUSSIANK_MODES:
             raise ValueError(f"mode must be one of {GAUSSIANK_MODES}, got {mode!r}")
         self.mode = mode
         self.z = ops.z_for_density(self.density)
 
-    def _compress(self, grad, residual, k, step):
+    def _compress(self, grad, residual, k, step, backend):
         acc = residual if residual is not None else grad
         if self.mode == "accurate":
             values, indices, count, stats = ops.gaussian_select(grad, residual, z=self.z, k=k, capacity=k,
-                                                                backend=self.backend)
+                                                                backend=backend)
         else:
-            stats = ops.gaussian_threshold(grad, residual, z=self.z, k=0, backend=self.backend)
+            stats = ops.gaussian_threshold(grad, residual, z=self.z, k=0, backend=backend)
             gaussian = stats[ops.STAT_GAUSSIAN_THRESHOLD:ops.STAT_GAUSSIAN_THRESHOLD + 1]
             threshold = self._paper_correction(acc, gaussian, k)
-            values, indices, count = ops.compact(acc, threshold, k, backend=self.backend)
-        return self._message(acc, residual, values, indices, count, stats)
+            values, indices, count = ops.compact(acc, threshold, k, backend=backend)
+        return self._message(acc, residual, values, indices, count, backend, stats)
 
     @staticmethod
     def _paper_correction(acc: torch.Tensor, threshold: torch.Tensor, k: int) -> torch.Tensor:
@@ -163,11 +171,11 @@ class TopK(Compressor):
 
     kind = "topk"
 
-    def _compress(self, grad, residual, k, step):
+    def _compress(self, grad, residual, k, step, backend):
         acc = self._accumulate(grad, residual)
         indices = torch.topk(acc.abs(), k, sorted=False).indices.sort().values.int()
         count = torch.full((1,), k, dtype=torch.int32, device=acc.device)
-        return self._message(acc, residual, acc[indices.long()], indices, count)
+        return self._message(acc, residual, acc[indices.long()], indices, count, backend)
 
 
 class RandomK(Compressor):
@@ -176,20 +184,20 @@ class RandomK(Compressor):
 
     kind = "randomk"
 
-    def __init__(self, density: float, *, seed: int = 0, backend: str | None = None):
+    def __init__(self, density: float, *, seed: int = 0, backend: BackendLike = None):
         super().__init__(density, backend=backend)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
         self.seed = seed
         self.calls = 0
 
-    def _compress(self, grad, residual, k, step):
+    def _compress(self, grad, residual, k, step, backend):
         generator = torch.Generator().manual_seed(self.seed + (self.calls if step is None else step))
         self.calls += 1
         acc = self._accumulate(grad, residual)
         indices = torch.randperm(acc.numel(), generator=generator)[:k].sort().values.int().to(acc.device)
         count = torch.full((1,), k, dtype=torch.int32, device=acc.device)
-        return self._message(acc, residual, acc[indices.long()], indices, count)
+        return self._message(acc, residual, acc[indices.long()], indices, count, backend)
 
     def __repr__(self) -> str:
         return f"RandomK(density={self.density}, seed={self.seed})"

@@ -64,7 +64,8 @@ class SparseGradState:
         stats_logging_frequency: log :meth:`stats` through ``logging`` (logger ``gtopk_ext.hooks``, INFO) every
             this many iterations; 0 never.
         error_feedback: keep what is not applied in a per-bucket residual (default); False drops it.
-        compressor_kwargs: extra arguments of the compressor (``mode="paper"``, ``backend="triton"``, ...).
+        compressor_kwargs: extra arguments of the compressor (``mode="paper"``, ``backend="triton"``, ...) The
+            compressor's backend (resolved once per device) runs every op of the hook: selection, merges, scatters.
 
     Fields besides the arguments: ``iter`` (iterations done; advanced on ``bucket.is_last()``) and
     ``residuals`` (per ``bucket.index()``, the flat residual in that bucket's layout).
@@ -241,7 +242,7 @@ class SparseGradState:
         else:
             glob, applied = gtopk_allreduce(msg, group, check=False, traffic=stats.traffic)
             if residual is not None:  # contributions dropped by a merge go back: nothing is lost
-                ops.scatter_add_(residual, msg.indices, msg.values * ~applied)
+                ops.scatter_add_(residual, msg.indices, msg.values * ~applied, backend=msg.backend)
             summed = glob.to_dense(torch.float32)
         tensor.copy_(summed.div_(size))
         stats.comm_seconds = perf_counter() - start - stats.select_seconds

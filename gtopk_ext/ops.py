@@ -1,22 +1,26 @@
-"""Typed wrappers over the ``torch.ops.gtopk_ext`` kernels, their fake kernels, and the backend choice.
+"""Typed wrappers over the gtopk_ext ops, and their fake kernels.
 
-Every wrapper takes ``backend=None``: ``"auto"`` (the C++ CPU kernels for CPU tensors, the CUDA kernels for CUDA
-tensors), ``"cpu"``, ``"cuda"`` or ``"triton"`` (the Triton kernels: CUDA tensors, or CPU tensors when
-``TRITON_INTERPRET=1``). ``None`` reads the environment variable ``GTOPK_EXT_BACKEND`` (default ``"auto"``).
+Every wrapper takes ``backend=None``: a name (``"auto"``, ``"cpu"``, ``"cuda"``, ``"triton"``) or a
+:class:`gtopk_ext.backends.Backend` object; ``None`` reads ``$GTOPK_EXT_BACKEND`` (default ``"auto"``). See
+gtopk_ext/backends.py. Each op's contract (C++ schema, argument checks, layout, outputs) is in csrc/ops.cpp and
+gtopk_ext/_contract.py; the fakes registered here are the contract's, so ``torch.compile`` traces the C++ ops
+and bad arguments fail at trace time with the C++ message.
 """
 
 from __future__ import annotations
 
-import os
 from statistics import NormalDist
 
 import torch
 
-# Layout of gaussian_threshold's output (csrc/common.h holds the same).
-STAT_MEAN, STAT_STD, STAT_MAX_ABS, STAT_GAUSSIAN_THRESHOLD, STAT_THRESHOLD = range(5)
-NUM_STATS = 5
+from gtopk_ext import backends
+from gtopk_ext._contract import (NUM_STATS, OPS, STAT_GAUSSIAN_THRESHOLD, STAT_MAX_ABS,  # noqa: F401  (re-exported)
+                                 STAT_MEAN, STAT_STD, STAT_THRESHOLD)
+from gtopk_ext.backends import BACKEND_NAMES as BACKENDS  # noqa: F401  (re-exported)
+from gtopk_ext.backends import Backend, BackendLike, merge_topk_with_torch  # noqa: F401  (re-exported)
 
-BACKENDS = ("auto", "cpu", "cuda", "triton")
+for _contract in OPS.values():
+    torch.library.register_fake(f"gtopk_ext::{_contract.name}")(_contract.fake)
 
 
 def z_for_density(density: float) -> float:
@@ -26,27 +30,19 @@ def z_for_density(density: float) -> float:
     return NormalDist().inv_cdf(1.0 - density / 2.0) if density < 1.0 else 0.0
 
 
-def resolve_backend(device: torch.device, backend: str | None = None) -> str:
-    """The backend that runs an op on ``device``: ``backend``, else $GTOPK_EXT_BACKEND, else ``"auto"``."""
-    choice = backend if backend is not None else os.environ.get("GTOPK_EXT_BACKEND", "auto")
-    if choice not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
-    if choice == "auto":
-        return "cuda" if device.type == "cuda" else "cpu"
-    if choice == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {device}")
-    elif choice != device.type:
-        raise ValueError(f"backend {choice!r} cannot run on tensors on {device}")
-    return choice
+def resolve_backend(device: torch.device, backend: BackendLike = None) -> str:
+    """The name of the backend that runs the ops on ``device`` (see :func:`gtopk_ext.backends.choose`)."""
+    return backends.choose(device, backend).name
 
 
-def _kernels(device: torch.device, backend: str | None):
-    if resolve_backend(device, backend) == "triton":
-        from gtopk_ext import triton_kernels  # imports triton, so only on request
+def _kernels(device: torch.device, backend: BackendLike):
+    """The op namespace of the backend chosen for ``device`` (for tests that call the ops positionally)."""
+    return backends.choose(device, backend)._kernels()
 
-        return triton_kernels.ops
-    return torch.ops.gtopk_ext
+
+def _run(op: str, backend: BackendLike, *args):
+    device = args[OPS[op].device_arg].device
+    return backends.choose(device, backend, op=op).run(op, *args)
 
 
 def _raise_on_invalid(invalid: torch.Tensor, op: str, numel: int) -> None:
@@ -56,7 +52,7 @@ def _raise_on_invalid(invalid: torch.Tensor, op: str, numel: int) -> None:
 
 
 def gaussian_threshold(grad: torch.Tensor, residual: torch.Tensor | None = None, *, z: float, k: int = 0,
-                       backend: str | None = None) -> torch.Tensor:
+                       backend: BackendLike = None) -> torch.Tensor:
     """One pass over ``acc = grad + residual`` (``residual`` becomes ``acc`` in place; ``None``: ``acc = grad``).
 
     Returns float32[NUM_STATS] on grad's device: mean and std (non-finite when acc has a non-finite element),
@@ -64,16 +60,11 @@ def gaussian_threshold(grad: torch.Tensor, residual: torch.Tensor | None = None,
     to select with: when ``k > 0`` the one that a log-scale histogram of |acc| says keeps about ``k`` elements,
     else the Gaussian one. No host sync.
     """
-    return _kernels(grad.device, backend).gaussian_threshold(grad, residual, float(z), int(k))
-
-
-@torch.library.register_fake("gtopk_ext::gaussian_threshold")
-def _(grad, residual, z, k):
-    return grad.new_empty(NUM_STATS, dtype=torch.float32)
+    return _run("gaussian_threshold", backend, grad, residual, float(z), int(k))
 
 
 def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int, *,
-            backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            backend: BackendLike = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(values, indices, count)``: the elements with ``|acc| >= threshold[0]`` in ascending index order.
 
     ``values`` (acc's dtype) and ``indices`` (int32) have ``capacity`` slots; ``count`` (int32[1]) is how many
@@ -81,17 +72,11 @@ def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int, *,
     ``capacity`` pass, the ones at or above the upper edge of the threshold's histogram bin (2.2% above it) are
     kept first and the rest of the slots go to the others in index order, so no large element is dropped.
     """
-    return _kernels(acc.device, backend).compact(acc, threshold, int(capacity))
-
-
-@torch.library.register_fake("gtopk_ext::compact")
-def _(acc, threshold, capacity):
-    return (acc.new_empty(capacity), acc.new_empty(capacity, dtype=torch.int32),
-            acc.new_empty(1, dtype=torch.int32))
+    return _run("compact", backend, acc, threshold, int(capacity))
 
 
 def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None = None, *, z: float, k: int, capacity: int,
-                    backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    backend: BackendLike = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`gaussian_threshold` with ``k >= 1``, its threshold refined inside its histogram bin (moved to the
     lower edge of the 32-float sub-bin holding the k-th largest |acc|), then :func:`compact` of acc at it, in one
     call: returns ``(values, indices, count, stats)``, ``stats[STAT_THRESHOLD]`` being the refined threshold.
@@ -100,17 +85,11 @@ def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None = None, *,
     superset of the selection) and refines and selects from those while they fit (about density < 0.01), else
     reads acc again. CUDA and Triton run the threshold, a counting pass with one finishing block, and compact.
     """
-    return _kernels(grad.device, backend).gaussian_select(grad, residual, float(z), int(k), int(capacity))
-
-
-@torch.library.register_fake("gtopk_ext::gaussian_select")
-def _(grad, residual, z, k, capacity):
-    return (grad.new_empty(capacity), grad.new_empty(capacity, dtype=torch.int32),
-            grad.new_empty(1, dtype=torch.int32), grad.new_empty(NUM_STATS, dtype=torch.float32))
+    return _run("gaussian_select", backend, grad, residual, float(z), int(k), int(capacity))
 
 
 def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch.Tensor, values_b: torch.Tensor,
-               k: int, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               k: int, *, backend: BackendLike = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gTop-k's merge: the union of two sparse sets, values of equal indices summed (float32, in slot order: a's
     slots, then b's), then the k largest |sums| (NaN first; ties to the lower index), by ascending index and
     padded with (0, 0) to k slots. Padding slots (index 0, value 0) join index 0's sum, where they add nothing.
@@ -119,65 +98,31 @@ def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch
     that pass the same two sets in the same order get bitwise the same result. On the CPU a C++ kernel (a linear
     merge of the ascending sets and a selection of the k-th best); on other devices torch's unique and sort.
     """
-    if resolve_backend(indices_a.device, backend) == "cpu":
-        return torch.ops.gtopk_ext.merge_topk(indices_a, values_a, indices_b, values_b, int(k))
-    return merge_topk_with_torch(indices_a, values_a, indices_b, values_b, int(k))
+    return _run("merge_topk", backend, indices_a, values_a, indices_b, values_b, int(k))
 
 
-def merge_topk_with_torch(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch.Tensor,
-                          values_b: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`merge_topk` with torch's unique and sort, on any device (what runs on GPUs)."""
-    union, inverse = torch.unique(torch.cat([indices_a, indices_b]), sorted=True, return_inverse=True)
-    sums = torch.zeros(union.numel(), dtype=torch.float32, device=union.device)
-    sums.index_add_(0, inverse, torch.cat([values_a, values_b]).float())
-    union_size = union.numel()
-    if union_size > k:
-        # A stable sort keeps equal magnitudes in index order, so the lower index wins a tie.
-        keep = torch.sort(sums.abs(), descending=True, stable=True).indices[:k].sort().values
-        union, sums = union[keep], sums[keep]
-    indices = torch.zeros(k, dtype=torch.int32, device=union.device)
-    values = torch.zeros(k, dtype=values_a.dtype, device=union.device)
-    indices[:union.numel()] = union
-    values[:union.numel()] = sums.to(values_a.dtype)
-    return indices, values, torch.tensor([union_size], dtype=torch.int32, device=union.device)
-
-
-@torch.library.register_fake("gtopk_ext::merge_topk")
-def _(indices_a, values_a, indices_b, values_b, k):
-    return (indices_a.new_empty(k), values_a.new_empty(k), indices_a.new_empty(1))
-
-
-def scatter_add_(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, backend: str | None = None,
+def scatter_add_(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, backend: BackendLike = None,
                  check: bool = True) -> torch.Tensor:
     """``dense[indices[j]] += values[j]`` in place, duplicate indices summed; returns ``dense``.
 
     Indices outside ``[0, dense.numel())`` are never written; with ``check`` they raise ValueError (one host
     sync), else their number is lost. Use ``torch.ops.gtopk_ext.scatter_add`` to get it as a tensor.
     """
-    invalid = _kernels(dense.device, backend).scatter_add(dense, indices, values)
+    invalid = _run("scatter_add", backend, dense, indices, values)
     if check:
         _raise_on_invalid(invalid, "scatter_add", dense.numel())
     return dense
 
 
-@torch.library.register_fake("gtopk_ext::scatter_add")
-def _(dense, indices, values):
-    return dense.new_empty(1, dtype=torch.int32)
-
-
 def residual_update_(residual: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *,
-                     backend: str | None = None, check: bool = True) -> torch.Tensor:
+                     backend: BackendLike = None, check: bool = True) -> torch.Tensor:
     """``residual[indices[j]] -= values[j]`` in place: what was sent leaves the residual; returns ``residual``.
 
     With values taken from ``compact`` of this residual, the sent entries become exactly zero. Index rules as in
     :func:`scatter_add_`.
     """
-    invalid = _kernels(residual.device, backend).residual_update(residual, indices, values)
+    invalid = _run("residual_update", backend, residual, indices, values)
     if check:
         _raise_on_invalid(invalid, "residual_update", residual.numel())
     return residual
 
-
-@torch.library.register_fake("gtopk_ext::residual_update")
-def _(residual, indices, values):
-    return residual.new_empty(1, dtype=torch.int32)

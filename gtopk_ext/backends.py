@@ -1,0 +1,222 @@
+"""The backends that run the ops, as objects: what each supports, why it cannot run somewhere, and its kernels.
+
+* ``CPU``: the C++ kernels (``torch.ops.gtopk_ext`` on CPU tensors).
+* ``CUDA``: the CUDA kernels (``torch.ops.gtopk_ext`` on CUDA tensors; merge_topk by torch, see ``TORCH``).
+* ``TRITON``: the Triton kernels (``torch.ops.gtopk_ext_triton``: CUDA tensors, or any under TRITON_INTERPRET=1;
+  merge_topk by torch).
+* ``TORCH``: plain torch (unique and sort): the merge of gTop-k on GPUs, on any device. It has no other op.
+
+A caller names a backend (``"auto"``, ``"cpu"``, ``"cuda"``, ``"triton"``, or a ``Backend`` object) or leaves it
+to ``$GTOPK_EXT_BACKEND`` (default ``"auto"``: CPU for CPU tensors; CUDA, else Triton, for CUDA tensors).
+:class:`BackendChoice` resolves that preference once per device and remembers it: compressors, collectives and
+the DDP hook hold one and hand the same object to every op they call. A backend that cannot run raises one
+ValueError that lists every backend's reasons. (Bad op arguments raise RuntimeError, as TORCH_CHECK does.)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections import Counter
+from typing import Union
+
+import torch
+
+from gtopk_ext._contract import FLOAT_DTYPES
+
+BACKEND_NAMES = ("auto", "cpu", "cuda", "triton")
+
+
+def merge_topk_with_torch(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch.Tensor,
+                          values_b: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """merge_topk (csrc/ops.cpp) with torch's unique and sort, on any device (what runs on GPUs)."""
+    union, inverse = torch.unique(torch.cat([indices_a, indices_b]), sorted=True, return_inverse=True)
+    sums = torch.zeros(union.numel(), dtype=torch.float32, device=union.device)
+    sums.index_add_(0, inverse, torch.cat([values_a, values_b]).float())
+    union_size = union.numel()
+    if union_size > k:
+        # A stable sort keeps equal magnitudes in index order, so the lower index wins a tie.
+        keep = torch.sort(sums.abs(), descending=True, stable=True).indices[:k].sort().values
+        union, sums = union[keep], sums[keep]
+    indices = torch.zeros(k, dtype=torch.int32, device=union.device)
+    values = torch.zeros(k, dtype=values_a.dtype, device=union.device)
+    indices[:union.numel()] = union
+    values[:union.numel()] = sums.to(values_a.dtype)
+    return indices, values, torch.tensor([union_size], dtype=torch.int32, device=union.device)
+
+
+class Backend:
+    """Runs the ops on the devices and dtypes it declares. ``calls`` counts the op calls made through it."""
+
+    name = ""
+    dtypes = FLOAT_DTYPES
+    ops = ("gaussian_threshold", "compact", "gaussian_select", "merge_topk", "scatter_add", "residual_update")
+
+    # merge_topk by merge_topk_with_torch rather than by a kernel of this backend.
+    merges_with_torch = False
+
+    def __init__(self):
+        self.calls: Counter[str] = Counter()
+
+    def not_supported_reasons(self, device: torch.device, dtype: torch.dtype | None = None,
+                              op: str | None = None) -> list[str]:
+        """Why this backend cannot run ``op`` (any op: None) on tensors of ``device`` and ``dtype``; [] if it can."""
+        reasons = []
+        if dtype is not None and dtype not in self.dtypes:
+            reasons.append(f"supports {', '.join(str(d).removeprefix('torch.') for d in self.dtypes)}, got {dtype}")
+        if op is not None and op not in self.ops:
+            reasons.append(f"implements {', '.join(self.ops)} only, not {op}")
+        return reasons + self._device_reasons(torch.device(device))
+
+    def _device_reasons(self, device: torch.device) -> list[str]:
+        raise NotImplementedError
+
+    def _kernels(self):
+        """The namespace whose attributes are the ops, called positionally with the C++ schema's arguments."""
+        raise NotImplementedError
+
+    def run(self, op: str, *args):
+        """``op(*args)`` on this backend's kernels."""
+        self.calls[op] += 1
+        if op == "merge_topk" and self.merges_with_torch:
+            return merge_topk_with_torch(*args)
+        return getattr(self._kernels(), op)(*args)
+
+    def __reduce__(self):
+        return backend_named, (self.name,)  # one object per backend, also across pickling
+
+    def __repr__(self) -> str:
+        return f"<gtopk_ext backend {self.name!r}>"
+
+
+class CppCpuBackend(Backend):
+    name = "cpu"
+
+    def _device_reasons(self, device):
+        return [] if device.type == "cpu" else [f"needs CPU tensors, got {device}"]
+
+    def _kernels(self):
+        return torch.ops.gtopk_ext
+
+
+@functools.cache
+def cuda_kernels_built() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("gtopk_ext::compact", "CUDA")
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    merges_with_torch = True  # no CUDA kernel: torch's sort and unique are fast on a GPU
+
+    def _device_reasons(self, device):
+        reasons = [] if device.type == "cuda" else [f"needs CUDA tensors, got {device}"]
+        if not cuda_kernels_built():
+            reasons.append("the CUDA kernels were not built (install with a CUDA toolkit and a CUDA build of torch, "
+                           "GTOPK_EXT_CUDA=1)")
+        return reasons
+
+    def _kernels(self):
+        return torch.ops.gtopk_ext
+
+
+@functools.cache
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    merges_with_torch = True
+
+    def _device_reasons(self, device):
+        reasons = []
+        if not triton_importable():
+            reasons.append("needs the triton package (pip install triton)")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            reasons.append(f"needs CUDA tensors (or TRITON_INTERPRET=1), got {device}")
+        return reasons
+
+    def _kernels(self):
+        from gtopk_ext import triton_kernels  # imports triton, so only when used
+
+        return triton_kernels.ops
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    ops = ("merge_topk",)
+    merges_with_torch = True
+
+    def _device_reasons(self, device):
+        return []
+
+    def _kernels(self):
+        return None
+
+
+CPU = CppCpuBackend()
+CUDA = CudaBackend()
+TRITON = TritonBackend()
+TORCH = TorchBackend()
+ALL = (CPU, CUDA, TRITON, TORCH)
+_BY_NAME = {backend.name: backend for backend in (CPU, CUDA, TRITON)}
+
+
+def backend_named(name: str) -> Backend:
+    """The backend object of that name (``"torch"`` included)."""
+    return {backend.name: backend for backend in ALL}[name]
+
+BackendLike = Union[str, Backend, None]
+
+
+def _unsupported(requested: Backend, device: torch.device, dtype, op) -> ValueError:
+    lines = []
+    for backend in ALL:
+        reasons = backend.not_supported_reasons(device, dtype, op)
+        lines.append(f"backend {backend.name!r} " + ("can run" if not reasons else "; ".join(reasons)))
+    return ValueError(f"backend {requested.name!r} cannot run on tensors on {device}"
+                      + (f" ({op})" if op else "") + ". Every backend: " + "; ".join(lines))
+
+
+def choose(device: torch.device, backend: BackendLike = None, *, dtype: torch.dtype | None = None,
+           op: str | None = None) -> Backend:
+    """The backend that runs ``op`` on ``device``: ``backend`` (a name or object), else ``$GTOPK_EXT_BACKEND``,
+    else ``"auto"``. Raises ValueError listing every backend's reasons when the requested one cannot run."""
+    device = torch.device(device)
+    if isinstance(backend, Backend):
+        chosen = backend
+    else:
+        name = backend if backend is not None else os.environ.get("GTOPK_EXT_BACKEND", "auto")
+        if name not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+        if name == "auto":
+            name = "cuda" if device.type == "cuda" and not CUDA.not_supported_reasons(device) else (
+                "triton" if device.type == "cuda" else "cpu")
+        chosen = _BY_NAME[name]
+    if chosen.not_supported_reasons(device, dtype, op):
+        raise _unsupported(chosen, device, dtype, op)
+    return chosen
+
+
+class BackendChoice:
+    """A backend preference (a name, a ``Backend`` or None) resolved once per device, at the first call that
+    sees the device, and remembered: what compressors, collectives and the DDP hook hand to every op."""
+
+    def __init__(self, backend: BackendLike = None):
+        if isinstance(backend, BackendChoice):
+            backend = backend.preference
+        if not (backend is None or isinstance(backend, Backend) or backend in BACKEND_NAMES):
+            raise ValueError(f"backend must be one of {BACKEND_NAMES} or a gtopk_ext.backends.Backend, got "
+                             f"{backend!r}")
+        self.preference = backend
+        self._chosen: dict[torch.device, Backend] = {}
+
+    def for_device(self, device: torch.device) -> Backend:
+        chosen = self._chosen.get(device)
+        if chosen is None:
+            chosen = self._chosen[device] = choose(device, self.preference)
+        return chosen
+
+    def __repr__(self) -> str:
+        return f"BackendChoice({self.preference!r}, chosen={dict(self._chosen)})"

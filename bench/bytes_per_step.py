@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from bench.processes import destroy_process_group
+from gtopk_ext.utils import destroy_process_group
 
 COLLECTIVES = ("dense", "allgather", "gtopk")
 WARMUP = 2  # the hook's dense iterations (start_iter)

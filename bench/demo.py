@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gtopk_ext as gx  # noqa: E402
 from bench.digits import MODELS, load_digits_split, make_model  # noqa: E402
-from bench.processes import destroy_process_group  # noqa: E402
+from gtopk_ext.utils import destroy_process_group  # noqa: E402
 from gtopk_ext.collectives import ring_allreduce_bytes  # noqa: E402
 
 # method -> (compressor, collective) of the hook; None: DDP's own allreduce.

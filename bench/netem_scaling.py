@@ -97,7 +97,7 @@ def run_worker(config: dict) -> None:
     import torch.distributed as dist
 
     import gtopk_ext as gx
-    from bench.processes import destroy_process_group
+    from gtopk_ext.utils import destroy_process_group
 
     torch.set_num_threads(1)
     args = argparse.Namespace(**config["args"])

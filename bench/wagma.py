@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gtopk_ext as gx  # noqa: E402
 from bench.digits import MODELS, load_digits_split, make_model  # noqa: E402
 from bench.emulated_network import Networks, check_can_emulate, parse_rate, rate_name, run_ranks  # noqa: E402
-from bench.processes import destroy_process_group  # noqa: E402
+from gtopk_ext.utils import destroy_process_group  # noqa: E402
 
 METHODS = ("ddp", "group-sync", "group-wait-avoiding")
 

@@ -1,4 +1,4 @@
-"""What every multi-process benchmark and test needs around its Gloo process group."""
+"""Helpers around torch.distributed that every multi-process program using gtopk_ext needs."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.processes import destroy_process_group
+from gtopk_ext.utils import destroy_process_group
 
 
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, results) -> None:

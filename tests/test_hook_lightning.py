@@ -5,7 +5,7 @@ Lightning (2.6) registers a DDPStrategy's comm hook only when its root device is
 CPU, so on CPU a callback registers the same state and hook on the DDP model the strategy built.
 
 The processes are launched the way a job scheduler launches them (LOCAL_RANK set, the group already initialised),
-by `run_distributed`, so that each ends with `bench.processes.destroy_process_group()`. Under Lightning's own spawn
+by `run_distributed`, so that each ends with `gtopk_ext.destroy_process_group()`. Under Lightning's own spawn
 launcher a process exits right after the last all_gather and, in 4 of 80 runs here, the Gloo worker thread
 released that all_gather's tensors during interpreter finalization, which aborts the process.
 """

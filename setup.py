@@ -1,8 +1,8 @@
 """Builds gtopk_ext._C: the C++ CPU kernels always, the CUDA kernels when a CUDA toolkit and a CUDA build of
-torch are present (no GPU is needed to compile them).
+torch are present (no GPU is needed to compile them). The package's metadata is in pyproject.toml.
 
-Environment:
-  GTOPK_EXT_BUILD_CUDA   auto (default) | 1 (require the CUDA kernels) | 0 (skip them: quick CPU-only builds)
+Environment (CMakeLists.txt reads the same):
+  GTOPK_EXT_CUDA         auto (default) | 1 (require the CUDA kernels) | 0 (skip them: quick CPU-only builds)
   TORCH_CUDA_ARCH_LIST   GPU architectures to compile for (default here: "8.0;9.0+PTX")
   CUDA_HOME              the toolkit root (holding bin/nvcc and include/cuda_runtime.h); found if unset
 """
@@ -10,7 +10,7 @@ Environment:
 import glob
 import os
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 TOOLKIT_CANDIDATES = ["/usr/local/cuda", "/opt/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
 
@@ -39,13 +39,15 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 
 
 def build_cuda() -> bool:
-    choice = os.environ.get("GTOPK_EXT_BUILD_CUDA", "auto").lower()
+    if "GTOPK_EXT_BUILD_CUDA" in os.environ:
+        raise SystemExit("GTOPK_EXT_BUILD_CUDA is now GTOPK_EXT_CUDA (auto, 0 or 1), as in CMakeLists.txt")
+    choice = os.environ.get("GTOPK_EXT_CUDA", "auto").lower()
     if choice not in ("auto", "0", "1"):
-        raise SystemExit(f"GTOPK_EXT_BUILD_CUDA must be auto, 0 or 1, got {choice!r}")
+        raise SystemExit(f"GTOPK_EXT_CUDA must be auto, 0 or 1, got {choice!r}")
     available = torch.version.cuda is not None and CUDA_HOME is not None and is_toolkit_root(CUDA_HOME)
     if choice == "1" and not available:
         raise SystemExit(
-            "GTOPK_EXT_BUILD_CUDA=1 but no CUDA toolkit was found (set CUDA_HOME to the folder holding "
+            "GTOPK_EXT_CUDA=1 but no CUDA toolkit was found (set CUDA_HOME to the folder holding "
             f"bin/nvcc and include/cuda_runtime.h; found {CUDA_HOME!r}) or torch is a CPU build "
             f"(torch.version.cuda={torch.version.cuda!r})"
         )
@@ -68,18 +70,4 @@ def extensions():
                           extra_link_args=["-fopenmp"])]
 
 
-setup(
-    name="gtopk_ext",
-    version="0.1.0",
-    description="Sparse gradient communication for PyTorch DDP: Gaussian-k, gTop-k and WAGMA group averaging",
-    packages=find_packages(include=["gtopk_ext", "gtopk_ext.*"]) + ["gtopk_ext.triton_kernels"],
-    package_dir={"gtopk_ext.triton_kernels": "triton_kernels"},
-    ext_modules=extensions(),
-    cmdclass={"build_ext": BuildExtension},
-    python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy"],
-    extras_require={
-        "triton": ["triton"],
-        "test": ["pytest", "hypothesis", "expecttest", "pytest-benchmark", "pytest-timeout"],
-    },
-)
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExtension})

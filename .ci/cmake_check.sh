@@ -10,8 +10,8 @@ build="$(mktemp -d)"
 trap 'rm -rf "$build"' EXIT
 prefix="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 
-echo "cmake_check: configuring $repo in $build (GTOPK_EXT_CUDA=OFF, python $python, torch at $prefix)"
-cmake -S "$repo" -B "$build" -DCMAKE_PREFIX_PATH="$prefix" -DPython_EXECUTABLE="$python" -DGTOPK_EXT_CUDA=OFF \
+echo "cmake_check: configuring $repo in $build (GTOPK_EXT_CUDA=0, python $python, torch at $prefix)"
+cmake -S "$repo" -B "$build" -DCMAKE_PREFIX_PATH="$prefix" -DPython_EXECUTABLE="$python" -DGTOPK_EXT_CUDA=0 \
   --log-level=WARNING
 echo "cmake_check: building"
 cmake --build "$build" -j "$(nproc)"

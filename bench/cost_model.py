@@ -189,7 +189,8 @@ def print_report(fit_result: Fit, prediction: dict, args: argparse.Namespace) ->
                        ("zero", "allgather dense output, per element")):
         print(f"  {name:7}{getattr(model, name) * 1e9:9.3f} ns  {text}")
     print(f"\npredicted scaling efficiency: n = {args.numel / 1e6:g}M, compute {args.compute_s * 1e3:g} ms per "
-          f"iteration, no overlap, wire overhead x{model.wire_overhead():.3f}, per-element costs x{args.compute_scale:g}")
+          f"iteration, no overlap, wire overhead x{model.wire_overhead():.3f}, "
+          f"per-element costs x{args.compute_scale:g}")
     names = [label(m, d) for m, d in series(args.densities)]
     print(f"{'link':>8} {'P':>5} " + " ".join(f"{n:>15}" for n in names))
     for rate in PREDICT_RATES:

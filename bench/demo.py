@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import statistics
@@ -159,7 +158,7 @@ def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple,
         "train_loss": mean_losses.tolist(),
         "bytes_sent": bytes_sent,
         "step_ms": (1e3 * slowest).tolist(),
-        "eval": [{"step": int(s), "test_accuracy": a, "test_loss": l} for s, a, l in evals_tensor.tolist()],
+        "eval": [{"step": int(s), "test_accuracy": a, "test_loss": loss} for s, a, loss in evals_tensor.tolist()],
         "final_test_accuracy": float(evals_tensor[-1, 1]),
         "final_train_loss": float(mean_losses[-steps_per_epoch:].mean()),
         "bytes_per_step": statistics.median(steady_bytes),

@@ -110,7 +110,8 @@ def format_table(rows: list[dict]) -> str:
         m = r["median_ms"]
         lines.append(f"{r['n']:>11} {r['density']:>7} {r['k']:>9} | {m['floor']:>8.2f} {m['gaussiank']:>8.2f} "
                      f"{m['gaussiank_paper']:>8.2f} {m['topk']:>9.2f} {m['topk_sorted']:>9.2f} | "
-                     f"{r['topk_over_gaussiank']:>7.1f} {r['gaussiank_over_floor']:>8.2f} {r['paper_over_floor']:>7.2f}")
+                     f"{r['topk_over_gaussiank']:>7.1f} {r['gaussiank_over_floor']:>8.2f} "
+                     f"{r['paper_over_floor']:>7.2f}")
     return "\n".join(lines) + "\n(times: median ms; topk/gk: speed-up of Gaussian-k over the torch.topk path; " \
                               "gk/floor, pap/flr: multiples of residual.add_(grad))"
 

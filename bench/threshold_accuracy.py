@@ -1,8 +1,9 @@
 """Threshold accuracy: how close each selection lands to k, and how much of the exact top-k it captures.
 
-For Gaussian, Laplace, Student-t(3) and spiky gradients (n = 1M and 25M) and real gradients captured while
-training on the digits (the demo's CNN, 0.55M parameters, and MLPs of about 1M and 25M), at densities 0.001, 0.01 and 0.05, for Gaussian-k's paper mode (the
-3-step correction loop), its accurate mode (the histogram threshold) and exact top-k:
+For Gaussian, Laplace, Student-t(3) and spiky gradients (n = 1M and 25M) and real gradients captured while training
+on the digits (the demo's CNN, 0.55M parameters, and MLPs of about 1M and 25M), at densities 0.001, 0.01 and 0.05,
+for Gaussian-k's paper mode (the 3-step correction loop), its accurate mode (the histogram threshold) and exact
+top-k:
 - count / k: elements selected before truncation to k slots;
 - recall: |sent indices ∩ exact top-k| / k;
 - norm: ||sent values||^2 / ||top-k values||^2;

@@ -3,12 +3,12 @@ wait-avoiding group model averaging, on P Gloo processes with a straggler, each 
 ``--rate`` (bench/emulated_network.py: its own network namespace, tbf; needs root, else loopback) or, with
 ``--loopback``, on 127.0.0.1.
 
-The task is the demo's (bench/digits.py): scikit-learn's bundled digits and its MLP (or CNN). Every rank trains
-on its own shard with the same seeds for every method; a straggler sleeps ``--sleep-ms`` per step: always ``--slow-rank`` (``--straggler fixed``) or a rank
-drawn at random each step, the same draw on every rank (``--straggler random``). Throughput is steps per second
-of the whole job (steps / the slowest rank's wall time, group averaging's last in-flight average included);
-accuracy is that of the globally averaged model after the same number of steps. Methods run interleaved,
-``--repeats`` times, and the table shows medians.
+The task is the demo's (bench/digits.py): scikit-learn's bundled digits and its MLP (or CNN). Every rank trains on
+its own shard with the same seeds for every method; a straggler sleeps ``--sleep-ms`` per step: always
+``--slow-rank`` (``--straggler fixed``) or a rank drawn at random each step, the same draw on every rank
+(``--straggler random``). Throughput is steps per second of the whole job (steps / the slowest rank's wall time,
+group averaging's last in-flight average included); accuracy is that of the globally averaged model after the same
+number of steps. Methods run interleaved, ``--repeats`` times, and the table shows medians.
 
     python -m bench.wagma --json wagma.json                # 1 Gbit/s links
     python -m bench.wagma --loopback --steps 100

@@ -17,10 +17,10 @@
 #endif
 
 // The dtypes every op accepts: fp32, fp16 and bf16 (statistics and sums are computed in fp32 or wider).
-#define GTOPK_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                 \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) \
-                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+#define GTOPK_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                                     \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                                                        \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) \
+                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 namespace gtopk_ext {
 
@@ -151,7 +151,7 @@ inline int sub_bin_reaching(const int32_t* fine_counts, int64_t above, int64_t k
 // the threshold's histogram bin, are kept first, and the rest of the slots go to the others in index order: so
 // an overflow drops only elements within one bin (2.2%) of the threshold, never a large one at a high index.
 GTOPK_HOST_DEVICE inline float sure_threshold(float threshold) {
-  const int key = hist_key(threshold);  // threshold >= 0
+  const int key = hist_key(threshold);                               // threshold >= 0
   if (!(threshold >= 0.0f) || key >= kHistInfKey) return threshold;  // NaN, +inf
   return bits_float(static_cast<uint32_t>(key + 1) << kHistShift);
 }
@@ -163,8 +163,8 @@ inline void check_max_numel(const at::Tensor& t, const char* op, const char* nam
 }
 
 inline void check_float_tensor(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
-              op, ": ", name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16, op,
+              ": ", name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
   check_max_numel(t, op, name);
 }
 
@@ -179,17 +179,16 @@ inline void check_mutable_contiguous(const at::Tensor& t, const char* op, const 
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " is updated in place and must be contiguous");
 }
 
-inline void check_gaussian_threshold_args(const at::Tensor& grad, const std::optional<at::Tensor>& residual,
-                                          double z, int64_t k, const char* op = "gaussian_threshold") {
+inline void check_gaussian_threshold_args(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z,
+                                          int64_t k, const char* op = "gaussian_threshold") {
   check_float_tensor(grad, op, "grad");
   TORCH_CHECK(std::isfinite(z), op, ": z must be finite, got ", z);
   TORCH_CHECK(k >= 0, op, ": k must be >= 0 (0: Gaussian threshold only), got ", k);
   if (residual.has_value()) {
     const at::Tensor& r = *residual;
-    TORCH_CHECK(r.scalar_type() == grad.scalar_type(), op, ": residual must have grad's dtype (",
-                grad.scalar_type(), "), got ", r.scalar_type());
-    TORCH_CHECK(r.sizes() == grad.sizes(), op, ": residual must have grad's shape ", grad.sizes(), ", got ",
-                r.sizes());
+    TORCH_CHECK(r.scalar_type() == grad.scalar_type(), op, ": residual must have grad's dtype (", grad.scalar_type(),
+                "), got ", r.scalar_type());
+    TORCH_CHECK(r.sizes() == grad.sizes(), op, ": residual must have grad's shape ", grad.sizes(), ", got ", r.sizes());
     check_same_device(r, grad, op, "residual", "grad");
     check_mutable_contiguous(r, op, "residual");
   }
@@ -248,8 +247,8 @@ inline void check_scatter_args(const at::Tensor& dense, const at::Tensor& indice
   TORCH_CHECK(indices.dim() == 1, op, ": indices must be 1-D, got ", indices.dim(), "-D");
   TORCH_CHECK(values.scalar_type() == dense.scalar_type(), op, ": values must have ", dense_name, "'s dtype (",
               dense.scalar_type(), "), got ", values.scalar_type());
-  TORCH_CHECK(values.sizes() == indices.sizes(), op, ": values must have indices' shape ", indices.sizes(),
-              ", got ", values.sizes());
+  TORCH_CHECK(values.sizes() == indices.sizes(), op, ": values must have indices' shape ", indices.sizes(), ", got ",
+              values.sizes());
   check_same_device(indices, dense, op, "indices", dense_name);
   check_same_device(values, dense, op, "values", dense_name);
 }

@@ -17,6 +17,7 @@ PyObject* PyInit__C(void) {
     const char* name;
     long value;
   } constants[] = {
+      // clang-format off
       {"STAT_MEAN", gtopk_ext::kStatMean},
       {"STAT_STD", gtopk_ext::kStatStd},
       {"STAT_MAX_ABS", gtopk_ext::kStatMaxAbs},
@@ -28,6 +29,7 @@ PyObject* PyInit__C(void) {
       {"HIST_INF_KEY", gtopk_ext::kHistInfKey},
       {"FINE_SHIFT", gtopk_ext::kFineShift},
       {"FINE_BINS", gtopk_ext::kFineBins},
+      // clang-format on
   };
   for (const auto& constant : constants) {
     if (PyModule_AddIntConstant(module, constant.name, constant.value) != 0) {
@@ -56,15 +58,17 @@ TORCH_LIBRARY(gtopk_ext, m) {
   // (common.h fine_threshold), so the count reaches k within that sub-bin's ties even when the bin holds many
   // more than k. The CPU kernel counts and selects from the candidates that its statistics pass recorded
   // instead of reading acc again (while they fit in a sixteenth of the data: about density < 0.01).
-  m.def("gaussian_select(Tensor grad, Tensor(a!)? residual, float z, int k, int capacity) -> "
-        "(Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "gaussian_select(Tensor grad, Tensor(a!)? residual, float z, int k, int capacity) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
   // gTop-k's merge of two sparse sets: the union of their slots' indices (padding slots join index 0), each
   // index's values summed in float32 in slot order (a's slots, then b's), the k largest |sums| kept (NaN first;
   // ties to the lower index), by ascending index and padded with (0, 0). Returns (int32 indices[k], values[k]
   // in values_a's dtype, int32 union_size[1]). CPU kernel only: on a GPU, gtopk_ext.ops.merge_topk merges
   // with torch's sort and unique, which are fast there.
-  m.def("merge_topk(Tensor indices_a, Tensor values_a, Tensor indices_b, Tensor values_b, int k) -> "
-        "(Tensor, Tensor, Tensor)");
+  m.def(
+      "merge_topk(Tensor indices_a, Tensor values_a, Tensor indices_b, Tensor values_b, int k) -> "
+      "(Tensor, Tensor, Tensor)");
   // dense[indices[j]] += values[j], duplicates summed. Out-of-range indices are skipped, never written;
   // returns int32[1], how many were skipped.
   m.def("scatter_add(Tensor(a!) dense, Tensor indices, Tensor values) -> Tensor");

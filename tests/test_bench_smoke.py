@@ -58,3 +58,12 @@ def test_wagma_benchmark(tmp_path, network):
     assert report["table"][0]["speedup_vs_ddp"] == 1.0
     if network != "--loopback":  # the run removed the namespaces it made
         assert "gxsmokewagma" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_kernel_benchmark_suite_runs():
+    """bench/test_kernels_benchmark.py (pytest-benchmark), each case run once at a tiny size."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "bench", "-q", "-p", "no:cacheprovider",
+                             "--benchmark-disable", "--kernel-sizes", "5000", "--kernel-densities", "0.01"],
+                            cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "9 passed" in result.stdout, result.stdout[-3000:]

@@ -398,7 +398,8 @@ def test_opcheck():
         indices = torch.randint(0, 5000, (64,), generator=generator, dtype=torch.int32)
         values = torch.randn(64, generator=generator).to(dtype)
         torch.library.opcheck(torch.ops.gtopk_ext.scatter_add, (residual.clone(), indices, values))
-        torch.library.opcheck(torch.ops.gtopk_ext.merge_topk, (indices.sort().values, values, indices[:40], values[:40], 50))
+        torch.library.opcheck(torch.ops.gtopk_ext.merge_topk,
+                              (indices.sort().values, values, indices[:40], values[:40], 50))
         torch.library.opcheck(torch.ops.gtopk_ext.residual_update, (residual.clone(), indices, values))
 
 

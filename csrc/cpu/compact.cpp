@@ -22,8 +22,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cpu(const at::Tensor& acc
     const scalar_t* acc_ptr = acc_contig.const_data_ptr<scalar_t>();
     at::parallel_for(0, num_ranges, 1, [&](int64_t range_begin, int64_t range_end) {
       for (int64_t r = range_begin; r < range_end; ++r) {
-        select_range(acc_ptr, std::min(n, r * range_len), std::min(n, (r + 1) * range_len), thr, sure_thr,
-                     capacity, ranges[r]);
+        select_range(acc_ptr, std::min(n, r * range_len), std::min(n, (r + 1) * range_len), thr, sure_thr, capacity,
+                     ranges[r]);
       }
     });
     const int64_t selected = write_selection(ranges, acc_ptr, capacity, values, indices);

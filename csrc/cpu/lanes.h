@@ -54,7 +54,9 @@ GTOPK_LANES_INLINE void store_lanes(scalar_t* p, Lanes v) {
   }
 }
 
-GTOPK_LANES_INLINE Lanes abs_lanes(Lanes v) { return reinterpret_cast<Lanes>(reinterpret_cast<LaneInts>(v) & 0x7FFFFFFF); }
+GTOPK_LANES_INLINE Lanes abs_lanes(Lanes v) {
+  return reinterpret_cast<Lanes>(reinterpret_cast<LaneInts>(v) & 0x7FFFFFFF);
+}
 
 // -1 in the lanes of |x| (abs_values) whose bit pattern is at least floor_bits and at most +inf's (so never NaN),
 // else 0. Non-negative floats order like their bits. Sign-bit arithmetic rather than a vector compare, which GCC

@@ -44,8 +44,8 @@ int64_t padded_ascending_prefix(const int32_t* indices, int64_t n) {
 // Messages as they come: a linear merge of the two ascending prefixes. Index 0 (a prefix's first slot, and every
 // padding slot) is summed first, in slot order.
 template <typename scalar_t>
-void merge_padded(const int32_t* ia, const scalar_t* va, int64_t na, int64_t pa, const int32_t* ib,
-                  const scalar_t* vb, int64_t nb, int64_t pb, Union& out) {
+void merge_padded(const int32_t* ia, const scalar_t* va, int64_t na, int64_t pa, const int32_t* ib, const scalar_t* vb,
+                  int64_t nb, int64_t pb, Union& out) {
   bool has_zero = false;
   float zero_sum = 0.0f;
   const auto add_zeros = [&](const int32_t* indices, const scalar_t* values, int64_t n) {
@@ -75,8 +75,8 @@ void merge_padded(const int32_t* ia, const scalar_t* va, int64_t na, int64_t pa,
 
 // Any other slots: a stable sort of all of them by index keeps the slot order within an index.
 template <typename scalar_t>
-void merge_sorted(const int32_t* ia, const scalar_t* va, int64_t na, const int32_t* ib, const scalar_t* vb,
-                  int64_t nb, Union& out) {
+void merge_sorted(const int32_t* ia, const scalar_t* va, int64_t na, const int32_t* ib, const scalar_t* vb, int64_t nb,
+                  Union& out) {
   const auto index_of = [&](int64_t slot) { return slot < na ? ia[slot] : ib[slot - na]; };
   const auto value_of = [&](int64_t slot) { return static_cast<float>(slot < na ? va[slot] : vb[slot - na]); };
   std::vector<int64_t> slots(na + nb);

@@ -8,8 +8,8 @@ namespace gtopk_ext::cpu {
 namespace {
 
 // dense[indices[j]] += sign * values[j], skipping (and counting) indices outside [0, numel).
-at::Tensor signed_scatter_cpu(const at::Tensor& dense, const at::Tensor& indices, const at::Tensor& values,
-                              float sign, const char* op, const char* dense_name) {
+at::Tensor signed_scatter_cpu(const at::Tensor& dense, const at::Tensor& indices, const at::Tensor& values, float sign,
+                              const char* op, const char* dense_name) {
   check_scatter_args(dense, indices, values, op, dense_name);
   const at::Tensor indices_contig = indices.contiguous();
   const at::Tensor values_contig = values.contiguous();
@@ -26,7 +26,8 @@ at::Tensor signed_scatter_cpu(const at::Tensor& dense, const at::Tensor& indices
         ++invalid;
         continue;
       }
-      dense_ptr[idx] = static_cast<scalar_t>(static_cast<float>(dense_ptr[idx]) + sign * static_cast<float>(val_ptr[j]));
+      dense_ptr[idx] =
+          static_cast<scalar_t>(static_cast<float>(dense_ptr[idx]) + sign * static_cast<float>(val_ptr[j]));
     }
   });
   at::Tensor invalid_count = at::empty({1}, dense.options().dtype(at::kInt));

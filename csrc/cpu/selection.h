@@ -88,9 +88,8 @@ GTOPK_VECTOR_CLONES void select_range(const scalar_t* __restrict__ acc, int64_t 
                                       float sure_thr, int64_t capacity, RangeSelection& out) {
   out.sure.reserve(std::min(capacity, end - begin));
   out.boundary.reserve(std::min(capacity, end - begin));
-  for_each_at_least(acc, begin, end, threshold_floor_bits(thr), [&](int64_t i, float magnitude) {
-    out.add(i, magnitude >= sure_thr, capacity);
-  });
+  for_each_at_least(acc, begin, end, threshold_floor_bits(thr),
+                    [&](int64_t i, float magnitude) { out.add(i, magnitude >= sure_thr, capacity); });
 }
 
 // select_range from the statistics pass's candidates of the range, or from acc when they are incomplete.

@@ -94,8 +94,8 @@ at::Tensor statistics_pass(const at::Tensor& grad_contig, const std::optional<at
         float max_abs = 0.0f;
         for (int64_t c = chunk_begin; c < chunk_end; ++c) {
           partials[c] = accumulate_chunk<scalar_t, decltype(accumulate)::value, decltype(with_histogram)::value>(
-              grad_ptr, residual_ptr, c * kChunk, std::min(n, (c + 1) * kChunk), histogram,
-              floor_key << kHistShift, range_candidates, shift);
+              grad_ptr, residual_ptr, c * kChunk, std::min(n, (c + 1) * kChunk), histogram, floor_key << kHistShift,
+              range_candidates, shift);
           if constexpr (decltype(with_histogram)::value) {
             max_abs = partials[c].max_abs > max_abs ? partials[c].max_abs : max_abs;
             int64_t above = 0;

@@ -29,8 +29,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cuda(const at::Tensor& ac
 
 namespace {
 
-constexpr int kThreads = 256;         // threads per block of the streaming kernels
-constexpr int kFinishThreads = 512;   // the one block that merges the partials and scans the histogram
+constexpr int kThreads = 256;        // threads per block of the streaming kernels
+constexpr int kFinishThreads = 512;  // the one block that merges the partials and scans the histogram
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 static_assert(kHistBins % kFinishThreads == 0, "every finishing thread owns the same number of bins");

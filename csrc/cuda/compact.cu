@@ -1,9 +1,9 @@
 // CUDA kernels of compact (schema in csrc/ops.cpp), with the semantics of csrc/cpu/compact.cpp. The threshold is
 // read on the device: no host synchronisation.
-#include <cub/device/device_partition.cuh>
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/iterator/discard_iterator.h>
 #include <thrust/iterator/tabulate_output_iterator.h>
+#include <cub/device/device_partition.cuh>
 
 #include "common.cuh"
 
@@ -57,11 +57,9 @@ __device__ __forceinline__ int64_t lower_bound(const int32_t* list, int64_t leng
 // Output slot of each kept candidate: its rank in its own list plus the number of kept entries of the other
 // list with a smaller index (the lists are disjoint and ascending), so the output is ascending.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) merge_selected_kernel(const scalar_t* acc, const int32_t* sure,
-                                                                  const int32_t* boundary,
-                                                                  const int32_t* part_totals, int64_t capacity,
-                                                                  scalar_t* values, int32_t* indices,
-                                                                  int32_t* count) {
+__global__ void __launch_bounds__(kThreads)
+    merge_selected_kernel(const scalar_t* acc, const int32_t* sure, const int32_t* boundary, const int32_t* part_totals,
+                          int64_t capacity, scalar_t* values, int32_t* indices, int32_t* count) {
   const int64_t sure_total = part_totals[0], boundary_total = part_totals[1];
   const int64_t sure_kept = sure_total < capacity ? sure_total : capacity;
   const int64_t boundary_room = capacity - sure_kept;
@@ -104,13 +102,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cuda(const at::Tensor& ac
   GTOPK_DISPATCH_FLOAT_TYPES(acc.scalar_type(), "compact_cuda", [&] {
     const scalar_t* acc_ptr = acc_contig.const_data_ptr<scalar_t>();
     const auto partition = [&](void* temp, size_t& temp_bytes) {
-      return cub::DevicePartition::If(
-          temp, temp_bytes, thrust::counting_iterator<int32_t>(0),
-          thrust::make_tabulate_output_iterator(StoreWhileRoom{sure_list, slots}),
-          thrust::make_tabulate_output_iterator(StoreWhileRoom{boundary_list, slots}),
-          thrust::make_discard_iterator(), part_totals.mutable_data_ptr<int32_t>(), static_cast<int>(n),
-          ReachesThreshold<scalar_t>{acc_ptr, threshold_ptr, true},
-          ReachesThreshold<scalar_t>{acc_ptr, threshold_ptr, false}, stream);
+      return cub::DevicePartition::If(temp, temp_bytes, thrust::counting_iterator<int32_t>(0),
+                                      thrust::make_tabulate_output_iterator(StoreWhileRoom{sure_list, slots}),
+                                      thrust::make_tabulate_output_iterator(StoreWhileRoom{boundary_list, slots}),
+                                      thrust::make_discard_iterator(), part_totals.mutable_data_ptr<int32_t>(),
+                                      static_cast<int>(n), ReachesThreshold<scalar_t>{acc_ptr, threshold_ptr, true},
+                                      ReachesThreshold<scalar_t>{acc_ptr, threshold_ptr, false}, stream);
     };
     size_t temp_bytes = 0;
     C10_CUDA_CHECK(partition(nullptr, temp_bytes));
@@ -119,11 +116,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cuda(const at::Tensor& ac
 
     const auto merge_kernel = merge_selected_kernel<scalar_t>;
     const int grid = resident_grid(merge_kernel, kThreads, 0, (slots + kThreads - 1) / kThreads, acc.device());
-    merge_kernel<<<grid, kThreads, 0, stream>>>(acc_ptr, sure_list, boundary_list,
-                                                part_totals.const_data_ptr<int32_t>(), capacity,
-                                                values.mutable_data_ptr<scalar_t>(),
-                                                indices.mutable_data_ptr<int32_t>(),
-                                                count.mutable_data_ptr<int32_t>());
+    merge_kernel<<<grid, kThreads, 0, stream>>>(
+        acc_ptr, sure_list, boundary_list, part_totals.const_data_ptr<int32_t>(), capacity,
+        values.mutable_data_ptr<scalar_t>(), indices.mutable_data_ptr<int32_t>(), count.mutable_data_ptr<int32_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {values, indices, count};

@@ -7,7 +7,6 @@
 namespace gtopk_ext::cuda {
 namespace {
 
-
 // *address += value (negated when kNegate: exact, a sign flip) with the hardware atomics of each dtype
 // (fp16: sm_70+; bf16: sm_90+, a compare-and-swap loop before).
 template <bool kNegate>
@@ -56,10 +55,9 @@ at::Tensor signed_scatter_cuda(const at::Tensor& dense, const at::Tensor& indice
   GTOPK_DISPATCH_FLOAT_TYPES(dense.scalar_type(), "signed_scatter_cuda", [&] {
     const auto kernel = scatter_kernel<scalar_t, kNegate>;
     const int grid = resident_grid(kernel, kThreads, 0, (m + kThreads - 1) / kThreads, dense.device());
-    kernel<<<grid, kThreads, 0, stream>>>(dense.mutable_data_ptr<scalar_t>(), dense.numel(),
-                                          indices_contig.const_data_ptr<int32_t>(),
-                                          values_contig.const_data_ptr<scalar_t>(), m,
-                                          invalid.mutable_data_ptr<int32_t>());
+    kernel<<<grid, kThreads, 0, stream>>>(
+        dense.mutable_data_ptr<scalar_t>(), dense.numel(), indices_contig.const_data_ptr<int32_t>(),
+        values_contig.const_data_ptr<scalar_t>(), m, invalid.mutable_data_ptr<int32_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return invalid;

@@ -6,12 +6,11 @@
 namespace gtopk_ext::cuda {
 namespace {
 
-
 // Adds the count of |acc| above the threshold's bin into fine_counts[kFineBins] and those in the bin by
 // sub-bin into fine_counts[sub-bin] (common.h fine_threshold), through a block histogram in shared memory.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) fine_count_kernel(const scalar_t* acc, int64_t n, const float* stats,
-                                                              int32_t* fine_counts) {
+__global__ void __launch_bounds__(kThreads)
+    fine_count_kernel(const scalar_t* acc, int64_t n, const float* stats, int32_t* fine_counts) {
   __shared__ int32_t block_counts[kFineBins];
   __shared__ int32_t block_above;
   const float threshold = stats[kStatThreshold];
@@ -44,14 +43,14 @@ __global__ void __launch_bounds__(kThreads) fine_count_kernel(const scalar_t* ac
 // finds the histogram bin (scan_from_top, then one thread's walk), so that it equals sub_bin_reaching().
 static_assert(kFineBins == kHistBins, "scan_from_top serves both levels");
 
-__global__ void __launch_bounds__(kFinishThreads) fine_finish_kernel(const int32_t* fine_counts, int64_t k,
-                                                                     float* stats) {
+__global__ void __launch_bounds__(kFinishThreads)
+    fine_finish_kernel(const int32_t* fine_counts, int64_t k, float* stats) {
   const float threshold = stats[kStatThreshold];
   if (!refinable(threshold)) return;  // the same for every thread
   const int bin = hist_key(threshold);
   const long long above_bin = fine_counts[kFineBins];
   if (above_bin >= k) {  // the same for every thread
-    __syncthreads();  // every thread has read the threshold
+    __syncthreads();     // every thread has read the threshold
     if (threadIdx.x == 0) stats[kStatThreshold] = fine_threshold(bin, kFineBins);
     return;
   }

@@ -6,7 +6,6 @@
 namespace gtopk_ext::cuda {
 namespace {
 
-
 // Count, mean and sum of squared deviations (merged with Chan et al.'s formula, exact for equal values: their
 // deviations are 0) and the largest |acc| (NaN ignored).
 struct Moments {
@@ -61,8 +60,8 @@ __device__ __forceinline__ float acc_value(float grad, float residual) {
 // 32 * kItems elements, so the loop is warp-uniform and the histogram can use warp votes; lane l reads elements
 // tile + j * 32 + l (coalesced). grad and residual may alias: every element is read and written by one thread.
 template <typename scalar_t, bool kAccumulate, bool kHistogram>
-__global__ void __launch_bounds__(kThreads) accumulate_kernel(const scalar_t* grad, scalar_t* residual, int64_t n,
-                                                              Moments* partials, int32_t* histogram) {
+__global__ void __launch_bounds__(kThreads)
+    accumulate_kernel(const scalar_t* grad, scalar_t* residual, int64_t n, Moments* partials, int32_t* histogram) {
   constexpr int kItems = items_per_thread<scalar_t>();
   constexpr int64_t kWarpTile = static_cast<int64_t>(kWarpSize) * kItems;
   extern __shared__ int32_t block_histogram[];
@@ -155,9 +154,9 @@ __global__ void __launch_bounds__(kThreads) accumulate_kernel(const scalar_t* gr
 // k > 0 finds the histogram threshold: each thread sums kBinsPerThread consecutive bins (thread 0 the top ones),
 // a block scan gives the count above each thread's bins, and the one thread whose bins hold the k-th largest
 // walks them as bin_reaching() does and calls threshold_in_bin(), so CPU and CUDA agree bit for bit.
-__global__ void __launch_bounds__(kFinishThreads) finish_kernel(const Moments* partials, int num_partials,
-                                                                const int32_t* histogram, double z, int64_t k,
-                                                                float* stats) {
+__global__ void __launch_bounds__(kFinishThreads)
+    finish_kernel(const Moments* partials, int num_partials, const int32_t* histogram, double z, int64_t k,
+                  float* stats) {
   Moments m{0.0, 0.0, 0.0, 0.0f};
   for (int p = threadIdx.x; p < num_partials; p += blockDim.x) m = merge(m, partials[p]);
   m = block_merge(m);
@@ -218,10 +217,8 @@ at::Tensor gaussian_threshold_cuda(const at::Tensor& grad, const std::optional<a
       const auto kernel = accumulate_kernel<scalar_t, decltype(accumulate)::value, decltype(with_histogram)::value>;
       const size_t shared_bytes = with_histogram ? kHistBins * sizeof(int32_t) : 0;
       const int64_t block_tile = static_cast<int64_t>(kThreads) * items_per_thread<scalar_t>();
-      const int grid =
-          resident_grid(kernel, kThreads, shared_bytes, (n + block_tile - 1) / block_tile, grad.device());
-      at::Tensor partials =
-          at::empty({static_cast<int64_t>(grid * sizeof(Moments))}, grad.options().dtype(at::kByte));
+      const int grid = resident_grid(kernel, kThreads, shared_bytes, (n + block_tile - 1) / block_tile, grad.device());
+      at::Tensor partials = at::empty({static_cast<int64_t>(grid * sizeof(Moments))}, grad.options().dtype(at::kByte));
       Moments* partials_ptr = reinterpret_cast<Moments*>(partials.mutable_data_ptr());
       kernel<<<grid, kThreads, shared_bytes, stream>>>(grad_ptr, residual_ptr, n, partials_ptr, histogram_ptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();

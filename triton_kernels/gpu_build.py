@@ -1,9 +1,10 @@
 """Builds every Triton kernel launch of the ops for GPUs, on a machine without one.
 
 ``TRITON_INTERPRET=0 python -m gtopk_ext.triton_kernels.gpu_build`` traces every registered op (ops.REGISTERED) on
-example calls with fake CUDA tensors, the way torch.compile traces them, takes each recorded launch (kernel, argument types, constants, num_warps) and runs
-Triton's whole compiler on it for sm_80 (A100) and sm_90 (H100), ptxas included. It prints one line per build and
-exits non-zero when one fails. The ops must be registered as triton_ops, so TRITON_INTERPRET must be unset or 0.
+example calls with fake CUDA tensors, the way torch.compile traces them, takes each recorded launch (kernel,
+argument types, constants, num_warps) and runs Triton's whole compiler on it for sm_80 (A100) and sm_90 (H100),
+ptxas included. It prints one line per build and exits non-zero when one fails. The ops must be registered as
+triton_ops, so TRITON_INTERPRET must be unset or 0.
 """
 
 from __future__ import annotations

@@ -183,8 +183,8 @@ def fine_count_kernel(acc_ptr, stats_ptr, fine_ptr, n, HIST_SHIFT: tl.constexpr,
 @triton.jit
 def fine_finish_kernel(stats_ptr, fine_ptr, k, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr,
                        FINE_SHIFT: tl.constexpr, FINE_BINS: tl.constexpr):
-    """One program: stats[STAT_THRESHOLD] becomes the refined threshold, the lower edge of the highest sub-bin at which the
-    count from the top reaches k (csrc/common.h sub_bin_reaching)."""
+    """One program: stats[STAT_THRESHOLD] becomes the refined threshold, the lower edge of the highest sub-bin at
+    which the count from the top reaches k (csrc/common.h sub_bin_reaching)."""
     threshold = tl.load(stats_ptr + STAT_THRESHOLD)
     bin = refinable_bin(threshold, HIST_SHIFT, HIST_INF_KEY)
     sub_bins = tl.arange(0, FINE_BINS)

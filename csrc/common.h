@@ -183,6 +183,7 @@ inline void check_gaussian_threshold_args(const at::Tensor& grad, const std::opt
                                           int64_t k, const char* op = "gaussian_threshold") {
   check_float_tensor(grad, op, "grad");
   TORCH_CHECK(std::isfinite(z), op, ": z must be finite, got ", z);
+  TORCH_CHECK(z >= 0.0, op, ": z must be >= 0 (the Gaussian threshold is |mean| + z * std), got ", z);
   TORCH_CHECK(k >= 0, op, ": k must be >= 0 (0: Gaussian threshold only), got ", k);
   if (residual.has_value()) {
     const at::Tensor& r = *residual;

@@ -332,6 +332,7 @@ def bad_calls(device):
         ("gaussian_threshold", (f32, torch.randn(128, device=device)[::2], 1.0, 0), "residual is updated in place"),
         ("gaussian_threshold", (f32, None, 1.0, -1), "k must be >= 0"),
         ("gaussian_threshold", (f32, None, float("nan"), 0), "z must be finite"),
+        ("gaussian_select", (f32, None, -0.5, 4, 4), "gaussian_select: z must be >= 0"),
         ("gaussian_threshold", (huge, None, 1.0, 0), "at most 2^31 - 1 elements"),
         ("compact", (f32, thr, 0), "capacity must be >= 1"),
         ("compact", (f32.int(), thr, 4), "acc must be float32, float16 or bfloat16"),

@@ -223,6 +223,9 @@ def bad_calls(device: torch.device):
         ("gaussian_threshold", (huge, None, 1.0, 0)),
         ("gaussian_threshold", (x, None, float("inf"), 0)),
         ("gaussian_threshold", (x, None, 1.0, -3)),
+        ("gaussian_threshold", (x, None, -1.0, 0)),
+        ("gaussian_select", (x, None, 1.0, 0, 4)),
+        ("gaussian_select", (x, None, 1.0, 4, 0)),
         ("gaussian_threshold", (x, x.half(), 1.0, 0)),
         ("gaussian_threshold", (x, x.view(8, 8).clone(), 1.0, 0)),
         ("gaussian_threshold", (x, torch.randn(128, device=device)[::2], 1.0, 0)),
@@ -240,6 +243,34 @@ def bad_calls(device: torch.device):
         ("residual_update", (x.half(), idx, val)),
         ("residual_update", (torch.randn(8, 8, device=device).t(), idx, val)),
     ]
+
+
+def merge_bad_calls():
+    idx = torch.tensor([0, 3, 5], dtype=torch.int32)
+    val = torch.ones(3)
+    return [
+        ("merge_topk", (idx.long(), val, idx, val, 2)),
+        ("merge_topk", (idx, val, idx.view(3, 1), val.view(3, 1), 2)),
+        ("merge_topk", (idx, val.double(), idx, val, 2)),
+        ("merge_topk", (idx, val, idx, val[:2], 2)),
+        ("merge_topk", (idx, val, idx, val.half(), 2)),
+        ("merge_topk", (idx, val, idx, val, 0)),
+    ]
+
+
+def test_fake_kernels_check_with_the_cpp_message():
+    """The fake kernels of every C++ op (the contract's checks, which the Triton ops use too) reject what the
+    C++ kernels reject, with the same message."""
+    from gtopk_ext._contract import OPS
+
+    calls = bad_calls(torch.device("cpu")) + merge_bad_calls()
+    assert {name for name, _ in calls} == set(OPS)
+    for op_name, args in calls:
+        with pytest.raises(RuntimeError) as cpp_error:
+            getattr(CPP, op_name)(*args)
+        with pytest.raises(RuntimeError) as fake_error:
+            OPS[op_name].fake(*args)
+        assert str(fake_error.value) == str(cpp_error.value), op_name
 
 
 def test_bad_input_gets_the_cpp_message():

@@ -64,7 +64,7 @@ class SparseGradState:
         stats_logging_frequency: log :meth:`stats` through ``logging`` (logger ``gtopk_ext.hooks``, INFO) every
             this many iterations; 0 never.
         error_feedback: keep what is not applied in a per-bucket residual (default); False drops it.
-        compressor_kwargs: extra arguments of the compressor (``mode="paper"``, ``backend="triton"``, ...) The
+        compressor_kwargs: extra arguments of the compressor (``mode="paper"``, ``backend="triton"``, ...). The
             compressor's backend (resolved once per device) runs every op of the hook: selection, merges, scatters.
 
     Fields besides the arguments: ``iter`` (iterations done; advanced on ``bucket.is_last()``) and

@@ -156,6 +156,10 @@ GTOPK_HOST_DEVICE inline float sure_threshold(float threshold) {
   return bits_float(static_cast<uint32_t>(key + 1) << kHistShift);
 }
 
+// scatter_add and residual_update on GPUs sum the duplicates of an index in slot order within tiles of this many
+// sorted slots, then the tiles' partial sums in order: deterministic whatever the launch (cuda/scatter.cu).
+constexpr int64_t kScatterTile = 256;
+
 inline void check_max_numel(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.numel() <= std::numeric_limits<int32_t>::max(), op, ": ", name, " has ", t.numel(),
               " elements, but gtopk_ext uses int32 indices and supports at most 2^31 - 1 elements per tensor; "

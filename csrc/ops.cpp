@@ -29,6 +29,7 @@ PyObject* PyInit__C(void) {
       {"HIST_INF_KEY", gtopk_ext::kHistInfKey},
       {"FINE_SHIFT", gtopk_ext::kFineShift},
       {"FINE_BINS", gtopk_ext::kFineBins},
+      {"SCATTER_TILE", gtopk_ext::kScatterTile},
       // clang-format on
   };
   for (const auto& constant : constants) {

@@ -32,10 +32,13 @@ HIST_INF_KEY = 0x7F800000 >> HIST_SHIFT
 # gaussian_select's second level: the threshold's bin split into sub-bins of 2^FINE_SHIFT float32 patterns.
 FINE_SHIFT = 5
 FINE_BINS = 1 << (HIST_SHIFT - FINE_SHIFT)
+# scatter_add and residual_update on GPUs: duplicates summed in slot order within tiles of this many sorted slots,
+# then the tiles' partial sums in order (the reference defines the same order).
+SCATTER_TILE = 256
 
 LAYOUT = {name: globals()[name] for name in (
     "STAT_MEAN", "STAT_STD", "STAT_MAX_ABS", "STAT_GAUSSIAN_THRESHOLD", "STAT_THRESHOLD", "NUM_STATS", "HIST_SHIFT",
-    "HIST_BINS", "HIST_INF_KEY", "FINE_SHIFT", "FINE_BINS")}
+    "HIST_BINS", "HIST_INF_KEY", "FINE_SHIFT", "FINE_BINS", "SCATTER_TILE")}
 
 # The one dtype rule: every op takes fp32, fp16 and bf16 (statistics and sums in fp32 or wider), int32 indices.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gtopk_ext import _contract
 from gtopk_ext._contract import (FINE_SHIFT, HIST_BINS, HIST_INF_KEY, HIST_SHIFT, NUM_STATS,  # noqa: F401
                                  STAT_GAUSSIAN_THRESHOLD, STAT_MAX_ABS, STAT_MEAN, STAT_STD, STAT_THRESHOLD)
 
@@ -143,11 +144,31 @@ def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch
 
 
 def _signed_scatter(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, sign: float) -> torch.Tensor:
-    valid = (indices >= 0) & (indices < dense.numel())
+    """Duplicates in slot order (a stable sort by index), summed in float32 from dense's value, one rounding per
+    index. A run of equal indices that enters a new tile of ``_contract.SCATTER_TILE`` sorted slots sums each
+    tile's piece from -0.0 and adds the pieces in order, as the GPU kernels do (the CPU kernel adds one slot at a
+    time, rounding each)."""
     flat = dense.view(-1)
-    summed = flat.float().index_add(0, indices[valid].long(), values[valid].float(), alpha=sign)
-    flat.copy_(summed.to(dense.dtype))
-    return torch.tensor([int((~valid).sum())], dtype=torch.int32, device=dense.device)
+    n = flat.numel()
+    order = sorted(range(indices.numel()), key=indices.tolist().__getitem__)
+    sorted_indices = [int(indices[j]) for j in order]
+    sorted_values = [np.float32(sign) * np.float32(v) for v in values.float()[order].tolist()] if order else []
+    accumulated = flat.float().tolist()
+    invalid = 0
+    run_total = piece = np.float32(0.0)
+    for slot, index in enumerate(sorted_indices):
+        if not 0 <= index < n:
+            invalid += 1
+            continue
+        if slot == 0 or sorted_indices[slot - 1] != index:  # a run starts: its first piece from dense's value
+            run_total, piece = np.float32(-0.0), np.float32(accumulated[index])
+        elif slot % _contract.SCATTER_TILE == 0:  # the run enters a new tile: a new piece
+            run_total, piece = np.float32(run_total + piece), np.float32(-0.0)
+        piece = np.float32(piece + sorted_values[slot])
+        if slot + 1 == len(sorted_indices) or sorted_indices[slot + 1] != index:
+            accumulated[index] = float(np.float32(run_total + piece))
+    flat.copy_(torch.tensor(accumulated, dtype=torch.float32).to(dense.dtype))
+    return torch.tensor([invalid], dtype=torch.int32, device=dense.device)
 
 
 def scatter_add(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -316,6 +316,50 @@ def test_residual_update_zeroes_what_compact_sent(backend):
         torch.testing.assert_close((acc - old).float(), grad.float(), rtol=1e-2, atol=1e-2, msg=name)
 
 
+def duplicate_heavy_scatter_cases(device: torch.device):
+    """What decompression meets: 8 messages of ascending unique indices with padding (index 0, value 0), in rank
+    order; and runs of one index over several tiles of sorted slots, with out-of-range indices among them."""
+    generator = torch.Generator().manual_seed(8)
+    for dtype in DTYPES:
+        n, k, ranks = 1000, 150, 8
+        messages = [torch.randperm(n, generator=generator)[:k].sort().values for _ in range(ranks)]
+        values = torch.randn(ranks, k, generator=generator)
+        for message, message_values in zip(messages, values):
+            message[-20:], message_values[-20:] = 0, 0.0
+        yield (f"messages-{dtype}", torch.randn(n, generator=generator).to(dtype).to(device),
+               torch.cat(messages).int().to(device), values.flatten().to(dtype).to(device))
+        indices = torch.randint(-1, 6, (600,), generator=generator, dtype=torch.int32)
+        yield (f"long-runs-{dtype}", torch.randn(5, generator=generator).to(dtype).to(device), indices.to(device),
+               torch.randn(600, generator=generator).to(dtype).to(device))
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "cpu"])
+def test_gpu_scatter_bits_are_the_references_whatever_the_launch(backend, monkeypatch):
+    """Replicas stay bitwise equal only if decompressing the same messages gives the same bits on every rank and
+    run: the GPU kernels sum duplicates without float atomics, in the reference's order (slot order within tiles
+    of sorted slots), so their bits equal the reference's whatever the number of programs or blocks."""
+    from gtopk_ext import _contract
+    from gtopk_ext.triton_kernels import kernels
+
+    blocks = [None, None]  # CUDA: repeated runs on the grid the kernels choose
+    if backend == "triton":
+        blocks = [kernels.BLOCK, 64]
+        if not torch.cuda.is_available():  # the interpreter walks a long piece slowly: small tiles, many of them
+            monkeypatch.setattr(_contract, "SCATTER_TILE", 8)
+    device = backend_device(backend)
+    for name, dense, indices, values in duplicate_heavy_scatter_cases(device):
+        for op_name in ("scatter_add", "residual_update"):
+            expected = dense.cpu().clone()
+            expected_invalid = getattr(reference, op_name)(expected, indices.cpu(), values.cpu())
+            for block in blocks:
+                if block is not None:
+                    monkeypatch.setattr(kernels, "BLOCK", block)
+                actual = dense.clone()
+                invalid = getattr(ops._kernels(device, backend), op_name)(actual, indices, values)
+                assert int(invalid) == int(expected_invalid), (name, op_name, block)
+                assert_identical(actual.cpu(), expected, f"{name} {op_name} block={block}")
+
+
 # --- bad input: every op names the argument and what it expected ---------------------------------------------
 
 def bad_calls(device):

@@ -423,9 +423,9 @@ def test_gpu_registration_traces_and_builds_for_sm80_and_sm90():
     assert result.returncode == 0, "\n".join([*lines, result.stderr[-3000:]])
     statistics_and_compact = ("moments_histogram_kernel finish_stats_kernel count_candidates_kernel "
                               "write_selected_kernel")
-    assert lines[0] == f"torch.float32 {statistics_and_compact} scatter_atomic_kernel scatter_atomic_kernel"
-    assert lines[1] == (f"torch.bfloat16 {statistics_and_compact} "
-                        + "segment_sum_kernel apply_segment_sums_kernel " * 2).rstrip()
+    scatter = "piece_sums_kernel apply_run_sums_kernel " * 2
+    assert lines[0] == f"torch.float32 {statistics_and_compact} {scatter}".rstrip()
+    assert lines[1] == f"torch.bfloat16 {statistics_and_compact} {scatter}".rstrip()
     assert lines[2] == ("compact: acc must be a CUDA tensor for the Triton kernels (CPU tensors need "
                         "TRITON_INTERPRET=1 set before triton is imported), got cpu")
     builds = lines[3:]

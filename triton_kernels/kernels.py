@@ -266,42 +266,56 @@ def count_invalid(indices, in_range, n_dense, invalid_ptr):
 
 
 @triton.jit
-def scatter_atomic_kernel(dense_ptr, indices_ptr, values_ptr, invalid_ptr, n_dense, m, SIGN: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """dense[indices[j]] += SIGN * values[j] with fp32 atomics (fp32 dense only)."""
-    pid = tl.program_id(0)
-    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_range = offsets < m
-    indices = tl.load(indices_ptr + offsets, mask=in_range, other=0)
-    values = tl.load(values_ptr + offsets, mask=in_range, other=0.0)
-    valid = count_invalid(indices, in_range, n_dense, invalid_ptr)
-    tl.atomic_add(dense_ptr + indices, SIGN * values, mask=valid, sem="relaxed")
+def piece_sums_kernel(dense_ptr, sorted_indices_ptr, order_ptr, values_ptr, piece_sums_ptr, n_dense, m,
+                      SIGN: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """Deterministic scatter, first level: a piece is the slots of one index inside one tile of TILE sorted slots;
+    the lane at a piece's first slot sums the piece in slot order in fp32 into piece_sums at that slot. The first
+    piece of a run of equal indices starts from dense's value, the others from -0.0 (x + -0.0 is x). The loop runs
+    as often as the block's longest piece: the duplicates of one index, a few per rank."""
+    slots = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = slots < m
+    index = tl.load(sorted_indices_ptr + slots, mask=live, other=0)
+    previous = tl.load(sorted_indices_ptr + slots - 1, mask=live & (slots > 0), other=0)
+    run_start = live & ((slots == 0) | (index != previous))
+    piece_first = run_start | (live & (slots % TILE == 0))
+    reads_dense = run_start & (index >= 0) & (index < n_dense)
+    acc = tl.where(reads_dense, to_float32(tl.load(dense_ptr + index, mask=reads_dense, other=0.0)), -0.0)
+    value = to_float32(tl.load(values_ptr + tl.load(order_ptr + slots, mask=piece_first, other=0),
+                               mask=piece_first, other=0.0))
+    acc = acc + SIGN * value
+    slot = slots + 1
+    going = piece_first & (slot < m) & (slot % TILE != 0)
+    going = going & (tl.load(sorted_indices_ptr + slot, mask=going, other=-1) == index)
+    while tl.max(going.to(tl.int32), axis=0) > 0:
+        value = to_float32(tl.load(values_ptr + tl.load(order_ptr + slot, mask=going, other=0), mask=going,
+                                   other=0.0))
+        acc = tl.where(going, acc + SIGN * value, acc)
+        slot += 1
+        going = going & (slot < m) & (slot % TILE != 0)
+        going = going & (tl.load(sorted_indices_ptr + slot, mask=going, other=-1) == index)
+    tl.store(piece_sums_ptr + slots, acc, mask=piece_first)
 
 
 @triton.jit
-def segment_sum_kernel(order_ptr, segments_ptr, values_ptr, sums_ptr, m, BLOCK: tl.constexpr):
-    """sums[segments[j]] += float32(values[order[j]]): duplicates of one index summed in fp32 (atomics)."""
-    pid = tl.program_id(0)
-    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_range = offsets < m
-    order = tl.load(order_ptr + offsets, mask=in_range, other=0)
-    segments = tl.load(segments_ptr + offsets, mask=in_range, other=0)
-    values = to_float32(tl.load(values_ptr + order, mask=in_range, other=0.0))
-    tl.atomic_add(sums_ptr + segments, values, mask=in_range, sem="relaxed")
-
-
-@triton.jit
-def apply_segment_sums_kernel(dense_ptr, sorted_indices_ptr, segments_ptr, sums_ptr, invalid_ptr, n_dense, m,
-                              SIGN: tl.constexpr, BLOCK: tl.constexpr):
-    """At the first slot of each run of equal sorted indices: dense[index] = dtype(dense + SIGN * run sum),
-    one rounding per index and no two programs writing the same element."""
-    pid = tl.program_id(0)
-    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_range = offsets < m
-    indices = tl.load(sorted_indices_ptr + offsets, mask=in_range, other=0)
-    previous = tl.load(sorted_indices_ptr + offsets - 1, mask=in_range & (offsets > 0), other=0)
-    valid = count_invalid(indices, in_range, n_dense, invalid_ptr)
-    run_start = valid & ((offsets == 0) | (indices != previous))
-    sums = tl.load(sums_ptr + tl.load(segments_ptr + offsets, mask=run_start, other=0), mask=run_start, other=0.0)
-    dense = tl.load(dense_ptr + indices, mask=run_start, other=0.0)
-    tl.store(dense_ptr + indices, round_to_dtype(to_float32(dense) + SIGN * sums, dense.dtype), mask=run_start)
+def apply_run_sums_kernel(dense_ptr, sorted_indices_ptr, piece_sums_ptr, invalid_ptr, n_dense, m,
+                          TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """Deterministic scatter, second level: at the first slot of each run of equal sorted indices, the run's
+    pieces (its first one, then one per later tile it reaches, in order) are added in fp32 and written to dense
+    with one rounding; no two lanes write the same element and no atomics touch floats."""
+    slots = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = slots < m
+    index = tl.load(sorted_indices_ptr + slots, mask=live, other=0)
+    previous = tl.load(sorted_indices_ptr + slots - 1, mask=live & (slots > 0), other=0)
+    valid = count_invalid(index, live, n_dense, invalid_ptr)
+    run_start = valid & ((slots == 0) | (index != previous))
+    total = tl.load(piece_sums_ptr + slots, mask=run_start, other=0.0)
+    next_tile = (slots // TILE + 1) * TILE
+    going = run_start & (next_tile < m)
+    going = going & (tl.load(sorted_indices_ptr + next_tile, mask=going, other=-1) == index)
+    while tl.max(going.to(tl.int32), axis=0) > 0:
+        total += tl.load(piece_sums_ptr + next_tile, mask=going, other=0.0)
+        next_tile += TILE
+        going = going & (next_tile < m)
+        going = going & (tl.load(sorted_indices_ptr + next_tile, mask=going, other=-1) == index)
+    dense = tl.load(dense_ptr + index, mask=run_start, other=0.0)
+    tl.store(dense_ptr + index, round_to_dtype(total, dense.dtype), mask=run_start)

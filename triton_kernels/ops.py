@@ -16,6 +16,7 @@ import triton
 from torch.library import triton_op, wrap_triton
 
 import gtopk_ext  # noqa: F401  (registers the C++ schemas that these ops take)
+from gtopk_ext import _contract
 from gtopk_ext._contract import (FINE_BINS, FINE_SHIFT, HIST_BINS, HIST_INF_KEY, HIST_SHIFT, NUM_STATS, OPS,
                                  STAT_THRESHOLD)
 
@@ -163,22 +164,17 @@ def _signed_scatter(dense: torch.Tensor, indices: torch.Tensor, values: torch.Te
     m = indices.numel()
     if m == 0:
         return invalid
+    # A stable sort groups the duplicates in slot order; the two levels sum them without float atomics, so every
+    # run, rank and launch configuration gets the same bits (replicas stay bitwise equal).
+    sorted_indices, order = torch.sort(indices, stable=True)
+    piece_sums = torch.empty(m, dtype=torch.float32, device=dense.device)
     grid = (triton.cdiv(m, kernels.BLOCK),)
-    launch = dict(BLOCK=kernels.BLOCK, num_warps=kernels.NUM_WARPS)
-    if dense.dtype == torch.float32:
-        wrap_triton(kernels.scatter_atomic_kernel)[grid](
-            dense, indices, values, invalid, dense.numel(), m, SIGN=sign, **launch)
-        return invalid
-    # fp16/bf16: no 16-bit atomics (bf16 ones need sm_90 and the interpreter has none). Sorting groups the
-    # duplicates; each index's values are summed in fp32 and added to dense with one rounding.
-    sorted_indices, order = torch.sort(indices)
-    run_starts = torch.cat([torch.ones(1, dtype=torch.bool, device=dense.device),
-                            sorted_indices[1:] != sorted_indices[:-1]])
-    segments = torch.cumsum(run_starts, 0, dtype=torch.int32) - 1
-    sums = torch.full((m,), -0.0, dtype=torch.float32, device=dense.device)  # -0.0 + x is x, signed zeros too
-    wrap_triton(kernels.segment_sum_kernel)[grid](order, segments, values, sums, m, **launch)
-    wrap_triton(kernels.apply_segment_sums_kernel)[grid](
-        dense, sorted_indices, segments, sums, invalid, dense.numel(), m, SIGN=sign, **launch)
+    wrap_triton(kernels.piece_sums_kernel)[grid](
+        dense, sorted_indices, order, values, piece_sums, dense.numel(), m, SIGN=sign, TILE=_contract.SCATTER_TILE,
+        BLOCK=kernels.BLOCK, num_warps=kernels.NUM_WARPS)
+    wrap_triton(kernels.apply_run_sums_kernel)[grid](
+        dense, sorted_indices, piece_sums, invalid, dense.numel(), m, TILE=_contract.SCATTER_TILE, BLOCK=kernels.BLOCK,
+        num_warps=kernels.NUM_WARPS)
     return invalid
 
 

@@ -153,6 +153,16 @@ def wait_all(procs: list[subprocess.Popen], logs: list, timeout: float) -> None:
         time.sleep(0.5)
 
 
+class TxCounter:
+    """Bytes sent on one interface of this process's network namespace (``None`` interface: not counted)."""
+
+    def __init__(self, ifname: str | None):
+        self.path = Path(f"/sys/class/net/{ifname}/statistics/tx_bytes") if ifname else None
+
+    def read(self) -> int:
+        return int(self.path.read_text()) if self.path else 0
+
+
 def run_ranks(module: str, world_size: int, network: Network | None, config: dict, workdir: Path, name: str,
               timeout: float) -> None:
     """Runs ``python -m <module> --worker <file>`` once per rank, where the file holds ``config`` plus ``rank``,

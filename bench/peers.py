@@ -12,18 +12,19 @@ network drift hit all alike. Per method:
   first; the hooks run dense warm-up iterations). Evaluation is outside every timed step.
 - MB sent per rank per step: from the rank's interface counter (tx_bytes in its namespace, TCP/IP headers and
   ACKs included; not on loopback) read around that method's steps, and from the method's own accounting
-  (gtopk_ext: ``state.stats()``; PowerSGD: its compressed element counts; dense hooks: the model's size), both
-  as ring allreduces of the elements each allreduces.
+  (gtopk_ext: ``state.stats()``; PowerSGD: ring allreduces of the elements it counts; DDP and the fp16/bf16
+  hooks: a ring allreduce of the model).
 - CPU ms/step per rank: the process's CPU time (all threads: Gloo's and any hook's worker count) over the step.
 - test accuracy every ``--eval-every`` steps (rank 0's replica), and the steps and training seconds (sum of the
   slowest rank's step times) to reach ``--target``.
 - the machine's load from other processes during the run: all busy CPU time (/proc/stat) minus the ranks' and
   this driver's own, in cores.
 
-PowerSGD runs with one bucket (``bucket_cap_mb`` above the model's size): on Gloo its hook with several buckets
-hangs or fails ("Received data size doesn't match expected size"): the hook's future callbacks issue the
-allreduces of P and Q from Gloo's threads while the autograd thread issues the next bucket's, so ranks can issue
-collectives in different orders. Every other method keeps DDP's default buckets, as a user would.
+PowerSGD runs with one bucket (``bucket_cap_mb`` above the model's size): with several buckets on Gloo, its
+hook's future callbacks allreduce P and Q on Gloo's threads while the autograd thread issues the next bucket's
+allreduce, so ranks issue their collectives in different orders; the group then fails ("Received data size
+doesn't match expected size") or hangs until its timeout (here: 2 and 4 ranks, 8 buckets, every run, at the first
+compressed step). Every other method keeps DDP's default buckets, as a user would.
 
 The floor's hook divides the bucket by the world size and returns: no communication, each rank trains on its own
 data. Its accuracy is that of rank 0's replica trained alone; its step time is the compute floor.
@@ -253,8 +254,9 @@ def run_seed(seed: int, args: argparse.Namespace, rank: int, world_size: int, da
     train_x, train_y, test_x, test_y = data
     contestants = {name: Contestant(RECIPES[name], args, seed, world_size) for name in args.methods}
     batches = step_batches(seed, args.steps, len(train_y), rank, world_size, args.batch_size)
-    for contestant in contestants.values():
-        contestant.evaluate(0, test_x, test_y)
+    if rank == 0:
+        for contestant in contestants.values():
+            contestant.evaluate(0, test_x, test_y)
     names = list(contestants)
     for step, index in enumerate(batches, start=1):
         shift = step % len(names)
@@ -300,7 +302,7 @@ def run_worker(config: dict) -> None:
         if progress is not None:
             progress.close()
         if rank == 0:
-            Path(config["out"]).write_text(json.dumps(runs))
+            Path(config["out"]).write_text(json.dumps({"parameters": numel_of(build_model(args, 0)), "runs": runs}))
     finally:
         destroy_process_group()
 
@@ -387,9 +389,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for row in rows:
         points = list(zip(*row["curves"]))  # per eval: one point per seed
+        style = {"color": "black", "linestyle": "--"} if row["method"] == "floor" else {}
         ax.plot([statistics.fmean(p["train_seconds"] for p in seeds) for seeds in points],
                 [100 * statistics.fmean(p["accuracy"] for p in seeds) for seeds in points],
-                marker=".", label=row["label"])
+                marker=".", label=row["label"], **style)
     ax.set_xlabel("training seconds (slowest rank's steps, evaluation excluded)")
     ax.set_ylabel("test accuracy (%)")
     ax.grid(True, alpha=0.3)
@@ -469,13 +472,14 @@ def main(argv: Optional[list] = None) -> int:
                       args.timeout)
             wall = time.perf_counter() - started
             others = max(0.0, cpu_busy_seconds() - busy - (own_cpu_seconds() - ours))
-            runs = json.loads(out.read_text())
+            measured = json.loads(out.read_text())
     finally:
         networks.close()
     load = {"wall_seconds": wall, "cpus": os.cpu_count(), "other_processes_cores": others / wall,
             "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+    runs = measured["runs"]
     rows = [summarize(name, [run[name] for run in runs], args) for name in args.methods]
-    model = "CNN" if args.model == "cnn" else f"MLP {numel_of(build_model(args, 0)) / 1e6:.1f}M"
+    model = f"{args.model.upper()} ({measured['parameters'] / 1e6:.3g}M parameters)"
     setting = (f"{args.world_size} ranks on {network_name}, digits, {model}, batch {args.batch_size}/rank, "
                f"{args.steps} steps, seeds {' '.join(map(str, args.seeds))}")
     print(f"\n{setting}; steps after the first {WARMUP_STEPS}; other processes kept "
@@ -487,7 +491,7 @@ def main(argv: Optional[list] = None) -> int:
         args.json.write_text(json.dumps({
             "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
             "network": network_name, "torch": torch.__version__, "machine": platform.platform(), "load": load,
-            "warmup_steps": WARMUP_STEPS, "table": rows, "runs": runs}, indent=1))
+            "warmup_steps": WARMUP_STEPS, "parameters": measured["parameters"], "table": rows, "runs": runs}, indent=1))
         print(f"wrote {args.json}")
     return 0
 

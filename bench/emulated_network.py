@@ -126,6 +126,21 @@ def check_can_emulate() -> str | None:
     return None
 
 
+def runs_on_loopback(program: str, loopback: bool) -> bool:
+    """Whether ``program`` runs on loopback: asked for, or the emulated network cannot run here (said on stderr)."""
+    if loopback:
+        return True
+    reason = check_can_emulate()
+    if reason:
+        print(f"{program}: no emulated network ({reason}); running on loopback", file=sys.stderr)
+    return reason is not None
+
+
+def network_name(rate_bps: int | None) -> str:
+    """What a run's ranks talk over: ``rate_bps`` links, or loopback (None)."""
+    return "loopback (no shaping)" if rate_bps is None else f"{rate_name(rate_bps)} links (namespaces, tbf)"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

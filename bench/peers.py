@@ -36,6 +36,7 @@ data. Its accuracy is that of rank 0's replica trained alone; its step time is t
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations against dist.GradBucket.
 import argparse
+import gc
 import json
 import os
 import platform
@@ -58,8 +59,8 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gtopk_ext as gx  # noqa: E402
 from bench.digits import load_digits_split, make_model  # noqa: E402
-from bench.emulated_network import (Networks, TxCounter, check_can_emulate, cleanup_stale, parse_rate,  # noqa: E402
-                                    rate_name, run_ranks)
+from bench.emulated_network import (Networks, TxCounter, cleanup_stale, network_name, parse_rate,  # noqa: E402
+                                    run_ranks, runs_on_loopback)
 from bench.gradients import wide_mlp  # noqa: E402
 from bench.processes import destroy_process_group  # noqa: E402
 
@@ -298,7 +299,10 @@ def run_worker(config: dict) -> None:
             # Its output is a log file that the driver streams: redrawn every 0.1 s it would flood a redirect.
             progress = tqdm(total=len(args.seeds) * args.steps * len(args.methods), unit="step",
                             mininterval=0.5 if config["tty"] else 30, file=sys.stdout)
-        runs = [run_seed(seed, args, rank, world_size, data, counter, progress) for seed in args.seeds]
+        runs = []
+        for seed in args.seeds:
+            runs.append(run_seed(seed, args, rank, world_size, data, counter, progress))
+            gc.collect()  # DDP models sit in reference cycles: free one seed's models before the next seed's
         if progress is not None:
             progress.close()
         if rank == 0:
@@ -450,24 +454,20 @@ def main(argv: Optional[list] = None) -> int:
     if args.worker:
         run_worker(json.loads(args.worker.read_text()))
         return 0
-    if not args.loopback:
-        reason = check_can_emulate()
-        if reason:
-            print(f"peers: no emulated network ({reason}); running on loopback", file=sys.stderr)
-            args.loopback = True
-    network_name = "loopback (no shaping)" if args.loopback else f"{rate_name(args.rate)} links (namespaces, tbf)"
+    args.loopback = runs_on_loopback("peers", args.loopback)
+    network = network_name(None if args.loopback else args.rate)
     networks = Networks(args.prefix)
     if not args.loopback:
         cleanup_stale(args.prefix)
     try:
         with tempfile.TemporaryDirectory(prefix="peers_") as tmp:
-            network = None if args.loopback else networks.create(args.world_size, args.rate)
+            links = None if args.loopback else networks.create(args.world_size, args.rate)
             out = Path(tmp) / "runs.json"
             worker_args = {key: str(value) if isinstance(value, Path) else value
                            for key, value in vars(args).items() if key != "worker"}
             busy, ours, started = cpu_busy_seconds(), own_cpu_seconds(), time.perf_counter()
             load_before = os.getloadavg()
-            run_ranks("bench.peers", args.world_size, network,
+            run_ranks("bench.peers", args.world_size, links,
                       {"args": worker_args, "out": str(out), "tty": sys.stdout.isatty()}, Path(tmp), "peers",
                       args.timeout)
             wall = time.perf_counter() - started
@@ -480,7 +480,7 @@ def main(argv: Optional[list] = None) -> int:
     runs = measured["runs"]
     rows = [summarize(name, [run[name] for run in runs], args) for name in args.methods]
     model = f"{args.model.upper()} ({measured['parameters'] / 1e6:.3g}M parameters)"
-    setting = (f"{args.world_size} ranks on {network_name}, digits, {model}, batch {args.batch_size}/rank, "
+    setting = (f"{args.world_size} ranks on {network}, digits, {model}, batch {args.batch_size}/rank, "
                f"{args.steps} steps, seeds {' '.join(map(str, args.seeds))}")
     print(f"\n{setting}; steps after the first {WARMUP_STEPS}; other processes kept "
           f"{load['other_processes_cores']:.2f} of {load['cpus']} cores busy\n")
@@ -490,7 +490,7 @@ def main(argv: Optional[list] = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
-            "network": network_name, "torch": torch.__version__, "machine": platform.platform(), "load": load,
+            "network": network, "torch": torch.__version__, "machine": platform.platform(), "load": load,
             "warmup_steps": WARMUP_STEPS, "parameters": measured["parameters"], "table": rows, "runs": runs}, indent=1))
         print(f"wrote {args.json}")
     return 0

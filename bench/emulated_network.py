@@ -126,6 +126,21 @@ def check_can_emulate() -> str | None:
     return None
 
 
+def runs_on_loopback(program: str, loopback: bool) -> bool:
+    """Whether ``program`` runs on loopback: asked for, or the emulated network cannot run here (said on stderr)."""
+    if loopback:
+        return True
+    reason = check_can_emulate()
+    if reason:
+        print(f"{program}: no emulated network ({reason}); running on loopback", file=sys.stderr)
+    return reason is not None
+
+
+def network_name(rate_bps: int | None) -> str:
+    """What a run's ranks talk over: ``rate_bps`` links, or loopback (None)."""
+    return "loopback (no shaping)" if rate_bps is None else f"{rate_name(rate_bps)} links (namespaces, tbf)"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -151,6 +166,16 @@ def wait_all(procs: list[subprocess.Popen], logs: list, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the group did not finish within --group-timeout {timeout:g} s")
         time.sleep(0.5)
+
+
+class TxCounter:
+    """Bytes sent on one interface of this process's network namespace (``None`` interface: not counted)."""
+
+    def __init__(self, ifname: str | None):
+        self.path = Path(f"/sys/class/net/{ifname}/statistics/tx_bytes") if ifname else None
+
+    def read(self) -> int:
+        return int(self.path.read_text()) if self.path else 0
 
 
 def run_ranks(module: str, world_size: int, network: Network | None, config: dict, workdir: Path, name: str,

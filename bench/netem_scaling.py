@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from bench.emulated_network import (Network, Networks, check_can_emulate, cleanup_stale, parse_rate, rate_name,
-                                    run_ranks)
+from bench.emulated_network import (Network, Networks, TxCounter, check_can_emulate, cleanup_stale, parse_rate,
+                                    rate_name, run_ranks)
 
 METHODS = ("dense", "allgather", "gtopk")
 BARRIER_PROBES = 20  # barriers timed to subtract their bytes from each measurement
@@ -80,16 +80,6 @@ def plan_exchange(method: str, numel: int, k: int, world_size: int, rate_bps: in
 
 
 # ----------------------------------------------------------------------------------------------- worker side
-
-class TxCounter:
-    """Bytes sent on one interface of this process's network namespace (``None`` interface: not counted)."""
-
-    def __init__(self, ifname: str | None):
-        self.path = Path(f"/sys/class/net/{ifname}/statistics/tx_bytes") if ifname else None
-
-    def read(self) -> int:
-        return int(self.path.read_text()) if self.path else 0
-
 
 def run_worker(config: dict) -> None:
     """One rank: joins the Gloo group, measures every configuration, rank 0 writes the rows."""

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gtopk_ext as gx  # noqa: E402
 from bench.digits import MODELS, load_digits_split, make_model  # noqa: E402
-from bench.emulated_network import Networks, check_can_emulate, parse_rate, rate_name, run_ranks  # noqa: E402
+from bench.emulated_network import Networks, network_name, parse_rate, run_ranks, runs_on_loopback  # noqa: E402
 from gtopk_ext.utils import destroy_process_group  # noqa: E402
 
 METHODS = ("ddp", "group-sync", "group-wait-avoiding")
@@ -152,12 +152,8 @@ def main() -> None:
     if args.world_size % args.group_size:
         parser.error(f"--group-size {args.group_size} must divide --world-size {args.world_size}")
 
-    if not args.loopback:
-        reason = check_can_emulate()
-        if reason:
-            print(f"wagma: no emulated network ({reason}); running on loopback", file=sys.stderr)
-            args.loopback = True
-    network_name = "loopback" if args.loopback else f"{rate_name(args.rate)} links (namespaces, tbf)"
+    args.loopback = runs_on_loopback("wagma", args.loopback)
+    links = network_name(None if args.loopback else args.rate)
     networks = Networks(args.prefix)
     try:
         with tempfile.TemporaryDirectory(prefix="wagma_") as tmp:
@@ -170,7 +166,7 @@ def main() -> None:
     finally:
         networks.close()
     rows = summarize(runs)
-    print(f"{args.world_size} Gloo processes on {network_name}, digits, {args.model}, "
+    print(f"{args.world_size} Gloo processes on {links}, digits, {args.model}, "
           f"batch {args.batch_size}/rank, {args.steps} steps, straggler {args.straggler} "
           f"(+{args.sleep_ms:g} ms/step), group size {args.group_size}, global period {args.global_period}, "
           f"median of {args.repeats}")

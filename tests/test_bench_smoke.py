@@ -67,3 +67,39 @@ def test_kernel_benchmark_suite_runs():
                             cwd=ROOT, timeout=600, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "9 passed" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("network", ["--loopback",
+                                     pytest.param("--rate=1gbit", marks=pytest.mark.skipif(
+                                         os.geteuid() != 0 or shutil.which("tc") is None,
+                                         reason="namespaces and tc need root and iproute2"))])
+def test_peers_benchmark(tmp_path, network):
+    out, figure = tmp_path / "peers.json", tmp_path / "peers.png"
+    methods = ["powersgd-1", "gtopk-0.01", "floor"]
+    run_bench("peers", network, "--world-size", "2", "--model", "mlp", "--mlp-params", "20000", "--steps", "5",
+              "--eval-every", "2", "--methods", *methods, "--prefix", "gxsmokepeers", "--no-progress",
+              "--json", str(out), "--plot", str(figure))
+    report = json.loads(out.read_text())
+    assert figure.stat().st_size > 0
+    numel = 64 * 108 + 108 + 108 * 108 + 108 + 108 * 10 + 10  # 64-h-h-10 with h = 108: about 20000 parameters
+    assert report["parameters"] == numel
+    dense_bytes = 4 * numel  # a ring allreduce of the fp32 model on 2 ranks sends it once
+    rows = {row["method"]: row for row in report["table"]}
+    assert list(rows) == methods
+    for name, row in rows.items():
+        assert 0 < row["ms_per_step_p25"] <= row["ms_per_step"] <= row["ms_per_step_p75"]
+        assert row["cpu_ms_per_step"] > 0
+        assert [point["step"] for point in row["curves"][0]] == [0, 2, 4, 5]
+        assert all(0.0 <= point["accuracy"] <= 1.0 for point in row["curves"][0])
+        assert all(a["train_seconds"] < b["train_seconds"] for a, b in zip(row["curves"][0], row["curves"][0][1:]))
+        wire = row["tx_mb_per_step"]
+        assert (wire is None) == (network == "--loopback")
+        if name == "floor":  # nothing sent; a stray TCP ACK of the barrier before a step may land in its window
+            assert row["own_mb_per_step"] == 0 and (wire is None or wire * 1e6 < 200)
+        else:  # the compressing hooks send a small fraction of the dense allreduce, and the link carries it
+            assert 0 < row["own_mb_per_step"] * 1e6 < 0.5 * dense_bytes
+            assert wire is None or row["own_mb_per_step"] <= wire < 2 * row["own_mb_per_step"] + 0.01
+    assert rows["powersgd-1"]["buckets"] == 1 and rows["gtopk-0.01"]["buckets"] >= 1
+    assert report["load"]["other_processes_cores"] >= 0
+    if network != "--loopback":  # the run removed the namespaces it made
+        assert "gxsmokepeers" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

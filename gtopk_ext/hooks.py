@@ -495,9 +495,10 @@ class SparseGradState:
 
 
 def _parameter_maxima(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """max |tensor| over each parameter's slice (the whole tensor without a layout); NaN where one is NaN."""
-    lengths = [numel for _, numel in layout] if layout is not None else [tensor.numel()]
-    return torch.segment_reduce(tensor.abs(), "max", lengths=torch.tensor(lengths, device=tensor.device), initial=0)
+    """max |tensor| over each parameter's slice (the whole tensor without a layout); NaN where one is NaN.
+    (One pass, as fast as torch.isfinite; segment_reduce is several times slower on the CPU.)"""
+    slices = tensor.split([numel for _, numel in layout]) if layout is not None else [tensor]
+    return torch.stack(torch._foreach_norm(slices, float("inf")))
 
 
 def _checked_schedule(schedule: DensitySchedule) -> DensitySchedule:

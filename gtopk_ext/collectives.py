@@ -84,7 +84,10 @@ def check_message(msg: SparseMessage, name: str = "msg") -> None:
     """Raise a clear error unless ``msg`` is a well-formed SparseMessage."""
     if not isinstance(msg, SparseMessage):
         raise TypeError(f"{name} must be a SparseMessage, got {type(msg).__name__}")
-    values, indices = msg.values, msg.indices
+    values, indices, count = msg.values, msg.indices, msg.count
+    for field_name, tensor in (("values", values), ("indices", indices), ("count", count)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}.{field_name} must be a tensor, got {type(tensor).__name__}")
     if values.dtype not in DTYPE_CODES:
         raise TypeError(f"{name}.values must be float32, float16 or bfloat16, got {values.dtype}")
     if indices.dtype != torch.int32:
@@ -92,9 +95,11 @@ def check_message(msg: SparseMessage, name: str = "msg") -> None:
     if values.dim() != 1 or indices.shape != values.shape or values.numel() == 0:
         raise ValueError(f"{name}.values and {name}.indices must be 1-D with the same k >= 1 slots, got shapes "
                          f"{tuple(values.shape)} and {tuple(indices.shape)}")
-    if indices.device != values.device or msg.count.device != values.device:
+    if count.dtype != torch.int32 or count.shape != (1,):
+        raise ValueError(f"{name}.count must be int32 of shape (1,), got {count.dtype} of shape {tuple(count.shape)}")
+    if indices.device != values.device or count.device != values.device:
         raise ValueError(f"{name}'s tensors must be on one device, got values on {values.device}, indices on "
-                         f"{indices.device}, count on {msg.count.device}")
+                         f"{indices.device}, count on {count.device}")
     if not isinstance(msg.numel, int) or not 0 < msg.numel <= MAX_NUMEL:
         raise ValueError(f"{name}.numel must be an int in [1, 2^31 - 1], got {msg.numel!r}")
     if not bool(((indices >= 0) & (indices < msg.numel)).all()):
@@ -103,15 +108,19 @@ def check_message(msg: SparseMessage, name: str = "msg") -> None:
 
 
 def _agree_on_message(msg: SparseMessage, group: dist.ProcessGroup, what: str, traffic: Traffic | None) -> None:
-    """Every rank checks its message and the ranks compare (k, numel, dtype), so all of them raise together."""
+    """Every rank checks its message and the ranks compare (k, numel, dtype), so all of them raise together.
+
+    Any local error (not only the checks' TypeError and ValueError) is held until the headers are exchanged:
+    raising before would leave the other ranks waiting for this one until the group's timeout."""
     try:
         check_message(msg)
         fields = {"valid": 1, "k": msg.k, "numel": msg.numel, "dtype": DTYPE_CODES[msg.values.dtype]}
         device, local_error = msg.values.device, None
-    except (TypeError, ValueError) as error:
+    except Exception as error:  # noqa: BLE001 - raised below, once every rank knows
         fields = {"valid": 0, "k": _INVALID, "numel": _INVALID, "dtype": _INVALID}
         values = getattr(msg, "values", None)
-        device = values.device if isinstance(values, torch.Tensor) else torch.device("cpu")
+        usable = isinstance(values, torch.Tensor) and values.device.type != "meta"
+        device = values.device if usable else torch.device("cpu")
         local_error = error
     headers = gather_headers(fields, group, device, traffic)
     if local_error is not None:
@@ -185,6 +194,12 @@ def _recv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic: Tr
     return tensor
 
 
+def carried_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which gTop-k carries a message's values between merges: float32 for float16 (a sum over
+    ranks of values inside float16's range can leave it: two ranks' 40000 make 80000), else the message's."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, *, check: bool = True,
                     traffic: Traffic | None = None) -> tuple[SparseMessage, torch.Tensor]:
     """gTop-k: the global top-k of the sum of every rank's sparse message, in O(k log P) traffic.
@@ -192,7 +207,8 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
     In round r each rank merges its current set with that of rank ``rank XOR 2^r``
     (:func:`gtopk_ext.ops.merge_topk`). For a world size P that is not a power of two, the ranks past the largest
     power of two first fold their set into rank ``rank - 2^floor(log2 P)`` and receive the result at the end.
-    Returns ``(glob, applied)``: ``glob`` is the same SparseMessage on every rank (values summed over ranks, not averaged; ``glob.count`` is the size of
+    Returns ``(glob, applied)``: ``glob`` is the same SparseMessage on every rank (values summed over ranks, not
+    averaged, in :func:`carried_dtype` of the message's dtype: float32 for float16; ``glob.count`` is the size of
     the last merged union); ``applied[j]`` is True where this rank's slot j is inside glob's sums, i.e. its
     index survived every merge on its path. The caller keeps ``msg.values[~applied]`` (error feedback): nothing
     is lost. ``check`` as in :func:`sparse_allgather`.
@@ -200,24 +216,25 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
     group, rank, size = group_rank_and_size(group)
     if check:
         _agree_on_message(msg, group, "gtopk_allreduce", traffic)
-    k, dtype = msg.k, msg.values.dtype
+    k, dtype = msg.k, carried_dtype(msg.values.dtype)
     device = msg.values.device
     applied = torch.ones(k, dtype=torch.bool, device=device)
+    own_values = msg.values.to(dtype, copy=True)
     if size == 1:
-        return SparseMessage(msg.values.clone(), msg.indices.clone(), msg.count.clone(), msg.numel,
+        return SparseMessage(own_values, msg.indices.clone(), msg.count.clone(), msg.numel,
                              backend=msg.backend), applied
     butterfly = 1 << (size.bit_length() - 1)
     payload_size = _packed_size(k, dtype)
 
     if rank >= butterfly:  # folded into rank - butterfly; the result comes back with this rank's applied mask
         partner = rank - butterfly
-        _send(_pack(msg.indices, msg.values, msg.count), partner, group, traffic)
+        _send(_pack(msg.indices, own_values, msg.count), partner, group, traffic)
         result = _recv(torch.empty(payload_size + k, dtype=torch.uint8, device=device), partner, group, traffic)
         indices, values, count = _unpack(result, k, dtype)
         return (SparseMessage(values.clone(), indices.clone(), count.clone(), msg.numel, backend=msg.backend),
                 result[payload_size:].bool())
 
-    indices, values, count = msg.indices, msg.values, msg.count
+    indices, values, count = msg.indices, own_values, msg.count
     # (slot indices, applied mask) of every contributor this rank answers for: itself and a folded rank.
     tracked = [(msg.indices, applied)]
     folded = rank + butterfly

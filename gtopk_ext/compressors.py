@@ -128,7 +128,8 @@ class GaussianK(Compressor):
     ``mode="accurate"`` (default) selects with ``ops.gaussian_select``: the histogram threshold of the statistics
     pass, refined inside its bin (k elements, plus the ties of a 32-float sub-bin, on any distribution);
     ``mode="paper"`` with the Gaussian estimate ``|mean| + z * std`` and the paper's correction loop (up to 3
-    steps, on the device, no host sync). Elements past k slots (in index order) stay in the residual.
+    steps, on the device, no host sync), never above the largest |acc| (where the loop would send nothing).
+    Elements past k slots (in index order) stay in the residual.
     """
 
     kind = "gaussiank"
@@ -148,7 +149,10 @@ class GaussianK(Compressor):
         else:
             stats = ops.gaussian_threshold(grad, residual, z=self.z, k=0, backend=backend)
             gaussian = stats[ops.STAT_GAUSSIAN_THRESHOLD:ops.STAT_GAUSSIAN_THRESHOLD + 1]
-            threshold = self._paper_correction(acc, gaussian, k)
+            # The loop can end above every element (equal values: the deviation is 0 and the count jumps between
+            # all and none): then the largest |acc| is sent rather than nothing, step after step.
+            largest = stats[ops.STAT_MAX_ABS:ops.STAT_MAX_ABS + 1]
+            threshold = torch.minimum(self._paper_correction(acc, gaussian, k), largest)
             values, indices, count = ops.compact(acc, threshold, k, backend=backend)
         return self._message(acc, residual, values, indices, count, backend, stats)
 

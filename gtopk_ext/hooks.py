@@ -10,6 +10,7 @@ the bucket becomes the average over ranks. Whatever was not applied stays in the
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations against dist.GradBucket.
 import logging
+import math
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Callable, Sequence, Union
@@ -67,14 +68,31 @@ class SparseGradState:
         compressor_kwargs: extra arguments of the compressor (``mode="paper"``, ``backend="triton"``, ...). The
             compressor's backend (resolved once per device) runs every op of the hook: selection, merges, scatters.
 
-    Fields besides the arguments: ``iter`` (iterations done; advanced on ``bucket.is_last()``) and
-    ``residuals`` (per ``bucket.index()``, the flat residual in that bucket's layout).
+    Fields besides the arguments: ``iter`` (iterations done; advanced on ``bucket.is_last()``),
+    ``residuals`` (per ``bucket.index()``, the flat residual in that bucket's layout) and ``residual_scale``
+    (the residuals hold the gradient times this factor: the loss scale, see :meth:`attach_scaler`; 1.0 without).
+
+    What is guaranteed, with error feedback on: every element of ``grad + residual`` on every rank is either in
+    the average this step returns or in the new residual (nothing is lost), in float32, bfloat16 and float16
+    (gTop-k carries float16 sums in float32, the average is divided in float32).
+
+    - A bucket whose ``grad + residual`` is not finite on some rank goes dense on every rank (the decision is
+      shared before anything is sent), with every residual untouched, so a ``GradScaler`` sees the inf.
+    - A parameter whose gradient in a bucket is exactly zero on this rank keeps its residual out of that step's
+      selection. With ``find_unused_parameters=True`` DDP zeros an unused parameter's gradient and, when no rank
+      used it, never copies the reduced values into ``.grad``: what the hook sent for it would be lost. So a
+      parameter that a rank did not use this step gets none of that rank's residual applied, as DDP applies no
+      gradient to it, and its residual waits for a step in which the rank uses it.
+    - Loss scaling: see :meth:`attach_scaler`.
+    - Buckets that go dense (small, warm-up) after a change of layout (a resume with other bucket sizes) add
+      the residual parts of their parameters to the gradient they send: they are applied, not left behind.
     """
 
     __slots__ = ["process_group", "density", "compressor", "collective", "start_iter", "min_compress_numel",
                  "density_schedule", "random_seed", "stats_logging_frequency", "error_feedback",
-                 "compressor_kwargs", "iter", "residuals", "_layouts", "_unclaimed", "_ordinals", "_next_ordinal",
-                 "_compressor", "_bucket_stats"]
+                 "compressor_kwargs", "iter", "residuals", "residual_scale", "_layouts", "_unclaimed", "_ordinals",
+                 "_next_ordinal", "_compressor", "_bucket_stats", "_residual_bounds", "_scaler", "_taken",
+                 "_iteration_open"]
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, density: float = 0.01,
                  compressor: str = "gaussiank", collective: str = "gtopk", start_iter: int = 2,
@@ -112,6 +130,32 @@ class SparseGradState:
         self._ordinals = WeakIdKeyDictionary()  # parameter -> ordinal, in the order this process first saw them
         self._next_ordinal = 0
         self._bucket_stats: dict[int, BucketStats] = {}
+        # Per bucket, (residual, a bound on its max |value| as a device scalar), set by the compressed step that
+        # left that residual: grad + residual cannot overflow while max |grad| + bound stays below the dtype's
+        # largest value, so it need not be checked.
+        self._residual_bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.residual_scale = 1.0
+        self._scaler = None
+        # With a scaler: per bucket, what this iteration took out of the residual and applied (indices or None
+        # for the whole bucket, values), to be put back if the scaler skips the step.
+        self._taken: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._iteration_open = False
+
+    def attach_scaler(self, scaler) -> None:
+        """Let the hook follow a ``torch.amp.GradScaler`` (call before training; the scaler stays yours).
+
+        The gradients DDP hands the hook are multiplied by the loss scale, and the scale changes between steps.
+        The residuals are kept multiplied by the scale of the latest step (``residual_scale``): when a new step
+        brings another scale, they are rescaled first (exact: the scaler's factors are powers of two), so old
+        residual is never applied with another step's factor. When the scaler skips a step (an inf or NaN
+        gradient; recognised by its scale backing off at the next step, so call ``scaler.update()`` once per step
+        without ``new_scale``), everything the hook took out of the residuals in that step goes back into them:
+        nothing is lost. The finite gradients of compressed buckets of a skipped step stay in the residuals too
+        (as if the step had sent nothing); those of dense buckets are dropped with the step, as plain DDP does.
+        """
+        if not callable(getattr(scaler, "get_scale", None)) or not callable(getattr(scaler, "is_enabled", None)):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self._scaler = scaler
 
     # ----- pickling, checkpoints, statistics -----
 
@@ -121,25 +165,31 @@ class SparseGradState:
             logger.warning("SparseGradState: the process group is not pickled; the unpickled state uses the default "
                            "group unless its process_group is set again")
         state = {slot: getattr(self, slot) for slot in self.__slots__
-                 if slot not in ("process_group", "_ordinals", "_next_ordinal")}
+                 if slot not in ("process_group", "_ordinals", "_next_ordinal", "_scaler")}
         return state
 
     def __setstate__(self, state):
         for slot, value in state.items():
             setattr(self, slot, value)
         self.process_group = None
+        self._scaler = None
         self._ordinals = WeakIdKeyDictionary()
         self._next_ordinal = 0
 
     def state_dict(self) -> dict:
-        """This rank's resumable state: ``{"iter", "residuals": {bucket_index: Tensor}, "layouts",
-        "unclaimed"}`` (copies). Save one per rank, next to the model's and the optimizer's."""
+        """This rank's resumable state: ``{"iter", "residuals": {bucket_index: Tensor}, "residual_scale",
+        "layouts", "unclaimed", "taken"}`` (copies; "taken": what the latest step applied, in case the scaler
+        skipped it). Save one per rank, next to the model's and the optimizer's (and the
+        scaler's)."""
         return {
             "iter": self.iter,
+            "residual_scale": self.residual_scale,
             "residuals": {index: r.detach().clone() for index, r in self.residuals.items()},
             "layouts": {index: None if layout is None else [list(p) for p in layout]
                         for index, layout in self._layouts.items()},
             "unclaimed": {ordinal: r.detach().clone() for ordinal, r in self._unclaimed.items()},
+            "taken": {index: (None if indices is None else indices.clone(), values.detach().clone())
+                      for index, (indices, values) in self._taken.items()},
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -156,7 +206,10 @@ class SparseGradState:
         self._layouts = {int(i): None if layout is None else tuple((int(o), int(n)) for o, n in layout)
                          for i, layout in state_dict.get("layouts", {}).items()}
         self._unclaimed = {int(o): r.detach().clone() for o, r in state_dict.get("unclaimed", {}).items()}
-        self._bucket_stats = {}
+        self.residual_scale = float(state_dict.get("residual_scale", 1.0))
+        self._taken = {int(i): (indices, values.detach().clone())
+                       for i, (indices, values) in state_dict.get("taken", {}).items()}
+        self._bucket_stats, self._residual_bounds = {}, {}
 
     def stats(self) -> dict:
         """The latest step's statistics: ``{"iter", "buckets": {index: {...}}, "total": {...}}``, each with
@@ -196,6 +249,8 @@ class SparseGradState:
             raise ValueError(f"buffer must be a flat float32, float16 or bfloat16 tensor, got "
                              f"{getattr(buffer, 'dtype', type(buffer).__name__)} of shape "
                              f"{tuple(getattr(buffer, 'shape', ()))}")
+        if not self._iteration_open:
+            self._start_iteration()
         layout = self._layout_of(parameters, buffer.numel())
         parts = self._checkpoint_parts(bucket_index, layout)
         if parts is None:
@@ -214,8 +269,12 @@ class SparseGradState:
                     and numel >= max(self.min_compress_numel, 1))
         density = self.density_at(self.iter) if compress else 1.0
         k = k_for_density(density, numel) if compress else numel
+        residual = self._residual(index, tensor, layout) if compress and self.error_feedback else None
+        # max |grad| of each parameter: one pass that tells both whether acc = grad + residual can be non-finite
+        # and which parameters this rank did not use.
+        maxima = _parameter_maxima(tensor, layout).tolist() if compress else []
         # Decided before the compressor touches the residual, and by all ranks alike: one rank's inf sends all dense.
-        nonfinite = compress and not bool(torch.isfinite(tensor).all())
+        nonfinite = compress and not self._accumulation_is_finite(tensor, residual, maxima, index)
         stats = BucketStats("sparse" if compress else "dense", numel, k)
         self._bucket_stats[index] = stats
         start = perf_counter()
@@ -227,9 +286,11 @@ class SparseGradState:
             stats.path, compress = "nonfinite", False
         if not compress:
             stats.selected = numel
+            if stats.path == "dense":
+                self._flush_into(tensor, index, layout)
             return self._dense_allreduce(tensor, group, size, stats, start)
 
-        residual = self._residual(index, tensor, layout) if self.error_feedback else None
+        held = self._hold_unused(residual, maxima, layout) if residual is not None else []
         if self._compressor.density != density:
             self._compressor = make_compressor(self.compressor, density, **self.compressor_kwargs)
         selecting = perf_counter()
@@ -237,13 +298,23 @@ class SparseGradState:
                                         step=self.random_seed + self.iter * _STEPS_PER_ITER + index)
         stats.select_seconds = perf_counter() - selecting
         stats.selected = msg.count
+        for part, saved in held:  # compressed as zeros: nothing of them was taken
+            part.copy_(saved)
+        if residual is not None and msg.stats is not None and not held:
+            self._residual_bounds[index] = (residual, msg.stats[ops.STAT_MAX_ABS])
+        else:
+            self._residual_bounds.pop(index, None)
         if self.collective == "allgather":
             summed = sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=stats.traffic)
+            taken = msg.values
         else:
             glob, applied = gtopk_allreduce(msg, group, check=False, traffic=stats.traffic)
             if residual is not None:  # contributions dropped by a merge go back: nothing is lost
                 ops.scatter_add_(residual, msg.indices, msg.values * ~applied, backend=msg.backend)
             summed = glob.to_dense(torch.float32)
+            taken = msg.values * applied
+        if residual is not None and self._scaler is not None:
+            self._taken[index] = (msg.indices, taken)
         tensor.copy_(summed.div_(size))
         stats.comm_seconds = perf_counter() - start - stats.select_seconds
         future = torch.futures.Future()
@@ -262,7 +333,70 @@ class SparseGradState:
 
         return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(finished)
 
+    # ----- what a step may not apply: non-finite sums, unused parameters, steps the loss scaler skips -----
+
+    def _accumulation_is_finite(self, tensor: torch.Tensor, residual: torch.Tensor | None, maxima: list[float],
+                                index: int) -> bool:
+        """Whether acc = grad + residual is finite; a full check only when the bounds allow an overflow."""
+        if not all(math.isfinite(m) for m in maxima):
+            return False
+        if residual is None:
+            return True
+        residual_with_bound, bound = self._residual_bounds.get(index, (None, None))
+        if residual_with_bound is residual and max(maxima) + float(bound) < torch.finfo(tensor.dtype).max:
+            return True
+        return bool(torch.isfinite(tensor + residual).all())
+
+    @staticmethod
+    def _hold_unused(residual: torch.Tensor, maxima: list[float], layout: Layout
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zero the residual of each parameter whose gradient is all zero (unused by this rank) for the selection;
+        returns (residual part, saved copy) pairs to restore after it."""
+        if layout is None:
+            return []
+        held, offset = [], 0
+        for (_, numel), largest in zip(layout, maxima):
+            if largest == 0 and numel:
+                part = residual[offset:offset + numel]
+                held.append((part, part.clone()))
+                part.zero_()
+            offset += numel
+        return held
+
+    def _flush_into(self, tensor: torch.Tensor, index: int, layout: Layout) -> None:
+        """A dense bucket sends the residual it still has (parts left by an earlier layout) with its gradient."""
+        if index not in self.residuals and not any(o in self._unclaimed for o, _ in layout or ()):
+            return
+        residual = self._residual(index, tensor, layout)
+        tensor.add_(residual)
+        del self.residuals[index]
+        if self._scaler is not None:
+            self._taken[index] = (None, residual)
+
+    def _start_iteration(self) -> None:
+        """With a scaler: put back what a skipped step took, and bring the residuals to this step's scale."""
+        self._iteration_open = True
+        if self._scaler is None:
+            return
+        scale = float(self._scaler.get_scale()) if self._scaler.is_enabled() else 1.0
+        if scale < self.residual_scale:  # the scaler backed off: it skipped the previous step
+            for index, (indices, values) in self._taken.items():
+                residual = self.residuals.get(index)
+                if indices is None:
+                    self.residuals[index] = values if residual is None else residual.add_(values)
+                else:
+                    ops.scatter_add_(residual, indices, values,
+                                     backend=self._compressor.backend.for_device(residual.device))
+        self._taken = {}
+        if scale != self.residual_scale:
+            factor = scale / self.residual_scale
+            for residual in [*self.residuals.values(), *self._unclaimed.values()]:
+                residual.mul_(factor)
+            self._residual_bounds = {}
+            self.residual_scale = scale
+
     def _end_iteration(self) -> None:
+        self._iteration_open = False
         self.iter += 1
         if self.stats_logging_frequency and self.iter % self.stats_logging_frequency == 0:
             total = self.stats()["total"]
@@ -288,17 +422,18 @@ class SparseGradState:
         return tuple(layout)
 
     def _checkpoint_parts(self, index: int, layout: Layout) -> list[tuple[int, Layout]] | None:
-        """The known buckets that this new bucket is exactly made of, when one of them holds a residual.
+        """The known buckets that this new bucket is exactly made of.
 
         A fresh DDP model reduces its first iteration in one bucket; after a resume, reducing it in the
-        checkpoint's buckets instead keeps the run bitwise identical to one that never stopped."""
+        checkpoint's buckets instead keeps the run bitwise identical to one that never stopped (also when no
+        residual exists yet: the selection per bucket differs from the selection over their union)."""
         if layout is None or self._layouts.get(index) == layout:
             return None
         numels = dict(layout)
         parts = [(i, known) for i, known in sorted(self._layouts.items())
                  if known and all(numels.get(o) == n for o, n in known)]
         covered = [o for _, known in parts for o, _ in known]
-        if sorted(covered) != sorted(numels) or not any(i in self.residuals for i, _ in parts):
+        if sorted(covered) != sorted(numels):
             return None
         return parts
 
@@ -359,6 +494,13 @@ class SparseGradState:
             offset += numel
         self.residuals[index] = residual
         return residual
+
+
+def _parameter_maxima(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """max |tensor| over each parameter's slice (the whole tensor without a layout); NaN where one is NaN.
+    (One pass, as fast as torch.isfinite; segment_reduce is several times slower on the CPU.)"""
+    slices = tensor.split([numel for _, numel in layout]) if layout is not None else [tensor]
+    return torch.stack(torch._foreach_norm(slices, float("inf")))
 
 
 def _checked_schedule(schedule: DensitySchedule) -> DensitySchedule:

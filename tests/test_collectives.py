@@ -50,6 +50,8 @@ def oracle_gtopk(messages: list[gx.SparseMessage]) -> tuple[list[tuple[int, floa
     """Replays the butterfly (fold the ranks past the largest power of two, then XOR rounds), tracking which
     ranks' contributions each set holds. Returns (glob slots, union size of the last merge, applied per rank)."""
     size, k, dtype = len(messages), messages[0].k, messages[0].values.dtype
+    if dtype == torch.float16:  # float16 sums travel in float32: they may leave float16's range
+        dtype = torch.float32
     sets = [slots(m.indices, m.values) for m in messages]
     applied = [[True] * k for _ in range(size)]
     holders = [{r} for r in range(size)]  # the ranks whose contributions set r holds

@@ -87,7 +87,7 @@ def check_gaussian_threshold_args(grad: torch.Tensor, residual: Optional[torch.T
                                   op: str = "gaussian_threshold") -> None:
     _check_float_tensor(grad, op, "grad")
     _check(z == z and abs(z) != float("inf"), op, f"z must be finite, got {z}")
-    _check(z >= 0.0, op, f"z must be >= 0 (the Gaussian threshold is |mean| + z * std), got {z}")
+    _check(z >= 0.0, op, f"z must be >= 0 (the Gaussian threshold is |mean| + z * std), got {z:g}")
     _check(k >= 0, op, f"k must be >= 0 (0: Gaussian threshold only), got {k}")
     if residual is not None:
         _check(residual.dtype == grad.dtype, op, f"residual must have grad's dtype "

@@ -432,7 +432,7 @@ def test_gpu_registration_traces_and_builds_for_sm80_and_sm90():
     assert len(builds) >= 80 and all(line.startswith("ok sm_") for line in builds), builds
     launched = set(re.findall(r"wrap_triton\(kernels\.(\w+)\)", inspect.getsource(triton_kernels.ops)))
     defined = {name for name, value in vars(kernels).items()
-               if isinstance(value, triton.JITFunction) and name.endswith("_kernel")}
+               if isinstance(value, triton.runtime.jit.KernelInterface) and name.endswith("_kernel")}
     assert launched == defined and {"fine_count_kernel", "fine_finish_kernel"} <= launched, (launched, defined)
     for kernel in sorted(launched):
         for arch in (80, 90):

@@ -194,8 +194,8 @@ class GroupModelAverager:
         return [global_rank for _, global_rank in members]
 
     def _create_round_groups(self, member_ranks: list[int]) -> list[dist.ProcessGroup | None]:
-        """For each level of the schedule: this rank's subgroup (None: a group of one). Every rank creates every subgroup,
-        in the same order (dist.new_group's rule); a rank set used by several levels is created once."""
+        """For each level of the schedule: this rank's subgroup (None: a group of one). Every rank creates every
+        subgroup, in the same order (dist.new_group's rule); a rank set used by several levels is created once."""
         created: dict[tuple[int, ...], Any] = {}
         mine = []
         for level in range(group_schedule_length(self.world_size, self.group_size)):

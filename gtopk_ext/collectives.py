@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from gtopk_ext import ops
+from gtopk_ext._contract import FLOAT_DTYPES
 from gtopk_ext.compressors import SparseMessage
 
-DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+DTYPE_CODES = {dtype: code for code, dtype in enumerate(FLOAT_DTYPES, start=1)}  # header codes of the op dtypes
 MAX_NUMEL = 2**31 - 1
 _INVALID = -1  # a header field of a rank whose own input was invalid
 
@@ -144,7 +145,8 @@ def _packed_size(k: int, dtype: torch.dtype) -> int:
 def _unpack(payload: torch.Tensor, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(indices, values, count)`` of a payload made by :func:`_pack` (views, no copy)."""
     values_end = _packed_size(k, dtype)
-    return payload[4:4 + 4 * k].view(torch.int32), payload[4 + 4 * k:values_end].view(dtype), payload[:4].view(torch.int32)
+    indices = payload[4:4 + 4 * k].view(torch.int32)
+    return indices, payload[4 + 4 * k:values_end].view(dtype), payload[:4].view(torch.int32)
 
 
 def sparse_allgather(msg: SparseMessage, group: dist.ProcessGroup | None = None, *, dtype: torch.dtype | None = None,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from gtopk_ext import ops
+from gtopk_ext._contract import FLOAT_DTYPES
 from gtopk_ext.backends import Backend, BackendChoice, BackendLike
 
 COMPRESSOR_KINDS = ("gaussiank", "topk", "randomk")
@@ -63,7 +64,7 @@ def check_density(density: float, name: str = "density") -> None:
 
 
 def _check_inputs(grad: torch.Tensor, residual: torch.Tensor | None) -> None:
-    if not isinstance(grad, torch.Tensor) or grad.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if not isinstance(grad, torch.Tensor) or grad.dtype not in FLOAT_DTYPES:
         raise TypeError(f"grad must be a float32, float16 or bfloat16 tensor, got "
                         f"{grad.dtype if isinstance(grad, torch.Tensor) else type(grad).__name__}")
     if grad.numel() == 0:

@@ -13,7 +13,6 @@ import math
 import re
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -60,7 +59,8 @@ def oracle_gtopk(messages: list[gx.SparseMessage]) -> tuple[list[tuple[int, floa
     def survive(contributors, kept):
         kept_indices = {i for i, _ in kept}
         for c in contributors:
-            applied[c] = [a and i in kept_indices for a, (i, _) in zip(applied[c], slots(messages[c].indices, messages[c].values))]
+            own_slots = slots(messages[c].indices, messages[c].values)
+            applied[c] = [a and i in kept_indices for a, (i, _) in zip(applied[c], own_slots)]
 
     butterfly = 1 << (size.bit_length() - 1)
     for extra in range(butterfly, size):
@@ -175,7 +175,8 @@ class Members:
 def case_data(case: int, rank: int, numel: int, dtype: torch.dtype, shape: str) -> torch.Tensor:
     """A rank's gradient: a shared component plus noise (top-k sets overlap), or few values (ties)."""
     if shape == "ties":
-        return torch.randint(-2, 3, (numel,), generator=torch.Generator().manual_seed(3000 + 100 * case + rank)).to(dtype)
+        generator = torch.Generator().manual_seed(3000 + 100 * case + rank)
+        return torch.randint(-2, 3, (numel,), generator=generator).to(dtype)
     shared = torch.randn(numel, generator=torch.Generator().manual_seed(1000 + case))
     own = torch.randn(numel, generator=torch.Generator().manual_seed(2000 + 100 * case + rank))
     return (shared + 0.5 * own).to(dtype)
@@ -292,7 +293,8 @@ def check_mismatches(members: Members) -> list[str]:
             msg = odd if me == last else base
             failure = expect_error(lambda: collective(msg, group), ValueError, f"{name} differs across ranks")
             if failure:
-                failures.append(f"{members.name}: {collective.__name__} with another {name} on the last rank: {failure}")
+                failures.append(f"{members.name}: {collective.__name__} with another {name} on the last rank: "
+                                f"{failure}")
         for bad, error, pattern in ((broken, TypeError, r"msg.indices must be int32"),
                                     (outside, ValueError, r"msg.indices must lie in \[0, msg.numel = 100\)")):
             if me == last:
@@ -301,7 +303,8 @@ def check_mismatches(members: Members) -> list[str]:
                 failure = expect_error(lambda: collective(base, group), ValueError,
                                        rf"input of rank\(s\) \[{last}\] was invalid")
             if failure:
-                failures.append(f"{members.name}: {collective.__name__} with an invalid message on the last rank: {failure}")
+                failures.append(f"{members.name}: {collective.__name__} with an invalid message on the last rank: "
+                                f"{failure}")
     glob, _ = gx.collectives.gtopk_allreduce(base, group)
     if not equal_on_every_rank(members, glob.values):
         failures.append(f"{members.name}: the group is out of step after the errors")
@@ -352,11 +355,13 @@ def check_hook_reduce(members: Members) -> list[str]:
                 imbalance = local[:numel] + size * output.double()
                 scale = float(local[numel:].max())
                 if float(imbalance.abs().max()) > 4 * tolerance(dtype) * scale:
-                    failures.append(f"{where}: conservation broken by {float(imbalance.abs().max()):.3g} (scale {scale:.3g})")
+                    failures.append(f"{where}: conservation broken by {float(imbalance.abs().max()):.3g} "
+                                    f"(scale {scale:.3g})")
                 expected_path = "sparse" if step >= 2 and numel >= 1000 else "dense"
                 stats = state.stats()["buckets"][index]
                 expected_k = math.ceil(0.02 * numel) if expected_path == "sparse" else numel
-                if stats["path"] != expected_path or stats["k"] != expected_k or (size > 1) != (stats["bytes_sent"] > 0):
+                sent = stats["bytes_sent"] > 0
+                if stats["path"] != expected_path or stats["k"] != expected_k or (size > 1) != sent:
                     failures.append(f"{where}: stats {stats} (expected path {expected_path}, k {expected_k})")
     return failures
 
@@ -387,7 +392,8 @@ def check_hook_edge_cases(members: Members) -> list[str]:
     path = state.stats()["buckets"][0]["path"]
     if path != "nonfinite" or not torch.equal(state.residuals[0], residual_before) or not bool(torch.isinf(output[7])):
         failures.append(f"{members.name}: non-finite bucket on the last rank: path {path}, residual kept "
-                        f"{torch.equal(state.residuals[0], residual_before)}, inf arrived {bool(torch.isinf(output[7]))}")
+                        f"{torch.equal(state.residuals[0], residual_before)}, "
+                        f"inf arrived {bool(torch.isinf(output[7]))}")
 
     # A density schedule picks k per iteration.
     state = gx.SparseGradState(group, density=0.01, density_schedule=[(0, 0.01), (3, 0.05)], start_iter=2,

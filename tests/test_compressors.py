@@ -145,7 +145,8 @@ def test_randomk_draws_the_same_indices_for_the_same_step():
     assert not torch.equal(first.compress(grad, None, step=18).indices, same[0])
     assert len(set(same[0].tolist())) == 40
     # Without a step, the call count is the step: two fresh compressors stay in step.
-    assert torch.equal(first.__class__(0.01, seed=5).compress(grad).indices, second.__class__(0.01, seed=5).compress(grad).indices)
+    fresh = [compressor.__class__(0.01, seed=5) for compressor in (first, second)]
+    assert torch.equal(fresh[0].compress(grad).indices, fresh[1].compress(grad).indices)
 
 
 def test_density_one_sends_everything():

@@ -220,7 +220,8 @@ def test_error_feedback_off_allows_compressing_from_the_start():
 
 def test_density_schedule():
     listed = gx.SparseGradState(density=0.016, density_schedule=[(2000, 0.001), (1000, 0.004)])
-    assert [listed.density_at(i) for i in (0, 999, 1000, 1999, 2000, 10**6)] == [0.016, 0.016, 0.004, 0.004, 0.001, 0.001]
+    expected = [0.016, 0.016, 0.004, 0.004, 0.001, 0.001]
+    assert [listed.density_at(i) for i in (0, 999, 1000, 1999, 2000, 10**6)] == expected
     called = gx.SparseGradState(density_schedule=lambda i: 0.1 if i < 5 else 0.01)
     assert called.density_at(4) == 0.1 and called.density_at(5) == 0.01
     broken = gx.SparseGradState(density_schedule=lambda i: 0.0)

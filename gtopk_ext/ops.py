@@ -19,8 +19,8 @@ from gtopk_ext._contract import (NUM_STATS, OPS, STAT_GAUSSIAN_THRESHOLD, STAT_M
 from gtopk_ext.backends import BACKEND_NAMES as BACKENDS  # noqa: F401  (re-exported)
 from gtopk_ext.backends import Backend, BackendLike, merge_topk_with_torch  # noqa: F401  (re-exported)
 
-for _contract in OPS.values():
-    torch.library.register_fake(f"gtopk_ext::{_contract.name}")(_contract.fake)
+for _op in OPS.values():
+    torch.library.register_fake(f"gtopk_ext::{_op.name}")(_op.fake)
 
 
 def z_for_density(density: float) -> float:

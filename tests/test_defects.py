@@ -121,19 +121,21 @@ def uses_extra(step: int, rank: int) -> bool:
     return step < 4 or step == 5 or (step == 4 and rank == 0)
 
 
-def check_unused_parameters(group: Group, rank: int, compressor: str, collective: str) -> list[str]:
-    where = f"{group.name} {compressor}/{collective} find_unused_parameters"
+def check_unused_parameters(group: Group, rank: int, compressor: str, collective: str, dtype: torch.dtype,
+                            rtol: float) -> list[str]:
+    where = f"{group.name} {compressor}/{collective} {dtype} find_unused_parameters"
     state = gx.SparseGradState(group.group, density=0.05, compressor=compressor, collective=collective,
                                start_iter=2, min_compress_numel=1000, stats_logging_frequency=0)
     recorder = Recorder(state)
-    model = Branchy()
-    ddp = DDP(model, process_group=group.group, bucket_cap_mb=0.012, find_unused_parameters=True)
+    model = Branchy().to(dtype)
+    ddp = DDP(model, process_group=group.group, bucket_cap_mb=0.012 * dtype.itemsize / 4,
+              find_unused_parameters=True)
     ddp.register_comm_hook(recorder, recording_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     applied = {id(p): torch.zeros(p.numel(), dtype=torch.float64) for p in model.parameters()}
     for step in range(8):
         generator = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+        x, y = torch.randn(8, 16, generator=generator).to(dtype), torch.randn(8, 4, generator=generator).to(dtype)
         optimizer.zero_grad(set_to_none=True)
         nn.functional.mse_loss(ddp(x, uses_extra(step, rank)), y).backward()
         for p in model.parameters():
@@ -150,7 +152,7 @@ def check_unused_parameters(group: Group, rank: int, compressor: str, collective
     failures = []
     for name, p in model.named_parameters():
         failures += imbalance_failure(f"{where}, {name}", total_over(group, went_in[id(p)]),
-                                      group.size * applied[id(p)], total_over(group, kept[id(p)]), 1e-5)
+                                      group.size * applied[id(p)], total_over(group, kept[id(p)]), rtol)
     return failures
 
 
@@ -412,14 +414,16 @@ def defects_worker(rank: int, world_size: int) -> list[str]:
     groups = subgroups(rank)
     failures = []
     if groups[2] is not None:
-        failures += check_unused_parameters(groups[2], rank, "gaussiank", "gtopk")
+        for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+            failures += check_unused_parameters(groups[2], rank, "gaussiank", "gtopk", dtype, rtol)
         failures += check_fp16_merge(groups[2], rank)
         failures += check_fp16_residual_overflow(groups[2], rank)
         failures += check_dense_after_new_layout(groups[2], rank)
         for autocast_dtype, collective in ((torch.bfloat16, "gtopk"), (torch.float16, "allgather")):
             failures += check_amp(groups[2], rank, autocast_dtype, collective)
     if groups[3] is not None:
-        failures += check_unused_parameters(groups[3], rank, "gaussiank", "allgather")
+        for dtype, rtol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+            failures += check_unused_parameters(groups[3], rank, "gaussiank", "allgather", dtype, rtol)
         failures += check_resume(groups[3], rank, checkpoint_at=2, start_iter=2)
         failures += check_resume(groups[3], rank, checkpoint_at=3, start_iter=0, error_feedback=False)
     failures += check_malformed_count(groups[4], rank)

@@ -1,4 +1,4 @@
-"""The DDP communication hook: sparsified gradients with error feedback, in the style of PyTorch's PowerSGD hook.
+"""The DDP communication hook: sparsified gradients with error feedback, in the shape of PyTorch's PowerSGD hook.
 
     state = gx.SparseGradState(process_group=None, density=0.01)   # gtopk collective, Gaussian-k compressor
     ddp_model.register_comm_hook(state, gx.sparse_grad_hook)
@@ -6,23 +6,30 @@
 Each bucket of each rank is compressed to k = ceil(density * numel) (index, value) pairs after adding the
 bucket's residual (what earlier steps did not apply), the pairs are reduced with the chosen collective, and
 the bucket becomes the average over ranks. Whatever was not applied stays in the residual: no gradient is lost.
+The work runs on a communication thread per state while the backward pass goes on (see :func:`sparse_grad_hook`).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations against dist.GradBucket.
+import builtins
 import logging
 import math
+import queue
+import threading
+import time
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gtopk_ext import ops
-from gtopk_ext.collectives import (DTYPE_CODES, Traffic, gather_headers, group_rank_and_size, gtopk_allreduce,
-                                   require_same, ring_allreduce_bytes, sparse_allgather)
-from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, k_for_density, make_compressor
+from gtopk_ext.collectives import (DTYPE_CODES, Disagreement, Traffic, gather_headers, group_rank_and_size,
+                                   gtopk_allreduce, require_same, ring_allreduce_bytes, sparse_allgather)
+from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, SparseMessage, check_density, k_for_density, \
+    make_compressor
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +39,13 @@ DensitySchedule = Union[Sequence[tuple[int, float]], Callable[[int], float], Non
 Layout = Union[tuple[tuple[int, int], ...], None]
 # Seeds of the randomk draws: step = random_seed + iter * _STEPS_PER_ITER + bucket index, unique per bucket.
 _STEPS_PER_ITER = 1 << 20
+# Flag bits carried inside the sparse payload (every rank learns the OR).
+FLAG_NONFINITE = 1
+# How often a waiting rank looks for another rank's published failure.
+_FAILURE_POLL_SECONDS = 0.25
+# Per process group, how many states have started on it here: the same on every member, since the members start
+# their states in the same order (at the first bucket).
+_states_started: dict[str, int] = {}
 
 
 @dataclass
@@ -41,14 +55,255 @@ class BucketStats:
     path: str  # "sparse"; "dense" (warm-up, small bucket or dense collective); "nonfinite" (went dense)
     numel: int
     k: int  # slots sent per rank (numel on the dense paths)
-    selected: int | torch.Tensor = 0  # elements the compressor selected before truncation to k
-    select_seconds: float = 0.0
-    comm_seconds: float = 0.0
+    selected: Union[int, torch.Tensor] = 0  # elements the compressor selected before truncation to k
+    select_seconds: float = 0.0  # grad + residual, statistics, compaction, residual update
+    exchange_seconds: float = 0.0  # the collective (a dense bucket: from issuing its allreduce to its end)
+    apply_seconds: float = 0.0  # the average written into the bucket, dropped contributions back to the residual
     traffic: Traffic = field(default_factory=Traffic, repr=False)
 
 
+class ResidualStore:
+    """Per-bucket error-feedback residuals that follow the parameters when DDP changes its buckets.
+
+    Fields: ``residuals`` (per bucket index, the flat residual in that bucket's layout), ``layouts`` (the latest
+    layout of every bucket seen), ``unclaimed`` (residual parts per parameter ordinal, left by a bucket whose
+    layout changed, until a bucket that holds the parameter takes them), and the parameters' ordinals (in the
+    order this process first saw them: the same on every rank and in a resumed process).
+    """
+
+    def __init__(self):
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.layouts: dict[int, Layout] = {}
+        self.unclaimed: dict[int, torch.Tensor] = {}
+        self._ordinals = WeakIdKeyDictionary()
+        self._next_ordinal = 0
+
+    def layout_of(self, parameters: Optional[Sequence[torch.Tensor]], numel: int) -> Layout:
+        if parameters is None:
+            return None
+        layout = []
+        for p in parameters:
+            ordinal = self._ordinals.get(p)
+            if ordinal is None:
+                ordinal = self._ordinals[p] = self._next_ordinal
+                self._next_ordinal += 1
+            layout.append((ordinal, p.numel()))
+        if sum(n for _, n in layout) != numel:
+            raise ValueError(f"parameters hold {sum(n for _, n in layout)} elements, the bucket {numel}")
+        return tuple(layout)
+
+    def checkpoint_parts(self, index: int, layout: Layout) -> Optional[list[tuple[int, Layout]]]:
+        """The known buckets that this new bucket is exactly made of.
+
+        A fresh DDP model reduces its first iteration in one bucket; after a resume, reducing it in the
+        checkpoint's buckets instead keeps the run bitwise identical to one that never stopped (also when no
+        residual exists yet: the selection per bucket differs from the selection over their union)."""
+        if layout is None or self.layouts.get(index) == layout:
+            return None
+        numels = dict(layout)
+        parts = [(i, known) for i, known in sorted(self.layouts.items())
+                 if known and all(numels.get(o) == n for o, n in known)]
+        covered = [o for _, known in parts for o, _ in known]
+        if sorted(covered) != sorted(numels):
+            return None
+        return parts
+
+    def record(self, index: int, layout: Layout) -> None:
+        """A bucket changed: its residual and every one that shares a parameter with it go to per-parameter parts,
+        from which each bucket assembles its residual again on its next compressed step."""
+        previous = self.layouts.get(index)
+        if index in self.layouts and previous == layout:
+            return
+        self.layouts[index] = layout
+        if layout is None:
+            return
+        changed = {o for o, _ in layout}
+        for i in list(self.residuals):
+            old_layout = previous if i == index else self.layouts.get(i)
+            if old_layout is not None and (i == index or changed & {o for o, _ in old_layout}):
+                residual, offset = self.residuals.pop(i), 0
+                for ordinal, numel in old_layout:
+                    self.unclaimed[ordinal] = residual[offset:offset + numel]
+                    offset += numel
+
+    def holds_any(self, index: int, layout: Layout) -> bool:
+        return index in self.residuals or any(o in self.unclaimed for o, _ in layout or ())
+
+    def residual(self, index: int, tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """The bucket's residual (assembled from unclaimed parts, or zeros, when it has none in its layout)."""
+        residual = self.residuals.get(index)
+        if residual is not None and residual.numel() == tensor.numel() and residual.dtype == tensor.dtype:
+            if residual.device != tensor.device:
+                residual = self.residuals[index] = residual.to(tensor.device)
+            return residual
+        if residual is not None and bool(residual.any()):
+            logger.warning("sparse_grad_hook: bucket %d changed from %d to %d elements without parameters to follow; "
+                           "its residual is dropped", index, residual.numel(), tensor.numel())
+        residual = torch.zeros_like(tensor)
+        offset = 0
+        for ordinal, numel in layout or ():
+            part = self.unclaimed.pop(ordinal, None)
+            if part is not None:
+                residual[offset:offset + numel] = part.to(residual.device)
+            offset += numel
+        self.residuals[index] = residual
+        return residual
+
+    def __getstate__(self):
+        """Without the parameter identities of this process."""
+        return {"residuals": self.residuals, "layouts": self.layouts, "unclaimed": self.unclaimed}
+
+    def __setstate__(self, state):
+        self.__init__()
+        self.__dict__.update(state)
+
+    def all_tensors(self) -> list[torch.Tensor]:
+        return [*self.residuals.values(), *self.unclaimed.values()]
+
+    def state_dict(self) -> dict:
+        return {"residuals": {index: r.detach().clone() for index, r in self.residuals.items()},
+                "layouts": {index: None if layout is None else [list(p) for p in layout]
+                            for index, layout in self.layouts.items()},
+                "unclaimed": {ordinal: r.detach().clone() for ordinal, r in self.unclaimed.items()}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.residuals = {int(i): r.detach().clone() for i, r in state_dict["residuals"].items()}
+        self.layouts = {int(i): None if layout is None else tuple((int(o), int(n)) for o, n in layout)
+                        for i, layout in state_dict.get("layouts", {}).items()}
+        self.unclaimed = {int(o): r.detach().clone() for o, r in state_dict.get("unclaimed", {}).items()}
+
+
+class _CommunicationThread:
+    """Runs a state's buckets one at a time in the order they were handed over, which DDP makes the same on every
+    rank: so every rank issues its collectives in the same order, with any number of buckets.
+
+    The last bucket of an iteration has been issued before its hook call returns: right after it, DDP issues
+    collectives of its own on the autograd thread (the used-parameter map with ``find_unused_parameters=True``),
+    and Gloo pairs collectives by the order in which each rank issued them.
+
+    A failure on one rank is published in the group's store; a rank whose buckets wait finds it within
+    ``_FAILURE_POLL_SECONDS`` and fails them with the same exception type, instead of waiting for the peer until
+    the group's timeout. The state is unusable after that (its exchanges were left half done)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.failure: Optional[BaseException] = None
+        self._store = distributed_c10d._get_process_group_store(group)
+        serial = _states_started[group.group_name] = _states_started.get(group.group_name, -1) + 1
+        self._key = f"gtopk_ext/sparse_grad_hook/{group.group_name}/{serial}/failure"
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: list[torch.futures.Future] = []  # results not yet set, oldest first
+        self._lock = threading.Lock()
+        self._busy = threading.Event()
+        self._worker = threading.Thread(target=self._serve, name="gtopk_ext-sparse_grad_hook", daemon=True)
+        self._worker.start()
+        threading.Thread(target=self._watch, name="gtopk_ext-sparse_grad_hook-watch", daemon=True).start()
+
+    def submit(self, job: Callable[[torch.futures.Future], None]) -> torch.futures.Future:
+        """Queue ``job(result)``, which must eventually complete ``result`` (or raise)."""
+        result = torch.futures.Future()
+        with self._lock:
+            self._pending.append(result)
+            self._busy.set()
+        result.add_done_callback(self._done)
+        self._jobs.put((job, result))
+        return result
+
+    def drain(self) -> None:
+        """Wait until every bucket handed over has finished (successfully or not)."""
+        if threading.current_thread() is self._worker:
+            return
+        finished = self.submit(_complete)
+        try:
+            finished.wait()
+        except BaseException:  # noqa: BLE001 - a failure reaches the caller through its buckets' futures
+            pass
+
+    def _done(self, result: torch.futures.Future) -> None:
+        with self._lock:
+            if result in self._pending:
+                self._pending.remove(result)
+            if not self._pending:
+                self._busy.clear()
+
+    def _serve(self) -> None:
+        while True:
+            job, result = self._jobs.get()
+            if self.failure is not None:
+                _fail(result, self.failure)
+                continue
+            try:
+                job(result)
+            except Disagreement as error:  # raised on every rank alike: the group is still in step
+                _fail(result, error)
+            except BaseException as error:  # noqa: BLE001 - handed to DDP and to the other ranks
+                self.fail(error)
+
+    def fail(self, error: BaseException) -> None:
+        """This rank failed: tell the others, and fail every bucket still waiting here. A failure another rank
+        published first is the cause (this one may only be its echo, such as a connection that rank closed)."""
+        if self.failure is None:
+            try:
+                self.failure = self._published_failure()
+                if self.failure is None:
+                    self.failure = error
+                    self._store.set(self._key, f"{type(error).__name__}\n{self.rank}\n{error}")
+            except Exception:  # noqa: BLE001 - the store itself is gone: the group's timeout is all that is left
+                logger.exception("sparse_grad_hook: could not publish the failure of rank %d", self.rank)
+                self.failure = self.failure or error
+        self._fail_pending()
+
+    def _published_failure(self) -> Optional[BaseException]:
+        if not self._store.check([self._key]):
+            return None
+        type_name, rank, message = self._store.get(self._key).decode().split("\n", 2)
+        kind = getattr(builtins, type_name, None)
+        kind = kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError
+        return kind(f"sparse_grad_hook: rank {rank} failed: {message}")
+
+    def _fail_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._busy.clear()
+        for result in pending:
+            _fail(result, self.failure)
+
+    def _watch(self) -> None:
+        """While buckets wait, look for a failure another rank published."""
+        while self.failure is None:
+            self._busy.wait()
+            time.sleep(_FAILURE_POLL_SECONDS)
+            try:
+                published = self._published_failure() if self._busy.is_set() else None
+            except Exception:  # noqa: BLE001 - the group is being torn down
+                return
+            if published is not None and self.failure is None:
+                self.failure = published
+                self._fail_pending()
+
+
+def _fail(result: torch.futures.Future, error: BaseException) -> None:
+    _complete(result, error=error)
+
+
+def _complete(result: torch.futures.Future, value=None, error: Optional[BaseException] = None) -> None:
+    """Set ``result`` unless it is already set (a failure seen by the watching thread can get there first)."""
+    if result.done():
+        return
+    try:
+        if error is None:
+            result.set_result(value)
+        else:
+            result.set_exception(error)
+    except RuntimeError:  # set by another thread in between
+        if not result.done():
+            raise
+
+
 class SparseGradState:
-    r"""State of :func:`sparse_grad_hook`, one per DDP model (and per rank).
+    r"""State of :func:`sparse_grad_hook`, one per DDP model (and per rank). Plain data: the hyperparameters, the
+    residual store, the loss-scaler bookkeeping and the statistics; the algorithm is :func:`sparse_grad_hook`.
 
     Args:
         process_group: the group to reduce over (``None``: the default group). Dropped when pickled.
@@ -60,24 +315,37 @@ class SparseGradState:
         min_compress_numel: buckets with fewer elements go dense.
         density_schedule: the density per iteration: a list of ``(start_iter, density)`` (each applies from its
             iteration on; ``density`` before the first), e.g. the gTop-k paper's warm-up
-            ``[(0, 0.016), (1000, 0.004), (2000, 0.001)]``, or a callable ``iter -> density``.
+            ``[(0, 0.016), (1000, 0.004), (2000, 0.001)]``, or a callable ``iter -> density`` (a pure function:
+            every rank must get the same density for the same iteration).
         random_seed: seeds the randomk draws (identical on every rank).
         stats_logging_frequency: log :meth:`stats` through ``logging`` (logger ``gtopk_ext.hooks``, INFO) every
             this many iterations; 0 never.
         error_feedback: keep what is not applied in a per-bucket residual (default); False drops it.
         compressor_kwargs: extra arguments of the compressor (``mode="paper"``, ``backend="triton"``, ...). The
             compressor's backend (resolved once per device) runs every op of the hook: selection, merges, scatters.
+        synchronous: finish each bucket inside the hook call instead of on the communication thread (for
+            debugging and for tests: the results are bitwise the same).
 
-    Fields besides the arguments: ``iter`` (iterations done; advanced on ``bucket.is_last()``),
-    ``residuals`` (per ``bucket.index()``, the flat residual in that bucket's layout) and ``residual_scale``
-    (the residuals hold the gradient times this factor: the loss scale, see :meth:`attach_scaler`; 1.0 without).
+    Fields besides the arguments:
+
+    - Residual store: ``residual_store`` (:class:`ResidualStore`; ``residuals`` is its per-bucket dict),
+      ``residual_scale`` (the residuals hold the gradient times this factor: the loss scale, see
+      :meth:`attach_scaler`; 1.0 without), ``residual_bounds`` (per bucket, (residual, bound on its max |value|)
+      from the compressed step that left it: grad + residual cannot overflow while max |grad| + bound stays
+      below the dtype's largest value, so it is not checked), ``taken`` (with a scaler, per bucket: what this
+      iteration took out of the residual, (indices or None for all, values), put back if the scaler skips it).
+    - Statistics and agreement: ``iter`` (iterations done; advanced on ``bucket.is_last()``), ``bucket_stats``
+      (per bucket, the latest :class:`BucketStats`), ``agreed_plans`` (per bucket, the (numel, dtype, path, k)
+      that every rank checked it shares: while the plan stays, no header is exchanged).
 
     What is guaranteed, with error feedback on: every element of ``grad + residual`` on every rank is either in
     the average this step returns or in the new residual (nothing is lost), in float32, bfloat16 and float16
     (gTop-k carries float16 sums in float32, the average is divided in float32).
 
-    - A bucket whose ``grad + residual`` is not finite on some rank goes dense on every rank (the decision is
-      shared before anything is sent), with every residual untouched, so a ``GradScaler`` sees the inf.
+    - A bucket whose ``grad + residual`` is not finite on some rank raises a flag inside the sparse payload; when
+      any rank raised it, every rank takes the dense path: that rank sends its gradient and keeps its residual
+      untouched (so a ``GradScaler`` sees the inf); the others send all of ``grad + residual`` (which is then
+      applied, not lost) and keep nothing.
     - A parameter whose gradient in a bucket is exactly zero on this rank keeps its residual out of that step's
       selection. With ``find_unused_parameters=True`` DDP zeros an unused parameter's gradient and, when no rank
       used it, never copies the reduced values into ``.grad``: what the hook sent for it would be lost. So a
@@ -88,17 +356,11 @@ class SparseGradState:
       the residual parts of their parameters to the gradient they send: they are applied, not left behind.
     """
 
-    __slots__ = ["process_group", "density", "compressor", "collective", "start_iter", "min_compress_numel",
-                 "density_schedule", "random_seed", "stats_logging_frequency", "error_feedback",
-                 "compressor_kwargs", "iter", "residuals", "residual_scale", "_layouts", "_unclaimed", "_ordinals",
-                 "_next_ordinal", "_compressor", "_bucket_stats", "_residual_bounds", "_scaler", "_taken",
-                 "_iteration_open"]
-
-    def __init__(self, process_group: dist.ProcessGroup | None = None, density: float = 0.01,
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, density: float = 0.01,
                  compressor: str = "gaussiank", collective: str = "gtopk", start_iter: int = 2,
                  min_compress_numel: int = 1024, density_schedule: DensitySchedule = None, random_seed: int = 0,
                  stats_logging_frequency: int = 1000, error_feedback: bool = True,
-                 compressor_kwargs: dict | None = None):
+                 compressor_kwargs: Optional[dict] = None, synchronous: bool = False):
         check_density(density)
         if compressor not in COMPRESSOR_KINDS:
             raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {compressor!r}")
@@ -111,6 +373,7 @@ class SparseGradState:
         if error_feedback and collective != "dense" and start_iter < 2:
             raise ValueError(f"start_iter must be >= 2 with error feedback (DDP rebuilds its buckets after the first "
                              f"iteration, which would misplace the residuals), got {start_iter}")
+        # Hyperparameters.
         self.process_group = process_group
         self.density = float(density)
         self.compressor = compressor
@@ -122,24 +385,30 @@ class SparseGradState:
         self.stats_logging_frequency = stats_logging_frequency
         self.error_feedback = bool(error_feedback)
         self.compressor_kwargs = dict(compressor_kwargs or {})
-        self._compressor: Compressor = make_compressor(compressor, self.density, **self.compressor_kwargs)
-        self.iter = 0
-        self.residuals: dict[int, torch.Tensor] = {}
-        self._layouts: dict[int, Layout] = {}  # the latest layout of every bucket seen
-        self._unclaimed: dict[int, torch.Tensor] = {}  # residual parts per parameter ordinal, between layouts
-        self._ordinals = WeakIdKeyDictionary()  # parameter -> ordinal, in the order this process first saw them
-        self._next_ordinal = 0
-        self._bucket_stats: dict[int, BucketStats] = {}
-        # Per bucket, (residual, a bound on its max |value| as a device scalar), set by the compressed step that
-        # left that residual: grad + residual cannot overflow while max |grad| + bound stays below the dtype's
-        # largest value, so it need not be checked.
-        self._residual_bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.synchronous = bool(synchronous)
+        # Residual store and loss-scaler bookkeeping.
+        self.residual_store = ResidualStore()
         self.residual_scale = 1.0
-        self._scaler = None
-        # With a scaler: per bucket, what this iteration took out of the residual and applied (indices or None
-        # for the whole bucket, values), to be put back if the scaler skips the step.
-        self._taken: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        self._iteration_open = False
+        self.residual_bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.taken: dict[int, tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+        self.scaler = None
+        # Statistics and agreement.
+        self.iter = 0
+        self.bucket_stats: dict[int, BucketStats] = {}
+        self.agreed_plans: dict[int, tuple[int, int, str, int]] = {}
+        # Runtime: the compressor of the current density, the communication thread (created at the first
+        # bucket), whether an iteration has begun.
+        self.compressor_now: Compressor = make_compressor(compressor, self.density, **self.compressor_kwargs)
+        self.thread: Optional[_CommunicationThread] = None
+        self.iteration_open = False
+
+    @property
+    def residuals(self) -> dict[int, torch.Tensor]:
+        return self.residual_store.residuals
+
+    @residuals.setter
+    def residuals(self, residuals: dict[int, torch.Tensor]) -> None:
+        self.residual_store.residuals = residuals
 
     def attach_scaler(self, scaler) -> None:
         """Let the hook follow a ``torch.amp.GradScaler`` (call before training; the scaler stays yours).
@@ -155,77 +424,7 @@ class SparseGradState:
         """
         if not callable(getattr(scaler, "get_scale", None)) or not callable(getattr(scaler, "is_enabled", None)):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-        self._scaler = scaler
-
-    # ----- pickling, checkpoints, statistics -----
-
-    def __getstate__(self):
-        """Everything but the process group (not picklable) and the parameter identities of this process."""
-        if self.process_group is not None:
-            logger.warning("SparseGradState: the process group is not pickled; the unpickled state uses the default "
-                           "group unless its process_group is set again")
-        state = {slot: getattr(self, slot) for slot in self.__slots__
-                 if slot not in ("process_group", "_ordinals", "_next_ordinal", "_scaler")}
-        return state
-
-    def __setstate__(self, state):
-        for slot, value in state.items():
-            setattr(self, slot, value)
-        self.process_group = None
-        self._scaler = None
-        self._ordinals = WeakIdKeyDictionary()
-        self._next_ordinal = 0
-
-    def state_dict(self) -> dict:
-        """This rank's resumable state: ``{"iter", "residuals": {bucket_index: Tensor}, "residual_scale",
-        "layouts", "unclaimed", "taken"}`` (copies; "taken": what the latest step applied, in case the scaler
-        skipped it). Save one per rank, next to the model's and the optimizer's (and the
-        scaler's)."""
-        return {
-            "iter": self.iter,
-            "residual_scale": self.residual_scale,
-            "residuals": {index: r.detach().clone() for index, r in self.residuals.items()},
-            "layouts": {index: None if layout is None else [list(p) for p in layout]
-                        for index, layout in self._layouts.items()},
-            "unclaimed": {ordinal: r.detach().clone() for ordinal, r in self._unclaimed.items()},
-            "taken": {index: (None if indices is None else indices.clone(), values.detach().clone())
-                      for index, (indices, values) in self._taken.items()},
-        }
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore :meth:`state_dict`'s output. Load it before the DDP model's first backward of this process:
-        parameters are recognised by the order in which DDP's first buckets list them."""
-        missing = {"iter", "residuals"} - set(state_dict)
-        if missing:
-            raise KeyError(f"state_dict is missing {sorted(missing)} (expected SparseGradState.state_dict()'s keys)")
-        iteration = state_dict["iter"]
-        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-            raise ValueError(f"state_dict['iter'] must be an int >= 0, got {iteration!r}")
-        self.iter = iteration
-        self.residuals = {int(i): r.detach().clone() for i, r in state_dict["residuals"].items()}
-        self._layouts = {int(i): None if layout is None else tuple((int(o), int(n)) for o, n in layout)
-                         for i, layout in state_dict.get("layouts", {}).items()}
-        self._unclaimed = {int(o): r.detach().clone() for o, r in state_dict.get("unclaimed", {}).items()}
-        self.residual_scale = float(state_dict.get("residual_scale", 1.0))
-        self._taken = {int(i): (indices, values.detach().clone())
-                       for i, (indices, values) in state_dict.get("taken", {}).items()}
-        self._bucket_stats, self._residual_bounds = {}, {}
-
-    def stats(self) -> dict:
-        """The latest step's statistics: ``{"iter", "buckets": {index: {...}}, "total": {...}}``, each with
-        ``k`` and ``selected`` (elements, summed over buckets), ``bytes_sent`` and ``bytes_received`` (this
-        rank), ``select_seconds`` and ``comm_seconds`` (host wall-clock)."""
-        buckets = {}
-        for index, s in sorted(self._bucket_stats.items()):
-            selected = int(s.selected) if isinstance(s.selected, torch.Tensor) else s.selected
-            buckets[index] = {"path": s.path, "numel": s.numel, "k": s.k, "selected": selected,
-                              "bytes_sent": s.traffic.sent, "bytes_received": s.traffic.received,
-                              "select_seconds": s.select_seconds, "comm_seconds": s.comm_seconds}
-        summed = ("numel", "k", "selected", "bytes_sent", "bytes_received", "select_seconds", "comm_seconds")
-        total = {key: sum(b[key] for b in buckets.values()) for key in summed}
-        return {"iter": self.iter, "buckets": buckets, "total": total}
-
-    # ----- one bucket -----
+        self.scaler = scaler
 
     def density_at(self, iteration: int) -> float:
         """The density of ``iteration`` (the schedule's, else ``density``)."""
@@ -240,260 +439,402 @@ class SparseGradState:
                 density = scheduled
         return density
 
+    # ----- pickling, checkpoints, statistics (each waits for the buckets in flight) -----
+
+    def wait(self) -> None:
+        """Wait until every bucket handed to the hook has finished."""
+        if self.thread is not None:
+            self.thread.drain()
+
+    def __getstate__(self):
+        """Everything but the process group (not picklable), the scaler, the communication thread and the
+        parameter identities of this process."""
+        self.wait()
+        if self.process_group is not None:
+            logger.warning("SparseGradState: the process group is not pickled; the unpickled state uses the default "
+                           "group unless its process_group is set again")
+        return dict(self.__dict__, process_group=None, scaler=None, thread=None, iteration_open=False)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def state_dict(self) -> dict:
+        """This rank's resumable state: ``{"iter", "residuals": {bucket_index: Tensor}, "residual_scale",
+        "layouts", "unclaimed", "taken"}`` (copies; "taken": what the latest step applied, in case the scaler
+        skipped it). Save one per rank, next to the model's and the optimizer's (and the scaler's)."""
+        self.wait()
+        return {"iter": self.iter, "residual_scale": self.residual_scale, **self.residual_store.state_dict(),
+                "taken": {index: (None if indices is None else indices.clone(), values.detach().clone())
+                          for index, (indices, values) in self.taken.items()}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict`'s output. Load it before the DDP model's first backward of this process:
+        parameters are recognised by the order in which DDP's first buckets list them."""
+        missing = {"iter", "residuals"} - set(state_dict)
+        if missing:
+            raise KeyError(f"state_dict is missing {sorted(missing)} (expected SparseGradState.state_dict()'s keys)")
+        iteration = state_dict["iter"]
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise ValueError(f"state_dict['iter'] must be an int >= 0, got {iteration!r}")
+        self.wait()
+        self.iter = iteration
+        self.residual_store.load_state_dict(state_dict)
+        self.residual_scale = float(state_dict.get("residual_scale", 1.0))
+        self.taken = {int(i): (indices, values.detach().clone())
+                      for i, (indices, values) in state_dict.get("taken", {}).items()}
+        self.bucket_stats, self.residual_bounds, self.agreed_plans = {}, {}, {}
+
+    def stats(self) -> dict:
+        """The latest step's statistics: ``{"iter", "buckets": {index: {...}}, "total": {...}}``, each with
+        ``k`` and ``selected`` (elements, summed over buckets), ``bytes_sent`` and ``bytes_received`` (this
+        rank), and the host wall-clock seconds of the phases: ``select_seconds``, ``exchange_seconds``,
+        ``apply_seconds``."""
+        self.wait()
+        return self._stats_now()
+
+    def _stats_now(self) -> dict:
+        buckets = {}
+        for index, s in sorted(self.bucket_stats.items()):
+            selected = int(s.selected) if isinstance(s.selected, torch.Tensor) else s.selected
+            buckets[index] = {"path": s.path, "numel": s.numel, "k": s.k, "selected": selected,
+                              "bytes_sent": s.traffic.sent, "bytes_received": s.traffic.received,
+                              "select_seconds": s.select_seconds, "exchange_seconds": s.exchange_seconds,
+                              "apply_seconds": s.apply_seconds}
+        summed = ("numel", "k", "selected", "bytes_sent", "bytes_received", "select_seconds", "exchange_seconds",
+                  "apply_seconds")
+        total = {key: sum(b[key] for b in buckets.values()) for key in summed}
+        return {"iter": self.iter, "buckets": buckets, "total": total}
+
+    # ----- the entry point of the hook and of bare tensors -----
+
     def reduce(self, buffer: torch.Tensor, bucket_index: int, *, is_last: bool = True,
-               parameters: Sequence[torch.Tensor] | None = None) -> torch.futures.Future:
+               parameters: Optional[Sequence[torch.Tensor]] = None) -> torch.futures.Future:
         """Average ``buffer`` (a flat bucket) over the group as :func:`sparse_grad_hook` does; the future's value is
         ``buffer``, overwritten. ``parameters``: the bucket's parameters in order (lets residuals follow them when
-        DDP changes its buckets); ``is_last`` ends the iteration. Every rank must make the same calls."""
+        DDP changes its buckets); ``is_last`` ends the iteration. Every rank must make the same calls, in the same
+        order."""
         if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.dtype not in DTYPE_CODES:
             raise ValueError(f"buffer must be a flat float32, float16 or bfloat16 tensor, got "
                              f"{getattr(buffer, 'dtype', type(buffer).__name__)} of shape "
                              f"{tuple(getattr(buffer, 'shape', ()))}")
-        if not self._iteration_open:
-            self._start_iteration()
-        layout = self._layout_of(parameters, buffer.numel())
-        parts = self._checkpoint_parts(bucket_index, layout)
-        if parts is None:
-            self._record_layout(bucket_index, layout)
-            future = self._reduce(buffer, bucket_index, layout)
-        else:
-            future = self._reduce_in_parts(buffer, layout, parts)
-        if is_last:
-            self._end_iteration()
-        return future
+        parameters = None if parameters is None else list(parameters)
 
-    def _reduce(self, tensor: torch.Tensor, index: int, layout: Layout) -> torch.futures.Future:
-        group, _, size = group_rank_and_size(self.process_group)
-        numel = tensor.numel()
-        compress = (self.collective != "dense" and self.iter >= self.start_iter
-                    and numel >= max(self.min_compress_numel, 1))
-        density = self.density_at(self.iter) if compress else 1.0
-        k = k_for_density(density, numel) if compress else numel
-        residual = self._residual(index, tensor, layout) if compress and self.error_feedback else None
-        # max |grad| of each parameter: one pass that tells both whether acc = grad + residual can be non-finite
-        # and which parameters this rank did not use.
-        maxima = _parameter_maxima(tensor, layout).tolist() if compress else []
-        # Decided before the compressor touches the residual, and by all ranks alike: one rank's inf sends all dense.
-        nonfinite = compress and not self._accumulation_is_finite(tensor, residual, maxima, index)
-        stats = BucketStats("sparse" if compress else "dense", numel, k)
-        self._bucket_stats[index] = stats
-        start = perf_counter()
-        headers = gather_headers({"valid": 1, "iter": self.iter, "bucket_index": index, "numel": numel,
-                                  "dtype": DTYPE_CODES[tensor.dtype], "k": k, "nonfinite": int(nonfinite)},
-                                 group, tensor.device, stats.traffic)
-        require_same(headers, ("iter", "bucket_index", "numel", "dtype", "k"), "sparse_grad_hook")
-        if compress and any(h["nonfinite"] for h in headers):
-            stats.path, compress = "nonfinite", False
-        if not compress:
-            stats.selected = numel
-            if stats.path == "dense":
-                self._flush_into(tensor, index, layout)
-            return self._dense_allreduce(tensor, group, size, stats, start)
+        def job(result: torch.futures.Future) -> None:
+            _reduce_bucket(self, buffer, bucket_index, is_last, parameters, result)
 
-        held = self._hold_unused(residual, maxima, layout) if residual is not None else []
-        if self._compressor.density != density:
-            self._compressor = make_compressor(self.compressor, density, **self.compressor_kwargs)
-        selecting = perf_counter()
-        msg = self._compressor.compress(tensor, residual,
-                                        step=self.random_seed + self.iter * _STEPS_PER_ITER + index)
-        stats.select_seconds = perf_counter() - selecting
-        stats.selected = msg.count
-        for part, saved in held:  # compressed as zeros: nothing of them was taken
-            part.copy_(saved)
-        if residual is not None and msg.stats is not None and not held:
-            self._residual_bounds[index] = (residual, msg.stats[ops.STAT_MAX_ABS])
-        else:
-            self._residual_bounds.pop(index, None)
-        if self.collective == "allgather":
-            summed = sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=stats.traffic)
-            taken = msg.values
-        else:
-            glob, applied = gtopk_allreduce(msg, group, check=False, traffic=stats.traffic)
-            if residual is not None:  # contributions dropped by a merge go back: nothing is lost
-                ops.scatter_add_(residual, msg.indices, msg.values * ~applied, backend=msg.backend)
-            summed = glob.to_dense(torch.float32)
-            taken = msg.values * applied
-        if residual is not None and self._scaler is not None:
-            self._taken[index] = (msg.indices, taken)
+        if self.thread is None:
+            self.thread = _CommunicationThread(group_rank_and_size(self.process_group)[0])
+        if self.thread.failure is not None:
+            raise RuntimeError(f"sparse_grad_hook: an earlier exchange failed ({self.thread.failure}); the state "
+                               f"cannot go on") from self.thread.failure
+        if not self.synchronous:
+            result = self.thread.submit(job)
+            if is_last:
+                self.thread.drain()
+            return result
+        result = torch.futures.Future()
+        try:
+            job(result)
+            result.wait()
+        except Disagreement:
+            raise
+        except BaseException as error:
+            self.thread.fail(error)
+            raise
+        return result
+
+
+def sparse_grad_hook(state: SparseGradState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's gradient averaged over ranks, sparsified (see :class:`SparseGradState`).
+
+    Register with ``ddp_model.register_comm_hook(state, sparse_grad_hook)``; it returns a future of the bucket's
+    buffer, holding the average of what every rank applied this step. The bucket is handed to the state's
+    communication thread and the backward pass goes on; on that thread, for each bucket in turn:
+
+    1. Plan: the path (dense during the warm-up, for small buckets and the dense collective; else sparse) and k
+       follow from replicated configuration (the iteration, the density schedule, the bucket's size). Ranks
+       exchange a header only when a bucket's plan is new or changed, and all raise the same error if they differ.
+    2. Select: acc = grad + residual is compressed to k slots; what is not selected stays in the residual. A rank
+       whose acc is not finite selects nothing and raises a flag instead.
+    3. Exchange: the sparse collective (gTop-k or allgather); the flags ride inside the payload.
+    4. Apply: the bucket becomes the average of the global set (zeroed, then scattered); contributions a gTop-k
+       merge dropped go back to the residual. If any rank raised the flag, every rank goes dense instead.
+    5. Dense paths: the bucket (plus any residual it still holds) is divided by P and allreduced asynchronously.
+
+    Why a thread rather than a chain of futures as in PyTorch's PowerSGD hook: on Gloo a future's callback runs on
+    the thread that completed the previous collective, so a callback that issues the next collective races the
+    autograd thread issuing the next bucket's, and ranks can issue them in different orders (PowerSGD's hook with
+    several buckets on Gloo fails that way); gTop-k also needs log2(P) dependent rounds. One thread per state that
+    takes the buckets in DDP's order issues every collective in the same order on every rank. The last bucket of
+    an iteration returns only once every bucket has been issued: DDP issues collectives of its own right after it
+    (``find_unused_parameters=True``); the exchanges of the earlier buckets overlap the backward pass.
+    """
+    return state.reduce(bucket.buffer(), bucket.index(), is_last=bucket.is_last(), parameters=bucket.parameters())
+
+
+# ----- the algorithm, one bucket at a time (on the communication thread) -----
+
+
+def _reduce_bucket(state: SparseGradState, buffer: torch.Tensor, index: int, is_last: bool,
+                   parameters: Optional[list[torch.Tensor]], result: torch.futures.Future) -> None:
+    if not state.iteration_open:
+        _start_iteration(state)
+    store = state.residual_store
+    layout = store.layout_of(parameters, buffer.numel())
+    parts = store.checkpoint_parts(index, layout)
+    if parts is None:
+        store.record(index, layout)
+        reduced = _reduce_part(state, buffer, index, layout)
+    else:
+        reduced = _reduce_in_parts(state, buffer, layout, parts)
+    if is_last:
+        _end_iteration(state)
+    _chain(reduced, result, buffer, state.thread)
+
+
+def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout) -> torch.futures.Future:
+    """Steps 1-5 of :func:`sparse_grad_hook` for one bucket; a future of ``tensor``, averaged."""
+    group, size = state.thread.group, dist.get_world_size(state.thread.group)
+    numel = tensor.numel()
+    # 1. Plan.
+    compress = (state.collective != "dense" and state.iter >= state.start_iter
+                and numel >= max(state.min_compress_numel, 1))
+    density = state.density_at(state.iter) if compress else 1.0
+    k = k_for_density(density, numel) if compress else numel
+    stats = state.bucket_stats[index] = BucketStats("sparse" if compress else "dense", numel, k,
+                                                    selected=0 if compress else numel)
+    _agree(state, group, tensor, index, ("sparse" if compress else "dense", k), stats.traffic)
+    if not compress:
+        if state.error_feedback and state.residual_store.holds_any(index, layout):
+            _flush_into(state, tensor, index, layout)
+        return _dense_allreduce(tensor, group, size, stats)
+
+    # 2. Select.
+    start = perf_counter()
+    residual = state.residual_store.residual(index, tensor, layout) if state.error_feedback else None
+    # max |grad| of each parameter: one pass that tells both whether acc = grad + residual can be non-finite and
+    # which parameters this rank did not use.
+    maxima = _parameter_maxima(tensor, layout).tolist()
+    finite = _accumulation_is_finite(state, tensor, residual, maxima, index)
+    flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
+    if finite:
+        msg = _select(state, tensor, residual, maxima, layout, index, density)
+    else:  # nothing selected, the residual untouched: the flag sends every rank dense
+        flags[0] = FLAG_NONFINITE
+        msg = _empty_message(tensor, k, state.compressor_now)
+    stats.selected = msg.count
+    stats.select_seconds = perf_counter() - start
+
+    # 3. Exchange.
+    start = perf_counter()
+    if state.collective == "allgather":
+        summed = sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=stats.traffic, flags=flags)
+        glob = applied = None
+    else:
+        glob, applied = gtopk_allreduce(msg, group, check=False, traffic=stats.traffic, flags=flags)
+    stats.exchange_seconds = perf_counter() - start
+
+    # 4. Apply (or every rank goes dense).
+    start = perf_counter()
+    if int(flags) & FLAG_NONFINITE:
+        stats.path, stats.k, stats.selected = "nonfinite", numel, numel
+        if finite and residual is not None:
+            # This rank's acc was finite: all of it goes into the dense average, nothing stays behind.
+            ops.scatter_add_(residual, msg.indices, msg.values, backend=msg.backend)
+            tensor.copy_(residual)
+            del state.residuals[index]
+            state.residual_bounds.pop(index, None)
+            _record_taken(state, index, None, residual)
+        return _dense_allreduce(tensor, group, size, stats)
+    if glob is None:
         tensor.copy_(summed.div_(size))
-        stats.comm_seconds = perf_counter() - start - stats.select_seconds
-        future = torch.futures.Future()
-        future.set_result(tensor)
-        return future
+        taken = msg.values
+    else:
+        if residual is not None:  # contributions dropped by a merge go back: nothing is lost
+            ops.scatter_add_(residual, msg.indices, msg.values * ~applied, backend=msg.backend)
+        # glob's indices are distinct: dividing its values equals dividing the dense sum, bit for bit.
+        tensor.zero_()
+        ops.scatter_add_(tensor, glob.indices, (glob.values.float() / size).to(tensor.dtype), backend=msg.backend)
+        taken = msg.values * applied
+    if residual is not None:
+        _record_taken(state, index, msg.indices, taken)
+    stats.apply_seconds = perf_counter() - start
+    done = torch.futures.Future()
+    done.set_result(tensor)
+    return done
 
-    @staticmethod
-    def _dense_allreduce(tensor, group, size, stats, start) -> torch.futures.Future:
-        nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), size)
-        stats.traffic.add(nbytes, nbytes)
-        tensor.div_(size)
 
-        def finished(future):
-            stats.comm_seconds = perf_counter() - start
-            return future.value()[0]
+def _agree(state: SparseGradState, group: dist.ProcessGroup, tensor: torch.Tensor, index: int,
+           plan: tuple[str, int], traffic: Traffic) -> None:
+    """Step 1's check: a new or changed plan is compared across ranks (a mismatch raises on every rank alike,
+    before any payload of the wrong size could abort Gloo); an agreed plan is not exchanged again."""
+    key = (tensor.numel(), DTYPE_CODES[tensor.dtype], *plan)
+    if state.agreed_plans.get(index) == key:
+        return
+    path, k = plan
+    headers = gather_headers({"valid": 1, "iter": state.iter, "bucket_index": index, "numel": tensor.numel(),
+                              "dtype": DTYPE_CODES[tensor.dtype], "sparse": int(path == "sparse"), "k": k},
+                             group, tensor.device, traffic)
+    require_same(headers, ("iter", "bucket_index", "numel", "dtype", "sparse", "k"), "sparse_grad_hook")
+    state.agreed_plans[index] = key
 
-        return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(finished)
 
-    # ----- what a step may not apply: non-finite sums, unused parameters, steps the loss scaler skips -----
+def _select(state: SparseGradState, tensor: torch.Tensor, residual: Optional[torch.Tensor], maxima: list[float],
+            layout: Layout, index: int, density: float) -> SparseMessage:
+    held = _hold_unused(residual, maxima, layout) if residual is not None else []
+    if state.compressor_now.density != density:
+        state.compressor_now = make_compressor(state.compressor, density, **state.compressor_kwargs)
+    msg = state.compressor_now.compress(tensor, residual,
+                                        step=state.random_seed + state.iter * _STEPS_PER_ITER + index)
+    for part, saved in held:  # compressed as zeros: nothing of them was taken
+        part.copy_(saved)
+    if residual is not None and msg.stats is not None and not held:
+        state.residual_bounds[index] = (residual, msg.stats[ops.STAT_MAX_ABS])
+    else:
+        state.residual_bounds.pop(index, None)
+    return msg
 
-    def _accumulation_is_finite(self, tensor: torch.Tensor, residual: torch.Tensor | None, maxima: list[float],
-                                index: int) -> bool:
-        """Whether acc = grad + residual is finite; a full check only when the bounds allow an overflow."""
-        if not all(math.isfinite(m) for m in maxima):
-            return False
-        if residual is None:
-            return True
-        residual_with_bound, bound = self._residual_bounds.get(index, (None, None))
-        if residual_with_bound is residual and max(maxima) + float(bound) < torch.finfo(tensor.dtype).max:
-            return True
-        return bool(torch.isfinite(tensor + residual).all())
 
-    @staticmethod
-    def _hold_unused(residual: torch.Tensor, maxima: list[float], layout: Layout
-                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Zero the residual of each parameter whose gradient is all zero (unused by this rank) for the selection;
-        returns (residual part, saved copy) pairs to restore after it."""
-        if layout is None:
-            return []
-        held, offset = [], 0
-        for (_, numel), largest in zip(layout, maxima):
-            if largest == 0 and numel:
-                part = residual[offset:offset + numel]
-                held.append((part, part.clone()))
-                part.zero_()
-            offset += numel
-        return held
+def _empty_message(tensor: torch.Tensor, k: int, compressor: Compressor) -> SparseMessage:
+    """k padding slots (index 0, value 0): what a rank that selects nothing sends."""
+    device = tensor.device
+    return SparseMessage(torch.zeros(k, dtype=tensor.dtype, device=device),
+                         torch.zeros(k, dtype=torch.int32, device=device),
+                         torch.zeros(1, dtype=torch.int32, device=device), tensor.numel(),
+                         backend=compressor.backend.for_device(device))
 
-    def _flush_into(self, tensor: torch.Tensor, index: int, layout: Layout) -> None:
-        """A dense bucket sends the residual it still has (parts left by an earlier layout) with its gradient."""
-        if index not in self.residuals and not any(o in self._unclaimed for o, _ in layout or ()):
-            return
-        residual = self._residual(index, tensor, layout)
-        tensor.add_(residual)
-        del self.residuals[index]
-        if self._scaler is not None:
-            self._taken[index] = (None, residual)
 
-    def _start_iteration(self) -> None:
-        """With a scaler: put back what a skipped step took, and bring the residuals to this step's scale."""
-        self._iteration_open = True
-        if self._scaler is None:
-            return
-        scale = float(self._scaler.get_scale()) if self._scaler.is_enabled() else 1.0
-        if scale < self.residual_scale:  # the scaler backed off: it skipped the previous step
-            for index, (indices, values) in self._taken.items():
-                residual = self.residuals.get(index)
-                if indices is None:
-                    self.residuals[index] = values if residual is None else residual.add_(values)
-                else:
-                    ops.scatter_add_(residual, indices, values,
-                                     backend=self._compressor.backend.for_device(residual.device))
-        self._taken = {}
-        if scale != self.residual_scale:
-            factor = scale / self.residual_scale
-            for residual in [*self.residuals.values(), *self._unclaimed.values()]:
-                residual.mul_(factor)
-            self._residual_bounds = {}
-            self.residual_scale = scale
+def _record_taken(state: SparseGradState, index: int, indices: Optional[torch.Tensor], values: torch.Tensor) -> None:
+    if state.scaler is not None:
+        state.taken[index] = (indices, values)
 
-    def _end_iteration(self) -> None:
-        self._iteration_open = False
-        self.iter += 1
-        if self.stats_logging_frequency and self.iter % self.stats_logging_frequency == 0:
-            total = self.stats()["total"]
-            logger.info("sparse_grad_hook iter %d: selected %d for k %d of %d elements; sent %d B, received %d B; "
-                        "selecting %.3f ms, communicating %.3f ms", self.iter, total["selected"], total["k"],
-                        total["numel"], total["bytes_sent"], total["bytes_received"],
-                        1e3 * total["select_seconds"], 1e3 * total["comm_seconds"])
 
-    # ----- residuals that follow the parameters when DDP's buckets change -----
+def _dense_allreduce(tensor: torch.Tensor, group: dist.ProcessGroup, size: int,
+                     stats: BucketStats) -> torch.futures.Future:
+    nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), size)
+    stats.traffic.add(nbytes, nbytes)
+    tensor.div_(size)
+    start = perf_counter()
 
-    def _layout_of(self, parameters: Sequence[torch.Tensor] | None, numel: int) -> Layout:
-        if parameters is None:
-            return None
-        layout = []
-        for p in parameters:
-            ordinal = self._ordinals.get(p)
-            if ordinal is None:
-                ordinal = self._ordinals[p] = self._next_ordinal
-                self._next_ordinal += 1
-            layout.append((ordinal, p.numel()))
-        if sum(n for _, n in layout) != numel:
-            raise ValueError(f"parameters hold {sum(n for _, n in layout)} elements, the bucket {numel}")
-        return tuple(layout)
+    def finished(future):
+        stats.exchange_seconds = perf_counter() - start
+        return future.value()[0]
 
-    def _checkpoint_parts(self, index: int, layout: Layout) -> list[tuple[int, Layout]] | None:
-        """The known buckets that this new bucket is exactly made of.
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(finished)
 
-        A fresh DDP model reduces its first iteration in one bucket; after a resume, reducing it in the
-        checkpoint's buckets instead keeps the run bitwise identical to one that never stopped (also when no
-        residual exists yet: the selection per bucket differs from the selection over their union)."""
-        if layout is None or self._layouts.get(index) == layout:
-            return None
-        numels = dict(layout)
-        parts = [(i, known) for i, known in sorted(self._layouts.items())
-                 if known and all(numels.get(o) == n for o, n in known)]
-        covered = [o for _, known in parts for o, _ in known]
-        if sorted(covered) != sorted(numels):
-            return None
-        return parts
 
-    def _reduce_in_parts(self, buffer: torch.Tensor, layout: Layout,
-                         parts: list[tuple[int, Layout]]) -> torch.futures.Future:
-        offsets, offset = {}, 0
-        for ordinal, numel in layout:
-            offsets[ordinal] = offset
-            offset += numel
-        slices = [[slice(offsets[o], offsets[o] + n) for o, n in part_layout] for _, part_layout in parts]
-        futures = [self._reduce(torch.cat([buffer[s] for s in part_slices]), index, part_layout)
-                   for (index, part_layout), part_slices in zip(parts, slices)]
+def _reduce_in_parts(state: SparseGradState, buffer: torch.Tensor, layout: Layout,
+                     parts: list[tuple[int, Layout]]) -> torch.futures.Future:
+    """A bucket made of the checkpoint's buckets is reduced as those buckets, then put together again."""
+    offsets, offset = {}, 0
+    for ordinal, numel in layout:
+        offsets[ordinal] = offset
+        offset += numel
+    slices = [[slice(offsets[o], offsets[o] + n) for o, n in part_layout] for _, part_layout in parts]
+    futures = [_reduce_part(state, torch.cat([buffer[s] for s in part_slices]), index, part_layout)
+               for (index, part_layout), part_slices in zip(parts, slices)]
 
-        def scatter_back(_):
-            for future, part_slices in zip(futures, slices):
-                reduced, offset = future.value(), 0
-                for s in part_slices:
-                    width = s.stop - s.start
-                    buffer[s] = reduced[offset:offset + width]
-                    offset += width
-            return buffer
+    def scatter_back(_):
+        for future, part_slices in zip(futures, slices):
+            reduced, offset = future.value(), 0
+            for s in part_slices:
+                width = s.stop - s.start
+                buffer[s] = reduced[offset:offset + width]
+                offset += width
+        return buffer
 
-        return torch.futures.collect_all(futures).then(scatter_back)
+    return torch.futures.collect_all(futures).then(scatter_back)
 
-    def _record_layout(self, index: int, layout: Layout) -> None:
-        """A bucket changed: its residual and every one that shares a parameter with it go to per-parameter parts,
-        from which each bucket assembles its residual again on its next compressed step."""
-        if index in self._layouts and self._layouts[index] == layout:
-            return
-        previous = self._layouts.get(index)
-        self._layouts[index] = layout
-        if layout is None:
-            return
-        changed = {o for o, _ in layout}
-        for i in list(self.residuals):
-            old_layout = previous if i == index else self._layouts.get(i)
-            if old_layout is not None and (i == index or changed & {o for o, _ in old_layout}):
-                residual, offset = self.residuals.pop(i), 0
-                for ordinal, numel in old_layout:
-                    self._unclaimed[ordinal] = residual[offset:offset + numel]
-                    offset += numel
 
-    def _residual(self, index: int, tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
-        residual = self.residuals.get(index)
-        if residual is not None and residual.numel() == tensor.numel() and residual.dtype == tensor.dtype:
-            if residual.device != tensor.device:
-                residual = self.residuals[index] = residual.to(tensor.device)
-            return residual
-        if residual is not None and bool(residual.any()):
-            logger.warning("sparse_grad_hook: bucket %d changed from %d to %d elements without parameters to follow; "
-                           "its residual is dropped", index, residual.numel(), tensor.numel())
-        residual = torch.zeros_like(tensor)
-        offset = 0
-        for ordinal, numel in layout or ():
-            part = self._unclaimed.pop(ordinal, None)
-            if part is not None:
-                residual[offset:offset + numel] = part.to(residual.device)
-            offset += numel
-        self.residuals[index] = residual
-        return residual
+def _chain(reduced: torch.futures.Future, result: torch.futures.Future, value: torch.Tensor,
+           thread: _CommunicationThread) -> None:
+    """Complete ``result`` with ``value`` when ``reduced`` completes; a failure (of a dense allreduce) goes
+    through ``thread``, which prefers the cause another rank published."""
+
+    def forward(future):
+        try:
+            future.wait()
+        except BaseException as error:  # noqa: BLE001 - handed to DDP and to the other ranks
+            thread.fail(error)
+            _fail(result, thread.failure)
+        else:
+            _complete(result, value)
+
+    reduced.add_done_callback(forward)
+
+
+# ----- what a step may not apply: non-finite sums, unused parameters, steps the loss scaler skips -----
+
+
+def _accumulation_is_finite(state: SparseGradState, tensor: torch.Tensor, residual: Optional[torch.Tensor],
+                            maxima: list[float], index: int) -> bool:
+    """Whether acc = grad + residual is finite; a full check only when the bounds allow an overflow."""
+    if not all(math.isfinite(m) for m in maxima):
+        return False
+    if residual is None:
+        return True
+    residual_with_bound, bound = state.residual_bounds.get(index, (None, None))
+    if residual_with_bound is residual and max(maxima) + float(bound) < torch.finfo(tensor.dtype).max:
+        return True
+    return bool(torch.isfinite(tensor + residual).all())
+
+
+def _hold_unused(residual: torch.Tensor, maxima: list[float],
+                 layout: Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zero the residual of each parameter whose gradient is all zero (unused by this rank) for the selection;
+    returns (residual part, saved copy) pairs to restore after it."""
+    if layout is None:
+        return []
+    held, offset = [], 0
+    for (_, numel), largest in zip(layout, maxima):
+        if largest == 0 and numel:
+            part = residual[offset:offset + numel]
+            held.append((part, part.clone()))
+            part.zero_()
+        offset += numel
+    return held
+
+
+def _flush_into(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout) -> None:
+    """A dense bucket sends the residual it still has (parts left by an earlier layout) with its gradient."""
+    residual = state.residual_store.residual(index, tensor, layout)
+    tensor.add_(residual)
+    del state.residuals[index]
+    _record_taken(state, index, None, residual)
+
+
+def _start_iteration(state: SparseGradState) -> None:
+    """With a scaler: put back what a skipped step took, and bring the residuals to this step's scale."""
+    state.iteration_open = True
+    if state.scaler is None:
+        return
+    scale = float(state.scaler.get_scale()) if state.scaler.is_enabled() else 1.0
+    if scale < state.residual_scale:  # the scaler backed off: it skipped the previous step
+        for index, (indices, values) in state.taken.items():
+            residual = state.residuals.get(index)
+            if indices is None:
+                state.residuals[index] = values if residual is None else residual.add_(values)
+            else:
+                ops.scatter_add_(residual, indices, values,
+                                 backend=state.compressor_now.backend.for_device(residual.device))
+    state.taken = {}
+    if scale != state.residual_scale:
+        factor = scale / state.residual_scale
+        for residual in state.residual_store.all_tensors():
+            residual.mul_(factor)
+        state.residual_bounds = {}
+        state.residual_scale = scale
+
+
+def _end_iteration(state: SparseGradState) -> None:
+    state.iteration_open = False
+    state.iter += 1
+    if state.stats_logging_frequency and state.iter % state.stats_logging_frequency == 0:
+        total = state._stats_now()["total"]
+        logger.info("sparse_grad_hook iter %d: selected %d for k %d of %d elements; sent %d B, received %d B; "
+                    "selecting %.3f ms, exchanging %.3f ms, applying %.3f ms", state.iter, total["selected"],
+                    total["k"], total["numel"], total["bytes_sent"], total["bytes_received"],
+                    1e3 * total["select_seconds"], 1e3 * total["exchange_seconds"], 1e3 * total["apply_seconds"])
 
 
 def _parameter_maxima(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -516,12 +857,3 @@ def _checked_schedule(schedule: DensitySchedule) -> DensitySchedule:
             raise ValueError(f"density_schedule: start_iter must be an int >= 0, got {start!r}")
         check_density(density, f"density_schedule density for iteration {start}")
     return sorted(entries)
-
-
-def sparse_grad_hook(state: SparseGradState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: the bucket's gradient averaged over ranks, sparsified (see :class:`SparseGradState`).
-
-    Register with ``ddp_model.register_comm_hook(state, sparse_grad_hook)``; it returns a future of the bucket's
-    buffer, holding the average of what every rank applied this step.
-    """
-    return state.reduce(bucket.buffer(), bucket.index(), is_last=bucket.is_last(), parameters=bucket.parameters())

@@ -380,7 +380,8 @@ def check_hook_edge_cases(members: Members) -> list[str]:
         if not torch.allclose(output, dense, rtol=1e-5, atol=1e-8):
             failures.append(f"{members.name}: {collective} at density 1.0 differs from the dense average")
 
-    # A non-finite bucket on one rank: every rank goes dense, residuals untouched, the inf reaches every rank.
+    # A non-finite bucket on one rank: every rank goes dense, that rank's residual untouched, the others' applied
+    # with their gradient (nothing left behind), the inf reaches every rank.
     state = gx.SparseGradState(group, density=0.05, start_iter=2, stats_logging_frequency=0)
     for step in range(3):  # two dense steps, one sparse step: a residual to keep
         state.reduce(bucket_input(me, step, 0, numel, torch.float32), 0).wait()
@@ -388,12 +389,17 @@ def check_hook_edge_cases(members: Members) -> list[str]:
     grad = bucket_input(me, 3, 0, numel, torch.float32)
     if me == last:
         grad[7] = float("inf")
-    output = state.reduce(grad, 0).wait()
+    output = state.reduce(grad.clone(), 0).wait()
     path = state.stats()["buckets"][0]["path"]
-    if path != "nonfinite" or not torch.equal(state.residuals[0], residual_before) or not bool(torch.isinf(output[7])):
-        failures.append(f"{members.name}: non-finite bucket on the last rank: path {path}, residual kept "
-                        f"{torch.equal(state.residuals[0], residual_before)}, "
-                        f"inf arrived {bool(torch.isinf(output[7]))}")
+    kept = state.residuals[0] if me == last else state.residuals.get(0, torch.zeros(numel))
+    applied = grad / size + (0 if me == last else residual_before / size)
+    dist.all_reduce(applied, group=group)
+    expected_kept = residual_before if me == last else torch.zeros(numel)
+    finite = torch.isfinite(applied)
+    if (path != "nonfinite" or not torch.equal(kept, expected_kept) or not bool(torch.isinf(output[7]))
+            or not torch.allclose(output[finite], applied[finite], rtol=1e-5, atol=1e-7)):
+        failures.append(f"{members.name}: non-finite bucket on the last rank: path {path}, residual as expected "
+                        f"{torch.equal(kept, expected_kept)}, inf arrived {bool(torch.isinf(output[7]))}")
 
     # A density schedule picks k per iteration.
     state = gx.SparseGradState(group, density=0.01, density_schedule=[(0, 0.01), (3, 0.05)], start_iter=2,
@@ -408,12 +414,12 @@ def check_hook_edge_cases(members: Members) -> list[str]:
     if size >= 2:  # mismatches fail on every rank, with a clear message, and leave the group usable
         state = gx.SparseGradState(group, density=0.05, start_iter=2, stats_logging_frequency=0)
         odd = numel + 1 if me == last else numel
-        failure = expect_error(lambda: state.reduce(torch.ones(odd), 0), ValueError,
+        failure = expect_error(lambda: state.reduce(torch.ones(odd), 0).wait(), ValueError,
                                "sparse_grad_hook: numel differs across ranks")
         if failure:
             failures.append(f"{members.name}: buckets of different sizes: {failure}")
         state.iter = 1 if me == last else 0
-        failure = expect_error(lambda: state.reduce(torch.ones(numel), 0), ValueError,
+        failure = expect_error(lambda: state.reduce(torch.ones(numel), 0).wait(), ValueError,
                                "sparse_grad_hook: iter differs across ranks")
         if failure:
             failures.append(f"{members.name}: states at different iterations: {failure}")

@@ -24,7 +24,9 @@ PowerSGD runs with one bucket (``bucket_cap_mb`` above the model's size): with s
 hook's future callbacks allreduce P and Q on Gloo's threads while the autograd thread issues the next bucket's
 allreduce, so ranks issue their collectives in different orders; the group then fails ("Received data size
 doesn't match expected size") or hangs until its timeout (here: 2 and 4 ranks, 8 buckets, every run, at the first
-compressed step). Every other method keeps DDP's default buckets, as a user would.
+compressed step). Every other method keeps DDP's default buckets, as a user would (or ``--bucket-cap-mb``).
+gtopk_ext's hook runs each bucket on its communication thread while the backward pass goes on; the ``-sync``
+methods force it to finish each bucket inside the hook call, which shows what the overlap is worth.
 
 The floor's hook divides the bucket by the world size and returns: no communication, each rank trains on its own
 data. Its accuracy is that of rank 0's replica trained alone; its step time is the compute floor.
@@ -32,12 +34,15 @@ data. Its accuracy is that of rank 0's replica trained alone; its step time is t
     python -m bench.peers --json peers.json --plot peers.png             # CNN, 4 ranks, 1 Gbit/s
     python -m bench.peers --model mlp --steps 40 --methods ddp fp16 powersgd-1 gtopk-0.01 gtopk-0.001 floor
     python -m bench.peers --loopback --world-size 2 --steps 10            # no root: no namespaces, no shaping
+    python -m bench.peers --rate 20mbit --world-size 2 --model deep --bucket-cap-mb 2 \
+        --methods gtopk-0.01 gtopk-0.01-sync --steps 20                    # what the hook's overlap is worth
 """
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations against dist.GradBucket.
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import resource
@@ -66,7 +71,8 @@ from gtopk_ext.utils import destroy_process_group  # noqa: E402
 
 START_ITER = 2  # dense iterations of every compressing hook (PowerSGD and gtopk_ext need at least 2)
 WARMUP_STEPS = START_ITER + 1  # steps left out of the timing and byte statistics
-MODELS = ("cnn", "mlp")
+MODELS = ("cnn", "mlp", "deep")
+DEEP_LAYERS = 8  # --model deep: this many equal hidden layers, so that many buckets overlap the backward
 
 
 def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
@@ -193,6 +199,9 @@ RECIPES: dict[str, Recipe] = {
     **{f"{collective}-{density:g}": gtopk_ext_recipe(f"Gaussian-k + {collective}, d={density:g}",
                                                      density=density, collective=collective)
        for collective in ("gtopk", "allgather") for density in (0.01, 0.001)},
+    **{f"gtopk-{density:g}-sync": gtopk_ext_recipe(f"Gaussian-k + gtopk, d={density:g}, each bucket finished in "
+                                                   f"the hook call", density=density, synchronous=True)
+       for density in (0.01, 0.001)},
     "floor": floor_recipe(),
 }
 
@@ -200,7 +209,16 @@ RECIPES: dict[str, Recipe] = {
 # ------------------------------------------------------------------------------------------------ worker side
 
 def build_model(args: argparse.Namespace, seed: int) -> nn.Module:
-    return make_model("cnn", seed) if args.model == "cnn" else wide_mlp(args.mlp_params, seed)
+    if args.model == "cnn":
+        return make_model("cnn", seed)
+    if args.model == "mlp":
+        return wide_mlp(args.mlp_params, seed)
+    width = max(16, round(math.sqrt(args.mlp_params / DEEP_LAYERS)))
+    torch.manual_seed(seed)
+    layers = [nn.Flatten(), nn.Linear(64, width), nn.ReLU()]
+    for _ in range(DEEP_LAYERS - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 class Contestant:
@@ -209,7 +227,7 @@ class Contestant:
     def __init__(self, recipe: Recipe, args: argparse.Namespace, seed: int, world_size: int):
         model = build_model(args, seed)  # the same initial weights for every method
         # One bucket: a cap above the model's size (DDP's first bucket then has that cap too).
-        cap_mb = numel_of(model) * 4 / 2**20 + 1 if recipe.one_bucket else None
+        cap_mb = numel_of(model) * 4 / 2**20 + 1 if recipe.one_bucket else args.bucket_cap_mb
         self.ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
         self.accounting = recipe.attach(self.ddp, world_size)
         self.optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
@@ -412,9 +430,12 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--methods", nargs="+", choices=list(RECIPES), default=list(RECIPES))
     parser.add_argument("--model", choices=MODELS, default="cnn",
-                        help="cnn: the demo's CNN (0.6M parameters); mlp: 64-h-h-10 with about --mlp-params")
+                        help="cnn: the demo's CNN (0.6M parameters); mlp: 64-h-h-10 with about --mlp-params; "
+                             f"deep: {DEEP_LAYERS} equal hidden layers with about --mlp-params")
     parser.add_argument("--mlp-params", type=lambda s: int(float(s)), default=17_100_000,
-                        help="parameters of --model mlp (17.1M: h = 4097)")
+                        help="parameters of --model mlp or deep (17.1M: mlp's h = 4097)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="DDP's bucket cap of every method but PowerSGD (default: DDP's own, 25)")
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--rate", type=parse_rate, default=parse_rate("1gbit"),
                         help="every rank in its own network namespace behind a link of this rate (needs root)")

@@ -325,15 +325,25 @@ class SparseGradState:
             compressor's backend (resolved once per device) runs every op of the hook: selection, merges, scatters.
         synchronous: finish each bucket inside the hook call instead of on the communication thread (for
             debugging and for tests: the results are bitwise the same).
+        momentum, nesterov, weight_decay: Deep Gradient Compression's momentum correction (Lin et al. 2018), with
+            the optimizer then run WITHOUT momentum and weight decay (``torch.optim.SGD(params, lr)``): per bucket
+            and rank, a velocity u and the residual v: ``g += weight_decay * w``, ``u = momentum * u + g``,
+            ``v += u`` (Nesterov: ``v += g + momentum * u``), the compressor selects from v, and where a slot is
+            applied both v and u are cleared (momentum factor masking). Dense paths (warm-up, small buckets,
+            the dense collective) send u (Nesterov: g + momentum * u) and keep it. ``momentum=0`` (default):
+            today's plain error feedback, bit for bit. Needs the buckets' parameters (a DDP model) for weight
+            decay. Conserved: what entered v (the increments) = what was applied + what v keeps.
 
     Fields besides the arguments:
 
     - Residual store: ``residual_store`` (:class:`ResidualStore`; ``residuals`` is its per-bucket dict),
+      ``velocity_store`` (the velocities of momentum correction, in the same layouts),
       ``residual_scale`` (the residuals hold the gradient times this factor: the loss scale, see
       :meth:`attach_scaler`; 1.0 without), ``residual_bounds`` (per bucket, (residual, bound on its max |value|)
       from the compressed step that left it: grad + residual cannot overflow while max |grad| + bound stays
       below the dtype's largest value, so it is not checked), ``taken`` (with a scaler, per bucket: what this
-      iteration took out of the residual, (indices or None for all, values), put back if the scaler skips it).
+      iteration took out of the residual, (indices or None for all, values), put back if the scaler skips it)
+      and ``velocities_before`` (with a scaler and momentum: the velocities before this iteration's update).
     - Statistics and agreement: ``iter`` (iterations done; advanced on ``bucket.is_last()``), ``bucket_stats``
       (per bucket, the latest :class:`BucketStats`), ``agreed_plans`` (per bucket, the (numel, dtype, path, k)
       that every rank checked it shares: while the plan stays, no header is exchanged).
@@ -360,8 +370,15 @@ class SparseGradState:
                  compressor: str = "gaussiank", collective: str = "gtopk", start_iter: int = 2,
                  min_compress_numel: int = 1024, density_schedule: DensitySchedule = None, random_seed: int = 0,
                  stats_logging_frequency: int = 1000, error_feedback: bool = True,
-                 compressor_kwargs: Optional[dict] = None, synchronous: bool = False):
+                 compressor_kwargs: Optional[dict] = None, synchronous: bool = False, momentum: float = 0.0,
+                 nesterov: bool = False, weight_decay: float = 0.0):
         check_density(density)
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+        if nesterov and momentum == 0:
+            raise ValueError("nesterov=True needs momentum > 0")
+        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+            raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
         if compressor not in COMPRESSOR_KINDS:
             raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {compressor!r}")
         if collective not in COLLECTIVES:
@@ -386,11 +403,16 @@ class SparseGradState:
         self.error_feedback = bool(error_feedback)
         self.compressor_kwargs = dict(compressor_kwargs or {})
         self.synchronous = bool(synchronous)
+        self.momentum = float(momentum)
+        self.nesterov = bool(nesterov)
+        self.weight_decay = float(weight_decay)
         # Residual store and loss-scaler bookkeeping.
         self.residual_store = ResidualStore()
+        self.velocity_store = ResidualStore()  # momentum correction's velocities, laid out as the residuals
         self.residual_scale = 1.0
         self.residual_bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.taken: dict[int, tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+        self.velocities_before: dict[int, torch.Tensor] = {}
         self.scaler = None
         # Statistics and agreement.
         self.iter = 0
@@ -460,10 +482,14 @@ class SparseGradState:
 
     def state_dict(self) -> dict:
         """This rank's resumable state: ``{"iter", "residuals": {bucket_index: Tensor}, "residual_scale",
-        "layouts", "unclaimed", "taken"}`` (copies; "taken": what the latest step applied, in case the scaler
-        skipped it). Save one per rank, next to the model's and the optimizer's (and the scaler's)."""
+        "layouts", "unclaimed", "velocities", "velocities_before", "taken"}`` (copies; "velocities": momentum
+        correction's, as a residual store's state; "taken" and "velocities_before": what the latest step applied
+        and the velocities before it, in case the scaler skipped it). Save one per rank, next to the model's and
+        the optimizer's (and the scaler's)."""
         self.wait()
         return {"iter": self.iter, "residual_scale": self.residual_scale, **self.residual_store.state_dict(),
+                "velocities": self.velocity_store.state_dict(),
+                "velocities_before": {index: v.clone() for index, v in self.velocities_before.items()},
                 "taken": {index: (None if indices is None else indices.clone(), values.detach().clone())
                           for index, (indices, values) in self.taken.items()}}
 
@@ -479,9 +505,11 @@ class SparseGradState:
         self.wait()
         self.iter = iteration
         self.residual_store.load_state_dict(state_dict)
+        self.velocity_store.load_state_dict(state_dict.get("velocities", {"residuals": {}}))
         self.residual_scale = float(state_dict.get("residual_scale", 1.0))
         self.taken = {int(i): (indices, values.detach().clone())
                       for i, (indices, values) in state_dict.get("taken", {}).items()}
+        self.velocities_before = {int(i): v.clone() for i, v in state_dict.get("velocities_before", {}).items()}
         self.bucket_stats, self.residual_bounds, self.agreed_plans = {}, {}, {}
 
     def stats(self) -> dict:
@@ -584,15 +612,17 @@ def _reduce_bucket(state: SparseGradState, buffer: torch.Tensor, index: int, is_
     parts = store.checkpoint_parts(index, layout)
     if parts is None:
         store.record(index, layout)
-        reduced = _reduce_part(state, buffer, index, layout)
+        state.velocity_store.record(index, layout)
+        reduced = _reduce_part(state, buffer, index, layout, parameters)
     else:
-        reduced = _reduce_in_parts(state, buffer, layout, parts)
+        reduced = _reduce_in_parts(state, buffer, layout, parameters, parts)
     if is_last:
         _end_iteration(state)
     _chain(reduced, result, buffer, state.thread)
 
 
-def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout) -> torch.futures.Future:
+def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout,
+                 parameters: Optional[list[torch.Tensor]]) -> torch.futures.Future:
     """Steps 1-5 of :func:`sparse_grad_hook` for one bucket; a future of ``tensor``, averaged."""
     group, size = state.thread.group, dist.get_world_size(state.thread.group)
     numel = tensor.numel()
@@ -605,6 +635,8 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
                                                     selected=0 if compress else numel)
     _agree(state, group, tensor, index, ("sparse" if compress else "dense", k), stats.traffic)
     if not compress:
+        if state.momentum and bool(torch.isfinite(tensor).all()):  # an inf must not poison the velocity
+            _momentum_increment(state, tensor, index, layout, parameters, [1.0] * len(layout or [None]))
         if state.error_feedback and state.residual_store.holds_any(index, layout):
             _flush_into(state, tensor, index, layout)
         return _dense_allreduce(tensor, group, size, stats)
@@ -615,6 +647,11 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
     # max |grad| of each parameter: one pass that tells both whether acc = grad + residual can be non-finite and
     # which parameters this rank did not use.
     maxima = _parameter_maxima(tensor, layout).tolist()
+    velocity = None
+    if state.momentum and all(math.isfinite(m) for m in maxima):  # tensor becomes the increment of v
+        velocity = _momentum_increment(state, tensor, index, layout, parameters, maxima)
+        unused = [m == 0 for m in maxima]
+        maxima = [0.0 if zero else m for zero, m in zip(unused, _parameter_maxima(tensor, layout).tolist())]
     finite = _accumulation_is_finite(state, tensor, residual, maxima, index)
     flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
     if finite:
@@ -658,6 +695,9 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
         taken = msg.values * applied
     if residual is not None:
         _record_taken(state, index, msg.indices, taken)
+    if velocity is not None:  # momentum factor masking: the velocity is cleared where a slot was applied
+        sent = torch.arange(k, device=tensor.device) < msg.count
+        velocity.index_fill_(0, msg.indices[sent if applied is None else sent & applied].long(), 0)
     stats.apply_seconds = perf_counter() - start
     done = torch.futures.Future()
     done.set_result(tensor)
@@ -724,14 +764,16 @@ def _dense_allreduce(tensor: torch.Tensor, group: dist.ProcessGroup, size: int,
 
 
 def _reduce_in_parts(state: SparseGradState, buffer: torch.Tensor, layout: Layout,
-                     parts: list[tuple[int, Layout]]) -> torch.futures.Future:
+                     parameters: list[torch.Tensor], parts: list[tuple[int, Layout]]) -> torch.futures.Future:
     """A bucket made of the checkpoint's buckets is reduced as those buckets, then put together again."""
     offsets, offset = {}, 0
     for ordinal, numel in layout:
         offsets[ordinal] = offset
         offset += numel
+    by_ordinal = dict(zip((o for o, _ in layout), parameters))
     slices = [[slice(offsets[o], offsets[o] + n) for o, n in part_layout] for _, part_layout in parts]
-    futures = [_reduce_part(state, torch.cat([buffer[s] for s in part_slices]), index, part_layout)
+    futures = [_reduce_part(state, torch.cat([buffer[s] for s in part_slices]), index, part_layout,
+                            [by_ordinal[o] for o, _ in part_layout])
                for (index, part_layout), part_slices in zip(parts, slices)]
 
     def scatter_back(_):
@@ -763,6 +805,34 @@ def _chain(reduced: torch.futures.Future, result: torch.futures.Future, value: t
     reduced.add_done_callback(forward)
 
 
+def _momentum_increment(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout,
+                        parameters: Optional[list[torch.Tensor]], maxima: list[float]) -> torch.Tensor:
+    """Momentum correction: ``tensor`` (the gradient) becomes what enters the residual v this step: u after
+    ``u = momentum * u + g + weight_decay * w`` (Nesterov: ``g + weight_decay * w + momentum * u``). A parameter
+    whose gradient is all zero here (``maxima`` 0: unused by this rank) keeps its velocity and adds nothing, as
+    if the step had not happened for it. Returns the bucket's velocity."""
+    if state.weight_decay:
+        if parameters is None:
+            raise ValueError("weight_decay needs the bucket's parameters (a DDP model, or reduce(parameters=...))")
+        for part, p in zip(tensor.split([n for _, n in layout]), parameters):
+            part.add_(p.detach().reshape(-1), alpha=state.weight_decay)
+    velocity = state.velocity_store.residual(index, tensor, layout)
+    if state.scaler is not None:  # restored if the scaler skips this step
+        state.velocities_before[index] = velocity.clone()
+    held = _hold_unused(velocity, maxima, layout, zero=False)
+    velocity.mul_(state.momentum).add_(tensor)
+    if state.nesterov:
+        tensor.add_(velocity, alpha=state.momentum)
+    else:
+        tensor.copy_(velocity)
+    for part, saved in held:
+        part.copy_(saved)
+    for part, largest in zip(tensor.split([n for _, n in layout]) if layout else [tensor], maxima):
+        if largest == 0:
+            part.zero_()
+    return velocity
+
+
 # ----- what a step may not apply: non-finite sums, unused parameters, steps the loss scaler skips -----
 
 
@@ -779,10 +849,10 @@ def _accumulation_is_finite(state: SparseGradState, tensor: torch.Tensor, residu
     return bool(torch.isfinite(tensor + residual).all())
 
 
-def _hold_unused(residual: torch.Tensor, maxima: list[float],
-                 layout: Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zero the residual of each parameter whose gradient is all zero (unused by this rank) for the selection;
-    returns (residual part, saved copy) pairs to restore after it."""
+def _hold_unused(residual: torch.Tensor, maxima: list[float], layout: Layout,
+                 zero: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Save (and ``zero``, for the selection) the part of each parameter whose gradient is all zero (unused by
+    this rank); returns (part, saved copy) pairs to restore afterwards."""
     if layout is None:
         return []
     held, offset = [], 0
@@ -790,7 +860,8 @@ def _hold_unused(residual: torch.Tensor, maxima: list[float],
         if largest == 0 and numel:
             part = residual[offset:offset + numel]
             held.append((part, part.clone()))
-            part.zero_()
+            if zero:
+                part.zero_()
         offset += numel
     return held
 
@@ -817,10 +888,12 @@ def _start_iteration(state: SparseGradState) -> None:
             else:
                 ops.scatter_add_(residual, indices, values,
                                  backend=state.compressor_now.backend.for_device(residual.device))
-    state.taken = {}
+        for index, velocity in state.velocities_before.items():
+            state.velocity_store.residuals[index] = velocity
+    state.taken, state.velocities_before = {}, {}
     if scale != state.residual_scale:
         factor = scale / state.residual_scale
-        for residual in state.residual_store.all_tensors():
+        for residual in [*state.residual_store.all_tensors(), *state.velocity_store.all_tensors()]:
             residual.mul_(factor)
         state.residual_bounds = {}
         state.residual_scale = scale

@@ -25,6 +25,9 @@ WORLD_SIZE = 3  # folds rank 2 into rank 0: the general case of the butterfly
 # (compressor, collective, compressor_kwargs)
 CONFIGS = [("gaussiank", "gtopk", {}), ("topk", "allgather", {}), ("randomk", "gtopk", {}),
            ("gaussiank", "allgather", {"mode": "paper"})]
+# Resumed runs: three of CONFIGS, and momentum correction (the optimizer then has no momentum of its own).
+RESUMED = [(*config, {}) for config in CONFIGS[:3]] + [
+    ("gaussiank", "gtopk", {}, {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3})]
 MIN_COMPRESS_NUMEL = 2500  # the 2112-element bucket goes dense
 DENSITY = 0.05
 
@@ -142,17 +145,18 @@ def ddp_worker(rank: int, size: int, checkpoint_dir: str) -> list[str]:
             failures.append(f"{name}: expected 2 stats log lines, got {handler.messages}")
 
     # Resume: 10 steps straight, or 5 steps, a checkpoint, and 5 more in fresh processes (resume_worker).
-    for compressor, collective, kwargs in CONFIGS[:3]:
-        state = make_state(compressor, collective, kwargs)
+    for compressor, collective, kwargs, extra in RESUMED:
+        state = make_state(compressor, collective, kwargs, **extra)
         model = make_model()
         ddp = make_ddp(model, state)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        optimizer = make_optimizer(model, extra)
         train(ddp, optimizer, rank, range(5))
+        name = resumed_name(compressor, collective, extra)
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict()},
-                   os.path.join(checkpoint_dir, f"{compressor}-{collective}-rank{rank}.pt"))
+                   os.path.join(checkpoint_dir, f"{name}-rank{rank}.pt"))
         train(ddp, optimizer, rank, range(5, 10))
         torch.save([p.detach().clone() for p in model.parameters()],
-                   os.path.join(checkpoint_dir, f"{compressor}-{collective}-rank{rank}-straight.pt"))
+                   os.path.join(checkpoint_dir, f"{name}-rank{rank}-straight.pt"))
 
     # Pickling drops the process group, as PowerSGDState's does; the residuals and counters stay.
     state = make_state("gaussiank", "gtopk", {}, process_group=dist.new_group(list(range(size))))
@@ -163,22 +167,32 @@ def ddp_worker(rank: int, size: int, checkpoint_dir: str) -> list[str]:
     return failures
 
 
+def resumed_name(compressor: str, collective: str, extra: dict) -> str:
+    return f"{compressor}-{collective}" + ("-momentum" if extra else "")
+
+
+def make_optimizer(model: nn.Module, extra: dict) -> torch.optim.Optimizer:
+    """Momentum in the optimizer, or in the hook (momentum correction) and none in the optimizer."""
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if extra.get("momentum") else 0.9)
+
+
 def resume_worker(rank: int, size: int, checkpoint_dir: str) -> list[str]:
     failures = []
-    for compressor, collective, kwargs in CONFIGS[:3]:
-        checkpoint = torch.load(os.path.join(checkpoint_dir, f"{compressor}-{collective}-rank{rank}.pt"))
-        state = make_state(compressor, collective, kwargs)
+    for compressor, collective, kwargs, extra in RESUMED:
+        name = resumed_name(compressor, collective, extra)
+        checkpoint = torch.load(os.path.join(checkpoint_dir, f"{name}-rank{rank}.pt"))
+        state = make_state(compressor, collective, kwargs, **extra)
         state.load_state_dict(checkpoint["hook"])
         model = make_model()
         model.load_state_dict(checkpoint["model"])
         ddp = make_ddp(model, state)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        optimizer = make_optimizer(model, extra)
         optimizer.load_state_dict(checkpoint["optimizer"])
         train(ddp, optimizer, rank, range(5, 10))
-        straight = torch.load(os.path.join(checkpoint_dir, f"{compressor}-{collective}-rank{rank}-straight.pt"))
+        straight = torch.load(os.path.join(checkpoint_dir, f"{name}-rank{rank}-straight.pt"))
         if not all(torch.equal(a, b) for a, b in zip(model.parameters(), straight)):
             diff = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), straight))
-            failures.append(f"{compressor}/{collective}: resumed run differs from the straight one by {diff:.3g}")
+            failures.append(f"{name}: resumed run differs from the straight one by {diff:.3g}")
     return failures
 
 

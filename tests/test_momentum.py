@@ -1,0 +1,122 @@
+"""Momentum correction and momentum factor masking in the hook (Deep Gradient Compression), on real Gloo groups of
+2 and 3 ranks, against a plain-Python replay of the algorithm: per rank, a velocity u and an accumulator v,
+``g += wd * w``, ``u = m * u + g``, ``v += u`` (Nesterov: ``v += g + m * u``), the top-k of v sent, the slots
+applied cleared in v and u, the dropped ones back in v; dense warm-up steps send u and keep it.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gtopk_ext as gx
+from tests.distributed import run_distributed
+
+NUMEL, DENSITY, START_ITER, STEPS = 300, 0.05, 2, 7
+SHAPES = [(200,), (100,)]  # two parameters in one bucket
+
+
+def gradient(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def parameters() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def replay(group, rank: int, size: int, collective: str, momentum: float, nesterov: bool, decay: float):
+    """The algorithm in plain PyTorch, one rank's view: per step (output, u, v), and what entered v in total."""
+    weights = torch.cat([p.reshape(-1) for p in parameters()])
+    u, v, entered, k = torch.zeros(NUMEL), torch.zeros(NUMEL), torch.zeros(NUMEL, dtype=torch.float64), 15
+    steps = []
+    for step in range(STEPS):
+        g = gradient(step, rank) + decay * weights
+        u = momentum * u + g
+        increment = g + momentum * u if nesterov else u.clone()
+        if step < START_ITER:
+            output = increment / size
+            dist.all_reduce(output, group=group)
+        else:
+            entered += increment.double()
+            v = v + increment
+            indices = torch.topk(v.abs(), k).indices.sort().values
+            values = v[indices].clone()
+            v[indices] = 0
+            msg = gx.SparseMessage(values, indices.int(), torch.tensor([k], dtype=torch.int32), NUMEL)
+            output = torch.zeros(NUMEL)
+            if collective == "allgather":
+                applied = torch.ones(k, dtype=torch.bool)
+                output = gx.collectives.sparse_allgather(msg, group) / size
+            else:
+                glob, applied = gx.collectives.gtopk_allreduce(msg, group)
+                output.index_add_(0, glob.indices.long(), glob.values / size)
+                v[indices[~applied]] += values[~applied]
+            u[indices[applied]] = 0
+        steps.append((output, u.clone(), v.clone()))
+    return steps, entered
+
+
+def check(group, rank: int, size: int) -> list[str]:
+    failures = []
+    for collective in ("gtopk", "allgather"):
+        for momentum, nesterov, decay in ((0.9, False, 0.0), (0.9, True, 1e-2), (0.5, False, 1e-3)):
+            where = f"P={size} {collective} m={momentum} nesterov={nesterov} wd={decay}"
+            state = gx.SparseGradState(group, density=DENSITY, compressor="topk", collective=collective,
+                                       start_iter=START_ITER, min_compress_numel=1, stats_logging_frequency=0,
+                                       momentum=momentum, nesterov=nesterov, weight_decay=decay)
+            params = parameters()
+            expected, entered = replay(group, rank, size, collective, momentum, nesterov, decay)
+            applied = torch.zeros(NUMEL, dtype=torch.float64)
+            for step, (output, u, v) in enumerate(expected):
+                got = state.reduce(gradient(step, rank), 0, parameters=params).wait()
+                velocity, residual = state.velocity_store.residuals[0], state.residuals.get(0, torch.zeros(NUMEL))
+                if not (torch.allclose(got, output, rtol=1e-5, atol=1e-6) and torch.allclose(velocity, u, atol=1e-5)
+                        and torch.allclose(residual, v, atol=1e-5)):
+                    failures.append(f"{where}, step {step}: output off by {float((got - output).abs().max()):.3g}, "
+                                    f"u by {float((velocity - u).abs().max()):.3g}, "
+                                    f"v by {float((residual - v).abs().max()):.3g}")
+                    break
+                if step >= START_ITER:
+                    applied += size * got.double()
+            # Conserved: what entered every rank's v = what was applied + what the v keep.
+            total = torch.stack([entered, state.residuals[0].double()])
+            dist.all_reduce(total, group=group)
+            imbalance = float((total[0] - applied - total[1]).abs().max())
+            if imbalance > 1e-4:
+                failures.append(f"{where}: entered != applied + kept by {imbalance:.3g}")
+    # Momentum 0 is today's hook, bit for bit.
+    plain = gx.SparseGradState(group, density=DENSITY, start_iter=START_ITER, stats_logging_frequency=0)
+    zero = gx.SparseGradState(group, density=DENSITY, start_iter=START_ITER, stats_logging_frequency=0, momentum=0.0)
+    for step in range(4):
+        a = plain.reduce(gradient(step, rank), 0).wait()
+        b = zero.reduce(gradient(step, rank), 0).wait()
+        if not torch.equal(a, b) or zero.velocity_store.residuals:
+            failures.append(f"P={size}: momentum=0 differs from the default at step {step}")
+            break
+    return failures
+
+
+def momentum_worker(rank: int, world_size: int) -> list[str]:
+    failures = []
+    for size in (2, 3):
+        group = dist.new_group(list(range(size)))
+        if rank < size:
+            failures += check(group, rank, size)
+    return failures
+
+
+def test_momentum_correction_matches_the_algorithm_and_conserves():
+    results = run_distributed(momentum_worker, 3, timeout=300)
+    failures = [f for rank_failures in results for f in rank_failures]
+    assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"momentum": 1.0}, r"momentum must be a number in \[0, 1\)"),
+    ({"momentum": -0.1}, r"momentum must be a number in \[0, 1\)"),
+    ({"nesterov": True}, "nesterov=True needs momentum > 0"),
+    ({"momentum": 0.9, "weight_decay": -1e-4}, "weight_decay must be a number >= 0"),
+])
+def test_bad_momentum_arguments(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        gx.SparseGradState(**kwargs)

@@ -333,6 +333,9 @@ class SparseGradState:
             the dense collective) send u (Nesterov: g + momentum * u) and keep it. ``momentum=0`` (default):
             today's plain error feedback, bit for bit. Needs the buckets' parameters (a DDP model) for weight
             decay. Conserved: what entered v (the increments) = what was applied + what v keeps.
+        clip_norm: DGC's local gradient clipping: each rank scales each bucket's gradient so that its L2 norm is at
+            most ``clip_norm / sqrt(P)`` (before weight decay and momentum), on every path. Per bucket, not over
+            the model: a norm over the model would wait for the last bucket and undo the overlap.
 
     Fields besides the arguments:
 
@@ -371,8 +374,11 @@ class SparseGradState:
                  min_compress_numel: int = 1024, density_schedule: DensitySchedule = None, random_seed: int = 0,
                  stats_logging_frequency: int = 1000, error_feedback: bool = True,
                  compressor_kwargs: Optional[dict] = None, synchronous: bool = False, momentum: float = 0.0,
-                 nesterov: bool = False, weight_decay: float = 0.0):
+                 nesterov: bool = False, weight_decay: float = 0.0, clip_norm: Optional[float] = None):
         check_density(density)
+        if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
+                                      or not clip_norm > 0):
+            raise ValueError(f"clip_norm must be None or a number > 0, got {clip_norm!r}")
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
         if nesterov and momentum == 0:
@@ -406,6 +412,7 @@ class SparseGradState:
         self.momentum = float(momentum)
         self.nesterov = bool(nesterov)
         self.weight_decay = float(weight_decay)
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
         # Residual store and loss-scaler bookkeeping.
         self.residual_store = ResidualStore()
         self.velocity_store = ResidualStore()  # momentum correction's velocities, laid out as the residuals
@@ -634,6 +641,8 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
     stats = state.bucket_stats[index] = BucketStats("sparse" if compress else "dense", numel, k,
                                                     selected=0 if compress else numel)
     _agree(state, group, tensor, index, ("sparse" if compress else "dense", k), stats.traffic)
+    if state.clip_norm is not None:
+        _clip(tensor, state.clip_norm / math.sqrt(size))
     if not compress:
         if state.momentum and bool(torch.isfinite(tensor).all()):  # an inf must not poison the velocity
             _momentum_increment(state, tensor, index, layout, parameters, [1.0] * len(layout or [None]))
@@ -803,6 +812,26 @@ def _chain(reduced: torch.futures.Future, result: torch.futures.Future, value: t
             _complete(result, value)
 
     reduced.add_done_callback(forward)
+
+
+def _clip(tensor: torch.Tensor, max_norm: float) -> None:
+    """Scale ``tensor`` so that its L2 norm is at most ``max_norm`` (on the device: no host sync)."""
+    norm = torch.linalg.vector_norm(tensor, dtype=torch.float32)
+    tensor.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(tensor.dtype))
+
+
+def exponential_warmup(final_density: float, warmup_iters: int, start_density: float = 0.25,
+                       stages: int = 4) -> list[tuple[int, float]]:
+    """DGC's exponential sparsity warm-up as a ``density_schedule``: the density falls geometrically from
+    ``start_density`` to ``final_density`` in ``stages`` equal steps over the first ``warmup_iters`` iterations
+    (DGC: 0.25, 0.0625, 0.0156, 0.004, 0.001 over four epochs; geometric: 0.25, 0.0629, 0.0158, 0.0040, 0.001)."""
+    check_density(final_density, "final_density")
+    check_density(start_density, "start_density")
+    for name, value in (("warmup_iters", warmup_iters), ("stages", stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    ratio = final_density / start_density
+    return [(round(j * warmup_iters / stages), start_density * ratio ** (j / stages)) for j in range(stages + 1)]
 
 
 def _momentum_increment(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout,

@@ -84,6 +84,18 @@ def check(group, rank: int, size: int) -> list[str]:
             imbalance = float((total[0] - applied - total[1]).abs().max())
             if imbalance > 1e-4:
                 failures.append(f"{where}: entered != applied + kept by {imbalance:.3g}")
+    # Local clipping: each rank's bucket scaled to an L2 norm of at most clip_norm / sqrt(P), on every path.
+    clip_norm = 5.0
+    for collective, extra in (("dense", {}), ("gtopk", {"density": 1.0, "start_iter": 0, "error_feedback": False})):
+        state = gx.SparseGradState(group, collective=collective, clip_norm=clip_norm, stats_logging_frequency=0,
+                                   **extra)
+        grad = gradient(0, rank) * (rank + 1)  # norms about 17, 35, 52: all above the limit
+        limit = clip_norm / size ** 0.5
+        expected = grad * min(1.0, limit / (float(grad.norm()) + 1e-6)) / size
+        dist.all_reduce(expected, group=group)
+        got = state.reduce(grad.clone(), 0).wait()
+        if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+            failures.append(f"P={size} {collective} clip_norm: off by {float((got - expected).abs().max()):.3g}")
     # Momentum 0 is today's hook, bit for bit.
     plain = gx.SparseGradState(group, density=DENSITY, start_iter=START_ITER, stats_logging_frequency=0)
     zero = gx.SparseGradState(group, density=DENSITY, start_iter=START_ITER, stats_logging_frequency=0, momentum=0.0)
@@ -116,7 +128,21 @@ def test_momentum_correction_matches_the_algorithm_and_conserves():
     ({"momentum": -0.1}, r"momentum must be a number in \[0, 1\)"),
     ({"nesterov": True}, "nesterov=True needs momentum > 0"),
     ({"momentum": 0.9, "weight_decay": -1e-4}, "weight_decay must be a number >= 0"),
+    ({"clip_norm": 0.0}, "clip_norm must be None or a number > 0"),
 ])
 def test_bad_momentum_arguments(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         gx.SparseGradState(**kwargs)
+
+
+def test_exponential_warmup_is_dgcs_schedule():
+    schedule = gx.exponential_warmup(0.001, 400)
+    assert [start for start, _ in schedule] == [0, 100, 200, 300, 400]
+    for (_, density), dgc in zip(schedule, (0.25, 0.0625, 0.015625, 0.00390625, 0.001)):
+        assert density == pytest.approx(dgc, rel=0.02)  # geometric: within 2% of the paper's rounded values
+    state = gx.SparseGradState(density=0.001, density_schedule=schedule)
+    assert state.density_at(99) == pytest.approx(0.25) and state.density_at(10**6) == pytest.approx(0.001)
+    with pytest.raises(ValueError, match="warmup_iters must be an int >= 1"):
+        gx.exponential_warmup(0.001, 0)
+    with pytest.raises(ValueError, match="final_density must be a number in"):
+        gx.exponential_warmup(0.0, 10)

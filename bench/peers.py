@@ -70,6 +70,7 @@ from bench.gradients import wide_mlp  # noqa: E402
 from gtopk_ext.utils import destroy_process_group  # noqa: E402
 
 START_ITER = 2  # dense iterations of every compressing hook (PowerSGD and gtopk_ext need at least 2)
+DGC_WARMUP_ITERS = 20  # the dgc methods' sparsity warm-up (from density 0.25 to theirs)
 WARMUP_STEPS = START_ITER + 1  # steps left out of the timing and byte statistics
 MODELS = ("cnn", "mlp", "deep")
 DEEP_LAYERS = 8  # --model deep: this many equal hidden layers, so that many buckets overlap the backward
@@ -145,12 +146,14 @@ def no_communication_hook(world_size: int, bucket: dist.GradBucket) -> torch.fut
 
 @dataclass(frozen=True)
 class Recipe:
-    """One method: ``attach(ddp_model, world_size)`` registers its hook (or none) and returns its accounting;
-    ``one_bucket``: the DDP model is built with a single bucket."""
+    """One method: ``attach(ddp_model, world_size, args)`` registers its hook (or none) and returns its accounting;
+    ``one_bucket``: the DDP model is built with a single bucket; ``momentum_in_hook``: the hook applies the momentum
+    (momentum correction), so the optimizer runs without it."""
 
     label: str
-    attach: Callable[[DistributedDataParallel, int], Accounting]
+    attach: Callable[[DistributedDataParallel, int, argparse.Namespace], Accounting]
     one_bucket: bool = False
+    momentum_in_hook: bool = False
 
 
 def numel_of(model: nn.Module) -> int:
@@ -158,7 +161,7 @@ def numel_of(model: nn.Module) -> int:
 
 
 def allreduce_recipe(label: str, hook=None, wire_bytes: int = 4) -> Recipe:
-    def attach(ddp, world_size):
+    def attach(ddp, world_size, args):
         if hook is not None:
             ddp.register_comm_hook(None, hook)
         return DenseAccounting(numel_of(ddp), wire_bytes, world_size)
@@ -166,7 +169,7 @@ def allreduce_recipe(label: str, hook=None, wire_bytes: int = 4) -> Recipe:
 
 
 def powersgd_recipe(rank: int) -> Recipe:
-    def attach(ddp, world_size):
+    def attach(ddp, world_size, args):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=START_ITER)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
@@ -176,15 +179,28 @@ def powersgd_recipe(rank: int) -> Recipe:
 
 def gtopk_ext_recipe(label: str, **state_kwargs) -> Recipe:
     """gtopk_ext's hook with ``SparseGradState(**state_kwargs)`` and the shared dense warm-up."""
-    def attach(ddp, world_size):
+    def attach(ddp, world_size, args):
         state = gx.SparseGradState(start_iter=START_ITER, stats_logging_frequency=0, **state_kwargs)
         ddp.register_comm_hook(state, gx.sparse_grad_hook)
         return GtopkExtAccounting(state)
     return Recipe(label, attach)
 
 
+def dgc_recipe(density: float) -> Recipe:
+    """gtopk_ext with Deep Gradient Compression's momentum correction (the optimizer's momentum moves into the
+    hook) and its exponential sparsity warm-up over the first DGC_WARMUP_ITERS iterations."""
+    def attach(ddp, world_size, args):
+        state = gx.SparseGradState(start_iter=START_ITER, stats_logging_frequency=0, density=density,
+                                   momentum=args.momentum, density_schedule=gx.exponential_warmup(
+                                       density, DGC_WARMUP_ITERS))
+        ddp.register_comm_hook(state, gx.sparse_grad_hook)
+        return GtopkExtAccounting(state)
+    return Recipe(f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up", attach,
+                  momentum_in_hook=True)
+
+
 def floor_recipe() -> Recipe:
-    def attach(ddp, world_size):
+    def attach(ddp, world_size, args):
         ddp.register_comm_hook(world_size, no_communication_hook)
         return NoAccounting()
     return Recipe("no communication (compute floor)", attach)
@@ -199,6 +215,7 @@ RECIPES: dict[str, Recipe] = {
     **{f"{collective}-{density:g}": gtopk_ext_recipe(f"Gaussian-k + {collective}, d={density:g}",
                                                      density=density, collective=collective)
        for collective in ("gtopk", "allgather") for density in (0.01, 0.001)},
+    **{f"dgc-{density:g}": dgc_recipe(density) for density in (0.01, 0.001)},
     **{f"gtopk-{density:g}-sync": gtopk_ext_recipe(f"Gaussian-k + gtopk, d={density:g}, each bucket finished in "
                                                    f"the hook call", density=density, synchronous=True)
        for density in (0.01, 0.001)},
@@ -229,8 +246,9 @@ class Contestant:
         # One bucket: a cap above the model's size (DDP's first bucket then has that cap too).
         cap_mb = numel_of(model) * 4 / 2**20 + 1 if recipe.one_bucket else args.bucket_cap_mb
         self.ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
-        self.accounting = recipe.attach(self.ddp, world_size)
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+        self.accounting = recipe.attach(self.ddp, world_size, args)
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=args.lr,
+                                         momentum=0.0 if recipe.momentum_in_hook else args.momentum)
         self.seconds, self.cpu_seconds, self.tx_bytes, self.own_bytes = [], [], [], []
         self.evals: list[tuple[int, float]] = []
 

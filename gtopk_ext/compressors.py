@@ -96,12 +96,17 @@ class Compressor:
         return k_for_density(self.density, numel)
 
     def compress(self, grad: torch.Tensor, residual: torch.Tensor | None = None, *,
-                 step: int | None = None) -> SparseMessage:
+                 step: int | None = None, k: int | None = None) -> SparseMessage:
+        """``k``: the message's slots (default ``ceil(density * numel)``; the hook's per-tensor shares set it)."""
         _check_inputs(grad, residual)
         flat_grad = grad.detach().reshape(-1)
         flat_residual = residual.view(-1) if residual is not None else None
         backend = self.backend.for_device(flat_grad.device)
-        return self._compress(flat_grad, flat_residual, self.k_for(flat_grad.numel()), step, backend)
+        if k is None:
+            k = self.k_for(flat_grad.numel())
+        elif isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= flat_grad.numel():
+            raise ValueError(f"k must be an int in [1, numel = {flat_grad.numel()}], got {k!r}")
+        return self._compress(flat_grad, flat_residual, k, step, backend)
 
     def _compress(self, grad: torch.Tensor, residual: torch.Tensor | None, k: int, step: int | None,
                   backend: Backend) -> SparseMessage:

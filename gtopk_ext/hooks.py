@@ -336,6 +336,11 @@ class SparseGradState:
         clip_norm: DGC's local gradient clipping: each rank scales each bucket's gradient so that its L2 norm is at
             most ``clip_norm / sqrt(P)`` (before weight decay and momentum), on every path. Per bucket, not over
             the model: a norm over the model would wait for the last bucket and undo the overlap.
+        per_tensor: select within each parameter of a bucket separately, each with its share of the bucket's k
+            (:func:`tensor_shares`), so that a tensor of small gradients (a LayerNorm, an embedding) is not
+            starved by a larger-scaled one; the message stays k slots (``selected`` then counts used slots). It
+            shapes the local selection: with ``collective="allgather"`` every share is applied, while gTop-k's
+            merges still rank the whole bucket and send small-scaled shares back to the residual.
 
     Fields besides the arguments:
 
@@ -374,7 +379,8 @@ class SparseGradState:
                  min_compress_numel: int = 1024, density_schedule: DensitySchedule = None, random_seed: int = 0,
                  stats_logging_frequency: int = 1000, error_feedback: bool = True,
                  compressor_kwargs: Optional[dict] = None, synchronous: bool = False, momentum: float = 0.0,
-                 nesterov: bool = False, weight_decay: float = 0.0, clip_norm: Optional[float] = None):
+                 nesterov: bool = False, weight_decay: float = 0.0, clip_norm: Optional[float] = None,
+                 per_tensor: bool = False):
         check_density(density)
         if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
                                       or not clip_norm > 0):
@@ -413,6 +419,7 @@ class SparseGradState:
         self.nesterov = bool(nesterov)
         self.weight_decay = float(weight_decay)
         self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self.per_tensor = bool(per_tensor)
         # Residual store and loss-scaler bookkeeping.
         self.residual_store = ResidualStore()
         self.velocity_store = ResidualStore()  # momentum correction's velocities, laid out as the residuals
@@ -664,7 +671,7 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
     finite = _accumulation_is_finite(state, tensor, residual, maxima, index)
     flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
     if finite:
-        msg = _select(state, tensor, residual, maxima, layout, index, density)
+        msg = _select(state, tensor, residual, maxima, layout, index, density, k)
     else:  # nothing selected, the residual untouched: the flag sends every rank dense
         flags[0] = FLAG_NONFINITE
         msg = _empty_message(tensor, k, state.compressor_now)
@@ -729,19 +736,76 @@ def _agree(state: SparseGradState, group: dist.ProcessGroup, tensor: torch.Tenso
 
 
 def _select(state: SparseGradState, tensor: torch.Tensor, residual: Optional[torch.Tensor], maxima: list[float],
-            layout: Layout, index: int, density: float) -> SparseMessage:
-    held = _hold_unused(residual, maxima, layout) if residual is not None else []
+            layout: Layout, index: int, density: float, k: int) -> SparseMessage:
     if state.compressor_now.density != density:
         state.compressor_now = make_compressor(state.compressor, density, **state.compressor_kwargs)
-    msg = state.compressor_now.compress(tensor, residual,
-                                        step=state.random_seed + state.iter * _STEPS_PER_ITER + index)
-    for part, saved in held:  # compressed as zeros: nothing of them was taken
-        part.copy_(saved)
-    if residual is not None and msg.stats is not None and not held:
-        state.residual_bounds[index] = (residual, msg.stats[ops.STAT_MAX_ABS])
+    step = state.random_seed + state.iter * _STEPS_PER_ITER + index
+    if state.per_tensor and layout is not None and len(layout) > 1:
+        msg, bound = _select_per_tensor(state.compressor_now, tensor, residual, maxima, layout, k, step)
+    else:
+        held = _hold_unused(residual, maxima, layout) if residual is not None else []
+        msg = state.compressor_now.compress(tensor, residual, step=step)
+        for part, saved in held:  # compressed as zeros: nothing of them was taken
+            part.copy_(saved)
+        bound = msg.stats[ops.STAT_MAX_ABS] if msg.stats is not None and not held else None
+    if residual is not None and bound is not None:
+        state.residual_bounds[index] = (residual, bound)
     else:
         state.residual_bounds.pop(index, None)
     return msg
+
+
+def tensor_shares(k: int, numels: Sequence[int]) -> list[int]:
+    """``k`` slots split over tensors of ``numels`` elements (``k <= sum(numels)``): in proportion to their sizes
+    (largest remainders first), at least one each while k allows, never more than a tensor holds; they sum to k.
+    A pure function of the sizes, so every rank splits alike."""
+    exact = [k * n / sum(numels) for n in numels]
+    least = 1 if k >= len(numels) else 0
+    shares = [min(n, max(least, int(e))) for n, e in zip(numels, exact)]
+    while sum(shares) < k:
+        grow = max((i for i, n in enumerate(numels) if shares[i] < n), key=lambda i: exact[i] - shares[i])
+        shares[grow] += 1
+    while sum(shares) > k:
+        shrink = min((i for i in range(len(numels)) if shares[i] > least), key=lambda i: exact[i] - shares[i])
+        shares[shrink] -= 1
+    return shares
+
+
+def _select_per_tensor(compressor: Compressor, tensor: torch.Tensor, residual: Optional[torch.Tensor],
+                       maxima: list[float], layout: Layout, k: int, step: int
+                       ) -> tuple[SparseMessage, Optional[torch.Tensor]]:
+    """Each parameter compressed with its share of k; a parameter unused here (an all-zero gradient) sends
+    nothing and keeps its residual. Used slots first, in ascending index order, then the padding. Returns the
+    message and a bound on the residual's max |value| (None when a part has none)."""
+    numels = [n for _, n in layout]
+    grads = tensor.split(numels)
+    residuals = residual.split(numels) if residual is not None else [None] * len(numels)
+    values, indices, used, bounds, offset = [], [], [], [], 0
+    for grad, part_residual, share, largest, numel in zip(grads, residuals, tensor_shares(k, numels), maxima,
+                                                          numels):
+        if share and largest != 0:
+            part = compressor.compress(grad, part_residual, step=step, k=share)
+            values.append(part.values)
+            indices.append(part.indices + offset)
+            used.append(torch.arange(share, device=tensor.device) < part.count)
+            bounds.append(part.stats[ops.STAT_MAX_ABS] if part.stats is not None else None)
+        elif share:
+            values.append(torch.zeros(share, dtype=tensor.dtype, device=tensor.device))
+            indices.append(torch.zeros(share, dtype=torch.int32, device=tensor.device))
+            used.append(torch.zeros(share, dtype=torch.bool, device=tensor.device))
+            bounds.append(None)
+        elif part_residual is not None:  # no slot this step: the gradient waits in the residual
+            part_residual.add_(grad)
+            bounds.append(None)
+        offset += numel
+    used = torch.cat(used)
+    order = torch.argsort((~used).to(torch.int32), stable=True)
+    in_use = used[order]
+    msg = SparseMessage(torch.cat(values)[order], torch.where(in_use, torch.cat(indices)[order], 0),
+                        in_use.sum(dtype=torch.int32).reshape(1), tensor.numel(),
+                        backend=compressor.backend.for_device(tensor.device))
+    bound = None if any(b is None for b in bounds) else torch.stack(bounds).max()
+    return msg, bound
 
 
 def _empty_message(tensor: torch.Tensor, k: int, compressor: Compressor) -> SparseMessage:

@@ -1,7 +1,9 @@
-"""Momentum correction and momentum factor masking in the hook (Deep Gradient Compression), on real Gloo groups of
-2 and 3 ranks, against a plain-Python replay of the algorithm: per rank, a velocity u and an accumulator v,
-``g += wd * w``, ``u = m * u + g``, ``v += u`` (Nesterov: ``v += g + m * u``), the top-k of v sent, the slots
-applied cleared in v and u, the dropped ones back in v; dense warm-up steps send u and keep it.
+"""Deep Gradient Compression's techniques in the hook, on real Gloo groups of 2 and 3 ranks.
+
+Momentum correction and momentum factor masking against a plain-Python replay of the algorithm: per rank, a
+velocity u and an accumulator v, ``g += wd * w``, ``u = m * u + g``, ``v += u`` (Nesterov: ``v += g + m * u``),
+the top-k of v sent, the slots applied cleared in v and u, the dropped ones back in v; dense warm-up steps send u
+and keep it. Local clipping, per-tensor selection and the exponential warm-up.
 """
 
 import pytest
@@ -9,6 +11,10 @@ import torch
 import torch.distributed as dist
 
 import gtopk_ext as gx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gtopk_ext.hooks import tensor_shares
 from tests.distributed import run_distributed
 
 NUMEL, DENSITY, START_ITER, STEPS = 300, 0.05, 2, 7
@@ -96,6 +102,27 @@ def check(group, rank: int, size: int) -> list[str]:
         got = state.reduce(grad.clone(), 0).wait()
         if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
             failures.append(f"P={size} {collective} clip_norm: off by {float((got - expected).abs().max()):.3g}")
+    # Per-tensor selection: a parameter of gradients 1000x smaller still sends its share of k (allgather applies
+    # it; gTop-k's merges rank the whole bucket, so they send it back to the residual), nothing is lost.
+    for collective in ("gtopk", "allgather"):
+        state = gx.SparseGradState(group, density=0.1, collective=collective, min_compress_numel=1,
+                                   per_tensor=True, stats_logging_frequency=0)
+        state.start_iter = 0  # bare buckets that never change: compressing from the first step is safe
+        params, sent, entered = parameters(), torch.zeros(NUMEL, dtype=torch.float64), torch.zeros(NUMEL)
+        for step in range(3):
+            grad = gradient(step, rank)
+            grad[200:] *= 1e-3
+            entered += grad
+            output = state.reduce(grad, 0, parameters=params).wait()
+            sent += size * output.double()
+            small = int((output[200:] != 0).sum())
+            if collective == "allgather" and small < tensor_shares(30, [200, 100])[1]:
+                failures.append(f"P={size} {collective} per_tensor: only {small} of the small parameter's "
+                                f"elements applied at step {step}")
+        total = torch.stack([entered.double(), state.residuals[0].double()])
+        dist.all_reduce(total, group=group)
+        if float((total[0] - sent - total[1]).abs().max()) > 1e-4:
+            failures.append(f"P={size} {collective} per_tensor: gradient lost")
     # Momentum 0 is today's hook, bit for bit.
     plain = gx.SparseGradState(group, density=DENSITY, start_iter=START_ITER, stats_logging_frequency=0)
     zero = gx.SparseGradState(group, density=DENSITY, start_iter=START_ITER, stats_logging_frequency=0, momentum=0.0)
@@ -146,3 +173,16 @@ def test_exponential_warmup_is_dgcs_schedule():
         gx.exponential_warmup(0.001, 0)
     with pytest.raises(ValueError, match="final_density must be a number in"):
         gx.exponential_warmup(0.0, 10)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.data())
+def test_tensor_shares_split_k_exactly(numels, data):
+    k = data.draw(st.integers(1, sum(numels)))
+    shares = tensor_shares(k, numels)
+    assert sum(shares) == k
+    assert all(0 <= s <= n for s, n in zip(shares, numels))
+    if k >= len(numels):
+        assert min(shares) >= 1
+    exact = [k * n / sum(numels) for n in numels]
+    assert all(abs(s - e) < len(numels) + 1 for s, e in zip(shares, exact))

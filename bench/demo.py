@@ -9,6 +9,7 @@ the same initial weights, data order and epochs:
     topk-allgather        exact top-k (torch.topk) + allgather of every rank's k pairs   (TopK-SGD)
     gaussiank-allgather   Gaussian-k threshold + allgather
     gaussiank-gtopk       Gaussian-k threshold + gTop-k butterfly merge, O(k log P)
+    gaussiank-gtopk-mc    the same with momentum correction (the hook applies the momentum, the optimizer none)
 
 Every sparse run uses the hook's error feedback, its residual warm-up (``--start-iter`` dense iterations) and a
 density warm-up: ``--warmup-steps`` iterations of density decaying geometrically from ``--warmup-density`` to the
@@ -47,13 +48,15 @@ from bench.digits import MODELS, load_digits_split, make_model  # noqa: E402
 from gtopk_ext.utils import destroy_process_group  # noqa: E402
 from gtopk_ext.collectives import ring_allreduce_bytes  # noqa: E402
 
-# method -> (compressor, collective) of the hook; None: DDP's own allreduce.
-METHODS: dict[str, tuple[str, str] | None] = {
+# method -> (compressor, collective, momentum correction) of the hook; None: DDP's own allreduce. With momentum
+# correction the hook applies --momentum and --weight-decay and the optimizer neither.
+METHODS: dict[str, tuple[str, str, bool] | None] = {
     "dense": None,
-    "hook-dense": ("gaussiank", "dense"),
-    "topk-allgather": ("topk", "allgather"),
-    "gaussiank-allgather": ("gaussiank", "allgather"),
-    "gaussiank-gtopk": ("gaussiank", "gtopk"),
+    "hook-dense": ("gaussiank", "dense", False),
+    "topk-allgather": ("topk", "allgather", False),
+    "gaussiank-allgather": ("gaussiank", "allgather", False),
+    "gaussiank-gtopk": ("gaussiank", "gtopk", False),
+    "gaussiank-gtopk-mc": ("gaussiank", "gtopk", True),
 }
 DEFAULT_METHODS = ("dense", "topk-allgather", "gaussiank-allgather", "gaussiank-gtopk")
 
@@ -62,25 +65,20 @@ def is_sparse(method: str) -> bool:
     return METHODS[method] is not None and METHODS[method][1] != "dense"
 
 
-def density_warmup(target: float, start: float, steps: int, start_iter: int) -> list[tuple[int, float]]:
-    """A geometric density decay from ``start`` to ``target`` over ``steps`` iterations after ``start_iter``, in
-    4 stages (as Deep Gradient Compression warms up), then ``target``; just ``target`` when there is no warm-up."""
-    if steps <= 0 or start <= target:
-        return [(0, target)]
-    stages = 4
-    return [(start_iter + steps * i // stages, start * (target / start) ** (i / stages)) for i in range(stages)] + [
-        (start_iter + steps, target)]
+def momentum_in_hook(method: str) -> bool:
+    return METHODS[method] is not None and METHODS[method][2]
 
 
 def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx.SparseGradState | None:
     if METHODS[method] is None:
         return None
-    compressor, collective = METHODS[method]
+    compressor, collective, correction = METHODS[method]
+    moved = {"momentum": args.momentum, "weight_decay": args.weight_decay} if correction else {}
     return gx.SparseGradState(density=density, compressor=compressor, collective=collective,
                               start_iter=args.start_iter, min_compress_numel=args.min_compress_numel,
-                              density_schedule=density_warmup(density, args.warmup_density, args.warmup_steps,
-                                                              args.start_iter),
-                              stats_logging_frequency=0)
+                              density_schedule=gx.exponential_warmup(density, args.warmup_steps, args.warmup_density,
+                                                                     start_iter=args.start_iter),
+                              stats_logging_frequency=0, **moved)
 
 
 def batches_of_epoch(epoch: int, seed: int, n_train: int, rank: int, world_size: int, batch_size: int):
@@ -110,8 +108,9 @@ def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple,
     if state is not None:
         ddp.register_comm_hook(state, gx.sparse_grad_hook)
     dense_bytes = ring_allreduce_bytes(sum(p.numel() * p.element_size() for p in model.parameters()), world_size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
+    in_hook = momentum_in_hook(method)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if in_hook else args.momentum,
+                                weight_decay=0.0 if in_hook else args.weight_decay)
     losses, step_seconds, bytes_sent, selected_over_k = [], [], [], []
     evals = [(0, *evaluate(model, test_x, test_y))]
     dist.barrier()

@@ -884,18 +884,22 @@ def _clip(tensor: torch.Tensor, max_norm: float) -> None:
     tensor.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(tensor.dtype))
 
 
-def exponential_warmup(final_density: float, warmup_iters: int, start_density: float = 0.25,
-                       stages: int = 4) -> list[tuple[int, float]]:
+def exponential_warmup(final_density: float, warmup_iters: int, start_density: float = 0.25, stages: int = 4,
+                       start_iter: int = 0) -> list[tuple[int, float]]:
     """DGC's exponential sparsity warm-up as a ``density_schedule``: the density falls geometrically from
-    ``start_density`` to ``final_density`` in ``stages`` equal steps over the first ``warmup_iters`` iterations
-    (DGC: 0.25, 0.0625, 0.0156, 0.004, 0.001 over four epochs; geometric: 0.25, 0.0629, 0.0158, 0.0040, 0.001)."""
+    ``start_density`` to ``final_density`` in ``stages`` equal steps over the ``warmup_iters`` iterations from
+    ``start_iter`` on (DGC: 0.25, 0.0625, 0.0156, 0.004, 0.001 over four epochs; geometric: 0.25, 0.0629, 0.0158,
+    0.0040, 0.001). No warm-up (``warmup_iters=0`` or a start at or below the final density): the final density."""
     check_density(final_density, "final_density")
     check_density(start_density, "start_density")
-    for name, value in (("warmup_iters", warmup_iters), ("stages", stages)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    for name, value, least in (("warmup_iters", warmup_iters, 0), ("stages", stages, 1), ("start_iter", start_iter, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    if warmup_iters == 0 or start_density <= final_density:
+        return [(0, final_density)]
     ratio = final_density / start_density
-    return [(round(j * warmup_iters / stages), start_density * ratio ** (j / stages)) for j in range(stages + 1)]
+    return [(start_iter + round(j * warmup_iters / stages), start_density * ratio ** (j / stages))
+            for j in range(stages + 1)]
 
 
 def _momentum_increment(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout,

@@ -169,8 +169,10 @@ def test_exponential_warmup_is_dgcs_schedule():
         assert density == pytest.approx(dgc, rel=0.02)  # geometric: within 2% of the paper's rounded values
     state = gx.SparseGradState(density=0.001, density_schedule=schedule)
     assert state.density_at(99) == pytest.approx(0.25) and state.density_at(10**6) == pytest.approx(0.001)
-    with pytest.raises(ValueError, match="warmup_iters must be an int >= 1"):
-        gx.exponential_warmup(0.001, 0)
+    assert gx.exponential_warmup(0.01, 40, start_iter=2)[1] == (12, pytest.approx(0.25 * 0.04 ** 0.25))
+    assert gx.exponential_warmup(0.01, 0) == [(0, 0.01)] and gx.exponential_warmup(0.5, 10) == [(0, 0.5)]
+    with pytest.raises(ValueError, match="warmup_iters must be an int >= 0"):
+        gx.exponential_warmup(0.001, -1)
     with pytest.raises(ValueError, match="final_density must be a number in"):
         gx.exponential_warmup(0.0, 10)
 

@@ -41,6 +41,7 @@ data. Its accuracy is that of rank 0's replica trained alone; its step time is t
 # No `from __future__ import annotations`: DDP checks the hooks' annotations against dist.GradBucket.
 import argparse
 import gc
+import hashlib
 import json
 import math
 import os
@@ -314,8 +315,17 @@ def run_seed(seed: int, args: argparse.Namespace, rank: int, world_size: int, da
         dist.all_gather(gathered, mine)
         seconds, cpu, tx, own = torch.stack(gathered).transpose(0, 1).tolist()  # each [rank][step]
         results[name] = {"seconds": seconds, "cpu_seconds": cpu, "tx_bytes": tx if counter.path else None,
-                         "own_bytes": own, "buckets": contestant.accounting.buckets(), "evals": contestant.evals}
+                         "own_bytes": own, "buckets": contestant.accounting.buckets(), "evals": contestant.evals,
+                         "digest": parameters_digest(contestant.ddp.module)}
     return results
+
+
+def parameters_digest(model: nn.Module) -> str:
+    """A digest of the parameters' bits: equal digests, bitwise equal models."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def run_worker(config: dict) -> None:
@@ -524,6 +534,10 @@ def main(argv: Optional[list] = None) -> int:
     print(f"\n{setting}; steps after the first {WARMUP_STEPS}; other processes kept "
           f"{load['other_processes_cores']:.2f} of {load['cpus']} cores busy\n")
     print(markdown_table(rows, args))
+    for name in args.methods:  # the hook forced to finish each bucket in the call must not change a bit
+        if name.endswith("-sync") and name[:-len("-sync")] in args.methods:
+            equal = all(run[name]["digest"] == run[name[:-len("-sync")]]["digest"] for run in runs)
+            print(f"\n{name[:-len('-sync')]} and {name}: parameters bitwise equal after every seed: {equal}")
     plot(rows, args.plot, setting)
     print(f"\nwrote {args.plot}")
     if args.json:

@@ -10,6 +10,7 @@ the same initial weights, data order and epochs:
     gaussiank-allgather   Gaussian-k threshold + allgather
     gaussiank-gtopk       Gaussian-k threshold + gTop-k butterfly merge, O(k log P)
     gaussiank-gtopk-mc    the same with momentum correction (the hook applies the momentum, the optimizer none)
+    gaussiank-allgather-mc  Gaussian-k + allgather with momentum correction
 
 Every sparse run uses the hook's error feedback, its residual warm-up (``--start-iter`` dense iterations) and a
 density warm-up: ``--warmup-steps`` iterations of density decaying geometrically from ``--warmup-density`` to the
@@ -57,6 +58,7 @@ METHODS: dict[str, tuple[str, str, bool] | None] = {
     "gaussiank-allgather": ("gaussiank", "allgather", False),
     "gaussiank-gtopk": ("gaussiank", "gtopk", False),
     "gaussiank-gtopk-mc": ("gaussiank", "gtopk", True),
+    "gaussiank-allgather-mc": ("gaussiank", "allgather", True),
 }
 DEFAULT_METHODS = ("dense", "topk-allgather", "gaussiank-allgather", "gaussiank-gtopk")
 
@@ -78,7 +80,8 @@ def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx
                               start_iter=args.start_iter, min_compress_numel=args.min_compress_numel,
                               density_schedule=gx.exponential_warmup(density, args.warmup_steps, args.warmup_density,
                                                                      start_iter=args.start_iter),
-                              stats_logging_frequency=0, **moved)
+                              per_tensor=args.per_tensor, clip_norm=args.clip_norm, stats_logging_frequency=0,
+                              **moved)
 
 
 def batches_of_epoch(epoch: int, seed: int, n_train: int, rank: int, world_size: int, batch_size: int):
@@ -314,7 +317,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     import matplotlib.ticker
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
-    colors = dict(zip(METHODS, ("black", "tab:gray", "tab:blue", "tab:orange", "tab:green")))
+    colors = dict(zip(METHODS, ("black", "tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
     densities = sorted({r["density"] for r in records if r["density"] < 1.0}, reverse=True)
     styles = dict(zip(densities, ("-", "--", ":", "-.")))
     steps = len(records[0]["train_loss"])
@@ -385,6 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="iterations of density decaying from --warmup-density to the target (0: none)")
     parser.add_argument("--warmup-density", type=float, default=0.25)
     parser.add_argument("--min-compress-numel", type=int, default=1024, help="smaller buckets go dense")
+    parser.add_argument("--per-tensor", action="store_true", help="the hook selects per parameter (its share of k)")
+    parser.add_argument("--clip-norm", type=float, default=None, help="the hook's local clipping (DGC)")
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder of demo.json and demo.png")
     parser.add_argument("--overhead", action="store_true",
                         help="measure time per step only (no training curves): the hook against DDP's allreduce")

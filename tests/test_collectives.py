@@ -382,24 +382,27 @@ def check_hook_edge_cases(members: Members) -> list[str]:
 
     # A non-finite bucket on one rank: every rank goes dense, that rank's residual untouched, the others' applied
     # with their gradient (nothing left behind), the inf reaches every rank.
-    state = gx.SparseGradState(group, density=0.05, start_iter=2, stats_logging_frequency=0)
-    for step in range(3):  # two dense steps, one sparse step: a residual to keep
-        state.reduce(bucket_input(me, step, 0, numel, torch.float32), 0).wait()
-    residual_before = state.residuals[0].clone()
-    grad = bucket_input(me, 3, 0, numel, torch.float32)
-    if me == last:
-        grad[7] = float("inf")
-    output = state.reduce(grad.clone(), 0).wait()
-    path = state.stats()["buckets"][0]["path"]
-    kept = state.residuals[0] if me == last else state.residuals.get(0, torch.zeros(numel))
-    applied = grad / size + (0 if me == last else residual_before / size)
-    dist.all_reduce(applied, group=group)
-    expected_kept = residual_before if me == last else torch.zeros(numel)
-    finite = torch.isfinite(applied)
-    if (path != "nonfinite" or not torch.equal(kept, expected_kept) or not bool(torch.isinf(output[7]))
-            or not torch.allclose(output[finite], applied[finite], rtol=1e-5, atol=1e-7)):
-        failures.append(f"{members.name}: non-finite bucket on the last rank: path {path}, residual as expected "
-                        f"{torch.equal(kept, expected_kept)}, inf arrived {bool(torch.isinf(output[7]))}")
+    for collective in ("gtopk", "allgather"):
+        state = gx.SparseGradState(group, density=0.05, collective=collective, start_iter=2,
+                                   stats_logging_frequency=0)
+        for step in range(3):  # two dense steps, one sparse step: a residual to keep
+            state.reduce(bucket_input(me, step, 0, numel, torch.float32), 0).wait()
+        residual_before = state.residuals[0].clone()
+        grad = bucket_input(me, 3, 0, numel, torch.float32)
+        if me == last:
+            grad[7] = float("inf")
+        output = state.reduce(grad.clone(), 0).wait()
+        path = state.stats()["buckets"][0]["path"]
+        kept = state.residuals[0] if me == last else state.residuals.get(0, torch.zeros(numel))
+        applied = grad / size + (0 if me == last else residual_before / size)
+        dist.all_reduce(applied, group=group)
+        expected_kept = residual_before if me == last else torch.zeros(numel)
+        finite = torch.isfinite(applied)
+        if (path != "nonfinite" or not torch.equal(kept, expected_kept) or not bool(torch.isinf(output[7]))
+                or not torch.allclose(output[finite], applied[finite], rtol=1e-5, atol=1e-7)):
+            failures.append(f"{members.name} {collective}: non-finite bucket on the last rank: path {path}, residual "
+                            f"as expected {torch.equal(kept, expected_kept)}, inf arrived "
+                            f"{bool(torch.isinf(output[7]))}")
 
     # A density schedule picks k per iteration.
     state = gx.SparseGradState(group, density=0.01, density_schedule=[(0, 0.01), (3, 0.05)], start_iter=2,

@@ -6,7 +6,11 @@ resume, and clear errors on every rank."""
 from __future__ import annotations
 
 import copy
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from torch import nn
 import gtopk_ext as gx
 from tests.distributed import run_distributed
 
+ROOT = Path(__file__).resolve().parents[1]
 H = 3  # inner steps between syncs
 
 
@@ -263,3 +268,23 @@ def _run_cases(rank: int, world_size: int, names: list[str]) -> None:
 ])
 def test_sparse_local_sgd(world_size: int, names: list[str]) -> None:
     run_distributed(_run_cases, world_size, names, timeout=300)
+
+
+def test_local_sgd_benchmark_runs(tmp_path) -> None:
+    """bench/local_sgd.py at a tiny size on loopback (it is not a timed test; this keeps it from rotting)."""
+    out = tmp_path / "local_sgd.json"
+    result = subprocess.run([sys.executable, "-m", "bench.local_sgd", "--loopback", "--world-size", "2", "--steps",
+                             "8", "--eval-every", "4", "--methods", "ddp", "postlocal-4", "diloco-4", "diloco-equal",
+                             "sparse-gtopk-0.05-4", "--json", str(out)], cwd=ROOT, timeout=600,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = json.loads(out.read_text())["table"]
+    assert [row["method"] for row in table] == ["ddp", "postlocal-4", "diloco-4", "diloco-equal", "sparse-gtopk-0.05-4"]
+    ddp, postlocal, diloco, diloco_equal, sparse = table
+    assert ddp["bytes_vs_ddp"] == 1.0 and ddp["loss_vs_ddp"] == 0.0
+    # Per rank, a ring allreduce of the model per exchange: DDP 8, PyTorch's averager 3 (steps 1, 5 and the
+    # final one), DiLoCo 2 (steps 4 and 8) plus its headers.
+    assert postlocal["mb_sent"] == pytest.approx(3 / 8 * ddp["mb_sent"])
+    assert 2 / 8 * ddp["mb_sent"] < diloco["mb_sent"] < 2 / 8 * ddp["mb_sent"] + 1e-3
+    assert diloco_equal["mb_sent"] < diloco["mb_sent"] and sparse["mb_sent"] < diloco["mb_sent"] / 5
+    assert all(0 < row["val_loss"] < 10 and 0 <= row["accuracy"] <= 1 for row in table)

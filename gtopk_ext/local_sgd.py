@@ -14,7 +14,7 @@ reduces it with the package's collective; whatever was not applied (not selected
 stays in the accumulator. The averaged sparse pseudo-gradient drives an outer SGD step (momentum, Nesterov) on the
 global weights, which every rank then adopts, and floating-point buffers (BatchNorm statistics) are averaged
 densely: after every sync the replicas are bitwise equal. ``density=1.0`` with ``collective="dense"`` is DiLoCo;
-``outer_lr=1.0, outer_momentum=0.0`` is plain local SGD (periodic model averaging).
+``outer_lr=1.0, outer_momentum=0.0, nesterov=False`` is plain local SGD (periodic model averaging).
 """
 
 from __future__ import annotations

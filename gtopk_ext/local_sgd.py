@@ -1,0 +1,367 @@
+"""Local SGD with a sparse pseudo-gradient: DiLoCo (Douillard et al. 2023) and SparseLoCo (Sarfi et al. 2025) on
+this package's compressors and collectives.
+
+    outer = gx.SparseLocalSGD(model.parameters(), sync_every=32, density=0.02, collective="gtopk",
+                              outer_lr=0.7, outer_momentum=0.9, nesterov=True, buffers=model.buffers())
+    for x, y in loader:
+        inner_opt.zero_grad(); loss_fn(model(x), y).backward(); inner_opt.step()
+        outer.step()          # every sync_every calls: compress the pseudo-gradient, reduce, outer step
+
+The model is not wrapped in DDP: each rank trains its replica with its own inner optimizer. Every ``sync_every``
+steps each rank forms its pseudo-gradient (the global weights that the replicas adopted at the last sync minus
+its weights now), adds its error-feedback accumulator, compresses the sum with the package's compressor and
+reduces it with the package's collective; whatever was not applied (not selected, or dropped by a gTop-k merge)
+stays in the accumulator. The averaged sparse pseudo-gradient drives an outer SGD step (momentum, Nesterov) on the
+global weights, which every rank then adopts, and floating-point buffers (BatchNorm statistics) are averaged
+densely: after every sync the replicas are bitwise equal. ``density=1.0`` with ``collective="dense"`` is DiLoCo;
+``outer_lr=1.0, outer_momentum=0.0, nesterov=False`` is plain local SGD (periodic model averaging).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable
+from time import perf_counter
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from gtopk_ext import collectives, ops
+from gtopk_ext._contract import FLOAT_DTYPES
+from gtopk_ext.collectives import (MAX_NUMEL, Traffic, gather_headers, group_rank_and_size, require_same,
+                                   ring_allreduce_bytes)
+from gtopk_ext.compressors import COMPRESSOR_KINDS, SparseMessage, check_density, make_compressor
+
+__all__ = ["SparseLocalSGD", "COLLECTIVES"]
+
+# A sparse reduction: (message, group, traffic) -> (the dense float32 SUM over ranks, the mask over the message's
+# slots of what this rank got applied, or None when all of it was).
+SparseReduction = Callable[[SparseMessage, dist.ProcessGroup, Traffic], tuple[torch.Tensor, "torch.Tensor | None"]]
+
+
+def _allgather(msg: SparseMessage, group: dist.ProcessGroup, traffic: Traffic) -> tuple[torch.Tensor, None]:
+    return collectives.sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=traffic), None
+
+
+def _global_topk(allreduce: Callable) -> SparseReduction:
+    """A collective with the ``(glob, applied)`` contract of :func:`gtopk_ext.collectives.gtopk_allreduce`."""
+    def reduce(msg: SparseMessage, group: dist.ProcessGroup, traffic: Traffic) -> tuple[torch.Tensor, torch.Tensor]:
+        glob, applied = allreduce(msg, group, check=False, traffic=traffic)
+        return glob.to_dense(torch.float32), applied
+    return reduce
+
+
+# The sparse collectives by name. Ok-Topk has gTop-k's contract and plugs in as
+# "oktopk": _global_topk(collectives.oktopk_allreduce).
+SPARSE_REDUCTIONS: dict[str, SparseReduction] = {
+    "gtopk": _global_topk(collectives.gtopk_allreduce),
+    "allgather": _allgather,
+}
+COLLECTIVES = (*SPARSE_REDUCTIONS, "dense")
+
+
+class _Shard:
+    """Parameters of one device flattened into one float32 vector (at most MAX_NUMEL elements, the collectives'
+    limit): the global weights, the outer momentum and the error-feedback accumulator live in this layout."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.numels = [p.numel() for p in params]
+        self.numel = sum(self.numels)
+        self.device = params[0].device
+
+    def flat(self) -> torch.Tensor:
+        """The parameters now, as one float32 vector."""
+        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+
+    def adopted(self, global_weights: torch.Tensor) -> torch.Tensor:
+        """The weights the replicas hold after adopting ``global_weights`` (rounded to each parameter's dtype)."""
+        if all(p.dtype == torch.float32 for p in self.params):
+            return global_weights
+        return torch.cat([part.to(p.dtype).float() for part, p in zip(global_weights.split(self.numels), self.params)])
+
+    def adopt(self, global_weights: torch.Tensor) -> None:
+        for part, p in zip(global_weights.split(self.numels), self.params):
+            p.detach().copy_(part.view_as(p))
+
+
+def _shards(params: list[torch.Tensor]) -> list[_Shard]:
+    by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
+    for p in params:
+        chunks = by_device.setdefault(p.device, [[]])
+        if sum(q.numel() for q in chunks[-1]) + p.numel() > MAX_NUMEL:
+            chunks.append([])
+        chunks[-1].append(p)
+    return [_Shard(chunk) for chunks in by_device.values() for chunk in chunks]
+
+
+def _tensor_list(items: Iterable[torch.Tensor], name: str) -> list[torch.Tensor]:
+    if isinstance(items, torch.Tensor):
+        raise TypeError(f"{name} must be an iterable of tensors (e.g. model.{name}()), got a single tensor")
+    tensors = list(items)
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must hold tensors, got {type(t).__name__}"
+                            + (" (param groups are not supported: pass model.parameters())" if isinstance(t, dict)
+                               else ""))
+    if len({id(t) for t in tensors}) != len(tensors):
+        raise ValueError(f"{name} holds the same tensor more than once")
+    return tensors
+
+
+def _check_number(name: str, value: Any, low: float, high: float, *, low_open: bool, high_open: bool) -> float:
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+          and (value > low if low_open else value >= low) and (value < high if high_open else value <= high))
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
+    return float(value)
+
+
+class SparseLocalSGD:
+    r"""The outer optimizer of local SGD over a model that is not wrapped in DDP.
+
+    Args:
+        params: the model's parameters (``model.parameters()``), float32, float16 or bfloat16, the same shapes in
+            the same order on every rank.
+        sync_every: inner steps between syncs (H): :meth:`step` syncs at every ``sync_every``-th call.
+        density: fraction of the pseudo-gradient each rank sends, in (0, 1]. ``collective="dense"`` sends all of
+            it and needs ``density=1.0``.
+        collective: ``"gtopk"`` (O(k log P)), ``"allgather"`` (O(kP)) or ``"dense"`` (allreduce: DiLoCo).
+        outer_lr, outer_momentum, nesterov: the outer SGD step on the global weights, as ``torch.optim.SGD``
+            takes it with the averaged pseudo-gradient as the gradient. ``nesterov`` needs a momentum.
+        process_group: the group to reduce over (``None``: the default group).
+        compressor: ``"gaussiank"`` (default), ``"topk"`` or ``"randomk"``; ``compressor_kwargs`` are its extra
+            arguments (see :func:`gtopk_ext.make_compressor`).
+        buffers: tensors averaged densely at each sync (``model.buffers()``); integer buffers (BatchNorm's
+            ``num_batches_tracked``) are taken from the group's first rank.
+
+    Construction is collective over ``process_group``: every rank checks that the others have the same
+    parameters, and all adopt the first rank's parameters and buffers (as DDP does), so training starts from
+    one model. The global weights, outer momentum and accumulator are float32 (a master copy for float16 and
+    bfloat16 models), one vector per device.
+
+    What is guaranteed: after every sync the parameters and buffers are bitwise equal on every rank; with a
+    sparse collective, ``sum over ranks (pseudo-gradient + old accumulator) = P x averaged pseudo-gradient +
+    sum over ranks (new accumulator)`` up to float rounding (nothing is lost, only delayed); a non-finite
+    pseudo-gradient on any rank raises :class:`FloatingPointError` on every rank and changes nothing.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], sync_every: int = 32, density: float = 0.02,
+                 collective: str = "gtopk", outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True, process_group: dist.ProcessGroup | None = None, *,
+                 compressor: str = "gaussiank", compressor_kwargs: dict | None = None,
+                 buffers: Iterable[torch.Tensor] = ()):
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        check_density(density)
+        if collective not in COLLECTIVES:
+            raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+        if collective == "dense" and density != 1.0:
+            raise ValueError(f"collective='dense' sends every element: density must be 1.0, got {density!r} "
+                             f"(a sparse collective sends a fraction: {tuple(SPARSE_REDUCTIONS)})")
+        self.outer_lr = _check_number("outer_lr", outer_lr, 0.0, math.inf, low_open=True, high_open=True)
+        self.outer_momentum = _check_number("outer_momentum", outer_momentum, 0.0, 1.0, low_open=False,
+                                            high_open=True)
+        if not isinstance(nesterov, bool):
+            raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
+        if nesterov and self.outer_momentum == 0.0:
+            raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD): set a momentum or "
+                             "nesterov=False")
+        if compressor not in COMPRESSOR_KINDS:
+            raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {compressor!r}")
+        self.params = _tensor_list(params, "params")
+        if not self.params:
+            raise ValueError("params is empty: pass the model's parameters")
+        for i, p in enumerate(self.params):
+            if p.dtype not in FLOAT_DTYPES or p.is_sparse or p.numel() == 0:
+                raise ValueError(f"params[{i}] must be a non-empty dense float32, float16 or bfloat16 tensor, got "
+                                 f"{p.dtype} of shape {tuple(p.shape)}{' (sparse)' if p.is_sparse else ''}")
+        self.buffers = _tensor_list(buffers, "buffers")
+        self.sync_every = sync_every
+        self.density = float(density)
+        self.collective = collective
+        self.nesterov = nesterov
+        self.process_group = process_group
+        self.compressor = compressor
+        self._compressor = (make_compressor(compressor, self.density, **dict(compressor_kwargs or {}))
+                            if collective != "dense" else None)
+        self.local_step = 0  # calls of step() so far
+        self.syncs = 0
+        self.traffic = Traffic()  # every sync's bytes, this rank
+        self._last: dict[str, Any] = {}
+        self._shards = _shards(self.params)
+        self._check_same_layout()
+        with torch.no_grad():
+            self._broadcast_from_first_rank()
+        self._global = [shard.flat() for shard in self._shards]
+        self._momentum = [torch.zeros_like(g) for g in self._global] if self.outer_momentum else []
+        self._accumulator = [torch.zeros_like(g) for g in self._global] if self._compressor is not None else []
+
+    # ----- the training loop's calls -----
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Counts one inner step; syncs at every ``sync_every``-th call. Returns whether it synced."""
+        self.local_step += 1
+        if self.local_step % self.sync_every:
+            return False
+        self.sync()
+        return True
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Syncs now (collective): e.g. after the last inner step, so that every rank ends with the global model."""
+        group, _, size = group_rank_and_size(self.process_group)
+        start = perf_counter()
+        traffic = Traffic()
+        deltas = [shard.adopted(g).sub(shard.flat()) for shard, g in zip(self._shards, self._global)]
+        finite = all(bool(torch.isfinite(d).all()) for d in deltas)
+        headers = gather_headers({"valid": 1, "local_step": self.local_step, "syncs": self.syncs,
+                                  "finite": int(finite)}, group, self._shards[0].device, traffic)
+        require_same(headers, ("local_step", "syncs"), "SparseLocalSGD.sync")
+        diverged = [rank for rank, h in enumerate(headers) if not h["finite"]]
+        if diverged:
+            raise FloatingPointError(f"SparseLocalSGD.sync: the pseudo-gradient of rank(s) {diverged} is not finite "
+                                     f"(inner training diverged); nothing was applied")
+        k = selected = 0
+        for index, delta in enumerate(deltas):
+            averaged, shard_k, shard_selected = self._reduce(index, delta, group, size, traffic)
+            k, selected = k + shard_k, selected + shard_selected
+            self._outer_step(index, averaged)
+            self._shards[index].adopt(self._global[index])
+        self._average_buffers(group, size, traffic)
+        self.syncs += 1
+        self.traffic.add(traffic.sent, traffic.received)
+        self._last = {"numel": sum(s.numel for s in self._shards), "k": k, "selected": selected,
+                      "bytes_sent": traffic.sent, "bytes_received": traffic.received,
+                      "seconds": perf_counter() - start}
+
+    def _reduce(self, index: int, delta: torch.Tensor, group: dist.ProcessGroup, size: int,
+                traffic: Traffic) -> tuple[torch.Tensor, int, int]:
+        """(the pseudo-gradient averaged over ranks, k, elements selected) of one shard."""
+        if self._compressor is None:
+            dist.all_reduce(delta, group=group)
+            nbytes = ring_allreduce_bytes(delta.numel() * delta.element_size(), size)
+            traffic.add(nbytes, nbytes)
+            return delta.div_(size), delta.numel(), delta.numel()
+        accumulator = self._accumulator[index]
+        # compress leaves accumulator = delta + old accumulator - what this rank sends.
+        msg = self._compressor.compress(delta, accumulator, step=self.syncs * len(self._shards) + index)
+        summed, applied = SPARSE_REDUCTIONS[self.collective](msg, group, traffic)
+        if applied is not None:  # what a merge dropped goes back: nothing is lost
+            ops.scatter_add_(accumulator, msg.indices, msg.values * ~applied, backend=msg.backend)
+        return summed.div_(size), msg.k, int(msg.count)
+
+    def _outer_step(self, index: int, averaged: torch.Tensor) -> None:
+        """torch.optim.SGD's step (dampening 0, no weight decay) with the averaged pseudo-gradient as gradient.
+        Every rank computes it from the same bits, so the global weights stay bitwise equal."""
+        update = averaged
+        if self.outer_momentum:
+            momentum = self._momentum[index].mul_(self.outer_momentum).add_(averaged)
+            update = averaged.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
+        self._global[index].add_(update, alpha=-self.outer_lr)
+
+    # ----- buffers and the first model -----
+
+    def _average_buffers(self, group: dist.ProcessGroup, size: int, traffic: Traffic) -> None:
+        floating = [b for b in self.buffers if b.is_floating_point()]
+        for device in dict.fromkeys(b.device for b in floating):  # one order on every rank
+            on_device = [b for b in floating if b.device == device]
+            # Divided before the sum (float32), as torch's averagers do: large float16 statistics cannot overflow.
+            flat = torch.cat([b.reshape(-1).float() for b in on_device]).div_(size)
+            dist.all_reduce(flat, group=group)
+            nbytes = ring_allreduce_bytes(flat.numel() * 4, size)
+            traffic.add(nbytes, nbytes)
+            for b, part in zip(on_device, flat.split([b.numel() for b in on_device])):
+                b.copy_(part.view_as(b))
+        for b in self.buffers:
+            if not b.is_floating_point():
+                self._broadcast(b, group, traffic)
+
+    def _broadcast_from_first_rank(self) -> None:
+        group, _, _ = group_rank_and_size(self.process_group)
+        for t in [*self.params, *self.buffers]:
+            self._broadcast(t, group, None)
+
+    @staticmethod
+    def _broadcast(tensor: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic | None) -> None:
+        data = tensor.detach()
+        buffer = data if data.is_contiguous() else data.contiguous()
+        dist.broadcast(buffer, dist.get_global_rank(group, 0), group=group)
+        if buffer is not data:
+            data.copy_(buffer)
+        if traffic is not None:
+            nbytes = buffer.numel() * buffer.element_size()
+            traffic.add(nbytes if dist.get_rank(group) == 0 else 0, nbytes)
+
+    def _check_same_layout(self) -> None:
+        """Every rank raises the same clear error when the ranks' parameters or buffers differ."""
+        group, _, _ = group_rank_and_size(self.process_group)
+        signature = repr([(tuple(t.shape), str(t.dtype)) for t in [*self.params, *self.buffers]])
+        headers = gather_headers({"valid": 1, "params": len(self.params), "buffers": len(self.buffers),
+                                  "numel": sum(p.numel() for p in self.params),
+                                  "signature": zlib.crc32(signature.encode()),
+                                  "sync_every": self.sync_every}, group, self._shards[0].device)
+        require_same(headers, ("params", "buffers", "numel", "signature", "sync_every"), "SparseLocalSGD")
+
+    # ----- statistics and checkpoints -----
+
+    def stats(self) -> dict[str, Any]:
+        """``{"local_step", "syncs", "bytes_sent", "bytes_received"}`` (this rank, all syncs so far) and
+        ``"last_sync"``: the latest sync's ``numel``, ``k`` (elements sent per rank), ``selected`` (by the
+        compressor, before truncation to k), ``bytes_sent``, ``bytes_received`` and ``seconds``."""
+        return {"local_step": self.local_step, "syncs": self.syncs, "bytes_sent": self.traffic.sent,
+                "bytes_received": self.traffic.received, "last_sync": dict(self._last)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's resumable state (copies): ``local_step``, ``syncs``, ``numels`` (per shard), ``global``
+        (the global weights, the same on every rank), ``momentum`` and ``accumulator`` (this rank's), one float32
+        vector per shard. Save it with the model's and the inner optimizer's state."""
+        return {"local_step": self.local_step, "syncs": self.syncs, "numels": [s.numel for s in self._shards],
+                "global": [g.clone() for g in self._global], "momentum": [m.clone() for m in self._momentum],
+                "accumulator": [a.clone() for a in self._accumulator]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s output; with the model's and the inner optimizer's states restored too,
+        training continues bitwise as if it had not stopped. Momentum or an accumulator that the saved optimizer
+        did not have (another ``outer_momentum`` or ``collective``) start at zero."""
+        missing = {"local_step", "syncs", "numels", "global"} - set(state_dict)
+        if missing:
+            raise KeyError(f"state_dict is missing {sorted(missing)} (expected SparseLocalSGD.state_dict()'s keys)")
+        numels = [s.numel for s in self._shards]
+        if list(state_dict["numels"]) != numels:
+            raise ValueError(f"state_dict holds shards of {list(state_dict['numels'])} elements, this optimizer's "
+                             f"parameters make {numels}: it was saved for another model")
+        for name in ("local_step", "syncs"):
+            value = state_dict[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}")
+        vectors = {"global": self._global, "momentum": self._momentum, "accumulator": self._accumulator}
+        restored = {name: self._checked_vectors(state_dict, name, mine) for name, mine in vectors.items()}
+        if restored["global"] is None:
+            raise ValueError("state_dict['global'] is empty: expected the global weights")
+        for name, mine in vectors.items():
+            for vector, saved in zip(mine, restored[name] or [torch.zeros_like(v) for v in mine]):
+                vector.copy_(saved)
+        self.local_step, self.syncs = state_dict["local_step"], state_dict["syncs"]
+
+    @staticmethod
+    def _checked_vectors(state_dict: dict[str, Any], name: str,
+                         mine: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """state_dict[name] when this optimizer keeps such vectors and the state has them (checked), else None."""
+        saved = state_dict.get(name) or []
+        if not mine or not saved:
+            return None
+        if len(saved) != len(mine) or any(not isinstance(s, torch.Tensor) or s.shape != m.shape
+                                          for s, m in zip(saved, mine)):
+            raise ValueError(f"state_dict[{name!r}] must hold {len(mine)} tensor(s) of {[m.numel() for m in mine]} "
+                             f"elements, got {[tuple(getattr(s, 'shape', ())) for s in saved]}")
+        return saved
+
+    def __repr__(self) -> str:
+        return (f"SparseLocalSGD(sync_every={self.sync_every}, density={self.density}, "
+                f"collective={self.collective!r}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, "
+                f"nesterov={self.nesterov}, compressor={self.compressor!r})")

@@ -1,0 +1,290 @@
+"""SparseLocalSGD on real Gloo process groups (P = 2, 3, 4; every check of one P runs inside one spawn): replicas
+bitwise equal after every sync, conservation of the pseudo-gradient through compression and reduction, DiLoCo
+(density 1, dense) against a plain-PyTorch DiLoCo, plain local SGD against the mean of the replicas, bitwise
+resume, and clear errors on every rank."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gtopk_ext as gx
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+H = 3  # inner steps between syncs
+
+
+def _model(seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    # No bias before BatchNorm: its gradient is zero up to rounding, which AdamW would turn into full-size steps,
+    # so runs that differ only in the order of a sum (reference comparisons) would drift apart.
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)).to(dtype)
+
+
+def _batch(rank: int, step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(16, 8, generator=generator).to(dtype), torch.randint(0, 4, (16,), generator=generator)
+
+
+def _inner_step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: int) -> None:
+    dtype = next(model.parameters()).dtype
+    x, y = _batch(rank, step, dtype)
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x).float(), y).backward()
+    optimizer.step()
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
+
+
+def _gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    return gathered
+
+
+def _assert_replicas_equal(model: nn.Module, what: str) -> None:
+    """Parameters and buffers bitwise equal on every rank (compared as raw bytes)."""
+    raw = torch.cat([t.detach().reshape(-1).contiguous().view(torch.uint8)
+                     for t in [*model.parameters(), *model.buffers()]])
+    for rank, other in enumerate(_gather(raw)):
+        assert torch.equal(other, raw), f"{what}: rank {rank}'s replica differs from rank {dist.get_rank()}'s"
+
+
+# ------------------------------------------------------------------------------------------------------ cases
+
+
+def _case_replicas_and_conservation(rank: int, world_size: int) -> None:
+    """Sparse collectives: bitwise replicas after each sync, and sum over ranks of (pseudo-gradient + old
+    accumulator) = P x the averaged pseudo-gradient + sum over ranks of new accumulators. With outer_lr 1 and no
+    momentum the global weights move by exactly the averaged pseudo-gradient, so the test reads it from them."""
+    settings = [("gtopk", "gaussiank", 0.05, torch.float32), ("gtopk", "topk", 0.2, torch.float32),
+                ("allgather", "gaussiank", 0.05, torch.float32), ("gtopk", "gaussiank", 0.1, torch.bfloat16),
+                ("allgather", "randomk", 0.1, torch.float16)]
+    for collective, compressor, density, dtype in settings:
+        what = f"{collective}/{compressor}/d={density}/{dtype}"
+        model = _model(seed=rank, dtype=dtype)  # different on every rank: construction adopts rank 0's
+        outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=density, collective=collective,
+                                  outer_lr=1.0, outer_momentum=0.0, nesterov=False, compressor=compressor,
+                                  buffers=model.buffers())
+        _assert_replicas_equal(model, f"{what}, after construction")
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        dropped_somewhere = False
+        for step in range(4 * H):
+            _inner_step(model, inner, rank, step)
+            if (step + 1) % H:
+                assert not outer.step()
+                continue
+            before = outer.state_dict()
+            adopted = _flat(p.to(dtype) for p in before["global"])  # what the replicas adopted at the last sync
+            went_in = adopted - _flat(model.parameters()) + before["accumulator"][0].double()
+            assert outer.step()
+            after = outer.state_dict()
+            averaged = before["global"][0].double() - after["global"][0].double()
+            left = went_in - after["accumulator"][0].double()
+            dist.all_reduce(left)
+            torch.testing.assert_close(left, world_size * averaged, rtol=0, atol=1e-6,
+                                       msg=lambda m: f"{what}, sync {outer.syncs}: not conserved: {m}")
+            # What this rank sent but a merge dropped (or what was not selected) is in its accumulator.
+            dropped_somewhere |= bool(after["accumulator"][0].abs().sum() > 0)
+            _assert_replicas_equal(model, f"{what}, sync {outer.syncs}")
+            last = outer.stats()["last_sync"]
+            assert last["k"] == math.ceil(density * sum(p.numel() for p in model.parameters()))
+            assert 0 < last["bytes_sent"] and last["numel"] == adopted.numel()
+        assert dropped_somewhere, f"{what}: the accumulator never held anything; the conservation check is empty"
+
+
+def _diloco_reference(model: nn.Module, world_size: int, outer_lr: float, momentum: float):
+    """A plain-PyTorch DiLoCo sync: every rank's pseudo-gradient averaged by allreduce, torch.optim.SGD on the
+    global weights, which every rank adopts; buffers averaged."""
+    global_params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    sgd = torch.optim.SGD(global_params, lr=outer_lr, momentum=momentum, nesterov=True)
+
+    def sync() -> None:
+        with torch.no_grad():
+            for g, p in zip(global_params, model.parameters()):
+                pseudo = g.detach() - p.detach()
+                dist.all_reduce(pseudo)
+                g.grad = pseudo / world_size
+            sgd.step()
+            for g, p in zip(global_params, model.parameters()):
+                p.copy_(g)
+            for b in model.buffers():
+                if b.is_floating_point():
+                    averaged = b / world_size
+                    dist.all_reduce(averaged)
+                    b.copy_(averaged)
+    return sync
+
+
+def _case_diloco(rank: int, world_size: int) -> None:
+    """density 1.0 with the dense collective is DiLoCo: the same weights as the plain-PyTorch reference."""
+    model, reference = _model(seed=0), _model(seed=0)
+    outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=1.0, collective="dense", outer_lr=0.7,
+                              outer_momentum=0.9, nesterov=True, buffers=model.buffers())
+    reference_sync = _diloco_reference(reference, world_size, outer_lr=0.7, momentum=0.9)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    reference_inner = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for step in range(4 * H):
+        _inner_step(model, inner, rank, step)
+        _inner_step(reference, reference_inner, rank, step)
+        if outer.step():
+            reference_sync()
+            _assert_replicas_equal(model, f"DiLoCo, sync {outer.syncs}")
+            torch.testing.assert_close(_flat([*model.parameters(), *model.buffers()]),
+                                       _flat([*reference.parameters(), *reference.buffers()]), rtol=1e-5, atol=1e-6)
+    moved = _flat(model.parameters()) - _flat(_model(seed=0).parameters())
+    assert float(moved.abs().max()) > 1e-2  # it trained
+
+
+def _case_local_sgd(rank: int, world_size: int) -> None:
+    """outer_lr 1 without momentum is plain local SGD: each sync leaves the mean of the replicas."""
+    model = _model(seed=0)
+    outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=1.0, collective="dense", outer_lr=1.0,
+                              outer_momentum=0.0, nesterov=False)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3 * H):
+        _inner_step(model, inner, rank, step)
+        mean = torch.stack(_gather(_flat(model.parameters()))).mean(0)
+        if outer.step():
+            torch.testing.assert_close(_flat(model.parameters()), mean, rtol=0, atol=1e-6)
+
+
+def _case_resume(rank: int, world_size: int) -> None:
+    """A run saved in the middle of a sync interval and restored into fresh objects continues bitwise."""
+    def build(seed: int):
+        model = _model(seed)
+        outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=0.1, collective="gtopk",
+                                  outer_lr=0.7, outer_momentum=0.9, buffers=model.buffers())
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01), outer
+
+    model, inner, outer = build(0)
+    steps, saved_at = 4 * H, H + 1
+    for step in range(steps):
+        if step == saved_at:
+            saved = copy.deepcopy((model.state_dict(), inner.state_dict(), outer.state_dict()))
+        _inner_step(model, inner, rank, step)
+        outer.step()
+    resumed_model, resumed_inner, resumed_outer = build(seed=7)
+    resumed_outer.load_state_dict(saved[2])  # after construction, which adopts rank 0's model
+    resumed_model.load_state_dict(saved[0])
+    resumed_inner.load_state_dict(saved[1])
+    for step in range(saved_at, steps):
+        _inner_step(resumed_model, resumed_inner, rank, step)
+        resumed_outer.step()
+    for a, b in zip([*model.state_dict().values()], [*resumed_model.state_dict().values()]):
+        assert torch.equal(a, b), "the resumed run's model differs"
+    for name in ("global", "momentum", "accumulator"):
+        for a, b in zip(outer.state_dict()[name], resumed_outer.state_dict()[name]):
+            assert torch.equal(a, b), f"the resumed run's {name} differs"
+
+
+def _expect_error(error: type[Exception], match: str, build) -> None:
+    with pytest.raises(error, match=match):
+        build()
+
+
+def _case_errors(rank: int, world_size: int) -> None:
+    """Bad arguments raise at once, naming the argument; disagreements between ranks raise on every rank."""
+    model = _model(0)
+    params = list(model.parameters())
+
+    def make(**kwargs):
+        return lambda: gx.SparseLocalSGD(kwargs.pop("params", params), **kwargs)
+
+    _expect_error(ValueError, r"sync_every must be an int >= 1, got 0", make(sync_every=0))
+    _expect_error(ValueError, r"sync_every must be an int >= 1, got '4'", make(sync_every="4"))
+    _expect_error(ValueError, r"density must be a number in \(0, 1\], got 0", make(density=0))
+    _expect_error(ValueError, r"density must be a number in \(0, 1\], got 1.5", make(density=1.5))
+    _expect_error(ValueError, r"collective must be one of \(.*'gtopk'.*\), got 'ring'", make(collective="ring"))
+    _expect_error(ValueError, r"collective='dense' sends every element: density must be 1.0, got 0.1",
+                  make(collective="dense", density=0.1))
+    _expect_error(ValueError, r"outer_lr must be a number in \(0, inf\), got 0", make(outer_lr=0))
+    _expect_error(ValueError, r"outer_lr must be a number in \(0, inf\), got nan", make(outer_lr=float("nan")))
+    _expect_error(ValueError, r"outer_momentum must be a number in \[0, 1\), got 1.0", make(outer_momentum=1.0))
+    _expect_error(ValueError, r"outer_momentum must be a number in \[0, 1\), got -0.1", make(outer_momentum=-0.1))
+    _expect_error(ValueError, r"nesterov=True needs outer_momentum > 0", make(outer_momentum=0.0))
+    _expect_error(TypeError, r"nesterov must be a bool, got 'yes'", make(nesterov="yes"))
+    _expect_error(ValueError, r"compressor must be one of .*, got 'sort'", make(compressor="sort"))
+    _expect_error(ValueError, r"params is empty", make(params=[]))
+    _expect_error(TypeError, r"params must be an iterable of tensors .* got a single tensor", make(params=params[0]))
+    _expect_error(TypeError, r"param groups are not supported", make(params=[{"params": params}]))
+    _expect_error(ValueError, r"params holds the same tensor more than once", make(params=[params[0], params[0]]))
+    _expect_error(ValueError, r"params\[0\] must be a non-empty dense float32, float16 or bfloat16 tensor, got "
+                  r"torch.float64", make(params=[torch.zeros(3, dtype=torch.float64)]))
+
+    # Every rank raises the same error when the ranks' models or settings differ.
+    extra = [torch.zeros(2)] if rank == 0 else []
+    _expect_error(ValueError, r"SparseLocalSGD: params differs across ranks", make(params=params + extra))
+    _expect_error(ValueError, r"SparseLocalSGD: sync_every differs across ranks",
+                  make(sync_every=H + (rank == world_size - 1)))
+
+    outer = gx.SparseLocalSGD(params, sync_every=H, density=0.1)
+    outer.local_step = rank  # as if ranks had called step() a different number of times
+    _expect_error(ValueError, r"SparseLocalSGD.sync: local_step differs across ranks", outer.sync)
+    outer.local_step = 0
+    before = outer.state_dict()
+    with torch.no_grad():
+        if rank == world_size - 1:
+            params[0][0, 0] = float("nan")
+    _expect_error(FloatingPointError, rf"the pseudo-gradient of rank\(s\) \[{world_size - 1}\] is not finite",
+                  outer.sync)
+    after = outer.state_dict()
+    for name in ("global", "accumulator", "momentum"):
+        assert all(torch.equal(a, b) for a, b in zip(before[name], after[name])), f"a failed sync changed {name}"
+    assert after["syncs"] == 0
+
+    other = gx.SparseLocalSGD(_model(1)[0].parameters(), sync_every=H, density=0.1)
+    _expect_error(ValueError, r"state_dict holds shards of \[\d+\] elements, this optimizer's parameters make",
+                  lambda: other.load_state_dict(before))
+    _expect_error(KeyError, r"state_dict is missing \['global'\]",
+                  lambda: outer.load_state_dict({k: v for k, v in before.items() if k != "global"}))
+
+
+CASES = {case.__name__: case for case in (_case_replicas_and_conservation, _case_diloco, _case_local_sgd,
+                                          _case_resume, _case_errors)}
+
+
+def _run_cases(rank: int, world_size: int, names: list[str]) -> None:
+    for name in names:
+        CASES[name](rank, world_size)
+
+
+@pytest.mark.parametrize("world_size,names", [
+    (2, ["_case_replicas_and_conservation", "_case_diloco", "_case_local_sgd", "_case_errors"]),
+    (3, ["_case_replicas_and_conservation", "_case_diloco", "_case_resume"]),
+    (4, ["_case_replicas_and_conservation", "_case_local_sgd", "_case_resume"]),
+])
+def test_sparse_local_sgd(world_size: int, names: list[str]) -> None:
+    run_distributed(_run_cases, world_size, names, timeout=300)
+
+
+def test_local_sgd_benchmark_runs(tmp_path) -> None:
+    """bench/local_sgd.py at a tiny size on loopback (it is not a timed test; this keeps it from rotting)."""
+    out = tmp_path / "local_sgd.json"
+    result = subprocess.run([sys.executable, "-m", "bench.local_sgd", "--loopback", "--world-size", "2", "--steps",
+                             "8", "--eval-every", "4", "--methods", "ddp", "postlocal-4", "diloco-4", "diloco-equal",
+                             "sparse-gtopk-0.05-4", "--json", str(out)], cwd=ROOT, timeout=600,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = json.loads(out.read_text())["table"]
+    assert [row["method"] for row in table] == ["ddp", "postlocal-4", "diloco-4", "diloco-equal", "sparse-gtopk-0.05-4"]
+    ddp, postlocal, diloco, diloco_equal, sparse = table
+    assert ddp["bytes_vs_ddp"] == 1.0 and ddp["loss_vs_ddp"] == 0.0
+    # Per rank, a ring allreduce of the model per exchange: DDP 8, PyTorch's averager 3 (steps 1, 5 and the
+    # final one), DiLoCo 2 (steps 4 and 8) plus its headers.
+    assert postlocal["mb_sent"] == pytest.approx(3 / 8 * ddp["mb_sent"])
+    assert 2 / 8 * ddp["mb_sent"] < diloco["mb_sent"] < 2 / 8 * ddp["mb_sent"] + 1e-3
+    assert diloco_equal["mb_sent"] < diloco["mb_sent"] and sparse["mb_sent"] < diloco["mb_sent"] / 5
+    assert all(0 < row["val_loss"] < 10 and 0 <= row["accuracy"] <= 1 for row in table)

@@ -362,10 +362,11 @@ class _WaitAvoidingRounds:
         early = {self._member_ranks[j]: self._finishes[j][0] for j in partners
                  if ahead and self._finishes[j] and self._finishes[j][0] <= round_index}
         if early or (self._drain_at is not None and self._drain_at < round_index):
+            ended = f"ends its run at step {self._drain_at}" if not early else f"is at step {self._arrived}"
             raise _Stop() from RuntimeError(
-                f"finish() or state_dict() was called at different steps: rank {dist.get_rank()} is at step "
-                f"{self._arrived} and takes part in round {round_index}, while rank(s) finished at {early}; every "
-                "rank must call average_parameters equally often")
+                f"finish() or state_dict() was called at different steps: rank {dist.get_rank()} {ended} and has "
+                f"joined round {round_index} of members ahead of it, while rank(s) ended their runs at steps {early}; "
+                "every rank must call average_parameters equally often")
 
     def _wait(self, ready: Callable[[], bool], round_index: int, partners: list[int]) -> None:
         with self._cond:

@@ -257,7 +257,7 @@ def _check_straggler_delays_nobody(rank: int, world_size: int, group_size: int) 
             if step == steps - 2:
                 group_steps_took = time.monotonic() - started
     if rank != 0:
-        assert group_steps_took < 0.75, f"rank {rank} waited {group_steps_took:.2f} s for the straggler"
+        assert group_steps_took < 1.0, f"rank {rank} waited {group_steps_took:.2f} s for the straggler"
     assert time.monotonic() - started >= 1.5  # the global step waits for it
     averager.finish(params)
     torch.testing.assert_close(_gather_rows(params).sum(0), expected, rtol=1e-12, atol=1e-12)

@@ -1,17 +1,23 @@
-"""WAGMA benchmark: throughput and test accuracy of DDP gradient allreduce, synchronous group model averaging and
-wait-avoiding group model averaging, on P Gloo processes with a straggler, each rank behind an emulated link of
-``--rate`` (bench/emulated_network.py: its own network namespace, tbf; needs root, else loopback) or, with
-``--loopback``, on 127.0.0.1.
+"""WAGMA benchmark: throughput, test accuracy and replica spread of DDP gradient allreduce, synchronous group
+model averaging and wait-avoiding group model averaging, with injected irregular step times, on P Gloo processes,
+each rank behind an emulated link of ``--rate`` (bench/emulated_network.py: its own network namespace, tbf; needs
+root, else loopback) or, with ``--loopback``, on 127.0.0.1.
 
-The task is the demo's (bench/digits.py): scikit-learn's bundled digits and its MLP (or CNN). Every rank trains on
-its own shard with the same seeds for every method; a straggler sleeps ``--sleep-ms`` per step: always
-``--slow-rank`` (``--straggler fixed``) or a rank drawn at random each step, the same draw on every rank
-(``--straggler random``). Throughput is steps per second of the whole job (steps / the slowest rank's wall time,
-group averaging's last in-flight average included); accuracy is that of the globally averaged model after the same
-number of steps. Methods run interleaved, ``--repeats`` times, and the table shows medians.
+The task is the demo's (bench/digits.py): scikit-learn's bundled digits and its MLP (or CNN), small enough that the
+injected delays dominate the step time. Every rank trains on its own shard with the same seeds for every method.
+Delay scenarios (``--scenarios``, each with its own draws, the same for every method):
 
-    python -m bench.wagma --json wagma.json                # 1 Gbit/s links
-    python -m bench.wagma --loopback --steps 100
+- ``random``: every rank, every step, sleeps with probability ``--delay-probability`` a time drawn uniformly from
+  ``--delay-ms`` (default 100-300 ms), independently of the other ranks;
+- ``straggler``: ``--slow-rank`` sleeps ``--sleep-ms`` every step (a persistently slow machine).
+
+Throughput is steps per second of the whole job (steps / the slowest rank's wall time, the last ``finish()``
+included); accuracy is that of the globally averaged model after the same number of steps. Spread: just before
+each global average, the root-mean-square distance of the ranks' weights from their mean, averaged over the run,
+relative to ``no-group`` (the same global averages with no group averages in between: how far the replicas would
+drift apart without them). Methods run interleaved, ``--repeats`` times; the table shows medians.
+
+    python -m bench.wagma --loopback --json wagma.json --plot wagma.png
 """
 
 from __future__ import annotations
@@ -36,49 +42,69 @@ from bench.digits import MODELS, load_digits_split, make_model  # noqa: E402
 from bench.emulated_network import Networks, network_name, parse_rate, run_ranks, runs_on_loopback  # noqa: E402
 from gtopk_ext.utils import destroy_process_group  # noqa: E402
 
-METHODS = ("ddp", "group-sync", "group-wait-avoiding")
+METHODS = ("ddp", "group-sync", "group-wait-avoiding", "no-group")
+SCENARIOS = ("random", "straggler")
 
 
-def run_method(method: str, rank: int, world_size: int, args: argparse.Namespace, data: tuple,
+def step_delays(scenario: str, rank: int, world_size: int, args: argparse.Namespace, repeat: int) -> list[float]:
+    """The seconds this rank sleeps at each step: the same draws for every method of a repeat."""
+    if scenario == "straggler":
+        return [args.sleep_ms / 1000 if rank == args.slow_rank else 0.0] * args.steps
+    draws = torch.Generator().manual_seed(7919 * repeat + 104_729 * rank + 1)
+    slow = torch.rand(args.steps, generator=draws) < args.delay_probability
+    low, high = args.delay_ms
+    return [float(s) * (low + (high - low) * float(u)) / 1000
+            for s, u in zip(slow, torch.rand(args.steps, generator=draws))]
+
+
+def run_method(method: str, scenario: str, rank: int, world_size: int, args: argparse.Namespace, data: tuple,
                repeat: int) -> dict:
-    """Trains one model with ``method`` for args.steps steps; returns the job's throughput and test accuracy."""
+    """Trains one model with ``method`` for args.steps steps; returns the job's throughput, the test accuracy of
+    the averaged model and the replica spread before the global averages."""
     train_x, train_y, test_x, test_y = data
     shard = torch.arange(rank, len(train_y), world_size)
     batches = torch.Generator().manual_seed(1000 * repeat + rank)
-    stragglers = torch.Generator().manual_seed(repeat)  # the same draws on every rank
+    delays = step_delays(scenario, rank, world_size, args, repeat)
     model = make_model(args.model)  # the same initial weights on every rank and for every method
     averager = None
     if method == "ddp":
         trained = DistributedDataParallel(model)
     else:
         trained = model
-        averager = gx.GroupModelAverager(args.group_size, args.global_period,
-                                         wait_avoiding=method == "group-wait-avoiding")
+        averager = gx.GroupModelAverager(1 if method == "no-group" else args.group_size, args.global_period,
+                                         wait_avoiding=method != "group-sync")
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     loss_fn = torch.nn.CrossEntropyLoss()
+    before_global = []  # this rank's weights just before each global average
     dist.barrier()
     start = time.perf_counter()
-    for _ in range(args.steps):
-        slow = (args.slow_rank if args.straggler == "fixed"
-                else int(torch.randint(0, world_size, (1,), generator=stragglers)))
-        if rank == slow:
-            time.sleep(args.sleep_ms / 1000)
+    for step in range(args.steps):
+        time.sleep(delays[step])
         index = shard[torch.randint(0, len(shard), (args.batch_size,), generator=batches)]
         optimizer.zero_grad()
         loss_fn(trained(train_x[index]), train_y[index]).backward()
         optimizer.step()
         if averager is not None:
+            if averager.is_global_step(step):
+                before_global.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
             averager.average_parameters(model.parameters())
     if averager is not None:
         averager.finish(model.parameters())
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    spread = None
+    if before_global:
+        mine = torch.stack(before_global)
+        rows = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(rows, mine)
+        weights = torch.stack(rows)  # [rank, global step, element]
+        spread = float((weights - weights.mean(0)).square().mean((0, 2)).sqrt().mean())
     with torch.no_grad():  # evaluate the consensus (global average) model; DDP's replicas are equal already
         for p in model.parameters():
             dist.all_reduce(p)
             p.div_(world_size)
         accuracy = float((model(test_x).argmax(1) == test_y).float().mean())
-    return {"steps_per_s": args.steps / float(elapsed), "accuracy": accuracy}
+    return {"steps_per_s": args.steps / float(elapsed), "accuracy": accuracy, "spread": spread}
 
 
 def run_worker(config: dict) -> None:
@@ -90,11 +116,12 @@ def run_worker(config: dict) -> None:
                             world_size=world_size)
     try:
         data = load_digits_split()
-        runs = {method: [] for method in args.methods}
+        runs = {scenario: {method: [] for method in args.methods} for scenario in args.scenarios}
         for repeat in range(args.repeats):
-            order = args.methods[repeat % len(args.methods):] + args.methods[:repeat % len(args.methods)]
-            for method in order:  # interleaved, starting elsewhere each repeat, so drifts spread evenly
-                runs[method].append(run_method(method, rank, world_size, args, data, repeat))
+            for scenario in args.scenarios:
+                shift = repeat % len(args.methods)
+                for method in args.methods[shift:] + args.methods[:shift]:  # interleaved, starting elsewhere
+                    runs[scenario][method].append(run_method(method, scenario, rank, world_size, args, data, repeat))
         if rank == 0:
             Path(config["out"]).write_text(json.dumps(runs))
     finally:
@@ -102,32 +129,73 @@ def run_worker(config: dict) -> None:
 
 
 def summarize(runs: dict[str, list[dict]]) -> list[dict]:
+    """One scenario's runs -> a row per method: medians, throughput relative to DDP and to synchronous group
+    averaging, spread relative to no-group."""
+    def median(results: list[dict], key: str) -> float | None:
+        values = [r[key] for r in results if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    rates = {method: median(results, "steps_per_s") for method, results in runs.items()}
+    reference_spread = median(runs["no-group"], "spread") if "no-group" in runs else None
     rows = []
-    baseline = statistics.median(r["steps_per_s"] for r in runs["ddp"]) if "ddp" in runs else None
     for method, results in runs.items():
-        rate = statistics.median(r["steps_per_s"] for r in results)
-        rows.append({"method": method, "steps_per_s": rate,
+        spread = median(results, "spread")
+        rows.append({"method": method, "steps_per_s": rates[method],
                      "steps_per_s_min": min(r["steps_per_s"] for r in results),
                      "steps_per_s_max": max(r["steps_per_s"] for r in results),
-                     "speedup_vs_ddp": rate / baseline if baseline else None,
-                     "accuracy": statistics.median(r["accuracy"] for r in results)})
+                     "speedup_vs_ddp": rates[method] / rates["ddp"] if "ddp" in rates else None,
+                     "time_vs_group_sync": rates["group-sync"] / rates[method] if "group-sync" in rates else None,
+                     "accuracy": median(results, "accuracy"), "spread": spread,
+                     "spread_vs_no_group": spread / reference_spread if spread and reference_spread else None})
     return rows
+
+
+def plot(tables: dict[str, list[dict]], path: str, title: str) -> None:
+    """Throughput and accuracy per method, one group of bars per scenario."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    scenarios = list(tables)
+    methods = [row["method"] for row in tables[scenarios[0]]]
+    width = 0.8 / len(methods)
+    for index, method in enumerate(methods):
+        rows = [next(r for r in tables[s] if r["method"] == method) for s in scenarios]
+        positions = [i + (index - (len(methods) - 1) / 2) * width for i in range(len(scenarios))]
+        axes[0].bar(positions, [r["steps_per_s"] for r in rows], width, label=method,
+                    yerr=[[r["steps_per_s"] - r["steps_per_s_min"] for r in rows],
+                          [r["steps_per_s_max"] - r["steps_per_s"] for r in rows]], capsize=2)
+        axes[1].bar(positions, [r["accuracy"] for r in rows], width, label=method)
+    for axis, label in zip(axes, ("steps/s (median, min-max)", "test accuracy of the averaged model")):
+        axis.set_xticks(range(len(scenarios)), [f"{s} delays" for s in scenarios])
+        axis.set_ylabel(label)
+    axes[1].set_ylim(0.8, 1.0)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--model", choices=MODELS, default="mlp")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--group-size", type=int, default=2)
-    parser.add_argument("--global-period", type=int, default=10)
-    parser.add_argument("--straggler", choices=("fixed", "random"), default="fixed")
-    parser.add_argument("--slow-rank", type=int, default=None, help="the fixed straggler (default: the last)")
-    parser.add_argument("--sleep-ms", type=float, default=10.0, help="the straggler's extra time per step")
+    parser.add_argument("--global-period", type=int, default=20)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {SCENARIOS}")
+    parser.add_argument("--delay-probability", type=float, default=0.2,
+                        help="random: the chance that a rank's step is slow")
+    parser.add_argument("--delay-ms", type=float, nargs=2, default=(100.0, 300.0), metavar=("LOW", "HIGH"),
+                        help="random: a slow step's extra time, uniform in [LOW, HIGH]")
+    parser.add_argument("--slow-rank", type=int, default=None, help="straggler: the slow rank (default: the last)")
+    parser.add_argument("--sleep-ms", type=float, default=40.0, help="straggler: its extra time per step")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
     parser.add_argument("--rate", type=parse_rate, default=parse_rate("1gbit"),
@@ -135,22 +203,27 @@ def main() -> None:
     parser.add_argument("--loopback", action="store_true", help="plain processes on 127.0.0.1, no shaping")
     parser.add_argument("--prefix", default="gxwagma", help="name prefix of the namespaces this run creates")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the whole job may take")
-    parser.add_argument("--json", default=None, help="write the settings, every run and the table here")
+    parser.add_argument("--json", default=None, help="write the settings, every run and the tables here")
+    parser.add_argument("--plot", default=None, help="write a PNG of throughput and accuracy here (matplotlib)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         run_worker(json.loads(args.worker.read_text()))
         return
-    args.methods = args.methods.split(",")
-    unknown = set(args.methods) - set(METHODS)
-    if unknown:
-        parser.error(f"--methods: unknown {sorted(unknown)}; choose from {METHODS}")
+    for name, choices in (("methods", METHODS), ("scenarios", SCENARIOS)):
+        chosen = getattr(args, name).split(",")
+        unknown = set(chosen) - set(choices)
+        if unknown:
+            parser.error(f"--{name}: unknown {sorted(unknown)}; choose from {choices}")
+        setattr(args, name, chosen)
     if args.slow_rank is None:
         args.slow_rank = args.world_size - 1
     if not 0 <= args.slow_rank < args.world_size:
         parser.error(f"--slow-rank must be in [0, {args.world_size}), got {args.slow_rank}")
     if args.world_size % args.group_size:
         parser.error(f"--group-size {args.group_size} must divide --world-size {args.world_size}")
+    if not 0 <= args.delay_probability <= 1 or not 0 <= args.delay_ms[0] <= args.delay_ms[1]:
+        parser.error("--delay-probability must be in [0, 1] and --delay-ms LOW HIGH with 0 <= LOW <= HIGH")
 
     args.loopback = runs_on_loopback("wagma", args.loopback)
     links = network_name(None if args.loopback else args.rate)
@@ -165,21 +238,31 @@ def main() -> None:
             runs = json.loads(out.read_text())
     finally:
         networks.close()
-    rows = summarize(runs)
-    print(f"{args.world_size} Gloo processes on {links}, digits, {args.model}, "
-          f"batch {args.batch_size}/rank, {args.steps} steps, straggler {args.straggler} "
-          f"(+{args.sleep_ms:g} ms/step), group size {args.group_size}, global period {args.global_period}, "
-          f"median of {args.repeats}")
-    print(f"{'method':<22}{'steps/s':>9}{'(min-max)':>16}{'vs DDP':>8}{'test acc':>10}")
-    for row in rows:
-        spread = f"({row['steps_per_s_min']:.1f}-{row['steps_per_s_max']:.1f})"
-        ratio = f"{row['speedup_vs_ddp']:.2f}x" if row["speedup_vs_ddp"] else "-"
-        print(f"{row['method']:<22}{row['steps_per_s']:>9.1f}{spread:>16}{ratio:>8}{row['accuracy']:>10.3f}")
+    tables = {scenario: summarize(scenario_runs) for scenario, scenario_runs in runs.items()}
+    title = (f"{args.world_size} Gloo processes on {links}, digits, {args.model}, batch {args.batch_size}/rank, "
+             f"{args.steps} steps, group size {args.group_size}, global period {args.global_period}, "
+             f"median of {args.repeats}")
+    print(title)
+    for scenario, rows in tables.items():
+        if scenario == "random":
+            print(f"\nrandom delays: each rank's step +{args.delay_ms[0]:g}-{args.delay_ms[1]:g} ms with probability "
+                  f"{args.delay_probability:g}")
+        else:
+            print(f"\nstraggler: rank {args.slow_rank} +{args.sleep_ms:g} ms every step")
+        print(f"{'method':<22}{'steps/s':>9}{'(min-max)':>14}{'vs DDP':>8}{'time vs sync':>14}{'test acc':>10}"
+              f"{'spread vs no-group':>20}")
+        for row in rows:
+            low_high = f"({row['steps_per_s_min']:.1f}-{row['steps_per_s_max']:.1f})"
+            versus = [f"{row[key]:.2f}x" if row[key] is not None else "-"
+                      for key in ("speedup_vs_ddp", "time_vs_group_sync", "spread_vs_no_group")]
+            print(f"{row['method']:<22}{row['steps_per_s']:>9.2f}{low_high:>14}{versus[0]:>8}{versus[1]:>14}"
+                  f"{row['accuracy']:>10.3f}{versus[2]:>20}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "torch": torch.__version__,
-                       "machine": platform.platform(), "cpus": os.cpu_count(), "runs": runs, "table": rows},
-                      f, indent=2)
+            json.dump({"settings": vars(args), "torch": torch.__version__, "machine": platform.platform(),
+                       "cpus": os.cpu_count(), "runs": runs, "tables": tables}, f, indent=2)
+    if args.plot:
+        plot(tables, args.plot, title)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ process groups (P = 4 and 8, group sizes 2 and 4; every distributed check runs i
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -152,87 +153,179 @@ def _check_synchronous_steps(rank: int, world_size: int, group_size: int) -> Non
     assert averager.step == 2 + 3 * group_schedule_length(world_size, group_size)
 
 
-def _check_wait_avoiding_steps(rank: int, world_size: int, group_size: int) -> None:
-    """The group mean of step t's snapshot is applied at step t+1 as x + (mean(s_t) - s_t): no rank's progress is
-    lost (the sum over ranks only changes by the local updates) and a global step makes all ranks bitwise equal."""
+def _delay(rank: int, step: int, seed: int, probability: float = 0.3, most: float = 0.02) -> None:
+    """An irregular step time: a random sleep on some steps, different on every rank, seed and step."""
+    generator = torch.Generator().manual_seed(100_003 * seed + 1009 * rank + step)
+    if float(torch.rand((), generator=generator)) < probability:
+        time.sleep(most * float(torch.rand((), generator=generator)))
+
+
+def _updates(rank: int, seed: int, steps: int, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Per step, the update this rank's "optimizer" adds: different on every rank and step."""
+    generator = torch.Generator().manual_seed(7919 * seed + rank)
+    return [[0.1 * torch.randn(p.shape, generator=generator, dtype=p.dtype) for p in params] for _ in range(steps)]
+
+
+def _summed_updates(updates: list[list[torch.Tensor]]) -> torch.Tensor:
+    """[step, elements]: every step's update summed over the ranks."""
+    mine = torch.stack([torch.cat([u.reshape(-1) for u in step]) for step in updates])
+    return _gather_rows([mine]).reshape(dist.get_world_size(), *mine.shape).sum(0)
+
+
+def _train_with_delays(averager: GroupModelAverager, params: list[torch.Tensor], updates, rank: int, seed: int,
+                       on_global=None) -> None:
+    with torch.no_grad():
+        for step, update in enumerate(updates):
+            _delay(rank, step, seed)
+            torch._foreach_add_(params, update)
+            averager.average_parameters(params)
+            if on_global is not None and averager.is_global_step(step):
+                on_global(step)
+
+
+def _check_wait_avoiding_conservation(rank: int, world_size: int, group_size: int, seed: int) -> None:
+    """Random step times: every global step leaves all ranks bitwise equal, holding the mean of everything put in;
+    after finish() the sum over ranks is exactly the initial sum plus every update (no rank's progress lost or
+    counted twice), and a second finish() changes nothing."""
     global_period = 2 * group_schedule_length(world_size, group_size) + 1
-    averager = GroupModelAverager(group_size, global_period=global_period)
+    averager = GroupModelAverager(group_size, global_period=global_period, warmup_steps=seed % 2)
     params = _make_params(rank)
-    snapshot_rows = None  # every rank's weights right after the previous call: the snapshot sent then
-    previous_groups = None
-    for step in range(2 * global_period + 1):
-        _local_progress(params, seed=1000 * step + rank)
-        before = _gather_rows(params)
-        averager.average_parameters(params)
-        after = _gather_rows(params)
-        torch.testing.assert_close(after.sum(0), before.sum(0), rtol=1e-12, atol=1e-12)
-        expected = before.clone()
-        if previous_groups is not None:  # apply the previous group round's average, one step late
-            for group in previous_groups:
-                expected[group] += snapshot_rows[group].mean(0) - snapshot_rows[group]
-        if averager.is_global_step(step):
-            _assert_all_equal(after)
-            expected[:] = expected.mean(0)
-            previous_groups = None
-        else:
-            previous_groups = butterfly_groups(world_size, group_size, averager.group_round(step))
-        torch.testing.assert_close(after, expected, rtol=1e-12, atol=1e-12)
-        snapshot_rows = after
-    # finish() applies the last in-flight average at once, and a second finish() does nothing.
-    averager.average_parameters(params)
-    in_flight = _gather_rows(params)
+    steps = 3 * global_period + 2
+    updates = _updates(rank, seed, steps, params)
+    initial = _gather_rows(params).sum(0)
+    per_step = _summed_updates(updates)
+
+    def check_global(step: int) -> None:
+        rows = _gather_rows(params)
+        _assert_all_equal(rows)
+        torch.testing.assert_close(rows[0] * world_size, initial + per_step[:step + 1].sum(0), rtol=1e-12,
+                                   atol=1e-12)
+
+    _train_with_delays(averager, params, updates, rank, seed, check_global)
     averager.finish(params)
     finished = _gather_rows(params)
+    torch.testing.assert_close(finished.sum(0), initial + per_step.sum(0), rtol=1e-12, atol=1e-12)
     averager.finish(params)
     assert torch.equal(_gather_rows(params), finished)
-    expected = in_flight.clone()
-    for group in butterfly_groups(world_size, group_size, averager.group_round(averager.step - 1)):
-        expected[group] = in_flight[group].mean(0)
-    torch.testing.assert_close(finished, expected, rtol=1e-12, atol=1e-12)
+    assert averager.step == steps
 
 
-def _check_wait_avoiding_consensus(rank: int, world_size: int, group_size: int) -> None:
-    """With no local progress (zero learning rate) and no global step, wait-avoiding group averaging drives the
-    ranks to the global mean, each step one step behind the synchronous averager; 60 steps never deadlock."""
-    stale = GroupModelAverager(group_size, global_period=10**6, wait_avoiding=True)
+def _check_wait_avoiding_mixing(rank: int, world_size: int, group_size: int, seed: int) -> None:
+    """The same updates and step times with and without group averaging (group size 1, no global step): the group
+    averages mix the replicas, so they end much closer together. With no updates, whatever the interleaving, the
+    wait-avoiding rounds compute exactly the synchronous group averages (every rank's published weights are
+    current)."""
+    replicas = {size: _make_params(rank) for size in (1, group_size)}
+    updates = _updates(rank, seed, 4 * group_schedule_length(world_size, group_size) + 2, replicas[1])
+    spreads = {}
+    for size, params in replicas.items():
+        averager = GroupModelAverager(size, global_period=10**6)
+        _train_with_delays(averager, params, updates, rank, seed)
+        averager.finish(params)
+        rows = _gather_rows(params)
+        spreads[size] = float((rows - rows.mean(0)).square().mean().sqrt())
+    assert spreads[group_size] < 0.5 * spreads[1], spreads
+
+    stale = GroupModelAverager(group_size, global_period=10**6)
     synchronous = GroupModelAverager(group_size, global_period=10**6, wait_avoiding=False)
     stale_params, sync_params = _make_params(rank), _make_params(rank)
-    initial = _gather_rows(stale_params)
-    sync_history = [initial]
-    for _ in range(60):
+    for step in range(3 * group_schedule_length(world_size, group_size)):
+        _delay(rank, step, seed, probability=0.5)
         stale.average_parameters(stale_params)
         synchronous.average_parameters(sync_params)
-        sync_history.append(_gather_rows(sync_params))
-        torch.testing.assert_close(_gather_rows(stale_params), sync_history[-2], rtol=1e-12, atol=1e-12)
     stale.finish(stale_params)
-    final = _gather_rows(stale_params)
-    torch.testing.assert_close(final.mean(0), initial.mean(0), rtol=1e-12, atol=1e-12)
-    spread = (final - final.mean(0)).abs().max() / (initial - initial.mean(0)).abs().max()
-    assert spread < 1e-9, f"ranks did not reach consensus: relative spread {float(spread)}"
+    torch.testing.assert_close(_gather_rows(stale_params), _gather_rows(sync_params), rtol=1e-12, atol=1e-12)
 
 
-def _check_resume(rank: int, world_size: int, group_size: int) -> None:
-    """Checkpointing the averager's step (after finish) and resuming in a new averager reproduces the
-    uninterrupted run bitwise; a state of another group size is refused."""
+def _check_straggler_delays_nobody(rank: int, world_size: int, group_size: int) -> None:
+    """Rank 0 stalls for 1.5 s in step 1; the other ranks' group steps do not wait for it (with synchronous group
+    averages its partners would, and through the rotating groups everyone), the global step waits for everyone,
+    and the sum over ranks is kept."""
+    steps = 6
+    averager = GroupModelAverager(group_size, global_period=steps)
+    params = _make_params(rank)
+    updates = _updates(rank, 0, steps, params)
+    expected = _gather_rows(params).sum(0) + _summed_updates(updates).sum(0)
+    dist.barrier()
+    started = time.monotonic()
+    with torch.no_grad():
+        for step, update in enumerate(updates):
+            if rank == 0 and step == 1:
+                time.sleep(1.5)
+            torch._foreach_add_(params, update)
+            averager.average_parameters(params)
+            if step == steps - 2:
+                group_steps_took = time.monotonic() - started
+    if rank != 0:
+        assert group_steps_took < 1.0, f"rank {rank} waited {group_steps_took:.2f} s for the straggler"
+    assert time.monotonic() - started >= 1.5  # the global step waits for it
+    averager.finish(params)
+    torch.testing.assert_close(_gather_rows(params).sum(0), expected, rtol=1e-12, atol=1e-12)
+
+
+def _check_errors_reach_every_rank(rank: int, world_size: int, group_size: int) -> None:
+    """Bad parameters on one rank in the middle of a run, finish() at different steps, and a rank that does not
+    reach a global step within the timeout: every rank raises (none hangs), and the averager stays stopped."""
+    params = _make_params(rank)
+    averager = GroupModelAverager(group_size, global_period=5)
+    raised, last = None, world_size - 1
+    for step in range(8):
+        try:
+            averager.average_parameters(params if (rank, step) != (last, 2) else params[:2])
+        except (ValueError, RuntimeError) as exc:
+            raised = exc
+            break
+    if rank == last:
+        assert isinstance(raised, ValueError) and "different parameters" in str(raised), raised
+    else:
+        assert isinstance(raised, RuntimeError) and f"rank {last} stopped" in str(raised), raised
+        assert step <= 4  # at the latest at the global step
+    with pytest.raises(RuntimeError, match="stopped"):
+        averager.finish(params)
+
+    averager = GroupModelAverager(group_size, global_period=100)
+    for _ in range(3 + (rank == 0)):
+        averager.average_parameters(params)
+    with pytest.raises(RuntimeError, match=r"different steps|rank \d stopped") as raised:
+        averager.finish(params)
+    found = [None] * world_size
+    dist.all_gather_object(found, "different steps" in str(raised.value))
+    assert any(found)  # where the ranks found it; the others learn that those stopped
+
+    averager = GroupModelAverager(group_size, global_period=2, timeout=0.5)
+    averager.average_parameters(params)
+    if rank == 0:
+        time.sleep(2.0)
+        with pytest.raises(RuntimeError, match=r"rank \d stopped"):  # its global round may still complete
+            averager.average_parameters(params)
+            averager.finish(params)
+    else:
+        with pytest.raises((TimeoutError, RuntimeError), match=r"timeout=0.5|rank \d stopped"):
+            averager.average_parameters(params)
+    dist.barrier()
+
+
+def _check_resume(rank: int, world_size: int, group_size: int, seed: int) -> None:
+    """Synchronous mode: checkpointing the averager's step and resuming in a new averager reproduces the
+    uninterrupted run bitwise. Wait-avoiding mode: state_dict() in the middle of a run (rounds in flight, random
+    step times) saves the averages the weights do not hold yet, so weights + state resume with nothing lost: the
+    sum over ranks after the resumed run's finish() is the saved sum plus every later update. A state of another
+    group size, or a correction that does not fit the parameters, is refused."""
     def run(params, averager, steps):
         for step in steps:
             _local_progress(params, seed=1000 * step + rank)
             averager.average_parameters(params)
 
     uninterrupted = _make_params(rank)
-    averager = GroupModelAverager(group_size, global_period=4)
-    run(uninterrupted, averager, range(5))
-    averager.finish(uninterrupted)
-    run(uninterrupted, averager, range(5, 11))
-
+    averager = GroupModelAverager(group_size, global_period=4, wait_avoiding=False)
+    run(uninterrupted, averager, range(11))
     first_half = _make_params(rank)
-    averager = GroupModelAverager(group_size, global_period=4)
+    averager = GroupModelAverager(group_size, global_period=4, wait_avoiding=False)
     run(first_half, averager, range(5))
-    averager.finish(first_half)
     saved_weights, saved_state = [p.detach().clone() for p in first_half], averager.state_dict()
     assert saved_state["step"] == 5
     resumed = [torch.nn.Parameter(w) for w in saved_weights]
-    averager = GroupModelAverager(group_size, global_period=4)
+    averager = GroupModelAverager(group_size, global_period=4, wait_avoiding=False)
     averager.load_state_dict(saved_state)
     run(resumed, averager, range(5, 11))
     for a, b in zip(uninterrupted, resumed):
@@ -240,9 +333,29 @@ def _check_resume(rank: int, world_size: int, group_size: int) -> None:
     with pytest.raises(ValueError, match="group_size"):
         averager.load_state_dict({**saved_state, "group_size": group_size * 2})
 
+    params = _make_params(rank)
+    updates = _updates(rank, seed, 12, params)
+    averager = GroupModelAverager(group_size, global_period=5)
+    _train_with_delays(averager, params, updates[:7], rank, seed)
+    state = averager.state_dict()
+    assert state["step"] == 7 and len(state["correction"]) == 1
+    saved = _gather_rows(params).sum(0) + _gather_rows(state["correction"]).sum(0)
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    averager = GroupModelAverager(group_size, global_period=5)
+    with pytest.raises(ValueError, match="correction"):
+        averager.load_state_dict({**state, "correction": [torch.zeros(3, dtype=torch.float64)]})
+        averager.average_parameters(resumed)
+    averager = GroupModelAverager(group_size, global_period=5)
+    averager.load_state_dict(state)
+    _train_with_delays(averager, resumed, updates[7:], rank, seed + 1)
+    averager.finish(resumed)
+    torch.testing.assert_close(_gather_rows(resumed).sum(0), saved + _summed_updates(updates[7:]).sum(0),
+                               rtol=1e-12, atol=1e-12)
+
 
 def _check_bad_input(rank: int, world_size: int) -> None:
-    """Bad group sizes and parameters fail clearly on every rank (no hang)."""
+    """Bad arguments and parameters fail clearly on every rank (no hang), in both modes; in wait-avoiding mode the
+    error also stops the averager (on every rank: the others would wait for this one)."""
     for bad in (3, 0, 2 * world_size):
         with pytest.raises(ValueError, match=rf"group_size must divide the process group's size {world_size}"):
             GroupModelAverager(bad, global_period=4)
@@ -250,19 +363,27 @@ def _check_bad_input(rank: int, world_size: int) -> None:
         GroupModelAverager(2, global_period=0)
     with pytest.raises(ValueError, match="warmup_steps"):
         GroupModelAverager(2, global_period=4, warmup_steps=-1)
-    averager = GroupModelAverager(2, global_period=4)
-    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.int64"):
-        averager.average_parameters([torch.zeros(3, dtype=torch.int64)])
-    with pytest.raises(ValueError, match="params is empty"):
-        averager.average_parameters([])
-    # Different shapes on one rank are found by the first call's layout check, on every rank.
+    with pytest.raises(ValueError, match="timeout"):
+        GroupModelAverager(2, global_period=4, timeout=0)
     shapes = [(4,), (3,)] if rank == 0 else [(4,), (2,)]
-    with pytest.raises(ValueError, match="same parameters .* on every rank"):
-        averager.average_parameters([torch.zeros(s) for s in shapes])
-    averager = GroupModelAverager(2, global_period=4)
-    averager.average_parameters([torch.zeros(4), torch.zeros(3)])
-    with pytest.raises(ValueError, match="different parameters .* than on its first call"):
-        averager.average_parameters([torch.zeros(4), torch.zeros(2)])
+    for wait_avoiding in (False, True):
+        cases = [
+            (TypeError, r"params\[0\] has dtype torch.int64", [[torch.zeros(3, dtype=torch.int64)]]),
+            (ValueError, "params is empty", [[]]),
+            # different shapes on one rank are found by the first call's layout check, on every rank
+            (ValueError, "same parameters .* on every rank", [[torch.zeros(s) for s in shapes]]),
+            (ValueError, "different parameters .* than on its first call",
+             [[torch.zeros(4), torch.zeros(3)], [torch.zeros(4), torch.zeros(2)]]),
+        ]
+        for error, message, calls in cases:
+            averager = GroupModelAverager(2, global_period=4, wait_avoiding=wait_avoiding)
+            for params in calls[:-1]:
+                averager.average_parameters(params)
+            with pytest.raises(error, match=message):
+                averager.average_parameters(calls[-1])
+            if wait_avoiding:
+                with pytest.raises(RuntimeError, match="stopped"):
+                    averager.finish(calls[0])
 
 
 def _check_training(rank: int, world_size: int, group_size: int) -> None:
@@ -303,12 +424,16 @@ def _check_subgroup(rank: int, world_size: int) -> None:
         _local_progress(params, seed=1000 * step + rank)
 
 
-def _all_checks(rank: int, world_size: int, group_sizes: tuple[int, ...]) -> bool:
+def _all_checks(rank: int, world_size: int, group_sizes: tuple[int, ...], seeds: int) -> bool:
     for group_size in group_sizes:
         _check_synchronous_steps(rank, world_size, group_size)
-        _check_wait_avoiding_steps(rank, world_size, group_size)
-        _check_wait_avoiding_consensus(rank, world_size, group_size)
-        _check_resume(rank, world_size, group_size)
+        for seed in range(seeds):
+            _check_wait_avoiding_conservation(rank, world_size, group_size, seed)
+        if group_size > 1:
+            _check_wait_avoiding_mixing(rank, world_size, group_size, seeds)
+        _check_straggler_delays_nobody(rank, world_size, group_size)
+        _check_errors_reach_every_rank(rank, world_size, group_size)
+        _check_resume(rank, world_size, group_size, seeds)
         _check_training(rank, world_size, group_size)
     _check_bad_input(rank, world_size)
     if world_size >= 4:
@@ -316,6 +441,7 @@ def _all_checks(rank: int, world_size: int, group_sizes: tuple[int, ...]) -> boo
     return True
 
 
-@pytest.mark.parametrize("world_size", [4, 8])
-def test_group_model_averager(world_size: int) -> None:
-    assert all(run_distributed(_all_checks, world_size, (2, 4), timeout=150))
+@pytest.mark.parametrize("world_size,group_sizes", [(2, (1, 2)), (4, (2, 4)), (8, (2, 4))])
+def test_group_model_averager(world_size: int, group_sizes: tuple[int, ...]) -> None:
+    """Every check in one spawn per world size; random step times with 3 seeds per group size."""
+    assert all(run_distributed(_all_checks, world_size, group_sizes, 3, timeout=240))

@@ -50,12 +50,17 @@ def test_threshold_accuracy_benchmark(tmp_path):
 def test_wagma_benchmark(tmp_path, network):
     out = tmp_path / "wagma.json"
     run_bench("wagma", network, "--world-size", "2", "--group-size", "2", "--global-period", "3", "--steps", "12",
-              "--repeats", "1", "--prefix", "gxsmokewagma", "--json", str(out))
+              "--delay-ms", "0", "20", "--sleep-ms", "5", "--repeats", "1", "--prefix", "gxsmokewagma",
+              "--json", str(out), "--plot", str(tmp_path / "wagma.png"))
     report = json.loads(out.read_text())
-    assert [row["method"] for row in report["table"]] == ["ddp", "group-sync", "group-wait-avoiding"]
-    for row in report["table"]:
-        assert row["steps_per_s"] > 0 and 0.0 <= row["accuracy"] <= 1.0
-    assert report["table"][0]["speedup_vs_ddp"] == 1.0
+    assert list(report["tables"]) == ["random", "straggler"]
+    for rows in report["tables"].values():
+        assert [row["method"] for row in rows] == ["ddp", "group-sync", "group-wait-avoiding", "no-group"]
+        for row in rows:
+            assert row["steps_per_s"] > 0 and 0.0 <= row["accuracy"] <= 1.0
+        assert rows[0]["speedup_vs_ddp"] == 1.0 and rows[0]["spread"] is None
+        assert rows[-1]["spread_vs_no_group"] == 1.0
+    assert (tmp_path / "wagma.png").stat().st_size > 0
     if network != "--loopback":  # the run removed the namespaces it made
         assert "gxsmokewagma" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 

@@ -1,5 +1,6 @@
-"""Sparse collectives on torch.distributed (Gloo or NCCL, any process group): TopK-SGD's allgather and the
-gTop-k butterfly allreduce of Shi et al. (ICDCS 2019), for any world size.
+"""Sparse collectives on torch.distributed (Gloo or NCCL, any process group): TopK-SGD's allgather, the
+gTop-k butterfly allreduce of Shi et al. (ICDCS 2019) and the Ok-Topk sparse allreduce of Li and Hoefler
+(PPoPP 2022), for any world size.
 
 Before any payload moves, the ranks agree on a small header (k, numel, dtype): Gloo aborts the whole process
 when a message's size differs from the receiver's buffer, and a check between two partners only would leave the
@@ -8,7 +9,9 @@ other ranks waiting, so the header is gathered over the group and every rank rai
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -108,17 +111,20 @@ def check_message(msg: SparseMessage, name: str = "msg") -> None:
                          f"{int(indices.min())} to {int(indices.max())}")
 
 
-def _agree_on_message(msg: SparseMessage, group: dist.ProcessGroup, what: str, traffic: Traffic | None) -> None:
-    """Every rank checks its message and the ranks compare (k, numel, dtype), so all of them raise together.
+def _agree_on_message(msg: SparseMessage, group: dist.ProcessGroup, what: str, traffic: Traffic | None,
+                      extra: Callable[[], dict[str, int]] | None = None, extra_names: tuple[str, ...] = ()) -> None:
+    """Every rank checks its message and the ranks compare (k, numel, dtype), and the fields ``extra()`` returns
+    (named ``extra_names``), so all of them raise together.
 
     Any local error (not only the checks' TypeError and ValueError) is held until the headers are exchanged:
     raising before would leave the other ranks waiting for this one until the group's timeout."""
     try:
         check_message(msg)
-        fields = {"valid": 1, "k": msg.k, "numel": msg.numel, "dtype": DTYPE_CODES[msg.values.dtype]}
+        fields = {"valid": 1, "k": msg.k, "numel": msg.numel, "dtype": DTYPE_CODES[msg.values.dtype],
+                  **(extra() if extra is not None else {})}
         device, local_error = msg.values.device, None
     except Exception as error:  # noqa: BLE001 - raised below, once every rank knows
-        fields = {"valid": 0, "k": _INVALID, "numel": _INVALID, "dtype": _INVALID}
+        fields = {"valid": 0, **dict.fromkeys(("k", "numel", "dtype", *extra_names), _INVALID)}
         values = getattr(msg, "values", None)
         usable = isinstance(values, torch.Tensor) and values.device.type != "meta"
         device = values.device if usable else torch.device("cpu")
@@ -126,7 +132,7 @@ def _agree_on_message(msg: SparseMessage, group: dist.ProcessGroup, what: str, t
     headers = gather_headers(fields, group, device, traffic)
     if local_error is not None:
         raise local_error
-    require_same(headers, ("k", "numel", "dtype"), what)
+    require_same(headers, ("k", "numel", "dtype", *extra_names), what)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -277,3 +283,305 @@ def _mark_survivors(tracked: list[tuple[torch.Tensor, torch.Tensor]], kept_indic
     for slot_indices, applied in tracked:
         found = kept_indices[torch.searchsorted(kept_indices, slot_indices).clamp_(max=last)]
         applied &= found == slot_indices
+
+
+# ----- Ok-Topk -----
+
+# The paper re-evaluates its global threshold every 32 (or 128) iterations and its regions periodically;
+# 32 is the default of both periods here.
+OKTOPK_PERIOD = 32
+# A reused global threshold stays while the pairs it selects over all regions number within these fractions of k
+# (the bounds the paper's code keeps its local selection in); outside them it is re-estimated in the same step.
+OKTOPK_REUSE_BOUNDS = (0.75, 1.25)
+# Sub-bins per octave of the threshold estimate's second histogram: its relative resolution is 1/256.
+OKTOPK_SUB_BINS = 256
+
+
+@dataclass
+class OkTopkState:
+    """What :func:`oktopk_allreduce` keeps between the steps of one bucket: keep one per bucket, the same on every
+    rank (every rank makes the same calls with it, so its fields stay equal across ranks).
+
+    ``boundaries`` (the P - 1 first indices of regions 1..P-1) are re-estimated every ``boundary_period`` calls,
+    ``threshold`` (the global threshold on |summed value|) every ``threshold_period`` calls and whenever the pairs
+    it selects leave ``OKTOPK_REUSE_BOUNDS`` times k; both also when the bucket's numel or the world size differ
+    from those they were estimated for. ``step`` counts the calls.
+    """
+
+    boundary_period: int = OKTOPK_PERIOD
+    threshold_period: int = OKTOPK_PERIOD
+    step: int = 0
+    boundaries: list[int] | None = None
+    threshold: float | None = None
+    shape: tuple[int, int] | None = None  # (numel, world size) that boundaries and threshold were estimated for
+
+    def __post_init__(self) -> None:
+        for name in ("boundary_period", "threshold_period"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"OkTopkState: {name} must be an int >= 1, got {value!r}")
+
+    def plan(self, numel: int, size: int) -> tuple[bool, bool]:
+        """(re-estimate the boundaries, re-estimate the threshold) for a call on ``numel`` elements and ``size``
+        ranks. Pure: ranks compare it before anything changes."""
+        fresh = self.shape != (numel, size)
+        return (fresh or self.boundaries is None or self.step % self.boundary_period == 0,
+                fresh or self.threshold is None or self.step % self.threshold_period == 0)
+
+    def state_dict(self) -> dict:
+        return {"boundary_period": self.boundary_period, "threshold_period": self.threshold_period,
+                "step": self.step, "boundaries": None if self.boundaries is None else list(self.boundaries),
+                "threshold": self.threshold, "shape": None if self.shape is None else list(self.shape)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        restored = OkTopkState(**{**state_dict, "shape": None if state_dict.get("shape") is None
+                                  else tuple(state_dict["shape"])})
+        self.__dict__.update(restored.__dict__)
+
+
+def _pack_pairs(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """n int32 indices then n values' bits, one uint8 tensor (n is known to the receiver from the counts)."""
+    return torch.cat([_as_bytes(indices), _as_bytes(values)])
+
+
+def _unpack_pairs(payload: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    n = payload.numel() // _pair_bytes(dtype)
+    return payload[:4 * n].view(torch.int32), payload[4 * n:].view(dtype)
+
+
+def _pair_bytes(dtype: torch.dtype) -> int:
+    return 4 + torch.empty((), dtype=dtype).element_size()
+
+
+def _sparse_alltoallv(payloads: list[torch.Tensor | None], recv_nbytes: list[int], group: dist.ProcessGroup,
+                      rank: int, traffic: Traffic | None) -> list[torch.Tensor | None]:
+    """Sends ``payloads[r]`` to every group rank r != rank and receives ``recv_nbytes[r]`` bytes from each, all at
+    once; in round s of the paper's destination rotation a rank sends to rank + s and receives from rank - s, so
+    no rank is every sender's first destination. Empty messages are not sent (both sides know their size).
+    Returns the received payloads by source rank (None for this rank and for empty ones)."""
+    size = len(payloads)
+    works, received, sent_bytes = [], [None] * size, 0
+    for shift in range(1, size):
+        destination, source = (rank + shift) % size, (rank - shift) % size
+        payload = payloads[destination]
+        if payload is not None and payload.numel():
+            works.append(dist.P2POp(dist.isend, payload, dist.get_global_rank(group, destination), group))
+            sent_bytes += payload.numel()
+        if recv_nbytes[source]:
+            received[source] = torch.empty(recv_nbytes[source], dtype=torch.uint8, device=payloads[rank].device)
+            works.append(dist.P2POp(dist.irecv, received[source], dist.get_global_rank(group, source), group))
+    if works:
+        for work in dist.batch_isend_irecv(works):
+            work.wait()
+    if traffic is not None:
+        traffic.add(sent_bytes, sum(nbytes for r, nbytes in enumerate(recv_nbytes) if r != rank))
+    return received
+
+
+def _exchange_counts(counts: list[int], group: dist.ProcessGroup, device: torch.device,
+                     traffic: Traffic | None) -> list[int]:
+    """All-to-all of one count per rank pair: ``counts[r]`` goes to rank r; returns the count from each rank."""
+    size = len(counts)
+    send = torch.tensor(counts, dtype=torch.int64, device=device)
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    if traffic is not None:
+        traffic.add(8 * (size - 1), 8 * (size - 1))
+    return received.tolist()
+
+
+def _gather_counts(counts: list[int], group: dist.ProcessGroup, size: int, device: torch.device,
+                   traffic: Traffic | None) -> list[list[int]]:
+    """Every rank's ``counts`` (the same number on every rank), in group-rank order."""
+    mine = torch.tensor(counts, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine, group=group)
+    if traffic is not None:
+        nbytes = ring_allgather_bytes(mine.numel() * 8, size)
+        traffic.add(nbytes, nbytes)
+    return [g.tolist() for g in gathered]
+
+
+def _allreduce_counts(counts: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic | None) -> torch.Tensor:
+    dist.all_reduce(counts, group=group)
+    if traffic is not None:
+        nbytes = ring_allreduce_bytes(counts.numel() * counts.element_size(), dist.get_world_size(group))
+        traffic.add(nbytes, nbytes)
+    return counts
+
+
+def _balanced_boundaries(sorted_indices: torch.Tensor, numel: int, group: dist.ProcessGroup, size: int,
+                         traffic: Traffic | None) -> list[int]:
+    """The paper's region boundaries: each rank splits its own selected indices into P runs of equal count, and
+    the ranks average those P - 1 split points (one allreduce of P - 1 integers). Averages of ascending lists
+    ascend, so the regions are ordered; a rank that selected nothing proposes equal-width regions."""
+    n = sorted_indices.numel()
+    if n:
+        positions = torch.tensor([n * i // size for i in range(1, size)], device=sorted_indices.device)
+        proposal = sorted_indices[positions].long()
+    else:
+        proposal = torch.tensor([numel * i // size for i in range(1, size)], dtype=torch.int64,
+                                device=sorted_indices.device)
+    return (_allreduce_counts(proposal, group, traffic) // size).tolist()
+
+
+def _octave_edges(device: torch.device) -> torch.Tensor:
+    """2^-149 (float32's smallest subnormal), 2^-148, ..., 2^127, then +inf: float32 magnitudes by octave."""
+    powers = torch.ldexp(torch.ones(277, dtype=torch.float32), torch.arange(-149, 128, dtype=torch.int32))
+    return torch.cat([powers, torch.tensor([math.inf])]).to(device)
+
+
+def _count_at_least(magnitude: torch.Tensor, edges: torch.Tensor, group: dist.ProcessGroup,
+                    traffic: Traffic | None) -> torch.Tensor:
+    """``at_least[i]`` = how many magnitudes over all ranks are >= edges[i] (exact: the same comparisons as the
+    selection's), from one allreduce of a histogram."""
+    bins = torch.bucketize(magnitude, edges, right=True)  # how many edges each magnitude reaches
+    # Bin 0 (below every edge) counts for nothing. int32 is enough: the sums of all regions have distinct
+    # indices, fewer than numel < 2^31.
+    histogram = torch.bincount(bins, minlength=edges.numel() + 1)[1:].int()
+    return _allreduce_counts(histogram, group, traffic).flip(0).cumsum(0).flip(0)
+
+
+def _global_threshold(magnitude: torch.Tensor, k: int, group: dist.ProcessGroup, traffic: Traffic | None) -> float:
+    """The threshold on the regions' |sums| that the k-th largest of them over all ranks reaches, to 1/256 of its
+    value: the lowest edge that at least k magnitudes reach (all nonzero ones when fewer than k are nonzero).
+
+    The paper allgathers every region's sums to compute the exact threshold, O(Pk) bytes; two histogram
+    allreduces find it here with O(1) bytes (278 + 256 int32 counts): one by octave, then one of 256 sub-bins
+    inside the octave that holds the k-th largest. Selecting at the lower edge of its sub-bin keeps at least k (plus the
+    ties of one sub-bin), so nothing starves when many values are equal; the surplus is cut at the end."""
+    edges = _octave_edges(magnitude.device)
+    at_least = _count_at_least(magnitude, edges, group, traffic)
+    octave = int((at_least >= k).sum()) - 1  # at_least descends: the last edge that k magnitudes reach
+    if octave < 0:
+        return float(edges[0])
+    if octave == edges.numel() - 1:  # k or more infinite (or NaN) sums
+        return math.inf
+    low, high = edges[octave], edges[octave + 1]
+    sub_edges = low * (1 + torch.arange(OKTOPK_SUB_BINS, dtype=torch.float32, device=low.device) / OKTOPK_SUB_BINS)
+    inside = magnitude[(magnitude >= low) & (magnitude < high)]
+    sub_at_least = _count_at_least(inside, sub_edges, group, traffic) + at_least[octave + 1]
+    return float(sub_edges[int((sub_at_least >= k).sum()) - 1])
+
+
+def _threshold_holds(kept: int, nonzero: int, k: int) -> bool:
+    """Whether a reused threshold that keeps ``kept`` of the ``nonzero`` nonzero sums may stay: it keeps between
+    ``OKTOPK_REUSE_BOUNDS`` times k, or every nonzero sum when there are at most k (as a fresh estimate would:
+    density 1 stays the dense sum)."""
+    low, high = OKTOPK_REUSE_BOUNDS
+    return kept == nonzero if nonzero <= k else low * k <= kept <= high * k
+
+
+def _sum_by_index(indices: torch.Tensor, values: torch.Tensor, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ascending distinct indices, float32 sums of their values), the values summed in slot order."""
+    if indices.numel() == 0:
+        return indices, values.float()
+    distinct, position = torch.unique(indices, sorted=True, return_inverse=True)
+    sums = torch.zeros(distinct.numel(), dtype=torch.float32, device=values.device)
+    ops.scatter_add_(sums, position.int(), values.float(), backend=backend, check=False)
+    return distinct, sums
+
+
+def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, *, state: OkTopkState | None = None,
+                     check: bool = True, traffic: Traffic | None = None) -> tuple[SparseMessage, torch.Tensor]:
+    """Ok-Topk (Li and Hoefler, PPoPP 2022): a global top-k of the sum of every rank's sparse message with about
+    2k(P-1)/P pairs sent per rank, for any world size P.
+
+    1. Split and reduce: the index space is cut into P regions, region r owned by rank r; each rank sends the pairs
+       of its message (its first ``min(count, k)`` slots, sorted by index) to the owners of their regions, and
+       each owner sums what it receives per index (float32, in source-rank order).
+    2. Each owner keeps its sums whose |value| reaches the global threshold (NaN and inf always).
+    3. Allgatherv: every owner sends what it kept to every rank; all ranks concatenate the regions in order. If
+       more than k were kept, the k largest |sums| stay (NaN first, ties to the lower index), as in gTop-k.
+
+    Region boundaries follow the paper: every rank proposes the P - 1 indices that split its own selection into
+    equal counts and the ranks average them (an allreduce of P - 1 integers), so the regions hold about equal
+    numbers of pairs; re-estimated every ``state.boundary_period`` calls (gradients change slowly). The global
+    threshold is reused between re-estimations, as in the paper, every ``state.threshold_period`` calls; unlike
+    the paper it is also re-estimated at once when what it keeps drifts (:func:`_threshold_holds`), which bounds
+    the pairs of phase 3 by 1.25k. The estimate itself is two histogram allreduces of O(1) bytes instead of the
+    paper's allgather of every region's sums (:func:`_global_threshold`). ``state=None`` re-estimates both in
+    the call. Message sizes: each phase first exchanges its counts (an all-to-all of one integer per rank pair,
+    then an allgather of two per rank: O(P) bytes, counted in ``traffic``), so payloads carry exactly the pairs,
+    nothing overflows a fixed capacity, and empty messages are not sent.
+
+    Returns ``(glob, applied)`` as :func:`gtopk_allreduce` does: ``glob`` is bitwise the same SparseMessage on
+    every rank (values summed over ranks, not averaged, in :func:`carried_dtype` of the message's dtype; indices
+    ascending, distinct, padded with (0, 0) to k slots; ``glob.count`` is how many sums reached the threshold
+    before the cut to k); ``applied[j]`` is True where this rank's slot j is inside glob's sums. Slots past
+    ``min(count, k)`` are not sent, so not applied. The caller keeps ``msg.values[~applied]``: nothing is lost.
+    ``check`` as in :func:`sparse_allgather` (with it, the ranks also compare their states' plans).
+    """
+    group, rank, size = group_rank_and_size(group)
+    if state is None:
+        state = OkTopkState()
+    if check:
+        def plan_fields() -> dict[str, int]:
+            if not isinstance(state, OkTopkState):
+                raise TypeError(f"state must be an OkTopkState or None, got {type(state).__name__}")
+            repartition, reestimate = state.plan(msg.numel, size)
+            return {"state_step": state.step, "repartition": int(repartition), "reestimate": int(reestimate)}
+
+        _agree_on_message(msg, group, "oktopk_allreduce", traffic, plan_fields,
+                          ("state_step", "repartition", "reestimate"))
+    k, numel, device = msg.k, msg.numel, msg.values.device
+    dtype = carried_dtype(msg.values.dtype)
+    if size == 1:
+        return (SparseMessage(msg.values.to(dtype, copy=True), msg.indices.clone(), msg.count.clone(), numel,
+                              backend=msg.backend), torch.ones(k, dtype=torch.bool, device=device))
+    repartition, reestimate = state.plan(numel, size)
+    state.shape = (numel, size)
+
+    # 1. Split and reduce.
+    used = min(max(int(msg.count), 0), k)
+    indices, order = torch.sort(msg.indices[:used], stable=True)
+    values = msg.values[:used][order]
+    if repartition:
+        state.boundaries = _balanced_boundaries(indices, numel, group, size, traffic)
+    region_starts = torch.tensor(state.boundaries, dtype=torch.int32, device=device)
+    cuts = [0, *torch.searchsorted(indices, region_starts).tolist(), used]
+    send_counts = [end - start for start, end in zip(cuts, cuts[1:])]
+    recv_counts = _exchange_counts(send_counts, group, device, traffic)
+    outgoing = [_pack_pairs(indices[start:end], values[start:end]) for start, end in zip(cuts, cuts[1:])]
+    incoming = _sparse_alltoallv(outgoing, [c * _pair_bytes(values.dtype) for c in recv_counts], group, rank,
+                                 traffic)
+    parts = [_unpack_pairs(incoming[r], values.dtype) if r != rank else
+             (indices[cuts[r]:cuts[r + 1]], values[cuts[r]:cuts[r + 1]]) for r in range(size) if
+             r == rank or incoming[r] is not None]
+    region_indices, region_sums = _sum_by_index(torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]),
+                                                msg.backend)
+
+    # 2. The global threshold.
+    magnitude = region_sums.abs().nan_to_num(nan=math.inf, posinf=math.inf)
+    threshold = _global_threshold(magnitude, k, group, traffic) if reestimate else state.threshold
+    nonzero = int((magnitude > 0).sum())
+    while True:
+        kept = magnitude >= threshold
+        counts = _gather_counts([int(kept.sum()), nonzero], group, size, device, traffic)
+        kept_counts = [kept_count for kept_count, _ in counts]
+        if reestimate or _threshold_holds(sum(kept_counts), sum(n for _, n in counts), k):
+            break
+        threshold, reestimate = _global_threshold(magnitude, k, group, traffic), True
+    state.threshold = threshold
+    state.step += 1
+
+    # 3. Allgatherv of the kept sums.
+    own = (region_indices[kept], region_sums[kept].to(dtype))
+    incoming = _sparse_alltoallv([_pack_pairs(*own)] * size, [c * _pair_bytes(dtype) for c in kept_counts], group,
+                                 rank, traffic)
+    parts = [own if r == rank else _unpack_pairs(incoming[r], dtype) for r in range(size)
+             if r == rank or incoming[r] is not None]
+    glob_indices, glob_values = torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
+    if glob_indices.numel() > k:  # stable: among equal |sums| the lower index (earlier slot) stays
+        best = torch.sort(glob_values.float().abs(), descending=True, stable=True).indices[:k].sort().values
+        glob_indices, glob_values = glob_indices[best], glob_values[best]
+    applied = torch.zeros(k, dtype=torch.bool, device=device)
+    if glob_indices.numel():
+        found = torch.searchsorted(glob_indices, msg.indices[:used]).clamp_(max=glob_indices.numel() - 1)
+        applied[:used] = glob_indices[found] == msg.indices[:used]
+    padding = k - glob_indices.numel()
+    glob = SparseMessage(torch.cat([glob_values, glob_values.new_zeros(padding)]),
+                         torch.cat([glob_indices, glob_indices.new_zeros(padding)]),
+                         torch.tensor([sum(kept_counts)], dtype=torch.int32, device=device), numel,
+                         backend=msg.backend)
+    return glob, applied

@@ -472,14 +472,25 @@ def _threshold_holds(kept: int, nonzero: int, k: int) -> bool:
     return kept == nonzero if nonzero <= k else low * k <= kept <= high * k
 
 
-def _sum_by_index(indices: torch.Tensor, values: torch.Tensor, backend) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ascending distinct indices, float32 sums of their values), the values summed in slot order."""
-    if indices.numel() == 0:
-        return indices, values.float()
-    distinct, position = torch.unique(indices, sorted=True, return_inverse=True)
-    sums = torch.zeros(distinct.numel(), dtype=torch.float32, device=values.device)
-    ops.scatter_add_(sums, position.int(), values.float(), backend=backend, check=False)
-    return distinct, sums
+def _sum_by_index(runs: list[tuple[torch.Tensor, torch.Tensor]], backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ascending distinct indices, float32 sums of their values) of ascending runs of pairs, summed in run order
+    then slot order: one linear merge per run (:func:`gtopk_ext.ops.merge_topk` with room for the whole union)."""
+    indices, sums = runs[0][0][:0], torch.zeros(0, dtype=torch.float32, device=runs[0][1].device)
+    for run_indices, run_values in runs:
+        room = indices.numel() + run_indices.numel()
+        if room:
+            indices, sums, union = ops.merge_topk(indices, sums, run_indices, run_values.float(), room,
+                                                  backend=backend)
+            indices, sums = indices[:int(union)], sums[:int(union)]
+    return indices, sums
+
+
+def _largest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions of the k largest |values| (NaN as +inf), ascending; among equal ones the lower positions."""
+    magnitude = values.float().abs().nan_to_num(nan=math.inf, posinf=math.inf)
+    kth = torch.kthvalue(magnitude, magnitude.numel() - k + 1).values
+    above, tied = magnitude > kth, magnitude == kth
+    return (above | (tied & (tied.cumsum(0) <= k - above.sum()))).nonzero().squeeze(1)
 
 
 def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, *, state: OkTopkState | None = None,
@@ -492,7 +503,7 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
        each owner sums what it receives per index (float32, in source-rank order).
     2. Each owner keeps its sums whose |value| reaches the global threshold (NaN and inf always).
     3. Allgatherv: every owner sends what it kept to every rank; all ranks concatenate the regions in order. If
-       more than k were kept, the k largest |sums| stay (NaN first, ties to the lower index), as in gTop-k.
+       more than k were kept, the k largest |sums| stay (NaN counts as infinite; ties to the lower index).
 
     Region boundaries follow the paper: every rank proposes the P - 1 indices that split its own selection into
     equal counts and the ranks average them (an allreduce of P - 1 integers), so the regions hold about equal
@@ -534,8 +545,10 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
 
     # 1. Split and reduce.
     used = min(max(int(msg.count), 0), k)
-    indices, order = torch.sort(msg.indices[:used], stable=True)
-    values = msg.values[:used][order]
+    indices, values = msg.indices[:used], msg.values[:used]
+    if used > 1 and not bool((indices[1:] >= indices[:-1]).all()):  # compressors send them ascending already
+        indices, order = torch.sort(indices, stable=True)
+        values = values[order]
     if repartition:
         state.boundaries = _balanced_boundaries(indices, numel, group, size, traffic)
     region_starts = torch.tensor(state.boundaries, dtype=torch.int32, device=device)
@@ -545,11 +558,10 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     outgoing = [_pack_pairs(indices[start:end], values[start:end]) for start, end in zip(cuts, cuts[1:])]
     incoming = _sparse_alltoallv(outgoing, [c * _pair_bytes(values.dtype) for c in recv_counts], group, rank,
                                  traffic)
-    parts = [_unpack_pairs(incoming[r], values.dtype) if r != rank else
-             (indices[cuts[r]:cuts[r + 1]], values[cuts[r]:cuts[r + 1]]) for r in range(size) if
-             r == rank or incoming[r] is not None]
-    region_indices, region_sums = _sum_by_index(torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]),
-                                                msg.backend)
+    runs = [_unpack_pairs(incoming[r], values.dtype) if r != rank else
+            (indices[cuts[r]:cuts[r + 1]], values[cuts[r]:cuts[r + 1]]) for r in range(size) if
+            r == rank or incoming[r] is not None]
+    region_indices, region_sums = _sum_by_index(runs, msg.backend)
 
     # 2. The global threshold.
     magnitude = region_sums.abs().nan_to_num(nan=math.inf, posinf=math.inf)
@@ -572,8 +584,8 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     parts = [own if r == rank else _unpack_pairs(incoming[r], dtype) for r in range(size)
              if r == rank or incoming[r] is not None]
     glob_indices, glob_values = torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
-    if glob_indices.numel() > k:  # stable: among equal |sums| the lower index (earlier slot) stays
-        best = torch.sort(glob_values.float().abs(), descending=True, stable=True).indices[:k].sort().values
+    if glob_indices.numel() > k:
+        best = _largest(glob_values, k)
         glob_indices, glob_values = glob_indices[best], glob_values[best]
     applied = torch.zeros(k, dtype=torch.bool, device=device)
     if glob_indices.numel():

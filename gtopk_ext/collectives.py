@@ -9,7 +9,9 @@ other ranks waiting, so the header is gathered over the group and every rank rai
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -494,7 +496,8 @@ def _largest(values: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, *, state: OkTopkState | None = None,
-                     check: bool = True, traffic: Traffic | None = None) -> tuple[SparseMessage, torch.Tensor]:
+                     check: bool = True, traffic: Traffic | None = None, flags: torch.Tensor | None = None
+                     ) -> tuple[SparseMessage, torch.Tensor]:
     """Ok-Topk (Li and Hoefler, PPoPP 2022): a global top-k of the sum of every rank's sparse message with about
     2k(P-1)/P pairs sent per rank, for any world size P.
 
@@ -513,15 +516,17 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     the pairs of phase 3 by 1.25k. The estimate itself is two histogram allreduces of O(1) bytes instead of the
     paper's allgather of every region's sums (:func:`_global_threshold`). ``state=None`` re-estimates both in
     the call. Message sizes: each phase first exchanges its counts (an all-to-all of one integer per rank pair,
-    then an allgather of two per rank: O(P) bytes, counted in ``traffic``), so payloads carry exactly the pairs,
-    nothing overflows a fixed capacity, and empty messages are not sent.
+    then an allgather of two, three with flags, per rank: O(P) bytes, counted in ``traffic``), so payloads carry
+    exactly the pairs, nothing overflows a fixed capacity, and empty messages are not sent.
 
     Returns ``(glob, applied)`` as :func:`gtopk_allreduce` does: ``glob`` is bitwise the same SparseMessage on
     every rank (values summed over ranks, not averaged, in :func:`carried_dtype` of the message's dtype; indices
     ascending, distinct, padded with (0, 0) to k slots; ``glob.count`` is how many sums reached the threshold
     before the cut to k); ``applied[j]`` is True where this rank's slot j is inside glob's sums. Slots past
     ``min(count, k)`` are not sent, so not applied. The caller keeps ``msg.values[~applied]``: nothing is lost.
-    ``check`` as in :func:`sparse_allgather` (with it, the ranks also compare their states' plans).
+    ``check`` as in :func:`sparse_allgather` (with it, the ranks also compare their states' plans and whether
+    they pass flags). ``flags`` (int32[1], optional): bits this rank raises, carried with the kept counts; on
+    return it holds their OR over the group.
     """
     group, rank, size = group_rank_and_size(group)
     if state is None:
@@ -530,11 +535,17 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
         def plan_fields() -> dict[str, int]:
             if not isinstance(state, OkTopkState):
                 raise TypeError(f"state must be an OkTopkState or None, got {type(state).__name__}")
+            if flags is not None and (not isinstance(flags, torch.Tensor) or flags.dtype != torch.int32
+                                      or flags.shape != (1,) or flags.device != msg.values.device):
+                raise ValueError(f"flags must be an int32 tensor of shape (1,) on {msg.values.device}, got "
+                                 f"{getattr(flags, 'dtype', type(flags).__name__)} of shape "
+                                 f"{tuple(getattr(flags, 'shape', ()))}")
             repartition, reestimate = state.plan(msg.numel, size)
-            return {"state_step": state.step, "repartition": int(repartition), "reestimate": int(reestimate)}
+            return {"state_step": state.step, "repartition": int(repartition), "reestimate": int(reestimate),
+                    "flags": int(flags is not None)}
 
         _agree_on_message(msg, group, "oktopk_allreduce", traffic, plan_fields,
-                          ("state_step", "repartition", "reestimate"))
+                          ("state_step", "repartition", "reestimate", "flags"))
     k, numel, device = msg.k, msg.numel, msg.values.device
     dtype = carried_dtype(msg.values.dtype)
     if size == 1:
@@ -567,13 +578,16 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     magnitude = region_sums.abs().nan_to_num(nan=math.inf, posinf=math.inf)
     threshold = _global_threshold(magnitude, k, group, traffic) if reestimate else state.threshold
     nonzero = int((magnitude > 0).sum())
+    raised = [] if flags is None else [int(flags)]
     while True:
         kept = magnitude >= threshold
-        counts = _gather_counts([int(kept.sum()), nonzero], group, size, device, traffic)
-        kept_counts = [kept_count for kept_count, _ in counts]
-        if reestimate or _threshold_holds(sum(kept_counts), sum(n for _, n in counts), k):
+        counts = _gather_counts([int(kept.sum()), nonzero, *raised], group, size, device, traffic)
+        kept_counts = [c[0] for c in counts]
+        if reestimate or _threshold_holds(sum(kept_counts), sum(c[1] for c in counts), k):
             break
         threshold, reestimate = _global_threshold(magnitude, k, group, traffic), True
+    if flags is not None:
+        flags.fill_(functools.reduce(operator.or_, (c[2] for c in counts)))
     state.threshold = threshold
     state.step += 1
 

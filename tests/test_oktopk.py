@@ -257,6 +257,17 @@ def check_hostile(members: Members) -> list[str]:
                                rf"input of rank\(s\) \[{last}\] was invalid")
     if failure:
         failures.append(f"{members.name}: a wrong state on the last rank: {failure}")
+    flags = torch.tensor([1 << me], dtype=torch.int32)  # every rank raises its own bit: all of them come back
+    flagged, _ = gx.collectives.oktopk_allreduce(base, group, flags=flags)
+    plain, _ = gx.collectives.oktopk_allreduce(base, group)
+    if int(flags) != (1 << members.size) - 1 or not torch.equal(flagged.values, plain.values):
+        failures.append(f"{members.name}: flags came back as {int(flags)}, expected {(1 << members.size) - 1}, "
+                        f"or they changed glob")
+    odd_flags = torch.zeros(1, dtype=torch.int64) if me == last else torch.zeros(1, dtype=torch.int32)
+    pattern = r"flags must be an int32 tensor" if me == last else rf"input of rank\(s\) \[{last}\] was invalid"
+    failure = expect_error(lambda: gx.collectives.oktopk_allreduce(base, group, flags=odd_flags), ValueError, pattern)
+    if failure:
+        failures.append(f"{members.name}: int64 flags on the last rank: {failure}")
     glob, _ = gx.collectives.oktopk_allreduce(base, group)
     if not equal_on_every_rank(members, glob.values):
         failures.append(f"{members.name}: the group is out of step after the errors")

@@ -1,13 +1,17 @@
-"""Alpha-beta cost model of dense allreduce, TopK-SGD's allgather and gTop-k, fitted to the measurements of
-bench/netem_scaling.py, and its prediction of scaling efficiency up to P = 1024 ranks.
+"""Alpha-beta cost model of dense allreduce, TopK-SGD's allgather, gTop-k and Ok-Topk, fitted to the measurements
+of bench/netem_scaling.py, and its prediction of scaling efficiency up to P = 1024 ranks.
 
 Times of one exchange on P ranks, n gradient elements, k = ceil(density * n) selected, payload 4 + 8k bytes:
 
     dense      2(P-1) alpha + 2(P-1)/P * 4n beta                                  (ring allreduce)
     allgather  (P-1) alpha + (P-1)(4 + 8k) beta + scatter * Pk + zero * n         (ring allgather, decompress)
     gtopk      log2(P) * (alpha + (4 + 8k) beta + merge * 2k)                     (butterfly, merge per round)
+    oktopk     4(P-1) alpha + (2(P-1)/P * 8k + 24(P-1)) beta + merge * 2k         (counts, reduce-scatter, counts,
+                                                                                   allgatherv; sums and cut)
 
-and the sparse methods also select: select * n (Gaussian-k, measured one rank at a time). beta is fitted per link
+and the sparse methods also select: select * n (Gaussian-k, measured one rank at a time). Ok-Topk's term is its
+steady step: the regions and the threshold it re-estimates every 32 steps (a few KB) are left out, and its kept
+sums are taken as k, spread evenly over the regions. beta is fitted per link
 rate; on the 2-core machine that measured, P ranks share the cores, so the compute terms of measured rows are
 scaled by max(1, P / cores). The fit is non-negative least squares on relative errors (times span 4 decades).
 
@@ -30,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
-METHODS = ("dense", "allgather", "gtopk")
+METHODS = ("dense", "allgather", "gtopk", "oktopk")
 COMPUTE_TERMS = ("merge", "scatter", "zero")  # per-element costs fitted from the exchanges
 PAPER = {"world_size": 32, "rate_bps": 10**9, "over_dense": (2.7, 12.0), "over_allgather": (1.1, 1.7)}
 PREDICT_WORLD_SIZES = tuple(2**i for i in range(1, 11))
@@ -40,6 +44,12 @@ PREDICT_RATES = (10**9, 10**10, 10**11)
 def packed_bytes(k: int) -> int:
     """The collectives' payload: count, k int32 indices, k fp32 values."""
     return 4 + 8 * k
+
+
+def oktopk_bytes(k: int, world_size: int) -> float:
+    """Ok-Topk's steady step: (P-1)/P of the k pairs to the regions' owners, (P-1)/P of the k kept sums from them,
+    and 24 bytes of counts per other rank."""
+    return 2 * (world_size - 1) / world_size * 8 * k + 24 * (world_size - 1)
 
 
 @dataclass
@@ -75,6 +85,8 @@ def features(method: str, numel: int, k: int, world_size: int, share: float) -> 
     if method == "gtopk":
         rounds = math.log2(world_size)
         return {"alpha": rounds, "beta": rounds * packed_bytes(k), "merge": rounds * 2 * k * share}
+    if method == "oktopk":
+        return {"alpha": 4 * (world_size - 1), "beta": oktopk_bytes(k, world_size), "merge": 2 * k * share}
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
@@ -149,7 +161,7 @@ def efficiency(model: CostModel, method: str, numel: int, density: float | None,
 
 
 def series(densities: list[float]) -> list[tuple[str, float | None]]:
-    return [("dense", None)] + [(method, d) for d in densities for method in ("allgather", "gtopk")]
+    return [("dense", None)] + [(method, d) for d in densities for method in ("allgather", "gtopk", "oktopk")]
 
 
 def label(method: str, density: float | None) -> str:
@@ -210,7 +222,7 @@ def plot(fit_result: Fit, prediction: dict, args: argparse.Namespace, path: Path
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(2, 2, figsize=(12, 9))
-    colours = {"dense": "black", "allgather": "tab:blue", "gtopk": "tab:red"}
+    colours = {"dense": "black", "allgather": "tab:blue", "gtopk": "tab:red", "oktopk": "tab:green"}
     styles = dict(zip(args.densities, ("-", "--", ":", "-.")))
     for axis, rate in zip(axes.flat, PREDICT_RATES):
         for method, density in series(args.densities):

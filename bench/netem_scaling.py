@@ -1,5 +1,5 @@
-"""Scaling on an emulated network: dense allreduce, TopK-SGD's sparse allgather and gTop-k over links limited with
-``tc tbf``, with the bytes each rank actually put on its link.
+"""Scaling on an emulated network: dense allreduce, TopK-SGD's sparse allgather, gTop-k and Ok-Topk over links
+limited with ``tc tbf``, with the bytes each rank actually put on its link.
 
 Every rank runs in its own network namespace with one veth link to a bridge in a namespace of its own, all of
 them created by this script (names ``<prefix><pid>-...``, addresses 10.77.0.0/24 that exist only inside them).
@@ -37,7 +37,7 @@ from pathlib import Path
 from bench.emulated_network import (Network, Networks, TxCounter, check_can_emulate, cleanup_stale, parse_rate,
                                     rate_name, run_ranks)
 
-METHODS = ("dense", "allgather", "gtopk")
+METHODS = ("dense", "allgather", "gtopk", "oktopk")
 BARRIER_PROBES = 20  # barriers timed to subtract their bytes from each measurement
 
 
@@ -47,9 +47,13 @@ def density_k(density: float, numel: int) -> int:
 
 
 def payload_bytes_per_rank(method: str, numel: int, k: int, world_size: int) -> int:
-    """Bytes a rank sends in one exchange under the standard models (ring allreduce and allgather, butterfly)."""
+    """Bytes a rank sends in one exchange under the standard models (ring allreduce and allgather, butterfly,
+    Ok-Topk's steady step as bench.cost_model counts it)."""
     if method == "dense":
         return 2 * (world_size - 1) * numel * 4 // world_size
+    if method == "oktopk":
+        from bench.cost_model import oktopk_bytes
+        return round(oktopk_bytes(k, world_size))
     packed = 4 + 8 * k  # the collectives' payload: count, k int32 indices, k fp32 values
     if method == "allgather":
         return (world_size - 1) * packed
@@ -136,6 +140,7 @@ def run_worker(config: dict) -> None:
     dist.all_reduce(warm.clone())
     gx.collectives.sparse_allgather(warm_msg)
     gx.collectives.gtopk_allreduce(warm_msg)
+    gx.collectives.oktopk_allreduce(warm_msg)
 
     rows = []
     for numel in args.sizes:
@@ -174,7 +179,8 @@ def run_worker(config: dict) -> None:
 
 def exchange_for(method: str, grad, msg):
     """The exchange to time: one call of the collective, with the header agreement off (as the DDP hook runs
-    it after the warm-up has checked the headers)."""
+    it after the warm-up has checked the headers). Ok-Topk's state is primed by one call first: the exchange
+    timed is a steady step, which reuses the regions and the threshold."""
     import torch.distributed as dist
 
     from gtopk_ext import collectives
@@ -183,7 +189,11 @@ def exchange_for(method: str, grad, msg):
         return lambda: dist.all_reduce(grad)
     if method == "allgather":
         return lambda: collectives.sparse_allgather(msg, check=False)
-    return lambda: collectives.gtopk_allreduce(msg, check=False)
+    if method == "gtopk":
+        return lambda: collectives.gtopk_allreduce(msg, check=False)
+    state = collectives.OkTopkState()
+    collectives.oktopk_allreduce(msg, state=state, check=False)
+    return lambda: collectives.oktopk_allreduce(msg, state=state, check=False)
 
 
 # ------------------------------------------------------------------------------------------------- the driver

@@ -26,14 +26,15 @@ from torch.distributed import distributed_c10d
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gtopk_ext import ops
-from gtopk_ext.collectives import (DTYPE_CODES, Disagreement, Traffic, gather_headers, group_rank_and_size,
-                                   gtopk_allreduce, require_same, ring_allreduce_bytes, sparse_allgather)
+from gtopk_ext.collectives import (DTYPE_CODES, Disagreement, OkTopkState, Traffic, gather_headers,
+                                   group_rank_and_size, gtopk_allreduce, oktopk_allreduce, require_same,
+                                   ring_allreduce_bytes, sparse_allgather)
 from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, SparseMessage, check_density, k_for_density, \
     make_compressor
 
 logger = logging.getLogger(__name__)
 
-COLLECTIVES = ("gtopk", "allgather", "dense")
+COLLECTIVES = ("gtopk", "allgather", "oktopk", "dense")
 DensitySchedule = Union[Sequence[tuple[int, float]], Callable[[int], float], None]
 # (parameter ordinal, numel) of each parameter of a bucket, in the bucket's order; None for a bare tensor.
 Layout = Union[tuple[tuple[int, int], ...], None]
@@ -309,7 +310,8 @@ class SparseGradState:
         process_group: the group to reduce over (``None``: the default group). Dropped when pickled.
         density: fraction of each bucket sent, in (0, 1].
         compressor: ``"gaussiank"`` (default), ``"topk"`` or ``"randomk"`` (see :func:`make_compressor`).
-        collective: ``"gtopk"`` (default, O(k log P)), ``"allgather"`` (O(kP)) or ``"dense"`` (plain allreduce).
+        collective: ``"gtopk"`` (default, O(k log P)), ``"allgather"`` (O(kP)), ``"oktopk"`` (Ok-Topk, O(k) for any
+            P; its per-bucket state is kept here and in checkpoints) or ``"dense"`` (plain allreduce).
         start_iter: iterations of dense allreduce before compressing. With error feedback it must be >= 2:
             DDP rebuilds its buckets after the first iteration.
         min_compress_numel: buckets with fewer elements go dense.
@@ -354,7 +356,8 @@ class SparseGradState:
       and ``velocities_before`` (with a scaler and momentum: the velocities before this iteration's update).
     - Statistics and agreement: ``iter`` (iterations done; advanced on ``bucket.is_last()``), ``bucket_stats``
       (per bucket, the latest :class:`BucketStats`), ``agreed_plans`` (per bucket, the (numel, dtype, path, k)
-      that every rank checked it shares: while the plan stays, no header is exchanged).
+      that every rank checked it shares: while the plan stays, no header is exchanged), ``oktopk_states`` (per
+      bucket, Ok-Topk's regions and threshold).
 
     What is guaranteed, with error feedback on: every element of ``grad + residual`` on every rank is either in
     the average this step returns or in the new residual (nothing is lost), in float32, bfloat16 and float16
@@ -432,6 +435,7 @@ class SparseGradState:
         self.iter = 0
         self.bucket_stats: dict[int, BucketStats] = {}
         self.agreed_plans: dict[int, tuple[int, int, str, int]] = {}
+        self.oktopk_states: dict[int, OkTopkState] = {}  # per bucket, with collective="oktopk"
         # Runtime: the compressor of the current density, the communication thread (created at the first
         # bucket), whether an iteration has begun.
         self.compressor_now: Compressor = make_compressor(compressor, self.density, **self.compressor_kwargs)
@@ -496,7 +500,7 @@ class SparseGradState:
 
     def state_dict(self) -> dict:
         """This rank's resumable state: ``{"iter", "residuals": {bucket_index: Tensor}, "residual_scale",
-        "layouts", "unclaimed", "velocities", "velocities_before", "taken"}`` (copies; "velocities": momentum
+        "layouts", "unclaimed", "velocities", "velocities_before", "oktopk", "taken"}`` (copies; "velocities": momentum
         correction's, as a residual store's state; "taken" and "velocities_before": what the latest step applied
         and the velocities before it, in case the scaler skipped it). Save one per rank, next to the model's and
         the optimizer's (and the scaler's)."""
@@ -504,6 +508,7 @@ class SparseGradState:
         return {"iter": self.iter, "residual_scale": self.residual_scale, **self.residual_store.state_dict(),
                 "velocities": self.velocity_store.state_dict(),
                 "velocities_before": {index: v.clone() for index, v in self.velocities_before.items()},
+                "oktopk": {index: s.state_dict() for index, s in self.oktopk_states.items()},
                 "taken": {index: (None if indices is None else indices.clone(), values.detach().clone())
                           for index, (indices, values) in self.taken.items()}}
 
@@ -524,6 +529,10 @@ class SparseGradState:
         self.taken = {int(i): (indices, values.detach().clone())
                       for i, (indices, values) in state_dict.get("taken", {}).items()}
         self.velocities_before = {int(i): v.clone() for i, v in state_dict.get("velocities_before", {}).items()}
+        self.oktopk_states = {}
+        for i, saved in state_dict.get("oktopk", {}).items():
+            self.oktopk_states[int(i)] = OkTopkState()
+            self.oktopk_states[int(i)].load_state_dict(saved)
         self.bucket_stats, self.residual_bounds, self.agreed_plans = {}, {}, {}
 
     def stats(self) -> dict:
@@ -598,7 +607,7 @@ def sparse_grad_hook(state: SparseGradState, bucket: dist.GradBucket) -> torch.f
        exchange a header only when a bucket's plan is new or changed, and all raise the same error if they differ.
     2. Select: acc = grad + residual is compressed to k slots; what is not selected stays in the residual. A rank
        whose acc is not finite selects nothing and raises a flag instead.
-    3. Exchange: the sparse collective (gTop-k or allgather); the flags ride inside the payload.
+    3. Exchange: the sparse collective (gTop-k, allgather or Ok-Topk); the flags ride inside the payload.
     4. Apply: the bucket becomes the average of the global set (zeroed, then scattered); contributions a gTop-k
        merge dropped go back to the residual. If any rank raised the flag, every rank goes dense instead.
     5. Dense paths: the bucket (plus any residual it still holds) is divided by P and allreduced asynchronously.
@@ -683,6 +692,9 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
     if state.collective == "allgather":
         summed = sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=stats.traffic, flags=flags)
         glob = applied = None
+    elif state.collective == "oktopk":  # called on every compressed step, so the states stay equal across ranks
+        glob, applied = oktopk_allreduce(msg, group, state=state.oktopk_states.setdefault(index, OkTopkState()),
+                                         check=False, traffic=stats.traffic, flags=flags)
     else:
         glob, applied = gtopk_allreduce(msg, group, check=False, traffic=stats.traffic, flags=flags)
     stats.exchange_seconds = perf_counter() - start
@@ -705,7 +717,7 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
     else:
         if residual is not None:  # contributions dropped by a merge go back: nothing is lost
             ops.scatter_add_(residual, msg.indices, msg.values * ~applied, backend=msg.backend)
-        # glob's indices are distinct: dividing its values equals dividing the dense sum, bit for bit.
+        # glob's indices are distinct (gTop-k and Ok-Topk): dividing its values equals dividing the dense sum.
         tensor.zero_()
         ops.scatter_add_(tensor, glob.indices, (glob.values.float() / size).to(tensor.dtype), backend=msg.backend)
         taken = msg.values * applied

@@ -53,11 +53,12 @@ def _global_topk(allreduce: Callable) -> SparseReduction:
     return reduce
 
 
-# The sparse collectives by name. Ok-Topk has gTop-k's contract and plugs in as
-# "oktopk": _global_topk(collectives.oktopk_allreduce).
+# The sparse collectives by name. Ok-Topk re-estimates its regions and threshold at every sync (no state kept:
+# syncs are rare).
 SPARSE_REDUCTIONS: dict[str, SparseReduction] = {
     "gtopk": _global_topk(collectives.gtopk_allreduce),
     "allgather": _allgather,
+    "oktopk": _global_topk(collectives.oktopk_allreduce),
 }
 COLLECTIVES = (*SPARSE_REDUCTIONS, "dense")
 

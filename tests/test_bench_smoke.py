@@ -108,3 +108,20 @@ def test_peers_benchmark(tmp_path, network):
     assert report["load"]["other_processes_cores"] >= 0
     if network != "--loopback":  # the run removed the namespaces it made
         assert "gxsmokepeers" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_bytes_per_step_exchange_benchmark(tmp_path):
+    out = tmp_path / "bytes.json"
+    run_bench("bytes_per_step", "--exchange", "--world-sizes", "2", "--steps", "2", "--hidden", "64", "32",
+              "--density", "0.05", "--json", str(out))
+    rows = json.loads(out.read_text())
+    numel = 784 * 64 + 64 + 64 * 32 + 32 + 32 * 10 + 10
+    assert [r["collective"] for r in rows] == ["dense", "allgather", "gtopk", "oktopk"]
+    assert all(r["parameters"] == numel and r["level"] == "exchange" for r in rows)
+    dense, allgather, gtopk, oktopk = rows
+    k = -(-numel * 5 // 100)
+    assert dense["sent_mean"] == 4 * numel  # ring allreduce on 2 ranks: 2(P-1)/P of the buffer
+    assert allgather["sent_mean"] == gtopk["sent_mean"] == 4 + 8 * k  # count, k indices, k values
+    # Mean over the 2 ranks: at most k pairs to the other region, half of at most 1.25k kept sums back, the
+    # counts and (the median of 2 steps) half of the first step's histograms.
+    assert 8 * k // 4 < oktopk["sent_mean"] <= 8 * (k + 5 * k // 8) + 2500

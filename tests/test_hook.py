@@ -24,9 +24,9 @@ from tests.distributed import run_distributed
 WORLD_SIZE = 3  # folds rank 2 into rank 0: the general case of the butterfly
 # (compressor, collective, compressor_kwargs)
 CONFIGS = [("gaussiank", "gtopk", {}), ("topk", "allgather", {}), ("randomk", "gtopk", {}),
-           ("gaussiank", "allgather", {"mode": "paper"})]
-# Resumed runs: three of CONFIGS, and momentum correction (the optimizer then has no momentum of its own).
-RESUMED = [(*config, {}) for config in CONFIGS[:3]] + [
+           ("gaussiank", "oktopk", {}), ("gaussiank", "allgather", {"mode": "paper"})]
+# Resumed runs: four of CONFIGS, and momentum correction (the optimizer then has no momentum of its own).
+RESUMED = [(*config, {}) for config in CONFIGS[:4]] + [
     ("gaussiank", "gtopk", {}, {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3})]
 MIN_COMPRESS_NUMEL = 2500  # the 2112-element bucket goes dense
 DENSITY = 0.05

@@ -71,7 +71,7 @@ def _case_replicas_and_conservation(rank: int, world_size: int) -> None:
     momentum the global weights move by exactly the averaged pseudo-gradient, so the test reads it from them."""
     settings = [("gtopk", "gaussiank", 0.05, torch.float32), ("gtopk", "topk", 0.2, torch.float32),
                 ("allgather", "gaussiank", 0.05, torch.float32), ("gtopk", "gaussiank", 0.1, torch.bfloat16),
-                ("allgather", "randomk", 0.1, torch.float16)]
+                ("allgather", "randomk", 0.1, torch.float16), ("oktopk", "gaussiank", 0.05, torch.float32)]
     for collective, compressor, density, dtype in settings:
         what = f"{collective}/{compressor}/d={density}/{dtype}"
         model = _model(seed=rank, dtype=dtype)  # different on every rank: construction adopts rank 0's

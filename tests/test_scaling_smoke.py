@@ -30,7 +30,8 @@ def test_loopback_run_and_model(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads(rows_path.read_text())["rows"]
     assert [(r["method"], r["density"]) for r in rows] == [("dense", None), ("allgather", 0.001),
-                                                          ("allgather", 0.01), ("gtopk", 0.001), ("gtopk", 0.01)]
+                                                          ("allgather", 0.01), ("gtopk", 0.001), ("gtopk", 0.01),
+                                                          ("oktopk", 0.001), ("oktopk", 0.01)]
     for row in rows:
         assert row["skipped"] is None and row["repeats"] == 2 and len(row["times_s"]) == 2
         assert row["time_s"] > 0 and row["tx_bytes"] is None  # loopback: no per-rank interface to count
@@ -42,8 +43,8 @@ def test_loopback_run_and_model(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads(model_path.read_text())
-    assert report["quality"]["rows"] == 5
-    assert len(report["efficiency"]) == 3 * 10 * 5  # rates x world sizes x series
+    assert report["quality"]["rows"] == 7
+    assert len(report["efficiency"]) == 3 * 10 * 7  # rates x world sizes x series
     assert all(0 < e["efficiency"] <= 1 for e in report["efficiency"])
 
 
@@ -63,15 +64,18 @@ def synthetic_rows(truth: dict, noise: float) -> list[dict]:
             share = max(1, p / 2)
             for n in (10**6, 25 * 10**6, 10**8):
                 for method, density in (("dense", None), ("allgather", 0.001), ("allgather", 0.01),
-                                        ("gtopk", 0.001), ("gtopk", 0.01)):
+                                        ("gtopk", 0.001), ("gtopk", 0.01), ("oktopk", 0.01)):
                     k = n if density is None else math.ceil(density * n)
                     if method == "dense":
                         t = 2 * (p - 1) * truth["alpha"] + 2 * (p - 1) / p * 4 * n * beta
                     elif method == "allgather":
                         t = ((p - 1) * (truth["alpha"] + (4 + 8 * k) * beta)
                              + share * (truth["scatter"] * p * k + truth["zero"] * n))
-                    else:
+                    elif method == "gtopk":
                         t = math.log2(p) * (truth["alpha"] + (4 + 8 * k) * beta + share * truth["merge"] * 2 * k)
+                    else:  # Ok-Topk's steady step: 4(P-1) messages, (P-1)/P of k pairs twice, 24 B of counts
+                        t = (4 * (p - 1) * truth["alpha"] + ((p - 1) / p * 16 * k + 24 * (p - 1)) * beta
+                             + share * truth["merge"] * 2 * k)
                     rows.append({"method": method, "numel": n, "density": density, "k": k, "world_size": p,
                                  "rate": rate, "rate_bps": bps, "cores": 2, "skipped": None,
                                  "time_s": t * (1 + noise * rng.standard_normal()),
@@ -97,6 +101,9 @@ def test_cost_model_recovers_known_costs():
     expected = 6 * (200e-6 + (4 + 8 * k) * 0.84e-9 + 40e-9 * 2 * k) + 3e-9 * 25_600_000
     assert cost_model.comm_time(exact.model, "gtopk", 25_600_000, 0.001, 64, 10**10) == pytest.approx(expected,
                                                                                                    rel=1e-6)
+    expected = (4 * 63 * 200e-6 + (63 / 64 * 16 * k + 24 * 63) * 0.84e-9 + 40e-9 * 2 * k) + 3e-9 * 25_600_000
+    assert cost_model.comm_time(exact.model, "oktopk", 25_600_000, 0.001, 64, 10**10) == pytest.approx(expected,
+                                                                                                    rel=1e-6)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")

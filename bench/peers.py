@@ -215,7 +215,7 @@ RECIPES: dict[str, Recipe] = {
     **{f"powersgd-{rank}": powersgd_recipe(rank) for rank in (1, 2, 4)},
     **{f"{collective}-{density:g}": gtopk_ext_recipe(f"Gaussian-k + {collective}, d={density:g}",
                                                      density=density, collective=collective)
-       for collective in ("gtopk", "allgather") for density in (0.01, 0.001)},
+       for collective in ("gtopk", "allgather", "oktopk") for density in (0.01, 0.001)},
     **{f"dgc-{density:g}": dgc_recipe(density) for density in (0.01, 0.001)},
     **{f"gtopk-{density:g}-sync": gtopk_ext_recipe(f"Gaussian-k + gtopk, d={density:g}, each bucket finished in "
                                                    f"the hook call", density=density, synchronous=True)

@@ -262,6 +262,11 @@ class _WaitAvoidingRounds:
             self._raise_failure()
 
     @property
+    def stopped_here(self) -> bool:
+        """Whether this rank's training loop stopped the averaging (its own error)."""
+        return self._stop_reason is not None
+
+    @property
     def in_run(self) -> bool:
         return self._running
 
@@ -647,10 +652,17 @@ class GroupModelAverager:
             raise
 
     def _buckets_for(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> list[_Bucket]:
-        if self._rounds is not None:
+        if self._rounds is not None and self._rounds.stopped_here:
             self._rounds.check_failure()
         tensors = _parameter_list(params)
         layout = [(tuple(t.shape), t.dtype, t.device) for t in tensors]
+        if self._buckets is not None and layout != self._layout:
+            raise ValueError("average_parameters got different parameters (shapes, dtypes or devices) than on its "
+                             "first call; every call must pass the same parameters")
+        # Another rank's failure after the local checks: this rank's own bad input is what it reports, whichever
+        # rank raised first.
+        if self._rounds is not None:
+            self._rounds.check_failure()
         if self._buckets is None:
             self._check_same_layout_on_all_ranks(layout)
             by_kind: dict[tuple, list[torch.Tensor]] = {}
@@ -661,9 +673,6 @@ class GroupModelAverager:
             self._restore_correction()
             if self._rounds is not None:
                 self._rounds.buckets = self._buckets
-        elif layout != self._layout:
-            raise ValueError("average_parameters got different parameters (shapes, dtypes or devices) than on its "
-                             "first call; every call must pass the same parameters")
         for bucket in self._buckets:  # the same layout, maybe new tensor objects (e.g. a reloaded model)
             bucket.params = [t for t in tensors if (t.device, t.dtype) == bucket.kind]
         return self._buckets

@@ -178,6 +178,24 @@ class TxCounter:
         return int(self.path.read_text()) if self.path else 0
 
 
+def join_group(config: dict, timeout_arg: str | None = None) -> tuple[argparse.Namespace, int, int]:
+    """In a worker that ``run_ranks`` started: one intra-op thread (the ranks share the cores), then the run's Gloo
+    group, with the timeout in seconds that its args name ``timeout_arg`` (None: torch's default). Returns
+    ``(args, rank, world_size)``."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    args = argparse.Namespace(**config["args"])
+    rank, world_size = config["rank"], config["world_size"]
+    timeout = {} if timeout_arg is None else {"timeout": timedelta(seconds=getattr(args, timeout_arg))}
+    dist.init_process_group("gloo", init_method=f"tcp://{config['master_addr']}:{config['port']}", rank=rank,
+                            world_size=world_size, **timeout)
+    return args, rank, world_size
+
+
 def run_ranks(module: str, world_size: int, network: Network | None, config: dict, workdir: Path, name: str,
               timeout: float) -> None:
     """Runs ``python -m <module> --worker <file>`` once per rank, where the file holds ``config`` plus ``rank``,

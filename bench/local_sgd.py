@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gtopk_ext as gx  # noqa: E402
 from bench.digits import MODELS, load_digits_split, make_model  # noqa: E402
 from bench.emulated_network import (Networks, TxCounter, cleanup_stale, network_name, parse_rate,  # noqa: E402
-                                    run_ranks, runs_on_loopback)
+                                    join_group, run_ranks, runs_on_loopback)
 from gtopk_ext.collectives import ring_allreduce_bytes  # noqa: E402
 from gtopk_ext.utils import destroy_process_group  # noqa: E402
 
@@ -203,11 +203,7 @@ def run_method(method: Method, rank: int, world_size: int, args: argparse.Namesp
 
 def run_worker(config: dict) -> None:
     """One rank (started by emulated_network.run_ranks): every method in turn; rank 0 writes the runs."""
-    args = argparse.Namespace(**config["args"])
-    rank, world_size = config["rank"], config["world_size"]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{config['master_addr']}:{config['port']}", rank=rank,
-                            world_size=world_size)
+    args, rank, world_size = join_group(config)
     try:
         data = load_digits_split()
         tx = TxCounter(config["ifname"])

@@ -31,11 +31,10 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 from bench.emulated_network import (Network, Networks, TxCounter, check_can_emulate, cleanup_stale, parse_rate,
-                                    rate_name, run_ranks)
+                                    join_group, rate_name, run_ranks)
 
 METHODS = ("dense", "allgather", "gtopk", "oktopk")
 BARRIER_PROBES = 20  # barriers timed to subtract their bytes from each measurement
@@ -93,11 +92,8 @@ def run_worker(config: dict) -> None:
     import gtopk_ext as gx
     from gtopk_ext.utils import destroy_process_group
 
-    torch.set_num_threads(1)
-    args = argparse.Namespace(**config["args"])
-    rank, world_size, rate_bps = config["rank"], config["world_size"], config["rate_bps"]
-    dist.init_process_group("gloo", init_method=f"tcp://{config['master_addr']}:{config['port']}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=args.group_timeout))
+    args, rank, world_size = join_group(config, "group_timeout")
+    rate_bps = config["rate_bps"]
     counter = TxCounter(config["ifname"])
 
     def all_max(values: list[float]) -> list[float]:

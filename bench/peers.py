@@ -52,7 +52,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -66,7 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gtopk_ext as gx  # noqa: E402
 from bench.digits import load_digits_split, make_model  # noqa: E402
 from bench.emulated_network import (Networks, TxCounter, cleanup_stale, network_name, parse_rate,  # noqa: E402
-                                    run_ranks, runs_on_loopback)
+                                    join_group, run_ranks, runs_on_loopback)
 from bench.gradients import wide_mlp  # noqa: E402
 from gtopk_ext.utils import destroy_process_group  # noqa: E402
 
@@ -330,11 +329,7 @@ def parameters_digest(model: nn.Module) -> str:
 
 def run_worker(config: dict) -> None:
     """One rank (started by emulated_network.run_ranks); rank 0 writes every seed's measurements."""
-    args = argparse.Namespace(**config["args"])
-    rank, world_size = config["rank"], config["world_size"]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{config['master_addr']}:{config['port']}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=args.timeout))
+    args, rank, world_size = join_group(config, "timeout")
     try:
         data = load_digits_split()
         counter = TxCounter(config["ifname"])

@@ -39,7 +39,8 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gtopk_ext as gx  # noqa: E402
 from bench.digits import MODELS, load_digits_split, make_model  # noqa: E402
-from bench.emulated_network import Networks, network_name, parse_rate, run_ranks, runs_on_loopback  # noqa: E402
+from bench.emulated_network import (Networks, join_group, network_name, parse_rate, run_ranks,  # noqa: E402
+                                    runs_on_loopback)
 from gtopk_ext.utils import destroy_process_group  # noqa: E402
 
 METHODS = ("ddp", "group-sync", "group-wait-avoiding", "no-group")
@@ -109,11 +110,7 @@ def run_method(method: str, scenario: str, rank: int, world_size: int, args: arg
 
 def run_worker(config: dict) -> None:
     """One rank (started by emulated_network.run_ranks): every method, interleaved; rank 0 writes the runs."""
-    args = argparse.Namespace(**config["args"])
-    rank, world_size = config["rank"], config["world_size"]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{config['master_addr']}:{config['port']}", rank=rank,
-                            world_size=world_size)
+    args, rank, world_size = join_group(config)
     try:
         data = load_digits_split()
         runs = {scenario: {method: [] for method in args.methods} for scenario in args.scenarios}

@@ -211,25 +211,42 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: dist.Pro
               traffic: Traffic | None) -> None:
     """Send ``send`` to and receive ``recv`` from group rank ``peer`` at the same time."""
     global_peer = dist.get_global_rank(group, peer)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, global_peer, group),
-                                    dist.P2POp(dist.irecv, recv, global_peer, group)])
+    wire_send, wire_recv = _on_wire(send, group), _on_wire(recv, group)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, wire_send, global_peer, group),
+                                    dist.P2POp(dist.irecv, wire_recv, global_peer, group)])
     for work in works:
         work.wait()
+    if wire_recv is not recv:
+        recv.copy_(wire_recv)
     if traffic is not None:
         traffic.add(send.numel() * send.element_size(), recv.numel() * recv.element_size())
 
 
 def _send(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic: Traffic | None) -> None:
-    dist.send(tensor, dist.get_global_rank(group, peer), group=group)
+    dist.send(_on_wire(tensor, group), dist.get_global_rank(group, peer), group=group)
     if traffic is not None:
         traffic.add(tensor.numel() * tensor.element_size(), 0)
 
 
 def _recv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic: Traffic | None) -> torch.Tensor:
-    dist.recv(tensor, dist.get_global_rank(group, peer), group=group)
+    wire = _on_wire(tensor, group)
+    dist.recv(wire, dist.get_global_rank(group, peer), group=group)
+    if wire is not tensor:
+        tensor.copy_(wire)
     if traffic is not None:
         traffic.add(0, tensor.numel() * tensor.element_size())
     return tensor
+
+
+def _on_wire(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The tensor that a point-to-point op may hand to the group's backend: Gloo's send and recv read and write
+    the buffer from the CPU, so a CUDA tensor goes through a host copy (the caller copies a received one back);
+    Gloo's collectives and NCCL take CUDA tensors as they are."""
+    return tensor.to(_wire_device(tensor.device, group))
+
+
+def _wire_device(device: torch.device, group: dist.ProcessGroup) -> torch.device:
+    return torch.device("cpu") if dist.get_backend(group) == dist.Backend.GLOO else device
 
 
 def carried_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -407,19 +424,23 @@ def _sparse_alltoallv(payloads: list[torch.Tensor | None], recv_nbytes: list[int
     no rank is every sender's first destination. Empty messages are not sent (both sides know their size).
     Returns the received payloads by source rank (None for this rank and for empty ones)."""
     size = len(payloads)
+    device = payloads[rank].device
     works, received, sent_bytes = [], [None] * size, 0
     for shift in range(1, size):
         destination, source = (rank + shift) % size, (rank - shift) % size
         payload = payloads[destination]
         if payload is not None and payload.numel():
-            works.append(dist.P2POp(dist.isend, payload, dist.get_global_rank(group, destination), group))
+            works.append(dist.P2POp(dist.isend, _on_wire(payload, group), dist.get_global_rank(group, destination),
+                                    group))
             sent_bytes += payload.numel()
         if recv_nbytes[source]:
-            received[source] = torch.empty(recv_nbytes[source], dtype=torch.uint8, device=payloads[rank].device)
+            received[source] = torch.empty(recv_nbytes[source], dtype=torch.uint8,
+                                           device=_wire_device(device, group))
             works.append(dist.P2POp(dist.irecv, received[source], dist.get_global_rank(group, source), group))
     if works:
         for work in dist.batch_isend_irecv(works):
             work.wait()
+    received = [None if payload is None else payload.to(device) for payload in received]
     if traffic is not None:
         traffic.add(sent_bytes, sum(nbytes for r, nbytes in enumerate(recv_nbytes) if r != rank))
     return received

@@ -201,9 +201,14 @@ class _CommunicationThread:
         self._worker.start()
         threading.Thread(target=self._watch, name="gtopk_ext-sparse_grad_hook-watch", daemon=True).start()
 
-    def submit(self, job: Callable[[torch.futures.Future], None]) -> torch.futures.Future:
-        """Queue ``job(result)``, which must eventually complete ``result`` (or raise)."""
-        result = torch.futures.Future()
+    def submit(self, job: Callable[[torch.futures.Future], None],
+               device: torch.device = torch.device("cpu")) -> torch.futures.Future:
+        """Queue ``job(result)``, which must eventually complete ``result`` (or raise). On a CUDA ``device`` the job
+        runs on the stream that is current here (the one that produced its gradient), and ``result`` makes its
+        consumer's stream wait for the job's kernels."""
+        result = _future_on(device)
+        if device.type == "cuda":
+            job = _on_stream(job, torch.cuda.current_stream(device))
         with self._lock:
             self._pending.append(result)
             self._busy.set()
@@ -282,6 +287,21 @@ class _CommunicationThread:
             if published is not None and self.failure is None:
                 self.failure = published
                 self._fail_pending()
+
+
+def _future_on(device: torch.device) -> torch.futures.Future:
+    """A future whose value may hold tensors on ``device``: a CUDA one records, when set, an event on the setting
+    thread's stream that the consumer's stream then waits for."""
+    return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+
+
+def _on_stream(job: Callable[[torch.futures.Future], None], stream: "torch.cuda.Stream"
+               ) -> Callable[[torch.futures.Future], None]:
+    def on_stream(result: torch.futures.Future) -> None:
+        with torch.cuda.stream(stream):
+            job(result)
+
+    return on_stream
 
 
 def _fail(result: torch.futures.Future, error: BaseException) -> None:
@@ -579,11 +599,11 @@ class SparseGradState:
             raise RuntimeError(f"sparse_grad_hook: an earlier exchange failed ({self.thread.failure}); the state "
                                f"cannot go on") from self.thread.failure
         if not self.synchronous:
-            result = self.thread.submit(job)
+            result = self.thread.submit(job, buffer.device)
             if is_last:
                 self.thread.drain()
             return result
-        result = torch.futures.Future()
+        result = _future_on(buffer.device)
         try:
             job(result)
             result.wait()
@@ -727,7 +747,7 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
         sent = torch.arange(k, device=tensor.device) < msg.count
         velocity.index_fill_(0, msg.indices[sent if applied is None else sent & applied].long(), 0)
     stats.apply_seconds = perf_counter() - start
-    done = torch.futures.Future()
+    done = _future_on(tensor.device)
     done.set_result(tensor)
     return done
 
@@ -861,16 +881,24 @@ def _reduce_in_parts(state: SparseGradState, buffer: torch.Tensor, layout: Layou
                             [by_ordinal[o] for o, _ in part_layout])
                for (index, part_layout), part_slices in zip(parts, slices)]
 
-    def scatter_back(_):
-        for future, part_slices in zip(futures, slices):
-            reduced, offset = future.value(), 0
-            for s in part_slices:
-                width = s.stop - s.start
-                buffer[s] = reduced[offset:offset + width]
-                offset += width
-        return buffer
+    result = _future_on(buffer.device)
 
-    return torch.futures.collect_all(futures).then(scatter_back)
+    def scatter_back(_):
+        try:
+            for future, part_slices in zip(futures, slices):
+                reduced, offset = future.value(), 0
+                for s in part_slices:
+                    width = s.stop - s.start
+                    buffer[s] = reduced[offset:offset + width]
+                    offset += width
+        except BaseException as error:  # noqa: BLE001 - a part's failure is the bucket's
+            _fail(result, error)
+        else:
+            _complete(result, buffer)
+
+    # collect_all's future holds futures, not tensors: the buffer is handed on through a future on its device.
+    torch.futures.collect_all(futures).add_done_callback(scatter_back)
+    return result
 
 
 def _chain(reduced: torch.futures.Future, result: torch.futures.Future, value: torch.Tensor,

@@ -6,6 +6,7 @@
 #   hook   the DDP hook with two processes on the one GPU (Gloo with CUDA tensors): tests/test_gpu.py
 #   suite  the rest of the test suite
 #     bash scripts/gpu_check.sh [OUT_DIR [STEP ...]]     # default: gpu_check/ and build bench ops hook suite
+# It needs torch with CUDA, triton, pytest, pytest-timeout, hypothesis and expecttest (torch.library.opcheck).
 # OUT_DIR receives summary.txt (each step's exit status and seconds), one log per step and the benchmark's
 # JSON rows. A step that fails does not stop the next; the script's status is that of the worst step.
 set -uo pipefail
@@ -41,9 +42,13 @@ bench() {
   return $status
 }
 
+# One pytest per file, each test named as it starts (-v): a crash names its test and spares the other files.
 ops() {
-  $python -m pytest -q -ra -p no:cacheprovider --timeout=900 tests/test_ops.py tests/test_triton_path.py \
-    tests/test_backends.py tests/test_compressors.py
+  local status=0 file
+  for file in tests/test_ops.py tests/test_triton_path.py tests/test_backends.py tests/test_compressors.py; do
+    $python -m pytest -v -ra -p no:cacheprovider --timeout=900 "$file" || status=$?
+  done
+  return $status
 }
 
 hook() {

@@ -8,6 +8,7 @@ speed-up over the torch.topk path and the multiple of the floor.
 
     python -m bench.selection                                # CPU, n = 2^20 .. 10^8, density 0.001 .. 0.05
     python -m bench.selection --device cuda --backend triton # a GPU: CUDA events, the Triton kernels
+    python -m bench.selection --device cuda --profile --sizes 25000000 --densities 0.001   # where the time goes
 """
 
 from __future__ import annotations
@@ -102,6 +103,32 @@ def measure(n: int, density: float, dtype: torch.dtype, device: torch.device, ba
     }
 
 
+def profile_step(n: int, density: float, dtype: torch.dtype, device: torch.device, backend: str | None,
+                 calls: int = 10) -> str:
+    """torch.profiler's view of ``calls`` Gaussian-k steps: each operator's and kernel's time (on a GPU, device
+    time first) and the kernels launched per step, which set the fixed cost that dominates below ~10M elements."""
+    from torch.profiler import ProfilerActivity, profile
+
+    generator = torch.Generator().manual_seed(0)
+    grad = torch.randn(n, generator=generator).to(device=device, dtype=dtype)
+    initial_residual = (0.1 * torch.randn(n, generator=generator)).to(device=device, dtype=dtype)
+    residual = initial_residual.clone()
+    compressor = make_compressor("gaussiank", density, backend=backend)
+    compressor.compress(grad, residual)  # warm-up: compilation, allocator
+    on_gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]) as prof:
+        for _ in range(calls):
+            residual.copy_(initial_residual)
+            compressor.compress(grad, residual)
+        if on_gpu:
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="device_time_total" if on_gpu else "cpu_time_total", row_limit=25)
+    kernels = sum(event.device_type == torch.autograd.DeviceType.CUDA for event in prof.events())
+    return (f"Gaussian-k step, n={n}, density={density}, {dtype}, {device.type}, backend "
+            f"{compressor.backend.for_device(device).name}, {calls} steps (each after residual.copy_)\n{table}"
+            + (f"device kernels per step, the copy included: {kernels / calls:.1f}\n" if on_gpu else ""))
+
+
 def format_table(rows: list[dict]) -> str:
     header = (f"{'n':>11} {'density':>7} {'k':>9} | {'floor':>8} {'gaussk':>8} {'paper':>8} {'topk':>9} "
               f"{'topk(s)':>9} | {'topk/gk':>7} {'gk/floor':>8} {'pap/flr':>7}")
@@ -125,10 +152,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--backend", default=None, help="auto | cpu | cuda | triton (default: $GTOPK_EXT_BACKEND)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", default="bench/results/selection.json", help="where to write the rows")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of timing, profile the Gaussian-k step at the first size and density")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    if args.profile:
+        print(profile_step(args.sizes[0], args.densities[0], dtype, device, args.backend))
+        return []
     rows = []
     for n in args.sizes:
         for density in args.densities:

@@ -373,7 +373,8 @@ class SparseGradState:
       from the compressed step that left it: grad + residual cannot overflow while max |grad| + bound stays
       below the dtype's largest value, so it is not checked), ``taken`` (with a scaler, per bucket: what this
       iteration took out of the residual, (indices or None for all, values), put back if the scaler skips it)
-      and ``velocities_before`` (with a scaler and momentum: the velocities before this iteration's update).
+      and ``velocities_before`` (with a scaler and momentum: what each velocity goes back to if the scaler skips
+      this iteration: a dense bucket's from before the update, a compressed bucket's from before the masking).
     - Statistics and agreement: ``iter`` (iterations done; advanced on ``bucket.is_last()``), ``bucket_stats``
       (per bucket, the latest :class:`BucketStats`), ``agreed_plans`` (per bucket, the (numel, dtype, path, k)
       that every rank checked it shares: while the plan stays, no header is exchanged), ``oktopk_states`` (per
@@ -481,6 +482,9 @@ class SparseGradState:
         without ``new_scale``), everything the hook took out of the residuals in that step goes back into them:
         nothing is lost. The finite gradients of compressed buckets of a skipped step stay in the residuals too
         (as if the step had sent nothing); those of dense buckets are dropped with the step, as plain DDP does.
+        With momentum correction the velocity follows the same rule: a compressed bucket's keeps the skipped
+        step's update (whose increment stays in the residual) without the step's masking, a dense bucket's goes
+        back to before the step.
         """
         if not callable(getattr(scaler, "get_scale", None)) or not callable(getattr(scaler, "is_enabled", None)):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
@@ -681,7 +685,8 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
         _clip(tensor, state.clip_norm / math.sqrt(size))
     if not compress:
         if state.momentum and _is_finite(tensor):  # an inf must not poison the velocity
-            _momentum_increment(state, tensor, index, layout, parameters, [1.0] * len(layout or [None]))
+            _momentum_increment(state, tensor, index, layout, parameters, [1.0] * len(layout or [None]),
+                                sent_whole=True)
         if state.error_feedback and state.residual_store.holds_any(index, layout):
             _flush_into(state, tensor, index, layout)
         return _dense_allreduce(tensor, group, size, stats)
@@ -694,7 +699,7 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
     maxima = _parameter_maxima(tensor, layout).tolist()
     velocity = None
     if state.momentum and all(math.isfinite(m) for m in maxima):  # tensor becomes the increment of v
-        velocity = _momentum_increment(state, tensor, index, layout, parameters, maxima)
+        velocity = _momentum_increment(state, tensor, index, layout, parameters, maxima, sent_whole=False)
         unused = [m == 0 for m in maxima]
         maxima = [0.0 if zero else m for zero, m in zip(unused, _parameter_maxima(tensor, layout).tolist())]
     finite = _accumulation_is_finite(state, tensor, residual, maxima, index)
@@ -943,18 +948,26 @@ def exponential_warmup(final_density: float, warmup_iters: int, start_density: f
 
 
 def _momentum_increment(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout,
-                        parameters: Optional[list[torch.Tensor]], maxima: list[float]) -> torch.Tensor:
+                        parameters: Optional[list[torch.Tensor]], maxima: list[float], *,
+                        sent_whole: bool) -> torch.Tensor:
     """Momentum correction: ``tensor`` (the gradient) becomes what enters the residual v this step: u after
     ``u = momentum * u + g + weight_decay * w`` (Nesterov: ``g + weight_decay * w + momentum * u``). A parameter
     whose gradient is all zero here (``maxima`` 0: unused by this rank) keeps its velocity and adds nothing, as
-    if the step had not happened for it. Returns the bucket's velocity."""
+    if the step had not happened for it. Returns the bucket's velocity.
+
+    With a loss scaler, ``velocities_before`` gets what the velocity goes back to if the scaler skips the step.
+    ``sent_whole`` (a dense path): the increment is sent, not kept, so the skipped step drops it and the velocity
+    goes back to before its update. On the sparse path the increment stays in v (nothing lost), so the velocity
+    keeps its update and loses only the step's masking: going back to before the update would count
+    momentum * u twice.
+    """
     if state.weight_decay:
         if parameters is None:
             raise ValueError("weight_decay needs the bucket's parameters (a DDP model, or reduce(parameters=...))")
         for part, p in zip(tensor.split([n for _, n in layout]), parameters):
             part.add_(p.detach().reshape(-1), alpha=state.weight_decay)
     velocity = state.velocity_store.residual(index, tensor, layout)
-    if state.scaler is not None:  # restored if the scaler skips this step
+    if state.scaler is not None and sent_whole:
         state.velocities_before[index] = velocity.clone()
     held = _hold_unused(velocity, maxima, layout, zero=False)
     velocity.mul_(state.momentum).add_(tensor)
@@ -964,6 +977,8 @@ def _momentum_increment(state: SparseGradState, tensor: torch.Tensor, index: int
         tensor.copy_(velocity)
     for part, saved in held:
         part.copy_(saved)
+    if state.scaler is not None and not sent_whole:
+        state.velocities_before[index] = velocity.clone()
     for part, largest in zip(tensor.split([n for _, n in layout]) if layout else [tensor], maxima):
         if largest == 0:
             part.zero_()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with a GPU: builds gtopk_ext in place with the CUDA kernels for that GPU, using the machine's own
 # python3 (no venv, no package index), then runs, each step logged:
-#   bench  bench.selection --device cuda for the CUDA kernels and for the compiled Triton ones
+#   bench  bench.selection --device cuda for the CUDA kernels and for the compiled Triton ones, and a profile
+#          of each at 25M elements, d = 0.001 (kernels, their device time, launches per step)
 #   ops    the op tests on CUDA tensors (both backends against gtopk_ext/reference.py, opcheck, torch.compile)
 #   hook   the DDP hook with two processes on the one GPU (Gloo with CUDA tensors): tests/test_gpu.py
 #   suite  the rest of the test suite
@@ -38,6 +39,8 @@ bench() {
   for backend in cuda triton; do
     $python -m bench.selection --device cuda --backend "$backend" --repeats 15 \
       --json "$out/selection_$backend.json" || status=$?
+    $python -m bench.selection --device cuda --backend "$backend" --profile --sizes 25000000 \
+      --densities 0.001 || status=$?
   done
   return $status
 }

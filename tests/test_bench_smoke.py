@@ -30,6 +30,13 @@ def test_selection_benchmark(tmp_path):
         assert all(t > 0 for t in row["median_ms"].values())
 
 
+def test_selection_profile():
+    result = subprocess.run([sys.executable, "-m", "bench.selection", "--profile", "--sizes", "20000",
+                             "--densities", "0.01"], cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "n=20000, density=0.01" in result.stdout and "gtopk_ext::gaussian_select" in result.stdout
+
+
 def test_threshold_accuracy_benchmark(tmp_path):
     out = tmp_path / "accuracy.json"
     run_bench("threshold_accuracy", "--sizes", "20000", "--densities", "0.01", "--distributions", "laplace",

@@ -64,7 +64,8 @@ def imbalance_failure(where: str, went_in: torch.Tensor, applied: torch.Tensor, 
 
 @dataclass
 class Recorder:
-    """Per (iteration, bucket index): parameters, input, output and the loss scale of the step."""
+    """Per (iteration, bucket index): parameters, input, output, the loss scale of the step and the velocity of
+    momentum correction after it (None without)."""
 
     state: gx.SparseGradState
     scaler: object = None
@@ -77,7 +78,9 @@ def recording_hook(recorder: Recorder, bucket: dist.GradBucket) -> torch.futures
     scale = recorder.scaler.get_scale() if recorder.scaler is not None else 1.0
 
     def record(future):
-        recorder.calls[key] = (params, grad, future.value().clone(), scale)
+        velocity = recorder.state.velocity_store.residuals.get(key[1])
+        recorder.calls[key] = (params, grad, future.value().clone(), scale,
+                               None if velocity is None else velocity.clone())
         return future.value()
 
     return gx.sparse_grad_hook(recorder.state, bucket).then(record)
@@ -143,7 +146,7 @@ def check_unused_parameters(group: Group, rank: int, compressor: str, collective
                 applied[id(p)] += p.grad.double().reshape(-1)
         optimizer.step()
     went_in = {id(p): torch.zeros(p.numel(), dtype=torch.float64) for p in model.parameters()}
-    for params, grad, _, _ in recorder.calls.values():
+    for params, grad, *_ in recorder.calls.values():
         offset = 0
         for p in params:
             went_in[id(p)] += grad[offset:offset + p.numel()].double()
@@ -320,10 +323,11 @@ def check_wagma_fp16(group: Group, rank: int) -> list[str]:
 # ----- 7. AMP: autocast and a GradScaler -----
 
 
-def check_amp(group: Group, rank: int, autocast_dtype: torch.dtype, collective: str) -> list[str]:
-    where = f"{group.name} AMP {autocast_dtype} {collective}"
+def check_amp(group: Group, rank: int, autocast_dtype: torch.dtype, collective: str,
+              momentum: float = 0.0) -> list[str]:
+    where = f"{group.name} AMP {autocast_dtype} {collective} momentum={momentum}"
     state = gx.SparseGradState(group.group, density=0.05, collective=collective, start_iter=2,
-                               min_compress_numel=1000, stats_logging_frequency=0)
+                               min_compress_numel=1000, stats_logging_frequency=0, momentum=momentum)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     state.attach_scaler(scaler)
     recorder = Recorder(state, scaler)
@@ -349,18 +353,34 @@ def check_amp(group: Group, rank: int, autocast_dtype: torch.dtype, collective: 
         scaler.update()
         skipped[step] = scaler.get_scale() < before
     failures = [] if skipped[poisoned_step] else [f"{where}: the scaler did not skip the poisoned step"]
-    # From iteration 1 on (DDP's rebuilt buckets), per bucket, in the unscaled domain.
-    went_in, applied = {}, {}
-    for (step, index), (_, grad, output, scale) in sorted(recorder.calls.items()):
-        if step == 0:
+    # Per bucket, in the unscaled domain. Without momentum, from iteration 1 on (DDP's rebuilt buckets): what
+    # entered is the gradient. With momentum, from iteration 2 on (the first compressed one), what entered is the
+    # velocity after u = momentum * u + g, replayed from the velocity seen after iteration 1 and checked against
+    # the one seen after every step (equal but where the step's masking cleared it). A rank's non-finite gradient
+    # leaves u alone. When the scaler skips a step, a dense bucket's increment is dropped and u goes back to
+    # before the step; a compressed bucket's increment stays in the residual (nothing lost), so u keeps its update
+    # and loses only the masking.
+    first = 2 if momentum else 1
+    went_in, applied, start = {}, {}, {}
+    for (step, index), (_, grad, output, scale, seen) in sorted(recorder.calls.items()):
+        if step < first:
+            if momentum and step == first - 1:
+                start[index] = seen.double() / scale
             continue
-        # A rank's non-finite gradient is dropped with the step; a finite one of a compressed bucket stays in the
-        # residual when the scaler skips the step (also when another rank's inf sent the bucket dense).
         finite_here = bool(torch.isfinite(grad).all())
         compressed = step >= 2 and grad.numel() >= 1000
+        increment = grad.double() / scale
+        if momentum:
+            before = start[index]
+            increment = momentum * before + increment if finite_here else before
+            seen = seen.double() / scale
+            kept_slots = seen != 0 if compressed and finite_here else torch.ones_like(seen, dtype=torch.bool)
+            failures += imbalance_failure(f"{where}, velocity of bucket {index} at iteration {step}",
+                                          increment[kept_slots], seen[kept_slots], torch.zeros(1), 1e-5)
+            start[index] = seen if not skipped[step] else increment if compressed else before
         zeros = torch.zeros(grad.numel(), dtype=torch.float64)
         if finite_here and (compressed or not skipped[step]):
-            went_in[index] = went_in.get(index, zeros) + grad.double() / scale
+            went_in[index] = went_in.get(index, zeros) + increment
         if not skipped[step]:
             applied[index] = applied.get(index, zeros) + group.size * output.double() / scale
     for index in went_in:
@@ -422,8 +442,9 @@ def defects_worker(rank: int, world_size: int) -> list[str]:
         failures += check_fp16_merge(groups[2], rank)
         failures += check_fp16_residual_overflow(groups[2], rank)
         failures += check_dense_after_new_layout(groups[2], rank)
-        for autocast_dtype, collective in ((torch.bfloat16, "gtopk"), (torch.float16, "allgather")):
-            failures += check_amp(groups[2], rank, autocast_dtype, collective)
+        for autocast_dtype, collective, momentum in ((torch.bfloat16, "gtopk", 0.0), (torch.float16, "allgather", 0.0),
+                                                     (torch.bfloat16, "gtopk", 0.9)):
+            failures += check_amp(groups[2], rank, autocast_dtype, collective, momentum)
     if groups[3] is not None:
         for dtype, rtol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
             failures += check_unused_parameters(groups[3], rank, "gaussiank", "allgather", dtype, rtol)

@@ -56,15 +56,17 @@ def build_cuda() -> bool:
 
 def extensions():
     sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
-    cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no FMA contraction: same sums on every CPU
+    # torch's C++ ABI, whatever the compiler's default: every failing TORCH_CHECK hands torch a std::string, and
+    # one of the other ABI crashes the process (torch >= 2.9 no longer passes the flag to extensions).
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off", abi]  # no FMA contraction: same sums on every CPU
     if not build_cuda():
         print("gtopk_ext: building the CPU kernels only")
         return [CppExtension("gtopk_ext._C", sources, extra_compile_args={"cxx": cxx_flags},
                              extra_link_args=["-fopenmp"])]
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     print(f"gtopk_ext: building the CPU and CUDA kernels for {os.environ['TORCH_CUDA_ARCH_LIST']}")
-    nvcc_flags = ["-O3", "--expt-relaxed-constexpr",
-                  f"-I{os.path.join(CUDA_HOME, 'include', 'cccl')}"]
+    nvcc_flags = ["-O3", "--expt-relaxed-constexpr", abi, f"-I{os.path.join(CUDA_HOME, 'include', 'cccl')}"]
     return [CUDAExtension("gtopk_ext._C", sources + sorted(glob.glob("csrc/cuda/*.cu")),
                           extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
                           extra_link_args=["-fopenmp"])]

@@ -28,10 +28,18 @@ arch=$($python -c 'import torch; print("%d.%d" % torch.cuda.get_device_capabilit
 
 build() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  $python -c 'import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)'
+  $python -c 'import sys, torch, triton
+print(sys.version.split()[0], torch.__version__, triton.__version__, "cxx11 abi:", torch._C._GLIBCXX_USE_CXX11_ABI)'
+  "${CXX:-c++}" --version | head -1
   GTOPK_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-$(nproc)} \
     $python -m pip install --no-index --no-build-isolation --no-deps -v -e . &&
-    $python -c 'from gtopk_ext import backends; assert backends.cuda_kernels_built(), "no CUDA kernels"; print("built")'
+    $python -c 'from gtopk_ext import backends; assert backends.cuda_kernels_built(), "no CUDA kernels"; print("built")' &&
+    # A failing TORCH_CHECK must reach Python as an error (a C++ ABI other than torch's crashes there instead).
+    $python -c 'import torch, gtopk_ext
+try:
+    torch.ops.gtopk_ext.compact(torch.randn(8), torch.ones(1), 0)
+except RuntimeError as error:
+    print("a failing check raises:", str(error).splitlines()[0])'
 }
 
 bench() {

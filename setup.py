@@ -57,7 +57,7 @@ def build_cuda() -> bool:
 def extensions():
     sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
     # torch's C++ ABI, whatever the compiler's default: every failing TORCH_CHECK hands torch a std::string, and
-    # one of the other ABI crashes the process (torch >= 2.9 no longer passes the flag to extensions).
+    # one of the other ABI crashes the process (torch.utils.cpp_extension passes no such flag, torch 2.11 to 2.14).
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off", abi]  # no FMA contraction: same sums on every CPU
     if not build_cuda():

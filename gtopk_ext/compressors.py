@@ -58,6 +58,22 @@ def k_for_density(density: float, numel: int) -> int:
     return max(1, min(numel, math.ceil(round(density * numel, 6))))
 
 
+def tensor_shares(k: int, numels: Sequence[int]) -> list[int]:
+    """``k`` slots split over tensors of ``numels`` elements (``k <= sum(numels)``): in proportion to their sizes
+    (largest remainders first), at least one each while k allows, never more than a tensor holds; they sum to k.
+    A pure function of the sizes, so every rank splits alike."""
+    exact = [k * n / sum(numels) for n in numels]
+    least = 1 if k >= len(numels) else 0
+    shares = [min(n, max(least, int(e))) for n, e in zip(numels, exact)]
+    while sum(shares) < k:
+        grow = max((i for i, n in enumerate(numels) if shares[i] < n), key=lambda i: exact[i] - shares[i])
+        shares[grow] += 1
+    while sum(shares) > k:
+        shrink = min((i for i in range(len(numels)) if shares[i] > least), key=lambda i: exact[i] - shares[i])
+        shares[shrink] -= 1
+    return shares
+
+
 def check_density(density: float, name: str = "density") -> None:
     if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
         raise ValueError(f"{name} must be a number in (0, 1], got {density!r}")

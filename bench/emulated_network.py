@@ -5,6 +5,12 @@ failure and on SIGINT/SIGTERM. The addresses (10.77.0.0/24) exist only inside th
 
 ``run_ranks`` starts one process per rank (``python -m <module> --worker <config.json>``) inside the namespaces,
 or on loopback without a network: bench/netem_scaling.py and bench/wagma.py run their workers through it.
+``run_torchrun`` starts one torchrun agent per emulated node instead (a namespace holds a node's ranks, which talk
+to each other over its loopback, unshaped); ``python -m bench.emulated_network torchrun ...`` runs a training
+script that way:
+
+    python -m bench.emulated_network torchrun --nnodes 2 --nproc-per-node 2 --rate 1gbit -- \
+        examples/train_ddp.py --collective hierarchical
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SUBNET = "10.77.0"  # private, and only ever assigned inside this module's own namespaces
 RANK_IFNAME = "eth0"
 GLOO_PORT = 29500  # each run has its own namespaces, hence its own port space
+RDZV_PORT = 29400  # torchrun's rendezvous store, on the first node
+# Workers restarted by torchrun get a fresh store per rendezvous round: the store the agents share by default keeps
+# the keys of the failed attempt, and a restarted worker can read a dead peer's address (Gloo: connection refused)
+# or the failure the sparse hook published there.
+RESTARTABLE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def parse_rate(text: str) -> int:
@@ -52,8 +63,9 @@ def run_ip(*argv: str) -> None:
 
 
 class Network:
-    """One bridge namespace and ``world_size`` rank namespaces, each rank linked to the bridge by a veth pair.
-    ``close()`` deletes the namespaces, which deletes every link and qdisc in them."""
+    """One bridge namespace and ``world_size`` host namespaces (a rank each, or a node's ranks under torchrun),
+    each linked to the bridge by a veth pair. ``close()`` deletes the namespaces, which deletes every link and
+    qdisc in them."""
 
     def __init__(self, prefix: str, world_size: int):
         self.bridge_ns = f"{prefix}{os.getpid()}-br"
@@ -219,6 +231,48 @@ def run_ranks(module: str, world_size: int, network: Network | None, config: dic
             logs.append(log)
             procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
         wait_all(procs, logs, timeout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+
+
+def torchrun_command(script: list[str], nnodes: int, nproc_per_node: int, endpoint: str, is_host: bool,
+                     run_id: str, max_restarts: int, local_addr: str | None) -> list[str]:
+    """One node's torchrun agent for ``script`` (the script and its arguments), c10d rendezvous at ``endpoint``
+    (whose store the first node's agent hosts)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
+               str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+               "--rdzv-conf", f"is_host={int(is_host)}", "--max-restarts", str(max_restarts)]
+    if local_addr is not None:  # else torchrun advertises the machine's hostname, unknown inside a namespace
+        command += ["--local-addr", local_addr]
+    return [*command, *script]
+
+
+def run_torchrun(script: list[str], nnodes: int, nproc_per_node: int, network: Network | None, workdir: Path,
+                 name: str, timeout: float, max_restarts: int = 0, env: dict[str, str] | None = None) -> list[str]:
+    """Runs ``script`` under one torchrun agent per node, each inside the node's namespace with Gloo bound to its
+    interface, or all on loopback without a network; the agents find each other by c10d rendezvous. Streams the
+    first node's output; raises with a failing node's log; returns every node's log."""
+    master = Network.address(0) if network else "127.0.0.1"
+    port = RDZV_PORT if network else free_port()
+    procs, logs = [], []
+    try:
+        for node in range(nnodes):
+            command = torchrun_command(script, nnodes, nproc_per_node, f"{master}:{port}", node == 0, name,
+                                       max_restarts, Network.address(node) if network else None)
+            if network:
+                command = ["ip", "netns", "exec", network.rank_ns[node], *command]
+            node_env = dict(os.environ, GLOO_SOCKET_IFNAME=RANK_IFNAME if network else "lo", OMP_NUM_THREADS="1",
+                            **RESTARTABLE_ENV, **(env or {}))
+            log = open(workdir / f"log-{name}-node{node}.txt", "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(command, cwd=ROOT, env=node_env, stdout=log, stderr=subprocess.STDOUT))
+        wait_all(procs, logs, timeout)
+        return [Path(log.name).read_text() for log in logs]
     finally:
         for proc in procs:
             if proc.poll() is None:

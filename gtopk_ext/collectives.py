@@ -729,8 +729,11 @@ def node_groups(group: dist.ProcessGroup, local_size: int) -> tuple[dist.Process
 
 
 def shard_bounds(numel: int, local_size: int) -> list[int]:
-    """The start of each local rank's shard and the end: ``local_size`` contiguous, near-equal shards."""
-    return [numel * i // local_size for i in range(local_size + 1)]
+    """The start of each local rank's shard, then the end: ``local_size`` contiguous shards of
+    ``ceil(numel / local_size)`` elements, the last ones shorter (so that padding the tensor at its end to
+    ``local_size`` times that width lines the shards up)."""
+    width = -(-numel // local_size)
+    return [min(numel, width * i) for i in range(local_size + 1)]
 
 
 def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, compressor: Compressor, k: int,
@@ -761,15 +764,13 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
     bounds = shard_bounds(numel, local_size)
     widths = [end - start for start, end in zip(bounds, bounds[1:])]
     shard = slice(bounds[local_rank], bounds[local_rank + 1])
-    width = max(widths)  # every shard padded to it, plus one slot for the flags of the final allgather
+    width = widths[0]
 
     # 1. Reduce-scatter inside the node.
     acc = tensor if residual is None else tensor + residual
-    padded = tensor.new_zeros(local_size, width + 1)
-    for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
-        padded[i, :end - start] = acc[start:end]
-    shard_acc = torch.empty(width + 1, dtype=tensor.dtype, device=device)
-    dist.reduce_scatter(shard_acc, list(padded.unbind()), group=node_group)
+    padded = torch.nn.functional.pad(acc, (0, local_size * width - numel)) if numel % local_size else acc
+    shard_acc = torch.empty(width, dtype=tensor.dtype, device=device)
+    dist.reduce_scatter(shard_acc, list(padded.view(local_size, width).unbind()), group=node_group)
     # A ring reduce-scatter moves as many bytes as a ring allgather of one shard.
     ring_bytes = ring_allgather_bytes(shard_acc.numel() * shard_acc.element_size(), local_size)
     if traffic is not None:
@@ -798,7 +799,7 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
         glob, applied = gtopk_allreduce(msg, cross_group, check=False, traffic=traffic, flags=raised)
     shard_sum = glob if isinstance(glob, torch.Tensor) else glob.to_dense(torch.float32)
 
-    # 3. Allgather inside the node of the shards' averages, each followed by its flags.
+    # 3. Allgather inside the node of the shards' averages, each followed by its flags (as one more element).
     mine = torch.zeros(width + 1, dtype=tensor.dtype, device=device)
     mine[:widths[local_rank]] = shard_sum.div_(size).to(tensor.dtype)
     mine[width] = float(int(raised))

@@ -819,18 +819,17 @@ def _draw_step(state: SparseGradState, index: int) -> int:
 def _reduce_hierarchical(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout, density: float,
                          k: int, stats: BucketStats) -> torch.futures.Future:
     """Steps 2-4 of :func:`sparse_grad_hook` with ``collective="hierarchical"``: the collective selects, from this
-    rank's shard of its node's sum; the flags ride inside it."""
+    rank's shard of its node's sum, and raises the non-finite flag inside its payloads."""
     group, size = state.thread.group, dist.get_world_size(state.thread.group)
     start = perf_counter()
     residual = state.residual_store.residual(index, tensor, layout) if state.error_feedback else None
     maxima = _parameter_maxima(tensor, layout).tolist()
     held = _hold_unused(residual, maxima, layout) if residual is not None else []
     _use_density(state, density)
-    flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
     inner_state = state.oktopk_states.setdefault(index, OkTopkState()) if state.inner_collective == "oktopk" else None
     result = hierarchical_allreduce(tensor, residual, state.compressor_now, k, state.local_size, group,
                                     inner=state.inner_collective, inner_state=inner_state,
-                                    step=_draw_step(state, index), traffic=stats.traffic, flags=flags,
+                                    step=_draw_step(state, index), traffic=stats.traffic,
                                     nonfinite_flag=FLAG_NONFINITE)
     for part, saved in held:  # kept out of this step: its parameter was unused here
         part.add_(saved)

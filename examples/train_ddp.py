@@ -101,7 +101,7 @@ def train(args: argparse.Namespace, comm_hook: Callable = gx.sparse_grad_hook,
     """Trains ``args.steps`` steps (from the latest checkpoint, if any) and returns the model. ``comm_hook`` and
     ``wrap_state`` let a caller put its own hook around the sparse one; ``after_step(step, ddp_model)`` runs after
     every optimizer step."""
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
     model = make_model(args.width).to(device)

@@ -746,8 +746,9 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
     1. Dense reduce-scatter inside the node of ``tensor + residual`` (flat): local rank l gets its node's sum of
        shard l (:func:`shard_bounds`).
     2. Local rank l selects ``tensor_shares(max(k, local_size), shard sizes)[l]`` slots of that sum with
-       ``compressor`` (so the shards send k slots in all, at least one each) and runs the ``inner`` sparse collective (gtopk, allgather or oktopk, with
-       ``inner_state`` for oktopk) with the ranks of local rank l on the other nodes.
+       ``compressor`` (so the shards send k slots in all, at least one each) and runs the ``inner`` sparse
+       collective (gtopk, allgather or oktopk, with ``inner_state`` for oktopk) with the ranks of local rank l on
+       the other nodes.
     3. Dense allgather inside the node of every shard's average: the result, the same on every rank.
 
     ``residual`` (flat, the tensor's size, or None: no error feedback) is zero outside this rank's shard and
@@ -786,7 +787,7 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
     if share and not int(raised) & nonfinite_flag:
         msg = compressor.compress(shard_acc, None, step=step, k=share)
     else:
-        msg = _padding_message(shard_acc, max(share, 1), compressor)
+        msg = padding_message(shard_acc, max(share, 1), compressor)
     if share == 0:  # an empty shard (numel < local_size): on every node alike, nothing to exchange
         glob, applied = shard_acc.float(), torch.zeros(1, dtype=torch.bool, device=device)
     elif inner == "allgather":
@@ -822,8 +823,8 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
     return HierarchicalResult(average, shifted, applied, shard)
 
 
-def _padding_message(tensor: torch.Tensor, k: int, compressor: Compressor) -> SparseMessage:
-    """k padding slots (index 0, value 0): what a shard that selects nothing sends."""
+def padding_message(tensor: torch.Tensor, k: int, compressor: Compressor) -> SparseMessage:
+    """k padding slots (index 0, value 0) of a message about ``tensor``: what a rank that selects nothing sends."""
     device = tensor.device
     return SparseMessage(tensor.new_zeros(k), torch.zeros(k, dtype=torch.int32, device=device),
                          torch.zeros(1, dtype=torch.int32, device=device), max(tensor.numel(), 1),

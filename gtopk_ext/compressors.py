@@ -8,6 +8,7 @@ is not sent is kept, never lost); ``residual=None`` compresses ``grad`` alone.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch

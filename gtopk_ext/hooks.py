@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gtopk_ext import ops
 from gtopk_ext.collectives import (DTYPE_CODES, Disagreement, OkTopkState, Traffic, gather_headers,
                                    group_rank_and_size, gtopk_allreduce, hierarchical_allreduce, HIERARCHICAL_INNER,
-                                   is_finite, oktopk_allreduce, require_same, resolve_local_size,
+                                   is_finite, oktopk_allreduce, padding_message, require_same, resolve_local_size,
                                    ring_allreduce_bytes, sparse_allgather)
 from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, SparseMessage, check_density, k_for_density, \
     make_compressor, tensor_shares
@@ -723,7 +723,7 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
         msg = _select(state, tensor, residual, maxima, layout, index, density, k)
     else:  # nothing selected, the residual untouched: the flag sends every rank dense
         flags[0] = FLAG_NONFINITE
-        msg = _empty_message(tensor, k, state.compressor_now)
+        msg = padding_message(tensor, k, state.compressor_now)
     stats.selected = msg.count
     stats.select_seconds = perf_counter() - start
 
@@ -882,15 +882,6 @@ def _select_per_tensor(compressor: Compressor, tensor: torch.Tensor, residual: O
                         backend=compressor.backend.for_device(tensor.device))
     bound = None if any(b is None for b in bounds) else torch.stack(bounds).max()
     return msg, bound
-
-
-def _empty_message(tensor: torch.Tensor, k: int, compressor: Compressor) -> SparseMessage:
-    """k padding slots (index 0, value 0): what a rank that selects nothing sends."""
-    device = tensor.device
-    return SparseMessage(torch.zeros(k, dtype=tensor.dtype, device=device),
-                         torch.zeros(k, dtype=torch.int32, device=device),
-                         torch.zeros(1, dtype=torch.int32, device=device), tensor.numel(),
-                         backend=compressor.backend.for_device(device))
 
 
 def _record_taken(state: SparseGradState, index: int, indices: Optional[torch.Tensor], values: torch.Tensor) -> None:

@@ -28,8 +28,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gtopk_ext import ops
 from gtopk_ext.collectives import (DTYPE_CODES, Disagreement, OkTopkState, Traffic, gather_headers,
                                    group_rank_and_size, gtopk_allreduce, hierarchical_allreduce, HIERARCHICAL_INNER,
-                                   is_finite, oktopk_allreduce, padding_message, require_same, resolve_local_size,
+                                   oktopk_allreduce, padding_message, require_same, resolve_local_size,
                                    ring_allreduce_bytes, sparse_allgather)
+from gtopk_ext.collectives import is_finite as _is_finite
 from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, SparseMessage, check_density, k_for_density, \
     make_compressor, tensor_shares
 
@@ -698,7 +699,7 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
     if state.clip_norm is not None:
         _clip(tensor, state.clip_norm / math.sqrt(size))
     if not compress:
-        if state.momentum and is_finite(tensor):  # an inf must not poison the velocity
+        if state.momentum and _is_finite(tensor):  # an inf must not poison the velocity
             _momentum_increment(state, tensor, index, layout, parameters, [1.0] * len(layout or [None]))
         if state.error_feedback and state.residual_store.holds_any(index, layout):
             _flush_into(state, tensor, index, layout)
@@ -1018,7 +1019,7 @@ def _accumulation_is_finite(state: SparseGradState, tensor: torch.Tensor, residu
     residual_with_bound, bound = state.residual_bounds.get(index, (None, None))
     if residual_with_bound is residual and max(maxima) + float(bound) < torch.finfo(tensor.dtype).max:
         return True
-    return is_finite(tensor + residual)
+    return _is_finite(tensor + residual)
 
 
 def _hold_unused(residual: torch.Tensor, maxima: list[float], layout: Layout,

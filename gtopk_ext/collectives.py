@@ -677,8 +677,9 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
 # ----- hierarchical: dense inside a node, sparse between nodes -----
 
 HIERARCHICAL_INNER = ("gtopk", "allgather", "oktopk")
-# Per (process group, local_size): this rank's (node group, cross-node group), created once.
-_node_groups: dict[tuple[str, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+# Per (process group name, local_size): (that group, this rank's node group, its cross-node group), created once
+# per group (a group destroyed and created again under the same name gets new ones).
+_node_groups: dict[tuple[str, int], tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 @dataclass
@@ -715,7 +716,7 @@ def node_groups(group: dist.ProcessGroup, local_size: int) -> tuple[dist.Process
     local rank on every node), created at the first call and cached. Every rank of ``group`` makes its first call
     for the same (group, local_size) at the same point (the groups' names count the groups created before)."""
     key = (group.group_name, local_size)
-    if key not in _node_groups:
+    if _node_groups.get(key, (None,))[0] is not group:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         if size % local_size:
             raise ValueError(f"local_size ({local_size}) must divide the group's size ({size}): a node is local_size "
@@ -723,9 +724,9 @@ def node_groups(group: dist.ProcessGroup, local_size: int) -> tuple[dist.Process
         node, local_rank = divmod(rank, local_size)
         node_ranks = [dist.get_global_rank(group, node * local_size + i) for i in range(local_size)]
         cross_ranks = [dist.get_global_rank(group, n * local_size + local_rank) for n in range(size // local_size)]
-        _node_groups[key] = (dist.new_group(node_ranks, use_local_synchronization=True),
+        _node_groups[key] = (group, dist.new_group(node_ranks, use_local_synchronization=True),
                              dist.new_group(cross_ranks, use_local_synchronization=True))
-    return _node_groups[key]
+    return _node_groups[key][1:]
 
 
 def shard_bounds(numel: int, local_size: int) -> list[int]:

@@ -5,6 +5,12 @@ failure and on SIGINT/SIGTERM. The addresses (10.77.0.0/24) exist only inside th
 
 ``run_ranks`` starts one process per rank (``python -m <module> --worker <config.json>``) inside the namespaces,
 or on loopback without a network: bench/netem_scaling.py and bench/wagma.py run their workers through it.
+``run_torchrun`` starts one torchrun agent per emulated node instead (a namespace holds a node's ranks, which talk
+to each other over its loopback, unshaped); ``python -m bench.emulated_network torchrun ...`` runs a training
+script that way:
+
+    python -m bench.emulated_network torchrun --nnodes 2 --nproc-per-node 2 --rate 1gbit -- \
+        examples/train_ddp.py --collective hierarchical
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SUBNET = "10.77.0"  # private, and only ever assigned inside this module's own namespaces
 RANK_IFNAME = "eth0"
 GLOO_PORT = 29500  # each run has its own namespaces, hence its own port space
+RDZV_PORT = 29400  # torchrun's rendezvous store, on the first node
+# Workers restarted by torchrun get a fresh store per rendezvous round: the store the agents share by default keeps
+# the keys of the failed attempt, and a restarted worker can read a dead peer's address (Gloo: connection refused)
+# or the failure the sparse hook published there.
+RESTARTABLE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def parse_rate(text: str) -> int:
@@ -52,8 +64,9 @@ def run_ip(*argv: str) -> None:
 
 
 class Network:
-    """One bridge namespace and ``world_size`` rank namespaces, each rank linked to the bridge by a veth pair.
-    ``close()`` deletes the namespaces, which deletes every link and qdisc in them."""
+    """One bridge namespace and ``world_size`` host namespaces (a rank each, or a node's ranks under torchrun),
+    each linked to the bridge by a veth pair. ``close()`` deletes the namespaces, which deletes every link and
+    qdisc in them."""
 
     def __init__(self, prefix: str, world_size: int):
         self.bridge_ns = f"{prefix}{os.getpid()}-br"
@@ -204,21 +217,33 @@ def run_ranks(module: str, world_size: int, network: Network | None, config: dic
     network. Streams rank 0's output; raises with a failing rank's log. ``name`` tells this run's files apart."""
     master = Network.address(0) if network else "127.0.0.1"
     port = GLOO_PORT if network else free_port()
+    commands = []
+    for rank in range(world_size):
+        rank_config = {**config, "rank": rank, "world_size": world_size, "master_addr": master, "port": port,
+                       "ifname": RANK_IFNAME if network else None}
+        config_path = workdir / f"config-{name}-r{rank}.json"
+        config_path.write_text(json.dumps(rank_config))
+        commands.append([sys.executable, "-m", module, "--worker", str(config_path)])
+    run_on_hosts(commands, network, workdir, [f"{name}-r{rank}" for rank in range(world_size)], timeout)
+
+
+def run_on_hosts(commands: list[list[str]], network: Network | None, workdir: Path, names: list[str],
+                 timeout: float, env: dict[str, str] | None = None) -> list[str]:
+    """Runs ``commands[i]`` inside host namespace i (on this machine's loopback without a network) with Gloo bound
+    to its interface, logging to ``log-<names[i]>.txt`` in ``workdir``. Streams the first one's output; raises
+    with a failing one's log; returns every log."""
     procs, logs = [], []
     try:
-        for rank in range(world_size):
-            rank_config = {**config, "rank": rank, "world_size": world_size, "master_addr": master, "port": port,
-                           "ifname": RANK_IFNAME if network else None}
-            config_path = workdir / f"config-{name}-r{rank}.json"
-            config_path.write_text(json.dumps(rank_config))
-            command = [sys.executable, "-m", module, "--worker", str(config_path)]
+        for host, (command, name) in enumerate(zip(commands, names)):
             if network:
-                command = ["ip", "netns", "exec", network.rank_ns[rank], *command]
-            env = dict(os.environ, GLOO_SOCKET_IFNAME=RANK_IFNAME if network else "lo", OMP_NUM_THREADS="1")
-            log = open(workdir / f"log-{name}-r{rank}.txt", "w+")
+                command = ["ip", "netns", "exec", network.rank_ns[host], *command]
+            host_env = dict(os.environ, GLOO_SOCKET_IFNAME=RANK_IFNAME if network else "lo", OMP_NUM_THREADS="1",
+                            **(env or {}))
+            log = open(workdir / f"log-{name}.txt", "w+")
             logs.append(log)
-            procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(command, cwd=ROOT, env=host_env, stdout=log, stderr=subprocess.STDOUT))
         wait_all(procs, logs, timeout)
+        return [Path(log.name).read_text() for log in logs]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -226,6 +251,31 @@ def run_ranks(module: str, world_size: int, network: Network | None, config: dic
                 proc.wait()
         for log in logs:
             log.close()
+
+
+def torchrun_command(script: list[str], nnodes: int, nproc_per_node: int, endpoint: str, is_host: bool,
+                     run_id: str, max_restarts: int, local_addr: str | None) -> list[str]:
+    """One node's torchrun agent for ``script`` (the script and its arguments), c10d rendezvous at ``endpoint``
+    (whose store the first node's agent hosts)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
+               str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+               "--rdzv-conf", f"is_host={int(is_host)}", "--max-restarts", str(max_restarts)]
+    if local_addr is not None:  # else torchrun advertises the machine's hostname, unknown inside a namespace
+        command += ["--local-addr", local_addr]
+    return [*command, *script]
+
+
+def run_torchrun(script: list[str], nnodes: int, nproc_per_node: int, network: Network | None, workdir: Path,
+                 name: str, timeout: float, max_restarts: int = 0, env: dict[str, str] | None = None) -> list[str]:
+    """Runs ``script`` under one torchrun agent per node, each inside the node's namespace with Gloo bound to its
+    interface, or all on loopback without a network; the agents find each other by c10d rendezvous. Streams the
+    first node's output; raises with a failing node's log; returns every node's log."""
+    master = Network.address(0) if network else "127.0.0.1"
+    port = RDZV_PORT if network else free_port()
+    commands = [torchrun_command(script, nnodes, nproc_per_node, f"{master}:{port}", node == 0, name, max_restarts,
+                                 Network.address(node) if network else None) for node in range(nnodes)]
+    return run_on_hosts(commands, network, workdir, [f"{name}-node{node}" for node in range(nnodes)], timeout,
+                        {**RESTARTABLE_ENV, **(env or {})})
 
 
 class Networks:
@@ -248,3 +298,48 @@ class Networks:
     def close(self) -> None:
         while self.open:
             self.open.pop().close()
+
+
+def node_tx_bytes(network: Network) -> list[int]:
+    """Bytes each node has sent on its link so far."""
+    return [int(subprocess.run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{RANK_IFNAME}/statistics/tx_bytes"],
+                               capture_output=True, text=True, check=True).stdout) for ns in network.rank_ns]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Run a training script under torchrun on emulated nodes: one "
+                                                 "network namespace and one torchrun agent per node, the node's "
+                                                 "ranks inside it, a tbf-limited link from each node to a switch.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    torchrun = commands.add_parser("torchrun", help="python -m bench.emulated_network torchrun [options] -- "
+                                                    "script.py [script arguments]")
+    torchrun.add_argument("--nnodes", type=int, default=2)
+    torchrun.add_argument("--nproc-per-node", type=int, default=2)
+    torchrun.add_argument("--rate", type=parse_rate, default=parse_rate("1gbit"), help="each node's link")
+    torchrun.add_argument("--loopback", action="store_true", help="no namespaces, no shaping")
+    torchrun.add_argument("--max-restarts", type=int, default=0)
+    torchrun.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
+    torchrun.add_argument("script", nargs=argparse.REMAINDER, help="the training script and its arguments")
+    args = parser.parse_args(argv)
+    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if not script:
+        parser.error("name the training script after --")
+    loopback = runs_on_loopback("bench.emulated_network", args.loopback)
+    networks = Networks("gxtr")
+    try:
+        network = None if loopback else networks.create(args.nnodes, args.rate)
+        print(f"{args.nnodes} nodes x {args.nproc_per_node} ranks over {network_name(None if loopback else args.rate)}",
+              flush=True)
+        before = node_tx_bytes(network) if network else []
+        with tempfile.TemporaryDirectory() as workdir:
+            run_torchrun(script, args.nnodes, args.nproc_per_node, network, Path(workdir), f"run{os.getpid()}",
+                         args.timeout, args.max_restarts)
+        if network:
+            sent = [after - b for after, b in zip(node_tx_bytes(network), before)]
+            print(f"bytes sent on the inter-node links: {sum(sent)} ({', '.join(map(str, sent))} per node)")
+    finally:
+        networks.close()
+
+
+if __name__ == "__main__":
+    main()

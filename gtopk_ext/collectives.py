@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from gtopk_ext import ops
 from gtopk_ext._contract import FLOAT_DTYPES
-from gtopk_ext.compressors import SparseMessage
+from gtopk_ext.compressors import Compressor, SparseMessage, tensor_shares
 
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(FLOAT_DTYPES, start=1)}  # header codes of the op dtypes
 MAX_NUMEL = 2**31 - 1
@@ -671,3 +672,169 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
                          torch.tensor([sum(kept_counts)], dtype=torch.int32, device=device), numel,
                          backend=msg.backend)
     return glob, applied
+
+
+# ----- hierarchical: dense inside a node, sparse between nodes -----
+
+HIERARCHICAL_INNER = ("gtopk", "allgather", "oktopk")
+# Per (process group name, local_size): (that group, this rank's node group, its cross-node group), created once
+# per group (a group destroyed and created again under the same name gets new ones).
+_node_groups: dict[tuple[str, int], tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+@dataclass
+class HierarchicalResult:
+    """What :func:`hierarchical_allreduce` did on this rank.
+
+    ``average``: the flat average over the group's ranks of what was applied, in the tensor's dtype, bitwise the
+    same on every rank; None when a flag was raised (then nothing was changed). ``msg``: this rank's selection
+    from its shard's accumulation, indices into the whole tensor; ``applied``: the mask over its slots of those
+    inside the average. ``shard``: the slice of the tensor this rank selected from (and keeps the residual of).
+    """
+
+    average: torch.Tensor | None
+    msg: SparseMessage
+    applied: torch.Tensor
+    shard: slice
+
+
+def resolve_local_size(local_size: int | None) -> int:
+    """``local_size``, or torchrun's ``LOCAL_WORLD_SIZE`` when it is None."""
+    if local_size is None:
+        from_env = os.environ.get("LOCAL_WORLD_SIZE")
+        if from_env is None:
+            raise ValueError("collective='hierarchical' needs local_size (the ranks per node): LOCAL_WORLD_SIZE is "
+                             "not set (torchrun sets it); pass local_size=...")
+        local_size = int(from_env)
+    if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1:
+        raise ValueError(f"local_size must be an int >= 1 (the ranks per node), got {local_size!r}")
+    return local_size
+
+
+def node_groups(group: dist.ProcessGroup, local_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (node group: its ``local_size`` consecutive group ranks, cross-node group: the ranks of the same
+    local rank on every node), created at the first call and cached. Every rank of ``group`` makes its first call
+    for the same (group, local_size) at the same point (the groups' names count the groups created before)."""
+    key = (group.group_name, local_size)
+    if _node_groups.get(key, (None,))[0] is not group:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if size % local_size:
+            raise ValueError(f"local_size ({local_size}) must divide the group's size ({size}): a node is local_size "
+                             f"consecutive ranks")
+        node, local_rank = divmod(rank, local_size)
+        node_ranks = [dist.get_global_rank(group, node * local_size + i) for i in range(local_size)]
+        cross_ranks = [dist.get_global_rank(group, n * local_size + local_rank) for n in range(size // local_size)]
+        _node_groups[key] = (group, dist.new_group(node_ranks, use_local_synchronization=True),
+                             dist.new_group(cross_ranks, use_local_synchronization=True))
+    return _node_groups[key][1:]
+
+
+def shard_bounds(numel: int, local_size: int) -> list[int]:
+    """The start of each local rank's shard, then the end: ``local_size`` contiguous shards of
+    ``ceil(numel / local_size)`` elements, the last ones shorter (so that padding the tensor at its end to
+    ``local_size`` times that width lines the shards up)."""
+    width = -(-numel // local_size)
+    return [min(numel, width * i) for i in range(local_size + 1)]
+
+
+def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, compressor: Compressor, k: int,
+                           local_size: int, group: dist.ProcessGroup | None = None, *, inner: str = "gtopk",
+                           inner_state: OkTopkState | None = None, step: int | None = None,
+                           traffic: Traffic | None = None, flags: torch.Tensor | None = None,
+                           nonfinite_flag: int = 1) -> HierarchicalResult:
+    """Dense inside a node, sparse between nodes (a node: ``local_size`` consecutive ranks of ``group``).
+
+    1. Dense reduce-scatter inside the node of ``tensor + residual`` (flat): local rank l gets its node's sum of
+       shard l (:func:`shard_bounds`).
+    2. Local rank l selects ``tensor_shares(max(k, local_size), shard sizes)[l]`` slots of that sum with
+       ``compressor`` (so the shards send k slots in all, at least one each) and runs the ``inner`` sparse
+       collective (gtopk, allgather or oktopk, with ``inner_state`` for oktopk) with the ranks of local rank l on
+       the other nodes.
+    3. Dense allgather inside the node of every shard's average: the result, the same on every rank.
+
+    ``residual`` (flat, the tensor's size, or None: no error feedback) is zero outside this rank's shard and
+    becomes, on return, zero outside it and the shard's node sum minus what was applied inside it: every other
+    element of ``tensor + residual`` is in the average. ``flags`` (int32[1], optional): bits this rank raises;
+    on return their OR over the group. A shard whose node sum is not finite sends nothing and raises
+    ``nonfinite_flag``; when any bit is raised, nothing is applied and ``tensor`` and ``residual`` are left as
+    they were (``average`` None). Every rank must pass the same k, local_size and inner."""
+    group, rank, size = group_rank_and_size(group)
+    if inner not in HIERARCHICAL_INNER:
+        raise ValueError(f"inner must be one of {HIERARCHICAL_INNER}, got {inner!r}")
+    node_group, cross_group = node_groups(group, local_size)
+    local_rank, numel, device = rank % local_size, tensor.numel(), tensor.device
+    bounds = shard_bounds(numel, local_size)
+    widths = [end - start for start, end in zip(bounds, bounds[1:])]
+    shard = slice(bounds[local_rank], bounds[local_rank + 1])
+    width = widths[0]
+
+    # 1. Reduce-scatter inside the node.
+    acc = tensor if residual is None else tensor + residual
+    padded = torch.nn.functional.pad(acc, (0, local_size * width - numel)) if numel % local_size else acc
+    shard_acc = torch.empty(width, dtype=tensor.dtype, device=device)
+    dist.reduce_scatter(shard_acc, list(padded.view(local_size, width).unbind()), group=node_group)
+    # A ring reduce-scatter moves as many bytes as a ring allgather of one shard.
+    ring_bytes = ring_allgather_bytes(shard_acc.numel() * shard_acc.element_size(), local_size)
+    if traffic is not None:
+        traffic.add(ring_bytes, ring_bytes)
+    shard_acc = shard_acc[:widths[local_rank]]
+
+    # 2. The sparse collective between nodes on this shard.
+    raised = torch.zeros(1, dtype=torch.int32, device=device) if flags is None else flags.clone()
+    # At least one slot per nonempty shard: a shard without any would keep its residual forever.
+    share = tensor_shares(max(k, local_size), widths)[local_rank]
+    if not is_finite(shard_acc):
+        raised.bitwise_or_(nonfinite_flag)
+    if share and not int(raised) & nonfinite_flag:
+        msg = compressor.compress(shard_acc, None, step=step, k=share)
+    else:
+        msg = padding_message(shard_acc, max(share, 1), compressor)
+    if share == 0:  # an empty shard (numel < local_size): on every node alike, nothing to exchange
+        glob, applied = shard_acc.float(), torch.zeros(1, dtype=torch.bool, device=device)
+    elif inner == "allgather":
+        glob = sparse_allgather(msg, cross_group, dtype=torch.float32, check=False, traffic=traffic, flags=raised)
+        applied = torch.ones(share, dtype=torch.bool, device=device)
+    elif inner == "oktopk":
+        glob, applied = oktopk_allreduce(msg, cross_group, state=inner_state, check=False, traffic=traffic,
+                                         flags=raised)
+    else:
+        glob, applied = gtopk_allreduce(msg, cross_group, check=False, traffic=traffic, flags=raised)
+    shard_sum = glob if isinstance(glob, torch.Tensor) else glob.to_dense(torch.float32)
+
+    # 3. Allgather inside the node of the shards' averages, each followed by its flags (as one more element).
+    mine = torch.zeros(width + 1, dtype=tensor.dtype, device=device)
+    mine[:widths[local_rank]] = shard_sum.div_(size).to(tensor.dtype)
+    mine[width] = float(int(raised))
+    gathered = [torch.empty_like(mine) for _ in range(local_size)]
+    dist.all_gather(gathered, mine, group=node_group)
+    if traffic is not None:
+        traffic.add(ring_bytes, ring_bytes)
+    combined = functools.reduce(operator.or_, (int(g[width]) for g in gathered))
+    if flags is not None:
+        flags.fill_(combined)
+    shifted = SparseMessage(msg.values, msg.indices + shard.start, msg.count, numel, msg.stats, msg.backend)
+    if combined:
+        return HierarchicalResult(None, shifted, torch.zeros_like(applied), shard)
+    average = torch.cat([g[:w] for g, w in zip(gathered, widths)])
+    if residual is not None:
+        residual.zero_()
+        kept = residual[shard].copy_(shard_acc)
+        if share:
+            ops.residual_update_(kept, msg.indices, msg.values * applied, backend=msg.backend)
+    return HierarchicalResult(average, shifted, applied, shard)
+
+
+def padding_message(tensor: torch.Tensor, k: int, compressor: Compressor) -> SparseMessage:
+    """k padding slots (index 0, value 0) of a message about ``tensor``: what a rank that selects nothing sends."""
+    device = tensor.device
+    return SparseMessage(tensor.new_zeros(k), torch.zeros(k, dtype=torch.int32, device=device),
+                         torch.zeros(1, dtype=torch.int32, device=device), max(tensor.numel(), 1),
+                         backend=compressor.backend.for_device(device))
+
+
+def is_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element is finite (one host sync; aminmax: one vectorised pass)."""
+    if not tensor.numel():
+        return True
+    smallest, largest = torch.aminmax(tensor)
+    return math.isfinite(smallest) and math.isfinite(largest)

@@ -8,6 +8,7 @@ is not sent is kept, never lost); ``residual=None`` compresses ``grad`` alone.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,22 @@ def k_for_density(density: float, numel: int) -> int:
     """``ceil(density * numel)`` clamped to [1, numel]; float noise below 1e-6 (0.07 * 100) is not rounded up."""
     check_density(density)
     return max(1, min(numel, math.ceil(round(density * numel, 6))))
+
+
+def tensor_shares(k: int, numels: Sequence[int]) -> list[int]:
+    """``k`` slots split over tensors of ``numels`` elements (``k <= sum(numels)``): in proportion to their sizes
+    (largest remainders first), at least one each while k allows, never more than a tensor holds; they sum to k.
+    A pure function of the sizes, so every rank splits alike."""
+    exact = [k * n / sum(numels) for n in numels]
+    least = 1 if k >= len(numels) else 0
+    shares = [min(n, max(least, int(e))) for n, e in zip(numels, exact)]
+    while sum(shares) < k:
+        grow = max((i for i, n in enumerate(numels) if shares[i] < n), key=lambda i: exact[i] - shares[i])
+        shares[grow] += 1
+    while sum(shares) > k:
+        shrink = min((i for i in range(len(numels)) if shares[i] > least), key=lambda i: exact[i] - shares[i])
+        shares[shrink] -= 1
+    return shares
 
 
 def check_density(density: float, name: str = "density") -> None:

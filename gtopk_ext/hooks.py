@@ -27,14 +27,16 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gtopk_ext import ops
 from gtopk_ext.collectives import (DTYPE_CODES, Disagreement, OkTopkState, Traffic, gather_headers,
-                                   group_rank_and_size, gtopk_allreduce, oktopk_allreduce, require_same,
+                                   group_rank_and_size, gtopk_allreduce, hierarchical_allreduce, HIERARCHICAL_INNER,
+                                   oktopk_allreduce, padding_message, require_same, resolve_local_size,
                                    ring_allreduce_bytes, sparse_allgather)
+from gtopk_ext.collectives import is_finite as _is_finite
 from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, SparseMessage, check_density, k_for_density, \
-    make_compressor
+    make_compressor, tensor_shares
 
 logger = logging.getLogger(__name__)
 
-COLLECTIVES = ("gtopk", "allgather", "oktopk", "dense")
+COLLECTIVES = ("gtopk", "allgather", "oktopk", "hierarchical", "dense")
 DensitySchedule = Union[Sequence[tuple[int, float]], Callable[[int], float], None]
 # (parameter ordinal, numel) of each parameter of a bucket, in the bucket's order; None for a bare tensor.
 Layout = Union[tuple[tuple[int, int], ...], None]
@@ -331,7 +333,8 @@ class SparseGradState:
         density: fraction of each bucket sent, in (0, 1].
         compressor: ``"gaussiank"`` (default), ``"topk"`` or ``"randomk"`` (see :func:`make_compressor`).
         collective: ``"gtopk"`` (default, O(k log P)), ``"allgather"`` (O(kP)), ``"oktopk"`` (Ok-Topk, O(k) for any
-            P; its per-bucket state is kept here and in checkpoints) or ``"dense"`` (plain allreduce).
+            P; its per-bucket state is kept here and in checkpoints), ``"hierarchical"`` (dense inside a node, the
+            ``inner_collective`` between nodes: see ``local_size``) or ``"dense"`` (plain allreduce).
         start_iter: iterations of dense allreduce before compressing. With error feedback it must be >= 2:
             DDP rebuilds its buckets after the first iteration.
         min_compress_numel: buckets with fewer elements go dense.
@@ -363,6 +366,13 @@ class SparseGradState:
             starved by a larger-scaled one; the message stays k slots (``selected`` then counts used slots). It
             shapes the local selection: with ``collective="allgather"`` every share is applied, while gTop-k's
             merges still rank the whole bucket and send small-scaled shares back to the residual.
+        local_size, inner_collective: with ``collective="hierarchical"``, a node is ``local_size`` consecutive
+            ranks of the group (None: torchrun's ``LOCAL_WORLD_SIZE``). Each bucket is reduce-scattered densely
+            inside the node, each local rank selects from its shard of the node's sum (with k split over the
+            shards) and runs ``inner_collective`` (``"gtopk"``, ``"allgather"`` or ``"oktopk"``) with the same
+            local rank of the other nodes, and the shards' averages are allgathered inside the node
+            (:func:`gtopk_ext.collectives.hierarchical_allreduce`). A rank's residual is zero outside its shard.
+            Not with ``momentum`` or ``per_tensor``.
 
     Fields besides the arguments:
 
@@ -404,7 +414,7 @@ class SparseGradState:
                  stats_logging_frequency: int = 1000, error_feedback: bool = True,
                  compressor_kwargs: Optional[dict] = None, synchronous: bool = False, momentum: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0, clip_norm: Optional[float] = None,
-                 per_tensor: bool = False):
+                 per_tensor: bool = False, local_size: Optional[int] = None, inner_collective: str = "gtopk"):
         check_density(density)
         if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
                                       or not clip_norm > 0):
@@ -423,6 +433,13 @@ class SparseGradState:
                             ("random_seed", random_seed), ("stats_logging_frequency", stats_logging_frequency)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if collective == "hierarchical":
+            if inner_collective not in HIERARCHICAL_INNER:
+                raise ValueError(f"inner_collective must be one of {HIERARCHICAL_INNER}, got {inner_collective!r}")
+            if momentum or per_tensor:
+                raise ValueError("collective='hierarchical' selects from a node's sum: it supports neither momentum "
+                                 "correction (momentum > 0) nor per_tensor=True")
+            local_size = resolve_local_size(local_size)
         if error_feedback and collective != "dense" and start_iter < 2:
             raise ValueError(f"start_iter must be >= 2 with error feedback (DDP rebuilds its buckets after the first "
                              f"iteration, which would misplace the residuals), got {start_iter}")
@@ -444,6 +461,8 @@ class SparseGradState:
         self.weight_decay = float(weight_decay)
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.per_tensor = bool(per_tensor)
+        self.local_size = local_size
+        self.inner_collective = inner_collective
         # Residual store and loss-scaler bookkeeping.
         self.residual_store = ResidualStore()
         self.velocity_store = ResidualStore()  # momentum correction's velocities, laid out as the residuals
@@ -690,6 +709,8 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
         if state.error_feedback and state.residual_store.holds_any(index, layout):
             _flush_into(state, tensor, index, layout)
         return _dense_allreduce(tensor, group, size, stats)
+    if state.collective == "hierarchical":
+        return _reduce_hierarchical(state, tensor, index, layout, density, k, stats)
 
     # 2. Select.
     start = perf_counter()
@@ -708,7 +729,7 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
         msg = _select(state, tensor, residual, maxima, layout, index, density, k)
     else:  # nothing selected, the residual untouched: the flag sends every rank dense
         flags[0] = FLAG_NONFINITE
-        msg = _empty_message(tensor, k, state.compressor_now)
+        msg = padding_message(tensor, k, state.compressor_now)
     stats.selected = msg.count
     stats.select_seconds = perf_counter() - start
 
@@ -774,9 +795,8 @@ def _agree(state: SparseGradState, group: dist.ProcessGroup, tensor: torch.Tenso
 
 def _select(state: SparseGradState, tensor: torch.Tensor, residual: Optional[torch.Tensor], maxima: list[float],
             layout: Layout, index: int, density: float, k: int) -> SparseMessage:
-    if state.compressor_now.density != density:
-        state.compressor_now = make_compressor(state.compressor, density, **state.compressor_kwargs)
-    step = state.random_seed + state.iter * _STEPS_PER_ITER + index
+    _use_density(state, density)
+    step = _draw_step(state, index)
     if state.per_tensor and layout is not None and len(layout) > 1:
         msg, bound = _select_per_tensor(state.compressor_now, tensor, residual, maxima, layout, k, step)
     else:
@@ -792,20 +812,45 @@ def _select(state: SparseGradState, tensor: torch.Tensor, residual: Optional[tor
     return msg
 
 
-def tensor_shares(k: int, numels: Sequence[int]) -> list[int]:
-    """``k`` slots split over tensors of ``numels`` elements (``k <= sum(numels)``): in proportion to their sizes
-    (largest remainders first), at least one each while k allows, never more than a tensor holds; they sum to k.
-    A pure function of the sizes, so every rank splits alike."""
-    exact = [k * n / sum(numels) for n in numels]
-    least = 1 if k >= len(numels) else 0
-    shares = [min(n, max(least, int(e))) for n, e in zip(numels, exact)]
-    while sum(shares) < k:
-        grow = max((i for i, n in enumerate(numels) if shares[i] < n), key=lambda i: exact[i] - shares[i])
-        shares[grow] += 1
-    while sum(shares) > k:
-        shrink = min((i for i in range(len(numels)) if shares[i] > least), key=lambda i: exact[i] - shares[i])
-        shares[shrink] -= 1
-    return shares
+def _use_density(state: SparseGradState, density: float) -> None:
+    if state.compressor_now.density != density:
+        state.compressor_now = make_compressor(state.compressor, density, **state.compressor_kwargs)
+
+
+def _draw_step(state: SparseGradState, index: int) -> int:
+    """The step that seeds randomk's draw for this bucket and iteration."""
+    return state.random_seed + state.iter * _STEPS_PER_ITER + index
+
+
+def _reduce_hierarchical(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout, density: float,
+                         k: int, stats: BucketStats) -> torch.futures.Future:
+    """Steps 2-4 of :func:`sparse_grad_hook` with ``collective="hierarchical"``: the collective selects, from this
+    rank's shard of its node's sum, and raises the non-finite flag inside its payloads."""
+    group, size = state.thread.group, dist.get_world_size(state.thread.group)
+    start = perf_counter()
+    residual = state.residual_store.residual(index, tensor, layout) if state.error_feedback else None
+    maxima = _parameter_maxima(tensor, layout).tolist()
+    held = _hold_unused(residual, maxima, layout) if residual is not None else []
+    _use_density(state, density)
+    inner_state = state.oktopk_states.setdefault(index, OkTopkState()) if state.inner_collective == "oktopk" else None
+    result = hierarchical_allreduce(tensor, residual, state.compressor_now, k, state.local_size, group,
+                                    inner=state.inner_collective, inner_state=inner_state,
+                                    step=_draw_step(state, index), traffic=stats.traffic,
+                                    nonfinite_flag=FLAG_NONFINITE)
+    for part, saved in held:  # kept out of this step: its parameter was unused here
+        part.add_(saved)
+    stats.selected, stats.exchange_seconds = result.msg.count, perf_counter() - start
+    if result.average is None:  # a flag: every rank goes dense, nothing was changed
+        stats.path, stats.k, stats.selected = "nonfinite", tensor.numel(), tensor.numel()
+        if residual is not None and _accumulation_is_finite(state, tensor, residual, maxima, index):
+            _flush_into(state, tensor, index, layout)
+        return _dense_allreduce(tensor, group, size, stats)
+    tensor.copy_(result.average)
+    if residual is not None:
+        _record_taken(state, index, result.msg.indices, result.msg.values * result.applied)
+    done = _future_on(tensor.device)
+    done.set_result(tensor)
+    return done
 
 
 def _select_per_tensor(compressor: Compressor, tensor: torch.Tensor, residual: Optional[torch.Tensor],
@@ -843,15 +888,6 @@ def _select_per_tensor(compressor: Compressor, tensor: torch.Tensor, residual: O
                         backend=compressor.backend.for_device(tensor.device))
     bound = None if any(b is None for b in bounds) else torch.stack(bounds).max()
     return msg, bound
-
-
-def _empty_message(tensor: torch.Tensor, k: int, compressor: Compressor) -> SparseMessage:
-    """k padding slots (index 0, value 0): what a rank that selects nothing sends."""
-    device = tensor.device
-    return SparseMessage(torch.zeros(k, dtype=tensor.dtype, device=device),
-                         torch.zeros(k, dtype=torch.int32, device=device),
-                         torch.zeros(1, dtype=torch.int32, device=device), tensor.numel(),
-                         backend=compressor.backend.for_device(device))
 
 
 def _record_taken(state: SparseGradState, index: int, indices: Optional[torch.Tensor], values: torch.Tensor) -> None:
@@ -1068,11 +1104,6 @@ def _parameter_maxima(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
     slices = tensor.split([numel for _, numel in layout]) if layout is not None else [tensor]
     extremes = [torch.stack(torch.aminmax(s)) if s.numel() else tensor.new_zeros(2) for s in slices]
     return torch.stack(extremes).abs().amax(dim=1)
-
-
-def _is_finite(tensor: torch.Tensor) -> bool:
-    smallest, largest = torch.aminmax(tensor)
-    return math.isfinite(smallest) and math.isfinite(largest)
 
 
 def _checked_schedule(schedule: DensitySchedule) -> DensitySchedule:

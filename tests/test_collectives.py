@@ -256,11 +256,12 @@ def check_traffic(members: Members) -> list[str]:
     gx.collectives.sparse_allgather(msg, members.group, check=False, traffic=allgather)
     butterfly = 1 << (size.bit_length() - 1)
     rounds = butterfly.bit_length() - 1
+    mask = (k + 7) // 8  # the applied mask of a folded rank, a bit per slot
     if me >= butterfly:  # folded: sends its set, receives the result and its applied mask
-        expected = (payload, payload + k)
+        expected = (payload, payload + mask)
     else:
         folds = me + butterfly < size
-        expected = (rounds * payload + folds * (payload + k), (rounds + folds) * payload)
+        expected = (rounds * payload + folds * (payload + mask), (rounds + folds) * payload)
     failures = []
     if (gtopk.sent, gtopk.received) != expected:
         failures.append(f"{members.name}: gtopk moved {(gtopk.sent, gtopk.received)} bytes, expected {expected}")

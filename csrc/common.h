@@ -204,7 +204,10 @@ GTOPK_HOST_DEVICE inline int64_t wire_page_of(const int32_t* pages, int64_t num_
   int64_t lo = 0, hi = num_pages - 1;  // the answer is in [lo, hi]
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (pages[mid] <= slot) lo = mid; else hi = mid - 1;
+    if (pages[mid] <= slot)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
@@ -214,7 +217,10 @@ GTOPK_HOST_DEVICE inline int32_t wire_lower_bound(const int32_t* indices, int32_
   int32_t lo = 0, hi = used;
   while (lo < hi) {
     const int32_t mid = lo + (hi - lo) / 2;
-    if (indices[mid] < bound) lo = mid + 1; else hi = mid;
+    if (indices[mid] < bound)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -351,16 +357,15 @@ inline void check_wire_count(const at::Tensor& count, const at::Tensor& ref, con
 }
 
 inline void check_wire_numel(int64_t numel, const char* op) {
-  TORCH_CHECK(numel >= 1 && numel <= std::numeric_limits<int32_t>::max(), op,
-              ": numel must be in [1, 2^31 - 1], got ", numel);
+  TORCH_CHECK(numel >= 1 && numel <= std::numeric_limits<int32_t>::max(), op, ": numel must be in [1, 2^31 - 1], got ",
+              numel);
 }
 
 inline void check_wire_encode_args(const at::Tensor& indices, const at::Tensor& values, const at::Tensor& count,
                                    int64_t numel) {
   constexpr const char* op = "wire_encode";
-  TORCH_CHECK(indices.scalar_type() == at::kInt && indices.dim() == 1, op,
-              ": indices must be a 1-D int32 tensor, got ", indices.scalar_type(), " of ", indices.dim(),
-              " dimensions");
+  TORCH_CHECK(indices.scalar_type() == at::kInt && indices.dim() == 1, op, ": indices must be a 1-D int32 tensor, got ",
+              indices.scalar_type(), " of ", indices.dim(), " dimensions");
   check_float_tensor(values, op, "values");
   TORCH_CHECK(values.sizes() == indices.sizes(), op, ": values must have indices' shape ", indices.sizes(), ", got ",
               values.sizes());
@@ -372,12 +377,11 @@ inline void check_wire_encode_args(const at::Tensor& indices, const at::Tensor& 
 inline void check_wire_decode_args(const at::Tensor& halves, const at::Tensor& low, const at::Tensor& pages,
                                    const at::Tensor& shift, const at::Tensor& count, int64_t numel) {
   constexpr const char* op = "wire_decode";
-  TORCH_CHECK(halves.scalar_type() == at::kHalf && halves.dim() == 1, op,
-              ": halves must be a 1-D float16 tensor, got ", halves.scalar_type(), " of ", halves.dim(),
-              " dimensions");
+  TORCH_CHECK(halves.scalar_type() == at::kHalf && halves.dim() == 1, op, ": halves must be a 1-D float16 tensor, got ",
+              halves.scalar_type(), " of ", halves.dim(), " dimensions");
   TORCH_CHECK(low.scalar_type() == at::kShort && low.sizes() == halves.sizes(), op,
-              ": low must be an int16 tensor of halves' shape ", halves.sizes(), ", got ", low.scalar_type(), " of shape ",
-              low.sizes());
+              ": low must be an int16 tensor of halves' shape ", halves.sizes(), ", got ", low.scalar_type(),
+              " of shape ", low.sizes());
   check_wire_numel(numel, op);
   TORCH_CHECK(pages.scalar_type() == at::kInt && pages.dim() == 1 && pages.numel() == wire_num_pages(numel) + 1, op,
               ": pages must be a 1-D int32 tensor of ", wire_num_pages(numel) + 1, " elements (numel = ", numel,

@@ -14,8 +14,14 @@ from hypothesis import strategies as st
 import gtopk_ext as gx
 from gtopk_ext import _contract, collectives, ops, reference, wire
 from tests.distributed import run_distributed
-from tests.test_collectives import Members, bucket_input, equal_on_every_rank, tolerance
-from tests.test_ops import BACKENDS, DTYPES, backend, backend_device  # noqa: F401  (the fixture)
+from tests.test_collectives import Members, bucket_input, equal_on_every_rank, reduce_and_check_bucket
+from tests.test_ops import BACKENDS, DTYPES, backend_device
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
 
 # ----- the ops -----
 
@@ -201,7 +207,7 @@ def check_hook_conservation(members: Members) -> list[str]:
     """Through SparseGradState.reduce with wire="compact": per bucket and step, sum_r new_residual_r + P * output
     == sum_r (input_r + old_residual_r) up to the float rounding of the sums (the wire's rounding is kept in
     the residuals), and the output bitwise the same on every rank."""
-    failures, size = [], members.size
+    failures = []
     for collective in WIRE_COLLECTIVES:
         for dtype in DTYPES:
             state = gx.SparseGradState(members.group, density=0.02, collective=collective, start_iter=2,
@@ -210,19 +216,8 @@ def check_hook_conservation(members: Members) -> list[str]:
             for step in range(STEPS):
                 for index, numel in enumerate(BUCKET_NUMELS):
                     where = f"{members.name}, {collective}/{dtype}, step {step}, bucket {index}"
-                    grad = bucket_input(members.me, step, index, numel, dtype)
-                    old_residual = state.residuals.get(index, torch.zeros(numel, dtype=dtype)).clone()
-                    output = state.reduce(grad.clone(), index, is_last=index == len(BUCKET_NUMELS) - 1).wait()
-                    new_residual = state.residuals.get(index, torch.zeros(numel, dtype=dtype))
-                    if not equal_on_every_rank(members, output):
-                        failures.append(f"{where}: the averaged gradient differs across ranks")
-                    local = torch.cat([new_residual.double() - grad.double() - old_residual.double(),
-                                       grad.double().abs() + old_residual.double().abs()])
-                    dist.all_reduce(local, group=members.group)
-                    imbalance = float((local[:numel] + size * output.double()).abs().max())
-                    scale = float(local[numel:].max())
-                    if imbalance > 4 * tolerance(dtype) * scale:
-                        failures.append(f"{where}: conservation broken by {imbalance:.3g} (scale {scale:.3g})")
+                    failures += reduce_and_check_bucket(members, state, step, index, numel, dtype,
+                                                        index == len(BUCKET_NUMELS) - 1, where)
     return failures
 
 

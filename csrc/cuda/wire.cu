@@ -45,9 +45,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
-    wire_check_pages_kernel(const int32_t* pages, const int32_t* count, int64_t k, int64_t num_pages,
-                            int32_t* invalid) {
+__global__ void __launch_bounds__(kThreads) wire_check_pages_kernel(const int32_t* pages, const int32_t* count,
+                                                                    int64_t k, int64_t num_pages, int32_t* invalid) {
   const int32_t used = used_slots(count, k);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p <= num_pages; p += stride) {

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from gtopk_ext import ops
 from gtopk_ext._contract import FLOAT_DTYPES
 from gtopk_ext.compressors import SparseMessage
-from gtopk_ext.wire import WIRES, Rounding, _as_bytes, ascending, check_wire, pack, payload_size, rounding_error, unpack
+from gtopk_ext.wire import (WIRES, Rounding, as_bytes, ascending, check_wire, pack, payload_size, rounding_error,
+                            unpack)
 
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(FLOAT_DTYPES, start=1)}  # header codes of the op dtypes
 MAX_NUMEL = 2**31 - 1
@@ -283,8 +284,8 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
     (when given) by exactly one rank: the sender of a rank's own message, and for a merged set forwarded in a
     later round the lowest rank of the ranks holding it (of round r: the one whose low r bits are 0). When some
     ranks were folded, every rank takes glob as the wire carries it to them (rank 0 keeps that rounding error),
-    so glob stays the same everywhere. A corrupted compact payload raises
-    ValueError on every rank (an int32 allreduce at the end), after nothing of it was written out of bounds.
+    so glob stays the same everywhere. A corrupted compact payload raises ValueError on every rank (an int32
+    allreduce at the end), after nothing of it was written out of bounds.
     """
     group, rank, size = group_rank_and_size(group)
     if check:
@@ -366,7 +367,7 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         else:
             indices, values, count = ops.merge_topk(peer_indices, peer_values, indices, values, k, backend=backend)
         _mark_survivors(tracked + [(i, alive) for i, _, alive in kept_errors], indices, count)
-    if size != butterfly:  # the result goes to the folded ranks
+    if size != butterfly and (compact or folded < size):  # glob, as the wire carries it to the folded ranks
         payload, sent_indices, sent_values = pack(wire, indices, values, _head(count, raised), numel, backend)
         if compact:  # every rank takes glob as the wire carries it; rank 0 keeps the rounding error
             if rank == 0:
@@ -482,7 +483,7 @@ def _pack_pairs(wire: str, indices: torch.Tensor, values: torch.Tensor, numel: i
     compact, :func:`gtopk_ext.wire.pack` with n as the head."""
     n = indices.numel()
     if wire == "plain" or n == 0:
-        return torch.cat([_as_bytes(indices), _as_bytes(values)]), indices, values
+        return torch.cat([as_bytes(indices), as_bytes(values)]), indices, values
     return pack(wire, indices, values, torch.tensor([n], dtype=torch.int32, device=indices.device), numel, backend)
 
 

@@ -53,7 +53,8 @@ class Rounding:
         return ops.scatter_add_(residual, indices, errors, backend=backend)
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, as a flat uint8 view (a copy when it is not contiguous)."""
     return tensor.contiguous().view(-1).view(torch.uint8)
 
 
@@ -70,11 +71,11 @@ def pack(wire: str, indices: torch.Tensor, values: torch.Tensor, head: torch.Ten
     slots as the receiver will decode them (values in their dtype; plain: the slots themselves). Compact: the
     used slots must ascend (:func:`ascending`)."""
     if wire == "plain":
-        return torch.cat([_as_bytes(head), _as_bytes(indices), _as_bytes(values)]), indices, values
+        return torch.cat([as_bytes(head), as_bytes(indices), as_bytes(values)]), indices, values
     count = head[:1].contiguous()
     halves, low, pages, shift = ops.wire_encode(indices, values, count, numel, backend=backend)
     sent_indices, sent_values, _ = ops.wire_decode(halves, low, pages, shift, count, numel, backend=backend)
-    payload = torch.cat([_as_bytes(head), _as_bytes(shift), _as_bytes(pages), _as_bytes(halves), _as_bytes(low)])
+    payload = torch.cat([as_bytes(head), as_bytes(shift), as_bytes(pages), as_bytes(halves), as_bytes(low)])
     return payload, sent_indices, sent_values.to(values.dtype)
 
 

@@ -11,8 +11,12 @@ of the ranks' gradients, and each sparse collective reduces the same flattened g
 message, Gaussian-k, with its own error-feedback residual; Ok-Topk with one OkTopkState), counted by its
 ``Traffic``: the median step, and the mean, which includes Ok-Topk's re-estimations (every 32 steps).
 
+``--wire plain compact`` measures each sparse collective with each wire format (gtopk_ext/wire.py); the dense
+allreduce has none. The compact wire's rounding errors go back into the residuals, as in the hook.
+
     python -m bench.bytes_per_step --world-sizes 4 8 --density 0.01 --json bytes_per_step.json
     python -m bench.bytes_per_step --exchange --hidden 2048 768 --world-sizes 2 4 8 --steps 40
+    python -m bench.bytes_per_step --hidden 2048 768 --world-sizes 8 --wire plain compact
 """
 
 from __future__ import annotations
@@ -47,17 +51,22 @@ def batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(32, 784, generator=generator), torch.randint(0, 10, (32,), generator=generator)
 
 
+def runs(collectives: tuple[str, ...], wires: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(collective, wire) pairs to measure: every sparse collective with every wire, dense once (plain)."""
+    return [(c, w) for c in collectives for w in (("plain",) if c == "dense" else wires)]
+
+
 def measure(rank: int, world_size: int, density: float, steps: int, hidden: tuple[int, int],
-            collectives: tuple[str, ...]) -> dict:
+            collectives: tuple[str, ...], wires: tuple[str, ...]) -> dict:
     import gtopk_ext as gx
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     results = {}
-    for collective in collectives:
+    for collective, wire in runs(collectives, wires):
         model = make_model(hidden)
         ddp = DDP(model)
         state = gx.SparseGradState(density=density, collective=collective, start_iter=WARMUP,
-                                   stats_logging_frequency=0)
+                                   stats_logging_frequency=0, wire=wire)
         ddp.register_comm_hook(state, gx.sparse_grad_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         generator = torch.Generator().manual_seed(rank)
@@ -73,7 +82,7 @@ def measure(rank: int, world_size: int, density: float, steps: int, hidden: tupl
                 sent.append(total["bytes_sent"])
                 received.append(total["bytes_received"])
                 seconds.append(time.perf_counter() - start)
-        results[collective] = {"parameters": sum(p.numel() for p in model.parameters()),
+        results[collective, wire] = {"parameters": sum(p.numel() for p in model.parameters()),
                                "buckets": len(state.stats()["buckets"]), "k": state.stats()["total"]["k"],
                                "bytes_sent": statistics.median(sent), "bytes_received": statistics.median(received),
                                "seconds": statistics.median(seconds)}
@@ -81,7 +90,7 @@ def measure(rank: int, world_size: int, density: float, steps: int, hidden: tupl
 
 
 def measure_exchanges(rank: int, world_size: int, density: float, steps: int, hidden: tuple[int, int],
-                      collectives: tuple[str, ...]) -> dict:
+                      collectives: tuple[str, ...], wires: tuple[str, ...]) -> dict:
     """Bytes of each collective on the model's whole flattened gradient, step by step (see the module doc)."""
     import gtopk_ext as gx
     from gtopk_ext.collectives import OkTopkState, Traffic, ring_allreduce_bytes
@@ -91,38 +100,42 @@ def measure_exchanges(rank: int, world_size: int, density: float, steps: int, hi
     numel = sum(p.numel() for p in parameters)
     optimizer = torch.optim.SGD(parameters, lr=0.01)
     compressor = gx.make_compressor("gaussiank", density)
-    residuals = {c: torch.zeros(numel) for c in collectives if c != "dense"}
-    oktopk_state = OkTopkState()
+    measured = runs(collectives, wires)
+    residuals = {run: torch.zeros(numel) for run in measured if run[0] != "dense"}
+    oktopk_states = {run: OkTopkState() for run in measured}
     generator = torch.Generator().manual_seed(rank)
-    sent: dict[str, list[int]] = {c: [] for c in collectives}
+    sent: dict[tuple[str, str], list[int]] = {run: [] for run in measured}
     for _ in range(steps):
         x, y = batch(generator)
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         grad = torch.cat([p.grad.reshape(-1) for p in parameters])
-        for collective in collectives:
+        for run in measured:
+            collective, wire = run
             if collective == "dense":
-                sent[collective].append(ring_allreduce_bytes(4 * numel, world_size))
+                sent[run].append(ring_allreduce_bytes(4 * numel, world_size))
                 continue
-            traffic, residual = Traffic(), residuals[collective]
+            traffic, residual, rounding = Traffic(), residuals[run], gx.wire.Rounding()
             msg = compressor.compress(grad, residual)
+            options = dict(check=False, traffic=traffic, wire=wire, rounding=rounding)
             if collective == "allgather":
-                gx.collectives.sparse_allgather(msg, check=False, traffic=traffic)
+                gx.collectives.sparse_allgather(msg, **options)
             else:
                 reduce = gx.collectives.gtopk_allreduce if collective == "gtopk" else gx.collectives.oktopk_allreduce
-                kwargs = {"state": oktopk_state} if collective == "oktopk" else {}
-                _, applied = reduce(msg, check=False, traffic=traffic, **kwargs)
+                kwargs = {"state": oktopk_states[run]} if collective == "oktopk" else {}
+                _, applied = reduce(msg, **options, **kwargs)
                 gx.ops.scatter_add_(residual, msg.indices, msg.values * ~applied)  # not applied: kept
-            sent[collective].append(traffic.sent)
+            rounding.add_to(residual)
+            sent[run].append(traffic.sent)
         dist.all_reduce(grad)  # the model follows the dense average, the same for every collective
         offset = 0
         for p in parameters:
             p.grad.copy_(grad[offset:offset + p.numel()].view_as(p).div_(world_size))
             offset += p.numel()
         optimizer.step()
-    return {c: {"parameters": numel, "buckets": 1, "k": numel if c == "dense" else compressor.k_for(numel),
-                "bytes_sent": statistics.median(sent[c]), "bytes_sent_mean": statistics.mean(sent[c]),
-                "bytes_received": None, "seconds": None} for c in collectives}
+    return {run: {"parameters": numel, "buckets": 1, "k": numel if run[0] == "dense" else compressor.k_for(numel),
+                  "bytes_sent": statistics.median(sent[run]), "bytes_sent_mean": statistics.mean(sent[run]),
+                  "bytes_received": None, "seconds": None} for run in measured}
 
 
 def _worker(rank: int, world_size: int, init_file: str, measure_fn, args: tuple, results) -> None:
@@ -171,6 +184,8 @@ def main() -> None:
                         help="the MLP's hidden widths (2048 768: 3.2M parameters)")
     parser.add_argument("--exchange", action="store_true",
                         help="measure the collectives on the whole gradient instead of through the hook")
+    parser.add_argument("--wire", nargs="+", default=["plain"], choices=["plain", "compact"],
+                        help="the sparse collectives' wire formats to measure")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     if args.exchange:
@@ -179,10 +194,11 @@ def main() -> None:
         measure_fn, collectives = measure, tuple(c for c in COLLECTIVES if c in HOOK_COLLECTIVES)
     rows = []
     for world_size in args.world_sizes:
-        per_rank = run_on_gloo(measure_fn, world_size, args.density, args.steps, tuple(args.hidden), collectives)
-        for collective in collectives:
-            ranks = [r[collective] for r in per_rank]
-            rows.append({"world_size": world_size, "collective": collective, "density": args.density,
+        per_rank = run_on_gloo(measure_fn, world_size, args.density, args.steps, tuple(args.hidden), collectives,
+                               tuple(args.wire))
+        for collective, wire in runs(collectives, tuple(args.wire)):
+            ranks = [r[collective, wire] for r in per_rank]
+            rows.append({"world_size": world_size, "collective": collective, "wire": wire, "density": args.density,
                          "level": "exchange" if args.exchange else "hook",
                          "parameters": ranks[0]["parameters"], "buckets": ranks[0]["buckets"], "k": ranks[0]["k"],
                          "sent_mean": statistics.mean(r["bytes_sent"] for r in ranks),
@@ -191,19 +207,26 @@ def main() -> None:
                                                                 for r in ranks),
                          "received_max": None if args.exchange else max(r["bytes_received"] for r in ranks),
                          "seconds_median": None if args.exchange else statistics.median(r["seconds"] for r in ranks)})
-    print(f"{'P':>3} {'collective':>10} {'params':>9} {'k':>6} {'sent/rank mean':>15} {'sent max':>10} "
-          f"{'recv max':>10} {'all steps':>10} {'vs dense':>8} {'vs gtopk':>8} {'s/step':>7}")
+    print(f"{'P':>3} {'collective':>10} {'wire':>7} {'params':>9} {'k':>6} {'sent/rank mean':>15} {'sent max':>10} "
+          f"{'recv max':>10} {'all steps':>10} {'vs dense':>8} {'vs gtopk':>8} {'vs plain':>8} {'s/step':>7}")
 
     def optional(value: float | None, form: str) -> str:
         return "-" if value is None else format(value, form)
 
+    def row_of(world_size: int, collective: str, wire: str) -> dict | None:
+        key = (world_size, collective, wire)
+        return next((r for r in rows if (r["world_size"], r["collective"], r["wire"]) == key), None)
+
     for row in rows:
-        dense, gtopk = (next(r for r in rows if r["world_size"] == row["world_size"] and r["collective"] == name)
+        dense, gtopk = (row_of(row["world_size"], name, row["wire"] if name == "gtopk" else "plain")
                         for name in ("dense", "gtopk"))
-        print(f"{row['world_size']:>3} {row['collective']:>10} {row['parameters']:>9} {row['k']:>6} "
+        plain = row_of(row["world_size"], row["collective"], "plain")
+        print(f"{row['world_size']:>3} {row['collective']:>10} {row['wire']:>7} {row['parameters']:>9} {row['k']:>6} "
               f"{row['sent_mean']:>15.0f} {row['sent_max']:>10.0f} {optional(row['received_max'], '.0f'):>10} "
               f"{row['sent_mean_all_steps']:>10.0f} {row['sent_mean'] / dense['sent_mean']:>8.4f} "
-              f"{row['sent_mean'] / gtopk['sent_mean']:>8.4f} {optional(row['seconds_median'], '.3f'):>7}")
+              f"{row['sent_mean'] / gtopk['sent_mean']:>8.4f} "
+              f"{optional(plain and row['sent_mean'] / plain['sent_mean'], '.4f'):>8} "
+              f"{optional(row['seconds_median'], '.3f'):>7}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/Dispatch.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -160,6 +161,96 @@ GTOPK_HOST_DEVICE inline float sure_threshold(float threshold) {
 // sorted slots, then the tiles' partial sums in order: deterministic whatever the launch (cuda/scatter.cu).
 constexpr int64_t kScatterTile = 256;
 
+// The compact wire (ops wire_encode and wire_decode). An index is stored as its low 16 bits, and a table of
+// pages (pages[p] = the number of slots whose index is below p << 16, num_pages + 1 entries) gives the high bits:
+// 2 bytes per index plus 4 per 65536 elements of the bucket, at fixed sizes that sender and receiver both know.
+// A value is stored in float16 after a multiplication by 2^shift, one shift per message that brings its largest
+// finite |value| into [2^14, 2^15): float16's 11 significant bits whatever the gradient's scale, never an overflow.
+constexpr int kWirePageShift = 16;
+constexpr int kWireShiftMax = 126;   // 2^shift and 2^-shift are normal float32 numbers
+constexpr int kWireShiftBase = 141;  // shift = min(kWireShiftMax, kWireShiftBase - biased exponent of max |value|)
+constexpr uint16_t kWireHalfNan = 0x7E00;  // every NaN is sent as this float16 pattern, on every backend
+
+GTOPK_HOST_DEVICE inline bool is_infinite(float x) { return (float_bits(x) & 0x7FFFFFFFu) == 0x7F800000u; }
+
+GTOPK_HOST_DEVICE inline int64_t wire_num_pages(int64_t numel) {
+  return (numel + (int64_t{1} << kWirePageShift) - 1) >> kWirePageShift;
+}
+
+// The shift of a message whose largest finite |value| is max_abs (>= 0).
+GTOPK_HOST_DEVICE inline int32_t wire_shift(float max_abs) {
+  const int32_t shift = kWireShiftBase - static_cast<int32_t>(float_bits(max_abs) >> 23);
+  return shift < kWireShiftMax ? shift : kWireShiftMax;
+}
+
+// 2^e for e in [-126, 127], exactly.
+GTOPK_HOST_DEVICE inline float wire_pow2(int32_t e) { return bits_float(static_cast<uint32_t>(e + 127) << 23); }
+
+GTOPK_HOST_DEVICE inline float wire_value(uint16_t half_bits, int32_t shift) {
+  return static_cast<float>(c10::Half(half_bits, c10::Half::from_bits())) * wire_pow2(-shift);
+}
+
+// value * 2^shift rounded to float16 (to nearest even); a finite value whose rounding would decode to infinity
+// (|value| within 2^-12 of float32's largest) rounds toward zero instead.
+GTOPK_HOST_DEVICE inline uint16_t wire_half_bits(float value, int32_t shift) {
+  if (value != value) return kWireHalfNan;
+  const uint16_t bits = c10::Half(value * wire_pow2(shift)).x;
+  const bool overflowed = is_infinite(wire_value(bits, shift)) && !is_infinite(value);
+  return overflowed ? static_cast<uint16_t>(bits - 1) : bits;
+}
+
+// The page of slot `slot` (pages ascending): the last p in [0, num_pages) with pages[p] <= slot.
+GTOPK_HOST_DEVICE inline int64_t wire_page_of(const int32_t* pages, int64_t num_pages, int64_t slot) {
+  int64_t lo = 0, hi = num_pages - 1;  // the answer is in [lo, hi]
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (pages[mid] <= slot)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// The number of slots among the first `used` (ascending) whose index is below `bound`.
+GTOPK_HOST_DEVICE inline int32_t wire_lower_bound(const int32_t* indices, int32_t used, int64_t bound) {
+  int32_t lo = 0, hi = used;
+  while (lo < hi) {
+    const int32_t mid = lo + (hi - lo) / 2;
+    if (indices[mid] < bound)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+// Whether entry p of a page table is impossible for a message of `used` slots: outside [0, used], below the entry
+// before it, or not 0 at p = 0 and not used at p = num_pages.
+GTOPK_HOST_DEVICE inline bool wire_page_is_bad(const int32_t* pages, int64_t num_pages, int64_t p, int32_t used) {
+  const int32_t entry = pages[p];
+  return entry < 0 || entry > used || (p == 0 && entry != 0) || (p == num_pages && entry != used) ||
+         (p > 0 && entry < pages[p - 1]);
+}
+
+// The index of used slot j, into *index; false when the message is corrupted there: an index >= numel, or a low
+// below the one of slot j - 1 in the same page (the indices of a message ascend).
+GTOPK_HOST_DEVICE inline bool wire_slot_index(const int32_t* pages, int64_t num_pages, const int16_t* low, int32_t j,
+                                              int64_t numel, int32_t* index) {
+  const int64_t page = wire_page_of(pages, num_pages, j);
+  const uint16_t bits = static_cast<uint16_t>(low[j]);
+  const int64_t full = (page << kWirePageShift) | bits;
+  if (full >= numel) return false;
+  if (j > 0 && wire_page_of(pages, num_pages, j - 1) == page && static_cast<uint16_t>(low[j - 1]) > bits) return false;
+  *index = static_cast<int32_t>(full);
+  return true;
+}
+
+// The slots a message uses: count clamped to [0, k] (count may exceed k: it counts before truncation).
+GTOPK_HOST_DEVICE inline int32_t wire_used(int32_t count, int64_t k) {
+  return count < 0 ? 0 : (count > k ? static_cast<int32_t>(k) : count);
+}
+
 inline void check_max_numel(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.numel() <= std::numeric_limits<int32_t>::max(), op, ": ", name, " has ", t.numel(),
               " elements, but gtopk_ext uses int32 indices and supports at most 2^31 - 1 elements per tensor; "
@@ -256,6 +347,52 @@ inline void check_scatter_args(const at::Tensor& dense, const at::Tensor& indice
               values.sizes());
   check_same_device(indices, dense, op, "indices", dense_name);
   check_same_device(values, dense, op, "values", dense_name);
+}
+
+inline void check_wire_count(const at::Tensor& count, const at::Tensor& ref, const char* op, const char* ref_name) {
+  TORCH_CHECK(count.scalar_type() == at::kInt && count.numel() == 1, op,
+              ": count must be an int32 tensor of one element, got ", count.scalar_type(), " with ", count.numel(),
+              " elements");
+  check_same_device(count, ref, op, "count", ref_name);
+}
+
+inline void check_wire_numel(int64_t numel, const char* op) {
+  TORCH_CHECK(numel >= 1 && numel <= std::numeric_limits<int32_t>::max(), op, ": numel must be in [1, 2^31 - 1], got ",
+              numel);
+}
+
+inline void check_wire_encode_args(const at::Tensor& indices, const at::Tensor& values, const at::Tensor& count,
+                                   int64_t numel) {
+  constexpr const char* op = "wire_encode";
+  TORCH_CHECK(indices.scalar_type() == at::kInt && indices.dim() == 1, op, ": indices must be a 1-D int32 tensor, got ",
+              indices.scalar_type(), " of ", indices.dim(), " dimensions");
+  check_float_tensor(values, op, "values");
+  TORCH_CHECK(values.sizes() == indices.sizes(), op, ": values must have indices' shape ", indices.sizes(), ", got ",
+              values.sizes());
+  check_same_device(indices, values, op, "indices", "values");
+  check_wire_count(count, values, op, "values");
+  check_wire_numel(numel, op);
+}
+
+inline void check_wire_decode_args(const at::Tensor& halves, const at::Tensor& low, const at::Tensor& pages,
+                                   const at::Tensor& shift, const at::Tensor& count, int64_t numel) {
+  constexpr const char* op = "wire_decode";
+  TORCH_CHECK(halves.scalar_type() == at::kHalf && halves.dim() == 1, op, ": halves must be a 1-D float16 tensor, got ",
+              halves.scalar_type(), " of ", halves.dim(), " dimensions");
+  TORCH_CHECK(low.scalar_type() == at::kShort && low.sizes() == halves.sizes(), op,
+              ": low must be an int16 tensor of halves' shape ", halves.sizes(), ", got ", low.scalar_type(),
+              " of shape ", low.sizes());
+  check_wire_numel(numel, op);
+  TORCH_CHECK(pages.scalar_type() == at::kInt && pages.dim() == 1 && pages.numel() == wire_num_pages(numel) + 1, op,
+              ": pages must be a 1-D int32 tensor of ", wire_num_pages(numel) + 1, " elements (numel = ", numel,
+              "), got ", pages.scalar_type(), " of shape ", pages.sizes());
+  TORCH_CHECK(shift.scalar_type() == at::kInt && shift.numel() == 1, op,
+              ": shift must be an int32 tensor of one element, got ", shift.scalar_type(), " with ", shift.numel(),
+              " elements");
+  check_wire_count(count, halves, op, "halves");
+  check_same_device(low, halves, op, "low", "halves");
+  check_same_device(pages, halves, op, "pages", "halves");
+  check_same_device(shift, halves, op, "shift", "halves");
 }
 
 }  // namespace gtopk_ext

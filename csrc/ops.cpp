@@ -30,6 +30,10 @@ PyObject* PyInit__C(void) {
       {"FINE_SHIFT", gtopk_ext::kFineShift},
       {"FINE_BINS", gtopk_ext::kFineBins},
       {"SCATTER_TILE", gtopk_ext::kScatterTile},
+      {"WIRE_PAGE_SHIFT", gtopk_ext::kWirePageShift},
+      {"WIRE_SHIFT_MAX", gtopk_ext::kWireShiftMax},
+      {"WIRE_SHIFT_BASE", gtopk_ext::kWireShiftBase},
+      {"WIRE_HALF_NAN", gtopk_ext::kWireHalfNan},
       // clang-format on
   };
   for (const auto& constant : constants) {
@@ -76,4 +80,16 @@ TORCH_LIBRARY(gtopk_ext, m) {
   // residual[indices[j]] -= values[j]: what was sent leaves the residual (exactly zero when values came
   // from compact on this residual). Same index rules and return value as scatter_add.
   m.def("residual_update(Tensor(a!) residual, Tensor indices, Tensor values) -> Tensor");
+  // The compact wire (common.h): the first used = clamp(count[0], 0, k) slots of a message whose indices ascend
+  // within [0, numel) as (float16 halves[k]: value * 2^shift, int16 low[k]: index & 0xFFFF, int32
+  // pages[num_pages + 1]: pages[p] = the used slots with index < p << 16, int32 shift[1]); slots past used
+  // are (0, 0).
+  m.def("wire_encode(Tensor indices, Tensor values, Tensor count, int numel) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Its inverse: (int32 indices[k], float32 values[k], int32 invalid[1]). invalid counts what shows a corrupted
+  // message: a shift out of range, a page table that does not ascend from 0 to used, a low that does not
+  // ascend within its page, an index >= numel; such slots come out as (0, 0), so nothing downstream is written
+  // out of bounds. Slots past used are (0, 0).
+  m.def(
+      "wire_decode(Tensor halves, Tensor low, Tensor pages, Tensor shift, Tensor count, int numel) -> "
+      "(Tensor, Tensor, Tensor)");
 }

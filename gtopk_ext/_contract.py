@@ -35,10 +35,23 @@ FINE_BINS = 1 << (HIST_SHIFT - FINE_SHIFT)
 # scatter_add and residual_update on GPUs: duplicates summed in slot order within tiles of this many sorted slots,
 # then the tiles' partial sums in order (the reference defines the same order).
 SCATTER_TILE = 256
+# The compact wire (wire_encode, wire_decode): an index is its low 16 bits plus a table of pages of 2^16 elements;
+# a value is float16 after a multiplication by 2^shift, shift = min(WIRE_SHIFT_MAX, WIRE_SHIFT_BASE - the biased
+# exponent of the message's largest finite |value|); every NaN is sent as WIRE_HALF_NAN.
+WIRE_PAGE_SHIFT = 16
+WIRE_SHIFT_MAX = 126
+WIRE_SHIFT_BASE = 141
+WIRE_HALF_NAN = 0x7E00
 
 LAYOUT = {name: globals()[name] for name in (
     "STAT_MEAN", "STAT_STD", "STAT_MAX_ABS", "STAT_GAUSSIAN_THRESHOLD", "STAT_THRESHOLD", "NUM_STATS", "HIST_SHIFT",
-    "HIST_BINS", "HIST_INF_KEY", "FINE_SHIFT", "FINE_BINS", "SCATTER_TILE")}
+    "HIST_BINS", "HIST_INF_KEY", "FINE_SHIFT", "FINE_BINS", "SCATTER_TILE", "WIRE_PAGE_SHIFT", "WIRE_SHIFT_MAX",
+    "WIRE_SHIFT_BASE", "WIRE_HALF_NAN")}
+
+
+def wire_num_pages(numel: int) -> int:
+    """The compact wire's pages of 2^WIRE_PAGE_SHIFT elements for a tensor of ``numel`` elements."""
+    return (numel + (1 << WIRE_PAGE_SHIFT) - 1) >> WIRE_PAGE_SHIFT
 
 # The one dtype rule: every op takes fp32, fp16 and bf16 (statistics and sums in fp32 or wider), int32 indices.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -156,6 +169,53 @@ def check_residual_update_args(residual: torch.Tensor, indices: torch.Tensor, va
     _check_scatter_args(residual, indices, values, "residual_update", "residual")
 
 
+def _check_wire_count(count: torch.Tensor, ref: torch.Tensor, op: str, ref_name: str) -> None:
+    _check(count.dtype == torch.int32 and count.numel() == 1, op,
+           f"count must be an int32 tensor of one element, got {_scalar_type_name(count.dtype)} with "
+           f"{count.numel()} elements")
+    _check_same_device(count, ref, op, "count", ref_name)
+
+
+def _check_wire_numel(numel: int, op: str) -> None:
+    _check(1 <= numel <= INT32_MAX, op, f"numel must be in [1, 2^31 - 1], got {numel}")
+
+
+def check_wire_encode_args(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor, numel: int) -> None:
+    op = "wire_encode"
+    _check(indices.dtype == torch.int32 and indices.dim() == 1, op,
+           f"indices must be a 1-D int32 tensor, got {_scalar_type_name(indices.dtype)} of {indices.dim()} "
+           "dimensions")
+    _check_float_tensor(values, op, "values")
+    _check(values.shape == indices.shape, op,
+           f"values must have indices' shape {list(indices.shape)}, got {list(values.shape)}")
+    _check_same_device(indices, values, op, "indices", "values")
+    _check_wire_count(count, values, op, "values")
+    _check_wire_numel(numel, op)
+
+
+def check_wire_decode_args(halves: torch.Tensor, low: torch.Tensor, pages: torch.Tensor, shift: torch.Tensor,
+                           count: torch.Tensor, numel: int) -> None:
+    op = "wire_decode"
+    _check(halves.dtype == torch.float16 and halves.dim() == 1, op,
+           f"halves must be a 1-D float16 tensor, got {_scalar_type_name(halves.dtype)} of {halves.dim()} "
+           "dimensions")
+    _check(low.dtype == torch.int16 and low.shape == halves.shape, op,
+           f"low must be an int16 tensor of halves' shape {list(halves.shape)}, got {_scalar_type_name(low.dtype)} "
+           f"of shape {list(low.shape)}")
+    _check_wire_numel(numel, op)
+    pages_needed = wire_num_pages(numel) + 1
+    _check(pages.dtype == torch.int32 and pages.dim() == 1 and pages.numel() == pages_needed, op,
+           f"pages must be a 1-D int32 tensor of {pages_needed} elements (numel = {numel}), got "
+           f"{_scalar_type_name(pages.dtype)} of shape {list(pages.shape)}")
+    _check(shift.dtype == torch.int32 and shift.numel() == 1, op,
+           f"shift must be an int32 tensor of one element, got {_scalar_type_name(shift.dtype)} with "
+           f"{shift.numel()} elements")
+    _check_wire_count(count, halves, op, "halves")
+    _check_same_device(low, halves, op, "low", "halves")
+    _check_same_device(pages, halves, op, "pages", "halves")
+    _check_same_device(shift, halves, op, "shift", "halves")
+
+
 # ---- outputs (what each kernel allocates) ---------------------------------------------------------------------
 
 def _selection_outputs(acc: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -165,6 +225,18 @@ def _selection_outputs(acc: torch.Tensor, capacity: int) -> tuple[torch.Tensor, 
 
 def _stats_output(grad: torch.Tensor) -> torch.Tensor:
     return grad.new_empty(NUM_STATS, dtype=torch.float32)
+
+
+def _wire_encode_outputs(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor, numel: int):
+    k = values.numel()
+    return (values.new_empty(k, dtype=torch.float16), values.new_empty(k, dtype=torch.int16),
+            values.new_empty(wire_num_pages(numel) + 1, dtype=torch.int32), values.new_empty(1, dtype=torch.int32))
+
+
+def _wire_decode_outputs(halves: torch.Tensor, *_):
+    k = halves.numel()
+    return (halves.new_empty(k, dtype=torch.int32), halves.new_empty(k, dtype=torch.float32),
+            halves.new_empty(1, dtype=torch.int32))
 
 
 def _invalid_count_output(dense: torch.Tensor, *_) -> torch.Tensor:
@@ -213,4 +285,6 @@ OPS = {op.name: op for op in (
                device_arg=1),
     OpContract("scatter_add", check_scatter_add_args, _invalid_count_output),
     OpContract("residual_update", check_residual_update_args, _invalid_count_output),
+    OpContract("wire_encode", check_wire_encode_args, _wire_encode_outputs, device_arg=1),
+    OpContract("wire_decode", check_wire_decode_args, _wire_decode_outputs),
 )}

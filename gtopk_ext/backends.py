@@ -51,7 +51,8 @@ class Backend:
 
     name = ""
     dtypes = FLOAT_DTYPES
-    ops = ("gaussian_threshold", "compact", "gaussian_select", "merge_topk", "scatter_add", "residual_update")
+    ops = ("gaussian_threshold", "compact", "gaussian_select", "merge_topk", "scatter_add", "residual_update",
+           "wire_encode", "wire_decode")
 
     # merge_topk by merge_topk_with_torch rather than by a kernel of this backend.
     merges_with_torch = False

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from gtopk_ext import ops
 from gtopk_ext._contract import FLOAT_DTYPES
 from gtopk_ext.compressors import Compressor, SparseMessage, tensor_shares
+from gtopk_ext.wire import (WIRES, Rounding, as_bytes, ascending, check_wire, pack, payload_size, rounding_error,
+                            unpack)
 
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(FLOAT_DTYPES, start=1)}  # header codes of the op dtypes
 MAX_NUMEL = 2**31 - 1
@@ -121,20 +123,22 @@ def check_message(msg: SparseMessage, name: str = "msg") -> None:
 
 def _agree_on_message(msg: SparseMessage, flags: torch.Tensor | None, group: dist.ProcessGroup, what: str,
                       traffic: Traffic | None, extra: Callable[[], dict[str, int]] | None = None,
-                      extra_names: tuple[str, ...] = ()) -> None:
-    """Every rank checks its message and the ranks compare (k, numel, dtype, whether flags are sent), and the
-    fields ``extra()`` returns (named ``extra_names``), so all of them raise together.
+                      extra_names: tuple[str, ...] = (), wire: str = "plain") -> None:
+    """Every rank checks its message and wire format and the ranks compare (k, numel, dtype, whether flags are
+    sent, the wire), and the fields ``extra()`` returns (named ``extra_names``), so all of them raise together.
 
     Any local error (not only the checks' TypeError and ValueError) is held until the headers are exchanged:
     raising before would leave the other ranks waiting for this one until the group's timeout."""
     try:
         check_message(msg)
         _check_flags(flags, msg.values.device)
+        check_wire(wire)
         fields = {"valid": 1, "k": msg.k, "numel": msg.numel, "dtype": DTYPE_CODES[msg.values.dtype],
-                  "flags": int(flags is not None), **(extra() if extra is not None else {})}
+                  "flags": int(flags is not None), "wire": WIRES.index(wire),
+                  **(extra() if extra is not None else {})}
         device, local_error = msg.values.device, None
     except Exception as error:  # noqa: BLE001 - raised below, once every rank knows
-        fields = {"valid": 0, **dict.fromkeys(("k", "numel", "dtype", "flags", *extra_names), _INVALID)}
+        fields = {"valid": 0, **dict.fromkeys(("k", "numel", "dtype", "flags", "wire", *extra_names), _INVALID)}
         values = getattr(msg, "values", None)
         usable = isinstance(values, torch.Tensor) and values.device.type != "meta"
         device = values.device if usable else torch.device("cpu")
@@ -142,35 +146,13 @@ def _agree_on_message(msg: SparseMessage, flags: torch.Tensor | None, group: dis
     headers = gather_headers(fields, group, device, traffic)
     if local_error is not None:
         raise local_error
-    require_same(headers, ("k", "numel", "dtype", "flags", *extra_names), what)
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(-1).view(torch.uint8)
+    require_same(headers, ("k", "numel", "dtype", "flags", "wire", *extra_names), what)
 
 
 def _head(count: torch.Tensor, flags: torch.Tensor | None) -> torch.Tensor:
     """The int32 words in front of a payload: the count, then the flags when the caller sends some."""
     count = count.reshape(1).int()
     return count if flags is None else torch.cat([count, flags.reshape(1).int()])
-
-
-def _pack(indices: torch.Tensor, values: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """One uint8 tensor per send: the head (int32 words), then the k indices (int32), then the k values' bits."""
-    return torch.cat([_as_bytes(head), _as_bytes(indices), _as_bytes(values)])
-
-
-def _packed_size(k: int, dtype: torch.dtype, head_words: int) -> int:
-    return 4 * head_words + k * (4 + torch.empty((), dtype=dtype).element_size())
-
-
-def _unpack(payload: torch.Tensor, k: int, dtype: torch.dtype, head_words: int
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(indices, values, head)`` of a payload made by :func:`_pack` (views, no copy)."""
-    start = 4 * head_words
-    indices = payload[start:start + 4 * k].view(torch.int32)
-    values = payload[start + 4 * k:_packed_size(k, dtype, head_words)].view(dtype)
-    return indices, values, payload[:start].view(torch.int32)
 
 
 def _check_flags(flags: torch.Tensor | None, device: torch.device) -> None:
@@ -182,71 +164,91 @@ def _check_flags(flags: torch.Tensor | None, device: torch.device) -> None:
 
 
 def sparse_allgather(msg: SparseMessage, group: dist.ProcessGroup | None = None, *, dtype: torch.dtype | None = None,
-                     check: bool = True, traffic: Traffic | None = None, flags: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     check: bool = True, traffic: Traffic | None = None, flags: torch.Tensor | None = None,
+                     wire: str = "plain", rounding: Rounding | None = None) -> torch.Tensor:
     """TopK-SGD: every rank's k pairs, scatter-added into a flat dense tensor of ``msg.numel`` elements: the SUM
     over the group's ranks (not averaged), identical on every rank. Accumulates in float32 and returns ``dtype``
     (default the message's). ``check=False`` skips the header agreement: only when the caller has already made
-    sure every rank passes the same k, numel, dtype and flags or none. ``flags`` (int32[1], optional): bits this
-    rank raises, carried inside the payload; on return it holds their OR over the group."""
+    sure every rank passes the same k, numel, dtype, wire and flags or none. ``flags`` (int32[1], optional): bits
+    this rank raises, carried inside the payload; on return it holds their OR over the group.
+
+    ``wire`` (:mod:`gtopk_ext.wire`): ``"plain"`` or ``"compact"`` (4 bytes a pair; the used slots only). With
+    compact, what the wire took off this rank's values (float16 rounding, and the slots past the count, which
+    are not sent) is added to ``rounding`` when given: add it to the residual, or it is lost. A corrupted
+    compact payload raises ValueError on every rank (every rank decodes every payload), nothing written."""
     group, _, size = group_rank_and_size(group)
     if check:
-        _agree_on_message(msg, flags, group, "sparse_allgather", traffic)
+        _agree_on_message(msg, flags, group, "sparse_allgather", traffic, wire=wire)
     head = _head(msg.count, flags)
-    payload = _pack(msg.indices, msg.values, head)
+    indices, values = msg.indices, msg.values
+    if wire == "compact":
+        indices, values, _ = ascending(indices, values, msg.count)
+    payload, _, sent = pack(wire, indices, values, head, msg.numel, msg.backend)
+    if wire == "compact" and rounding is not None:
+        rounding.add(indices, rounding_error(values, sent))
     gathered = [torch.empty_like(payload) for _ in range(size)]
     dist.all_gather(gathered, payload, group=group)
     if traffic is not None:
         nbytes = ring_allgather_bytes(payload.numel(), size)
         traffic.add(nbytes, nbytes)
-    pairs = [_unpack(p, msg.k, msg.values.dtype, head.numel()) for p in gathered]
+    pairs = [unpack(wire, p, msg.k, msg.numel, msg.values.dtype, head.numel(), msg.backend) for p in gathered]
+    if wire == "compact":
+        _raise_if_corrupt(int(sum(invalid for _, _, _, invalid in pairs)), "sparse_allgather")
     if flags is not None:
-        flags.copy_(_or_flags(h[1:] for _, _, h in pairs))
+        flags.copy_(_or_flags(h[1:] for _, _, h, _ in pairs))
     total = torch.zeros(msg.numel, dtype=torch.float32, device=msg.values.device)
-    ops.scatter_add_(total, torch.cat([i for i, _, _ in pairs]), torch.cat([v for _, v, _ in pairs]).float(),
+    ops.scatter_add_(total, torch.cat([i for i, _, _, _ in pairs]), torch.cat([v for _, v, _, _ in pairs]).float(),
                      backend=msg.backend)
     return total.to(dtype or msg.values.dtype)
+
+
+def _raise_if_corrupt(invalid: int, what: str) -> None:
+    """Raise when the compact payloads decoded by the group showed ``invalid`` signs of corruption (the same
+    number on every rank, so every rank raises alike)."""
+    if invalid:
+        raise ValueError(f"{what}: a compact payload arrived corrupted ({invalid} slots or table entries that no "
+                         "encoding makes); nothing of it was written")
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: dist.ProcessGroup,
               traffic: Traffic | None) -> None:
     """Send ``send`` to and receive ``recv`` from group rank ``peer`` at the same time."""
     global_peer = dist.get_global_rank(group, peer)
-    wire_send, wire_recv = _on_wire(send, group), _on_wire(recv, group)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, wire_send, global_peer, group),
-                                    dist.P2POp(dist.irecv, wire_recv, global_peer, group)])
+    sent, received = _p2p_buffer(send, group), _p2p_buffer(recv, group)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, global_peer, group),
+                                    dist.P2POp(dist.irecv, received, global_peer, group)])
     for work in works:
         work.wait()
-    if wire_recv is not recv:
-        recv.copy_(wire_recv)
+    if received is not recv:
+        recv.copy_(received)
     if traffic is not None:
         traffic.add(send.numel() * send.element_size(), recv.numel() * recv.element_size())
 
 
 def _send(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic: Traffic | None) -> None:
-    dist.send(_on_wire(tensor, group), dist.get_global_rank(group, peer), group=group)
+    dist.send(_p2p_buffer(tensor, group), dist.get_global_rank(group, peer), group=group)
     if traffic is not None:
         traffic.add(tensor.numel() * tensor.element_size(), 0)
 
 
 def _recv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic: Traffic | None) -> torch.Tensor:
-    wire = _on_wire(tensor, group)
-    dist.recv(wire, dist.get_global_rank(group, peer), group=group)
-    if wire is not tensor:
-        tensor.copy_(wire)
+    buffer = _p2p_buffer(tensor, group)
+    dist.recv(buffer, dist.get_global_rank(group, peer), group=group)
+    if buffer is not tensor:
+        tensor.copy_(buffer)
     if traffic is not None:
         traffic.add(0, tensor.numel() * tensor.element_size())
     return tensor
 
 
-def _on_wire(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _p2p_buffer(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The tensor that a point-to-point op may hand to the group's backend: Gloo's send and recv read and write
     the buffer from the CPU, so a CUDA tensor goes through a host copy (the caller copies a received one back);
     Gloo's collectives and NCCL take CUDA tensors as they are."""
-    return tensor.to(_wire_device(tensor.device, group))
+    return tensor.to(_p2p_device(tensor.device, group))
 
 
-def _wire_device(device: torch.device, group: dist.ProcessGroup) -> torch.device:
+def _p2p_device(device: torch.device, group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu") if dist.get_backend(group) == dist.Backend.GLOO else device
 
 
@@ -264,8 +266,8 @@ def _or_flags(flag_words) -> torch.Tensor:
 
 
 def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, *, check: bool = True,
-                    traffic: Traffic | None = None, flags: torch.Tensor | None = None
-                    ) -> tuple[SparseMessage, torch.Tensor]:
+                    traffic: Traffic | None = None, flags: torch.Tensor | None = None, wire: str = "plain",
+                    rounding: Rounding | None = None) -> tuple[SparseMessage, torch.Tensor]:
     """gTop-k: the global top-k of the sum of every rank's sparse message, in O(k log P) traffic.
 
     In round r each rank merges its current set with that of rank ``rank XOR 2^r``
@@ -276,65 +278,136 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
     the last merged union); ``applied[j]`` is True where this rank's slot j is inside glob's sums, i.e. its
     index survived every merge on its path. The caller keeps ``msg.values[~applied]`` (error feedback): nothing
     is lost. ``check`` and ``flags`` as in :func:`sparse_allgather` (the flags ride along every merge).
+
+    ``wire="compact"`` (:mod:`gtopk_ext.wire`) sends each set in 4 bytes a pair, its used slots only (slots past
+    the count are then not applied). Both partners of a round merge the sets as the wire carried them, so they
+    still compute the same merge; the rounding error of a set that survives into glob is added to ``rounding``
+    (when given) by exactly one rank: the sender of a rank's own message, and for a merged set forwarded in a
+    later round the lowest rank of the ranks holding it (of round r: the one whose low r bits are 0). When some
+    ranks were folded, every rank takes glob as the wire carries it to them (rank 0 keeps that rounding error),
+    so glob stays the same everywhere. A corrupted compact payload raises ValueError on every rank (an int32
+    allreduce at the end), after nothing of it was written out of bounds.
     """
     group, rank, size = group_rank_and_size(group)
     if check:
-        _agree_on_message(msg, flags, group, "gtopk_allreduce", traffic)
-    k, dtype = msg.k, carried_dtype(msg.values.dtype)
+        _agree_on_message(msg, flags, group, "gtopk_allreduce", traffic, wire=wire)
+    k, dtype, numel, backend = msg.k, carried_dtype(msg.values.dtype), msg.numel, msg.backend
     device = msg.values.device
     applied = torch.ones(k, dtype=torch.bool, device=device)
     own_values = msg.values.to(dtype, copy=True)
     if size == 1:
-        return SparseMessage(own_values, msg.indices.clone(), msg.count.clone(), msg.numel,
-                             backend=msg.backend), applied
+        return SparseMessage(own_values, msg.indices.clone(), msg.count.clone(), numel, backend=backend), applied
+    compact = wire == "compact"
     butterfly = 1 << (size.bit_length() - 1)
     head_words = 1 if flags is None else 2
-    payload_size = _packed_size(k, dtype, head_words)
+    received_size = payload_size(wire, k, numel, dtype, head_words)
+    mask_size = (k + 7) // 8  # a folded rank's applied mask comes back with the result, a bit per slot
+    own_indices, order = msg.indices, None
+    if compact:
+        own_indices, own_values, order = ascending(msg.indices, own_values, msg.count)
+    invalid = torch.zeros(1, dtype=torch.int32, device=device)  # signs of corruption in what this rank decoded
+
+    def decode(payload: torch.Tensor, payload_wire: str = wire):
+        peer_indices, peer_values, peer_head, peer_invalid = unpack(payload_wire, payload, k, numel, dtype,
+                                                                    head_words, backend)
+        if peer_invalid is not None:
+            invalid.add_(peer_invalid)
+        return peer_indices, peer_values, peer_head
+
+    def sent_slots_only(slots_applied: torch.Tensor) -> torch.Tensor:
+        """With compact, the slots past the count are not sent, so not applied."""
+        return slots_applied & (torch.arange(k, device=device) < msg.count.clamp(0, k)) if compact else slots_applied
 
     if rank >= butterfly:  # folded into rank - butterfly; the result comes back with this rank's applied mask
         partner = rank - butterfly
-        _send(_pack(msg.indices, own_values, _head(msg.count, flags)), partner, group, traffic)
-        result = _recv(torch.empty(payload_size + k, dtype=torch.uint8, device=device), partner, group, traffic)
-        indices, values, head = _unpack(result, k, dtype, head_words)
+        payload, _, sent = pack(wire, own_indices, own_values, _head(msg.count, flags), numel, backend)
+        _send(payload, partner, group, traffic)
+        result = _recv(torch.empty(received_size + mask_size, dtype=torch.uint8, device=device), partner, group,
+                       traffic)
+        indices, values, head = decode(result[:received_size])
         if flags is not None:
             flags.copy_(head[1:])
-        return (SparseMessage(values.clone(), indices.clone(), head[:1].clone(), msg.numel, backend=msg.backend),
-                result[payload_size:].bool())
+        applied = sent_slots_only(_mask_from_bytes(result[received_size:], k))
+        if compact:
+            _raise_if_corrupt(_allreduce_invalid(invalid, group, traffic), "gtopk_allreduce")
+            if rounding is not None:
+                rounding.add(own_indices, torch.where(applied, rounding_error(own_values, sent), 0))
+        return (SparseMessage(values.clone(), indices.clone(), head[:1].clone(), numel, backend=backend),
+                _in_slot_order(applied, order))
 
-    indices, values, count = msg.indices, own_values, msg.count
+    indices, values, count = own_indices, own_values, msg.count
     raised = None if flags is None else flags.clone()  # the OR of the flags this rank has seen so far
-    # (slot indices, applied mask) of every contributor this rank answers for: itself and a folded rank.
-    tracked = [(msg.indices, applied)]
+    # (slot indices, applied mask) of every contribution this rank answers for: its slots, a folded rank's, and
+    # with compact the rounding errors it keeps (their mask: still in the set).
+    tracked = [(own_indices, applied)]
+    kept_errors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (indices, errors, still in the set)
     folded = rank + butterfly
     if folded < size:
-        received = _recv(torch.empty(payload_size, dtype=torch.uint8, device=device), folded, group, traffic)
-        folded_indices, folded_values, folded_head = _unpack(received, k, dtype, head_words)
+        received = _recv(torch.empty(received_size, dtype=torch.uint8, device=device), folded, group, traffic)
+        folded_indices, folded_values, folded_head = decode(received)
         raised = None if flags is None else raised.bitwise_or_(folded_head[1:])
         tracked.append((folded_indices, torch.ones(k, dtype=torch.bool, device=device)))
-        indices, values, count = ops.merge_topk(indices, values, folded_indices, folded_values, k,
-                                                backend=msg.backend)
+        indices, values, count = ops.merge_topk(indices, values, folded_indices, folded_values, k, backend=backend)
         _mark_survivors(tracked, indices, count)
     for bit in range(butterfly.bit_length() - 1):
         peer = rank ^ (1 << bit)
-        received = torch.empty(payload_size, dtype=torch.uint8, device=device)
-        _exchange(_pack(indices, values, _head(count, raised)), received, peer, group, traffic)
-        peer_indices, peer_values, peer_head = _unpack(received, k, dtype, head_words)
+        payload, sent_indices, sent_values = pack(wire, indices, values, _head(count, raised), numel, backend)
+        if compact:
+            if rank & ((1 << bit) - 1) == 0:  # this rank keeps the rounding error of the set it sends
+                used = torch.arange(k, device=device) < count.clamp(0, k)
+                errors = torch.where(used, rounding_error(values, sent_values), 0)
+                kept_errors.append((indices, errors, used))
+            indices, values = sent_indices, sent_values  # merge what the partner merges
+        received = torch.empty(received_size, dtype=torch.uint8, device=device)
+        _exchange(payload, received, peer, group, traffic)
+        peer_indices, peer_values, peer_head = decode(received)
         raised = None if flags is None else raised.bitwise_or_(peer_head[1:])
         # Both partners put the lower rank's set first, so they compute bitwise the same merge.
         if rank < peer:
-            indices, values, count = ops.merge_topk(indices, values, peer_indices, peer_values, k,
-                                                    backend=msg.backend)
+            indices, values, count = ops.merge_topk(indices, values, peer_indices, peer_values, k, backend=backend)
         else:
-            indices, values, count = ops.merge_topk(peer_indices, peer_values, indices, values, k,
-                                                    backend=msg.backend)
-        _mark_survivors(tracked, indices, count)
-    if folded < size:
-        folded_applied = tracked[1][1]
-        _send(torch.cat([_pack(indices, values, _head(count, raised)), folded_applied.to(torch.uint8)]), folded,
-              group, traffic)
+            indices, values, count = ops.merge_topk(peer_indices, peer_values, indices, values, k, backend=backend)
+        _mark_survivors(tracked + [(i, alive) for i, _, alive in kept_errors], indices, count)
+    if size != butterfly and (compact or folded < size):  # glob, as the wire carries it to the folded ranks
+        payload, sent_indices, sent_values = pack(wire, indices, values, _head(count, raised), numel, backend)
+        if compact:  # every rank takes glob as the wire carries it; rank 0 keeps the rounding error
+            if rank == 0:
+                used = torch.arange(k, device=device) < count.clamp(0, k)
+                kept_errors.append((indices, torch.where(used, rounding_error(values, sent_values), 0), used))
+            indices, values = sent_indices, sent_values
+        if folded < size:
+            _send(torch.cat([payload, _mask_to_bytes(tracked[1][1])]), folded, group, traffic)
     if flags is not None:
         flags.copy_(raised)
-    return SparseMessage(values, indices, count, msg.numel, backend=msg.backend), applied
+    if compact:
+        _raise_if_corrupt(_allreduce_invalid(invalid, group, traffic), "gtopk_allreduce")
+        if rounding is not None:
+            for error_indices, errors, alive in kept_errors:
+                rounding.add(error_indices, torch.where(alive, errors, 0))
+    return SparseMessage(values, indices, count, numel, backend=backend), _in_slot_order(sent_slots_only(applied),
+                                                                                         order)
+
+
+def _mask_to_bytes(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask as bits, 8 slots a byte (slot j: bit j % 8 of byte j // 8)."""
+    bits = torch.nn.functional.pad(mask.to(torch.uint8), (0, -mask.numel() % 8)).view(-1, 8)
+    return (bits << torch.arange(8, dtype=torch.uint8, device=mask.device)).sum(1, dtype=torch.uint8)
+
+
+def _mask_from_bytes(raw: torch.Tensor, k: int) -> torch.Tensor:
+    shifts = torch.arange(8, dtype=torch.uint8, device=raw.device)
+    return ((raw.unsqueeze(1) >> shifts) & 1).view(-1)[:k].bool()
+
+
+def _in_slot_order(mask: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """A mask over slots that were permuted by ``order`` (:func:`gtopk_ext.wire.ascending`), in the original
+    slot order."""
+    return mask if order is None else torch.empty_like(mask).index_put_((order,), mask)
+
+
+def _allreduce_invalid(invalid: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic | None) -> int:
+    """The group's total of the corruption signs that its ranks decoded (one int32 allreduce)."""
+    return int(_allreduce_counts(invalid, group, traffic))
 
 
 def _mark_survivors(tracked: list[tuple[torch.Tensor, torch.Tensor]], kept_indices: torch.Tensor,
@@ -404,18 +477,39 @@ class OkTopkState:
         self.__dict__.update(restored.__dict__)
 
 
-def _pack_pairs(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """n int32 indices then n values' bits, one uint8 tensor (n is known to the receiver from the counts)."""
-    return torch.cat([_as_bytes(indices), _as_bytes(values)])
+def _pack_pairs(wire: str, indices: torch.Tensor, values: torch.Tensor, numel: int,
+                backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(payload, sent_indices, sent_values)`` of a run of n ascending pairs (n is known to the receiver from
+    the counts; an empty run is an empty payload, not sent): plain, n int32 indices then n values' bits;
+    compact, :func:`gtopk_ext.wire.pack` with n as the head."""
+    n = indices.numel()
+    if wire == "plain" or n == 0:
+        return torch.cat([as_bytes(indices), as_bytes(values)]), indices, values
+    return pack(wire, indices, values, torch.tensor([n], dtype=torch.int32, device=indices.device), numel, backend)
 
 
-def _unpack_pairs(payload: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    n = payload.numel() // _pair_bytes(dtype)
-    return payload[:4 * n].view(torch.int32), payload[4 * n:].view(dtype)
+def _pairs_size(wire: str, n: int, numel: int, dtype: torch.dtype) -> int:
+    if wire == "plain" or n == 0:
+        return n * (4 + torch.empty((), dtype=dtype).element_size())
+    return payload_size(wire, n, numel, dtype, 1)
 
 
-def _pair_bytes(dtype: torch.dtype) -> int:
-    return 4 + torch.empty((), dtype=dtype).element_size()
+def _unpack_pairs(wire: str, payload: torch.Tensor, n: int, numel: int, dtype: torch.dtype, backend,
+                  invalid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n pairs of a payload made by :func:`_pack_pairs`; signs of corruption are added to ``invalid``."""
+    if wire == "plain":
+        return payload[:4 * n].view(torch.int32), payload[4 * n:].view(dtype)
+    indices, values, _, payload_invalid = unpack(wire, payload, n, numel, dtype, 1, backend)
+    invalid.add_(payload_invalid)
+    return indices, values
+
+
+def _in_sorted(sorted_indices: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Whether each of ``indices`` is one of ``sorted_indices`` (ascending)."""
+    if sorted_indices.numel() == 0:
+        return torch.zeros(indices.shape, dtype=torch.bool, device=indices.device)
+    found = torch.searchsorted(sorted_indices, indices).clamp_(max=sorted_indices.numel() - 1)
+    return sorted_indices[found] == indices
 
 
 def _sparse_alltoallv(payloads: list[torch.Tensor | None], recv_nbytes: list[int], group: dist.ProcessGroup,
@@ -431,12 +525,12 @@ def _sparse_alltoallv(payloads: list[torch.Tensor | None], recv_nbytes: list[int
         destination, source = (rank + shift) % size, (rank - shift) % size
         payload = payloads[destination]
         if payload is not None and payload.numel():
-            works.append(dist.P2POp(dist.isend, _on_wire(payload, group), dist.get_global_rank(group, destination),
+            works.append(dist.P2POp(dist.isend, _p2p_buffer(payload, group), dist.get_global_rank(group, destination),
                                     group))
             sent_bytes += payload.numel()
         if recv_nbytes[source]:
             received[source] = torch.empty(recv_nbytes[source], dtype=torch.uint8,
-                                           device=_wire_device(device, group))
+                                           device=_p2p_device(device, group))
             works.append(dist.P2POp(dist.irecv, received[source], dist.get_global_rank(group, source), group))
     if works:
         for work in dist.batch_isend_irecv(works):
@@ -563,8 +657,8 @@ def _largest(values: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, *, state: OkTopkState | None = None,
-                     check: bool = True, traffic: Traffic | None = None, flags: torch.Tensor | None = None
-                     ) -> tuple[SparseMessage, torch.Tensor]:
+                     check: bool = True, traffic: Traffic | None = None, flags: torch.Tensor | None = None,
+                     wire: str = "plain", rounding: Rounding | None = None) -> tuple[SparseMessage, torch.Tensor]:
     """Ok-Topk (Li and Hoefler, PPoPP 2022): a global top-k of the sum of every rank's sparse message with about
     2k(P-1)/P pairs sent per rank, for any world size P.
 
@@ -594,6 +688,12 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     ``check`` as in :func:`sparse_allgather` (with it, the ranks also compare their states' plans and whether
     they pass flags). ``flags`` (int32[1], optional): bits this rank raises, carried with the kept counts; on
     return it holds their OR over the group.
+
+    ``wire="compact"`` (:mod:`gtopk_ext.wire`) sends the pairs of both phases in 4 bytes a pair (plus 4 bytes per
+    65536 elements and message). Its rounding errors go to ``rounding`` (when given) where they reach glob: of
+    phase 1 by the sender of each pair, of phase 3 by the owner of the region (all ranks, the owner included,
+    use the kept sums as the wire carried them). A corrupted compact payload raises ValueError on every rank (an
+    int32 allreduce at the end), after nothing of it was written out of bounds.
     """
     group, rank, size = group_rank_and_size(group)
     if state is None:
@@ -606,7 +706,7 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
             return {"state_step": state.step, "repartition": int(repartition), "reestimate": int(reestimate)}
 
         _agree_on_message(msg, flags, group, "oktopk_allreduce", traffic, plan_fields,
-                          ("state_step", "repartition", "reestimate"))
+                          ("state_step", "repartition", "reestimate"), wire=wire)
     k, numel, device = msg.k, msg.numel, msg.values.device
     dtype = carried_dtype(msg.values.dtype)
     if size == 1:
@@ -627,12 +727,24 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     cuts = [0, *torch.searchsorted(indices, region_starts).tolist(), used]
     send_counts = [end - start for start, end in zip(cuts, cuts[1:])]
     recv_counts = _exchange_counts(send_counts, group, device, traffic)
-    outgoing = [_pack_pairs(indices[start:end], values[start:end]) for start, end in zip(cuts, cuts[1:])]
-    incoming = _sparse_alltoallv(outgoing, [c * _pair_bytes(values.dtype) for c in recv_counts], group, rank,
-                                 traffic)
-    runs = [_unpack_pairs(incoming[r], values.dtype) if r != rank else
-            (indices[cuts[r]:cuts[r + 1]], values[cuts[r]:cuts[r + 1]]) for r in range(size) if
-            r == rank or incoming[r] is not None]
+    compact, backend = wire == "compact", msg.backend
+    invalid = torch.zeros(1, dtype=torch.int32, device=device)  # signs of corruption in what this rank decoded
+    sent_errors = []  # (indices, rounding errors) of the pairs this rank sent, with compact
+    outgoing = []
+    for r, (start, end) in enumerate(zip(cuts, cuts[1:])):
+        run = (indices[start:end], values[start:end])
+        if r == rank:  # its own region's pairs stay here, exact
+            outgoing.append(run[0][:0].view(torch.uint8))
+            continue
+        payload, _, sent = _pack_pairs(wire, *run, numel, backend)
+        outgoing.append(payload)
+        if compact:
+            sent_errors.append((run[0], rounding_error(run[1], sent)))
+    incoming = _sparse_alltoallv(outgoing, [_pairs_size(wire, c, numel, values.dtype) for c in recv_counts], group,
+                                 rank, traffic)
+    runs = [_unpack_pairs(wire, incoming[r], recv_counts[r], numel, values.dtype, backend, invalid) if r != rank
+            else (indices[cuts[r]:cuts[r + 1]], values[cuts[r]:cuts[r + 1]]) for r in range(size)
+            if r == rank or incoming[r] is not None]
     region_indices, region_sums = _sum_by_index(runs, msg.backend)
 
     # 2. The global threshold.
@@ -653,19 +765,26 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     state.step += 1
 
     # 3. Allgatherv of the kept sums.
-    own = (region_indices[kept], region_sums[kept].to(dtype))
-    incoming = _sparse_alltoallv([_pack_pairs(*own)] * size, [c * _pair_bytes(dtype) for c in kept_counts], group,
+    own_indices, own_sums = region_indices[kept], region_sums[kept].to(dtype)
+    payload, _, sent_sums = _pack_pairs(wire, own_indices, own_sums, numel, backend)
+    if compact:  # every rank, this one included, uses the sums as the wire carries them
+        sent_errors.append((own_indices, rounding_error(own_sums, sent_sums)))
+    incoming = _sparse_alltoallv([payload] * size, [_pairs_size(wire, c, numel, dtype) for c in kept_counts], group,
                                  rank, traffic)
-    parts = [own if r == rank else _unpack_pairs(incoming[r], dtype) for r in range(size)
+    parts = [(own_indices, sent_sums) if r == rank else
+             _unpack_pairs(wire, incoming[r], kept_counts[r], numel, dtype, backend, invalid) for r in range(size)
              if r == rank or incoming[r] is not None]
     glob_indices, glob_values = torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
     if glob_indices.numel() > k:
         best = _largest(glob_values, k)
         glob_indices, glob_values = glob_indices[best], glob_values[best]
     applied = torch.zeros(k, dtype=torch.bool, device=device)
-    if glob_indices.numel():
-        found = torch.searchsorted(glob_indices, msg.indices[:used]).clamp_(max=glob_indices.numel() - 1)
-        applied[:used] = glob_indices[found] == msg.indices[:used]
+    applied[:used] = _in_sorted(glob_indices, msg.indices[:used])
+    if compact:
+        _raise_if_corrupt(_allreduce_invalid(invalid, group, traffic), "oktopk_allreduce")
+        if rounding is not None:
+            for error_indices, errors in sent_errors:
+                rounding.add(error_indices, torch.where(_in_sorted(glob_indices, error_indices), errors, 0))
     padding = k - glob_indices.numel()
     glob = SparseMessage(torch.cat([glob_values, glob_values.new_zeros(padding)]),
                          torch.cat([glob_indices, glob_indices.new_zeros(padding)]),

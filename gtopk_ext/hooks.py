@@ -33,6 +33,7 @@ from gtopk_ext.collectives import (DTYPE_CODES, Disagreement, OkTopkState, Traff
 from gtopk_ext.collectives import is_finite as _is_finite
 from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, SparseMessage, check_density, k_for_density, \
     make_compressor, tensor_shares
+from gtopk_ext.wire import Rounding, check_wire
 
 logger = logging.getLogger(__name__)
 
@@ -348,6 +349,8 @@ class SparseGradState:
         error_feedback: keep what is not applied in a per-bucket residual (default); False drops it.
         compressor_kwargs: extra arguments of the compressor (``mode="paper"``, ``backend="triton"``, ...). The
             compressor's backend (resolved once per device) runs every op of the hook: selection, merges, scatters.
+        wire: the sparse collectives' wire format (:mod:`gtopk_ext.wire`): ``"plain"`` (default) or ``"compact"``
+            (4 bytes a pair: float16 values, their rounding error kept in the residual; 16-bit indices).
         synchronous: finish each bucket inside the hook call instead of on the communication thread (for
             debugging and for tests: the results are bitwise the same).
         momentum, nesterov, weight_decay: Deep Gradient Compression's momentum correction (Lin et al. 2018), with
@@ -414,8 +417,10 @@ class SparseGradState:
                  stats_logging_frequency: int = 1000, error_feedback: bool = True,
                  compressor_kwargs: Optional[dict] = None, synchronous: bool = False, momentum: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0, clip_norm: Optional[float] = None,
-                 per_tensor: bool = False, local_size: Optional[int] = None, inner_collective: str = "gtopk"):
+                 per_tensor: bool = False, local_size: Optional[int] = None, inner_collective: str = "gtopk",
+                 wire: str = "plain"):
         check_density(density)
+        check_wire(wire)
         if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
                                       or not clip_norm > 0):
             raise ValueError(f"clip_norm must be None or a number > 0, got {clip_norm!r}")
@@ -439,6 +444,8 @@ class SparseGradState:
             if momentum or per_tensor:
                 raise ValueError("collective='hierarchical' selects from a node's sum: it supports neither momentum "
                                  "correction (momentum > 0) nor per_tensor=True")
+            if wire != "plain":
+                raise ValueError(f"collective='hierarchical' sends its shards on the plain wire, got wire={wire!r}")
             local_size = resolve_local_size(local_size)
         if error_feedback and collective != "dense" and start_iter < 2:
             raise ValueError(f"start_iter must be >= 2 with error feedback (DDP rebuilds its buckets after the first "
@@ -463,6 +470,7 @@ class SparseGradState:
         self.per_tensor = bool(per_tensor)
         self.local_size = local_size
         self.inner_collective = inner_collective
+        self.wire = wire
         # Residual store and loss-scaler bookkeeping.
         self.residual_store = ResidualStore()
         self.velocity_store = ResidualStore()  # momentum correction's velocities, laid out as the residuals
@@ -735,14 +743,17 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
 
     # 3. Exchange.
     start = perf_counter()
+    rounding = Rounding()  # what the compact wire took off this rank's values: back into the residual
+    wire = dict(wire=state.wire, rounding=rounding)
     if state.collective == "allgather":
-        summed = sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=stats.traffic, flags=flags)
+        summed = sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=stats.traffic, flags=flags,
+                                  **wire)
         glob = applied = None
     elif state.collective == "oktopk":  # called on every compressed step, so the states stay equal across ranks
         glob, applied = oktopk_allreduce(msg, group, state=state.oktopk_states.setdefault(index, OkTopkState()),
-                                         check=False, traffic=stats.traffic, flags=flags)
+                                         check=False, traffic=stats.traffic, flags=flags, **wire)
     else:
-        glob, applied = gtopk_allreduce(msg, group, check=False, traffic=stats.traffic, flags=flags)
+        glob, applied = gtopk_allreduce(msg, group, check=False, traffic=stats.traffic, flags=flags, **wire)
     stats.exchange_seconds = perf_counter() - start
 
     # 4. Apply (or every rank goes dense).
@@ -768,7 +779,9 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
         ops.scatter_add_(tensor, glob.indices, (glob.values.float() / size).to(tensor.dtype), backend=msg.backend)
         taken = msg.values * applied
     if residual is not None:
-        _record_taken(state, index, msg.indices, taken)
+        error_indices, errors = rounding.pairs(residual.dtype, residual.device)
+        ops.scatter_add_(residual, error_indices, errors, backend=msg.backend)
+        _record_taken(state, index, torch.cat([msg.indices, error_indices]), torch.cat([taken, -errors]))
     if velocity is not None:  # momentum factor masking: the velocity is cleared where a slot was applied
         sent = torch.arange(k, device=tensor.device) < msg.count
         velocity.index_fill_(0, msg.indices[sent if applied is None else sent & applied].long(), 0)

@@ -126,3 +126,24 @@ def residual_update_(residual: torch.Tensor, indices: torch.Tensor, values: torc
         _raise_on_invalid(invalid, "residual_update", residual.numel())
     return residual
 
+
+
+def wire_encode(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor, numel: int, *,
+                backend: BackendLike = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The compact wire: the first ``clamp(count, 0, k)`` slots of a message (indices ascending in
+    ``[0, numel)``) as ``(halves, low, pages, shift)``: float16 ``value * 2^shift`` (one shift per message, so
+    its largest finite |value| lands in [2^14, 2^15): never an overflow, 11 significant bits at any scale; NaN as
+    one pattern), the int16 low 16 bits of each index, and ``pages`` (int32, one entry per 65536 elements plus
+    one: how many slots have a smaller index than the page's first) from which the high bits follow. 4 bytes per
+    slot and 4 per 65536 elements of the tensor; slots past the count are (0, 0). No host sync on GPUs."""
+    return _run("wire_encode", backend, indices, values, count, int(numel))
+
+
+def wire_decode(halves: torch.Tensor, low: torch.Tensor, pages: torch.Tensor, shift: torch.Tensor,
+                count: torch.Tensor, numel: int, *, backend: BackendLike = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`wire_encode`: ``(indices int32[k], values float32[k], invalid int32[1])``; values are
+    exactly ``float(half) * 2^-shift``. ``invalid`` counts the signs of a corrupted message (a shift out of range,
+    a page table that does not ascend from 0 to the count, indices that do not ascend or reach ``numel``); the
+    slots concerned come out as (0, 0), so nothing is written out of bounds downstream."""
+    return _run("wire_decode", backend, halves, low, pages, shift, count, int(numel))

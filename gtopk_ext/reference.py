@@ -177,3 +177,81 @@ def scatter_add(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor
 
 def residual_update(residual: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return _signed_scatter(residual, indices, values, -1.0)
+
+
+def _wire_pow2(e: int) -> np.float32:
+    return np.float32(_bits_to_float((e + 127) << 23))
+
+
+def _wire_value(half_bits: int, shift: int) -> np.float32:
+    return np.float32(np.array([half_bits], dtype=np.uint16).view(np.float16)[0]) * _wire_pow2(-shift)
+
+
+def wire_encode(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor, numel: int):
+    """The compact wire's encoding of the used slots (csrc/common.h), slot by slot."""
+    k = values.numel()
+    used = min(max(int(count.flatten()[0]), 0), k)
+    vals = [np.float32(v) for v in values.float().tolist()[:used]]
+    idx = indices.tolist()[:used]
+    finite = [abs(v) for v in vals if np.isfinite(v)]
+    max_abs = np.float32(max(finite) if finite else 0.0)
+    shift = min(_contract.WIRE_SHIFT_MAX,
+                _contract.WIRE_SHIFT_BASE - (int(np.array([max_abs]).view(np.uint32)[0]) >> 23))
+    halves = np.zeros(k, dtype=np.uint16)
+    low = np.zeros(k, dtype=np.uint16)
+    for j, (index, value) in enumerate(zip(idx, vals)):
+        if np.isnan(value):
+            halves[j] = _contract.WIRE_HALF_NAN
+        else:
+            with np.errstate(over="ignore"):
+                bits = int(np.array([value * _wire_pow2(shift)], dtype=np.float32).astype(np.float16)
+                           .view(np.uint16)[0])
+                if np.isinf(_wire_value(bits, shift)) and not np.isinf(value):  # round toward zero instead
+                    bits -= 1
+            halves[j] = bits
+        low[j] = index & 0xFFFF
+    pages = [sum(1 for index in idx if index < (p << _contract.WIRE_PAGE_SHIFT))
+             for p in range(_contract.wire_num_pages(numel) + 1)]
+    device = values.device
+    return (torch.from_numpy(halves.view(np.float16)).to(device), torch.from_numpy(low.view(np.int16)).to(device),
+            torch.tensor(pages, dtype=torch.int32, device=device),
+            torch.tensor([shift], dtype=torch.int32, device=device))
+
+
+def wire_decode(halves: torch.Tensor, low: torch.Tensor, pages: torch.Tensor, shift: torch.Tensor, count: torch.Tensor,
+                numel: int):
+    """The compact wire's decoding and its checks (csrc/ops.cpp), slot by slot."""
+    k = halves.numel()
+    used = min(max(int(count.flatten()[0]), 0), k)
+    table = pages.tolist()
+    num_pages = len(table) - 1
+    s = int(shift.flatten()[0])
+    invalid = 0
+    if abs(s) > _contract.WIRE_SHIFT_MAX:
+        invalid, s = 1, 0
+    for p, entry in enumerate(table):
+        invalid += int(entry < 0 or entry > used or (p == 0 and entry != 0) or (p == num_pages and entry != used)
+                       or (p > 0 and entry < table[p - 1]))
+
+    def page_of(slot: int) -> int:  # the last page p < num_pages with table[p] <= slot (a binary search, as C++)
+        lo, hi = 0, num_pages - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if table[mid] <= slot else (lo, mid - 1)
+        return lo
+
+    half_bits = halves.cpu().view(torch.int16).numpy().view(np.uint16)
+    low_bits = low.cpu().numpy().view(np.uint16)
+    indices = torch.zeros(k, dtype=torch.int32)
+    values = torch.zeros(k, dtype=torch.float32)
+    for j in range(used):
+        page = page_of(j)
+        index = (page << _contract.WIRE_PAGE_SHIFT) | int(low_bits[j])
+        unsorted = j > 0 and page_of(j - 1) == page and low_bits[j - 1] > low_bits[j]
+        if index >= numel or unsorted:
+            invalid += 1
+            continue
+        indices[j] = index
+        values[j] = float(_wire_value(int(half_bits[j]), s))
+    device = halves.device
+    return indices.to(device), values.to(device), torch.tensor([invalid], dtype=torch.int32, device=device)

@@ -68,8 +68,8 @@ def test_the_choice_is_made_once_per_device_and_survives_pickling(monkeypatch):
 
 def every_op_through_one_backend(rank: int, world_size: int) -> dict[str, dict[str, int]]:
     """A compressor (both Gaussian-k modes) and SparseGradStates (gTop-k and allgather collectives) built with the
-    Triton backend, each step's selection, residual update, merges and scatters; returns the op calls that each
-    backend object saw meanwhile."""
+    Triton backend, each step's selection, residual update, merges, scatters and compact wire; returns the op
+    calls that each backend object saw meanwhile."""
     before = {backend.name: Counter(backend.calls) for backend in backends.ALL}
     generator = torch.Generator().manual_seed(rank)
     residual = torch.zeros(4000)
@@ -78,6 +78,7 @@ def every_op_through_one_backend(rank: int, world_size: int) -> dict[str, dict[s
             torch.randn(4000, generator=generator), residual)
         gx.collectives.gtopk_allreduce(msg)[0].to_dense()
         gx.collectives.sparse_allgather(msg)
+        gx.collectives.sparse_allgather(msg, wire="compact")
         for collective in ("gtopk", "allgather"):
             state = gx.SparseGradState(density=0.01, collective=collective, min_compress_numel=0,
                                        compressor_kwargs={"mode": mode, "backend": backends.TRITON})

@@ -120,13 +120,18 @@ def test_peers_benchmark(tmp_path, network):
 def test_bytes_per_step_exchange_benchmark(tmp_path):
     out = tmp_path / "bytes.json"
     run_bench("bytes_per_step", "--exchange", "--world-sizes", "2", "--steps", "2", "--hidden", "64", "32",
-              "--density", "0.05", "--json", str(out))
+              "--density", "0.05", "--wire", "plain", "compact", "--json", str(out))
     rows = json.loads(out.read_text())
     numel = 784 * 64 + 64 + 64 * 32 + 32 + 32 * 10 + 10
-    assert [r["collective"] for r in rows] == ["dense", "allgather", "gtopk", "oktopk"]
-    assert all(r["parameters"] == numel and r["level"] == "exchange" for r in rows)
-    dense, allgather, gtopk, oktopk = rows
     k = -(-numel * 5 // 100)
+    assert [(r["collective"], r["wire"]) for r in rows] == [
+        ("dense", "plain"), ("allgather", "plain"), ("allgather", "compact"), ("gtopk", "plain"), ("gtopk", "compact"),
+        ("oktopk", "plain"), ("oktopk", "compact")]
+    assert all(r["parameters"] == numel and r["level"] == "exchange" for r in rows)
+    dense, allgather, allgather_compact, gtopk, gtopk_compact, oktopk, _ = rows
+    # count, k lows, k float16 values, the shift and the page table (one page: two entries); gTop-k also
+    # allreduces its int32 corruption count
+    assert allgather_compact["sent_mean"] == gtopk_compact["sent_mean"] - 4 == 4 + 4 * k + 4 + 8
     assert dense["sent_mean"] == 4 * numel  # ring allreduce on 2 ranks: 2(P-1)/P of the buffer
     assert allgather["sent_mean"] == gtopk["sent_mean"] == 4 + 8 * k  # count, k indices, k values
     # Mean over the 2 ranks: at most k pairs to the other region, half of at most 1.25k kept sums back, the

@@ -256,11 +256,12 @@ def check_traffic(members: Members) -> list[str]:
     gx.collectives.sparse_allgather(msg, members.group, check=False, traffic=allgather)
     butterfly = 1 << (size.bit_length() - 1)
     rounds = butterfly.bit_length() - 1
+    mask = (k + 7) // 8  # the applied mask of a folded rank, a bit per slot
     if me >= butterfly:  # folded: sends its set, receives the result and its applied mask
-        expected = (payload, payload + k)
+        expected = (payload, payload + mask)
     else:
         folds = me + butterfly < size
-        expected = (rounds * payload + folds * (payload + k), (rounds + folds) * payload)
+        expected = (rounds * payload + folds * (payload + mask), (rounds + folds) * payload)
     failures = []
     if (gtopk.sent, gtopk.received) != expected:
         failures.append(f"{members.name}: gtopk moved {(gtopk.sent, gtopk.received)} bytes, expected {expected}")
@@ -332,6 +333,28 @@ def bucket_input(rank: int, step: int, index: int, numel: int, dtype: torch.dtyp
     return ((shared + own) * 1e-2).to(dtype)
 
 
+def reduce_and_check_bucket(members: Members, state: gx.SparseGradState, step: int, index: int, numel: int,
+                            dtype: torch.dtype, is_last: bool, where: str) -> list[str]:
+    """One bucket through SparseGradState.reduce: the output bitwise the same on every rank, and
+    sum_r new_residual_r + P * output == sum_r (input_r + old_residual_r) up to rounding."""
+    failures = []
+    grad = bucket_input(members.me, step, index, numel, dtype)
+    old_residual = state.residuals.get(index, torch.zeros(numel, dtype=dtype)).clone()
+    output = state.reduce(grad.clone(), index, is_last=is_last).wait()
+    new_residual = state.residuals.get(index, torch.zeros(numel, dtype=dtype))
+    if not equal_on_every_rank(members, output):
+        failures.append(f"{where}: the averaged gradient differs across ranks")
+    # One allreduce: the imbalance of every element, and the scale it is measured against.
+    local = torch.cat([new_residual.double() - grad.double() - old_residual.double(),
+                       grad.double().abs() + old_residual.double().abs()])
+    dist.all_reduce(local, group=members.group)
+    imbalance = float((local[:numel] + members.size * output.double()).abs().max())
+    scale = float(local[numel:].max())
+    if imbalance > 4 * tolerance(dtype) * scale:
+        failures.append(f"{where}: conservation broken by {imbalance:.3g} (scale {scale:.3g})")
+    return failures
+
+
 def check_hook_reduce(members: Members) -> list[str]:
     """Through SparseGradState.reduce: bitwise the same output on every rank, and per bucket and step
     sum_r new_residual_r + P * output == sum_r (input_r + old_residual_r) up to rounding."""
@@ -342,21 +365,8 @@ def check_hook_reduce(members: Members) -> list[str]:
         for step in range(HOOK_STEPS):
             for index, numel in enumerate(BUCKET_NUMELS):
                 where = f"{members.name}, {compressor}/{collective}/{dtype}, step {step}, bucket {index}"
-                grad = bucket_input(members.me, step, index, numel, dtype)
-                old_residual = state.residuals.get(index, torch.zeros(numel, dtype=dtype)).clone()
-                output = state.reduce(grad.clone(), index, is_last=index == len(BUCKET_NUMELS) - 1).wait()
-                new_residual = state.residuals.get(index, torch.zeros(numel, dtype=dtype))
-                if not equal_on_every_rank(members, output):
-                    failures.append(f"{where}: the averaged gradient differs across ranks")
-                # One allreduce: the imbalance of every element, and the scale it is measured against.
-                local = torch.cat([new_residual.double() - grad.double() - old_residual.double(),
-                                   grad.double().abs() + old_residual.double().abs()])
-                dist.all_reduce(local, group=members.group)
-                imbalance = local[:numel] + size * output.double()
-                scale = float(local[numel:].max())
-                if float(imbalance.abs().max()) > 4 * tolerance(dtype) * scale:
-                    failures.append(f"{where}: conservation broken by {float(imbalance.abs().max()):.3g} "
-                                    f"(scale {scale:.3g})")
+                failures += reduce_and_check_bucket(members, state, step, index, numel, dtype,
+                                                    index == len(BUCKET_NUMELS) - 1, where)
                 expected_path = "sparse" if step >= 2 and numel >= 1000 else "dense"
                 stats = state.stats()["buckets"][index]
                 expected_k = math.ceil(0.02 * numel) if expected_path == "sparse" else numel

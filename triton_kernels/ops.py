@@ -190,3 +190,52 @@ def residual_update(residual: torch.Tensor, indices: torch.Tensor, values: torch
     """residual[indices[j]] -= values[j]: what was sent leaves the residual (exactly zero when values came from
     compact on this residual). Index rules and result as scatter_add."""
     return _signed_scatter(residual, indices, values, -1.0, "residual_update")
+
+
+@_register("wire_encode")
+def wire_encode(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor,
+                numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The compact wire's (halves, low, pages, shift) of the used slots: per-block maxima of the finite
+    |values|, their maximum (torch, on the device), then the slots' patterns and a binary search per page."""
+    _checked("wire_encode", indices, values, count, numel)
+    indices, values = indices.contiguous(), values.contiguous()
+    k, device = values.numel(), values.device
+    num_pages = _contract.wire_num_pages(numel)
+    num_blocks = _num_blocks(k)
+    partial_max = torch.empty(num_blocks, dtype=torch.float32, device=device)
+    wrap_triton(kernels.wire_max_kernel)[(num_blocks,)](values, count, partial_max, k, BLOCK=kernels.BLOCK,
+                                                         num_warps=kernels.NUM_WARPS)
+    max_abs = partial_max.amax().reshape(1)
+    halves = torch.empty(k, dtype=torch.float16, device=device)
+    low = torch.empty(k, dtype=torch.int16, device=device)
+    shift = torch.empty(1, dtype=torch.int32, device=device)
+    wrap_triton(kernels.wire_encode_kernel)[(num_blocks,)](
+        indices, values, count, max_abs, halves, low, shift, k, SHIFT_MAX=_contract.WIRE_SHIFT_MAX,
+        SHIFT_BASE=_contract.WIRE_SHIFT_BASE, HALF_NAN=_contract.WIRE_HALF_NAN, BLOCK=kernels.BLOCK,
+        num_warps=kernels.NUM_WARPS)
+    pages = torch.empty(num_pages + 1, dtype=torch.int32, device=device)
+    wrap_triton(kernels.wire_pages_kernel)[(_num_blocks(num_pages + 1),)](
+        indices, count, pages, num_pages, k, PAGE_SHIFT=_contract.WIRE_PAGE_SHIFT, BLOCK=kernels.BLOCK,
+        num_warps=kernels.NUM_WARPS)
+    return halves, low, pages, shift
+
+
+@_register("wire_decode")
+def wire_decode(halves: torch.Tensor, low: torch.Tensor, pages: torch.Tensor, shift: torch.Tensor,
+                count: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(indices, float32 values, invalid) of a compact message: the page table's entries checked, then each slot
+    decoded with a binary search for its page."""
+    _checked("wire_decode", halves, low, pages, shift, count, numel)
+    halves, low, pages = halves.contiguous(), low.contiguous(), pages.contiguous()
+    k, device = halves.numel(), halves.device
+    num_pages = _contract.wire_num_pages(numel)
+    invalid = torch.zeros(1, dtype=torch.int32, device=device)
+    wrap_triton(kernels.wire_check_pages_kernel)[(_num_blocks(num_pages + 1),)](
+        pages, count, invalid, num_pages, k, BLOCK=kernels.BLOCK, num_warps=kernels.NUM_WARPS)
+    indices = torch.empty(k, dtype=torch.int32, device=device)
+    values = torch.empty(k, dtype=torch.float32, device=device)
+    wrap_triton(kernels.wire_decode_kernel)[(_num_blocks(k),)](
+        halves, low, pages, shift, count, indices, values, invalid, num_pages, numel, k,
+        PAGE_SHIFT=_contract.WIRE_PAGE_SHIFT, SHIFT_MAX=_contract.WIRE_SHIFT_MAX, BLOCK=kernels.BLOCK,
+        num_warps=kernels.NUM_WARPS)
+    return indices, values, invalid

@@ -28,8 +28,8 @@ head: a share far below the density means a per-bucket threshold starves that gr
 Every method's validation curve, bytes sent (each method's own count) and the selection shares go to ``--json``
 after every method (a run cut short keeps what finished); the table is printed and the curves plotted (``--plot``).
 
-    python -m bench.lm --json lm.json --plot lm.png              # the full configuration (hours on 2 cores)
-    python -m bench.lm --steps 150 --seq-len 64 --batch-size 4 --eval-every 25   # what README's table ran
+    python -m bench.lm --json lm.json --plot lm.png     # the full configuration: 600 steps of 8 x 128 bytes per rank
+    python -m bench.lm --steps 160 --seq-len 64 --eval-every 20 --json lm.json --plot lm.png   # README's run
     python -m bench.lm --world-size 2 --steps 4 --methods ddp gtopk-0.01 --layers 1 --d-model 32   # seconds
 """
 
@@ -61,7 +61,7 @@ from bench.peers import DGC_WARMUP_ITERS, RECIPES, Recipe, dgc_recipe, gtopk_ext
 from gtopk_ext.utils import destroy_process_group  # noqa: E402
 
 DEFAULT_METHODS = ("ddp", "fp16", "powersgd-2", "gtopk-0.01", "gtopk-0.001", "dgc-0.01", "dgc-0.001",
-                   "dgc-pt-0.001", "sparse-gtopk-0.05-10", "diloco-10")
+                   "sparse-gtopk-0.05-10", "dgc-pt-0.001", "diloco-10")
 GROUPS = ("embedding", "layernorm", "attention", "mlp", "head")
 
 
@@ -403,23 +403,28 @@ def setting(args: argparse.Namespace, parameters: int, corpus: dict) -> str:
 
 
 def plot(records: list[dict], path: Path, title: str) -> None:
-    """Validation loss against steps, one line per method."""
+    """Validation loss against steps and against MB sent per rank, one line per method."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(13, 5.5))
     for index, record in enumerate(records):
         style = {"color": "black", "linewidth": 2} if record["method"] == "ddp" else {"color": f"C{index % 10}"}
-        ax.plot([c["step"] for c in record["curve"]], [c["val_loss"] for c in record["curve"]], marker=".",
-                label=record["label"], **style)
-    ax.set(xlabel="step", ylabel="validation loss (nats per byte)")
-    ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title(title, fontsize=8, wrap=True)
-    fig.tight_layout()
+        curve = record["curve"]
+        by_step.plot([c["step"] for c in curve], [c["val_loss"] for c in curve], marker=".", label=record["label"],
+                     **style)
+        sent = [(c["bytes_sent"] / 1e6, c["val_loss"]) for c in curve if c["bytes_sent"]]  # log axis: none at 0
+        by_bytes.plot(*zip(*sent), marker=".", **style)
+    by_step.set(xlabel="step", ylabel="validation loss (nats per byte)")
+    by_bytes.set(xlabel="MB sent per rank", ylabel="validation loss (nats per byte)", xscale="log")
+    for ax in (by_step, by_bytes):
+        ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title, fontsize=8, wrap=True)
+    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.86))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -441,7 +446,7 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--methods", nargs="+", type=check_method, default=list(DEFAULT_METHODS))
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=1000, help="steps of every method")
+    parser.add_argument("--steps", type=int, default=600, help="steps of every method")
     parser.add_argument("--eval-every", type=int, default=50, help="a multiple of every local method's H")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per rank and step")
     parser.add_argument("--seq-len", type=int, default=128)

@@ -57,7 +57,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gtopk_ext as gx  # noqa: E402
 from bench.demo import spawn  # noqa: E402
 from bench.local_sgd import parse_method  # noqa: E402
-from bench.peers import DGC_WARMUP_ITERS, RECIPES, Recipe, dgc_recipe, gtopk_ext_recipe, numel_of  # noqa: E402
+from bench.peers import (DGC_WARMUP_ITERS, RECIPES, START_ITER, Recipe, dgc_recipe, gtopk_ext_recipe,  # noqa: E402
+                         numel_of)
+from gtopk_ext.compressors import check_density  # noqa: E402
 from gtopk_ext.utils import destroy_process_group  # noqa: E402
 
 DEFAULT_METHODS = ("ddp", "fp16", "powersgd-2", "gtopk-0.01", "gtopk-0.001", "dgc-0.01", "dgc-0.001",
@@ -205,12 +207,12 @@ def hook_recipe(name: str) -> Optional[Recipe]:
 
 def check_method(text: str) -> str:
     try:
-        if hook_recipe(text) is None:
-            method = parse_method(text)
-            if method.kind not in ("sparse", "diloco"):
-                raise argparse.ArgumentTypeError(f"{text!r}: only sparse-... and diloco-... local methods run here")
-    except (ValueError, IndexError) as error:
-        raise argparse.ArgumentTypeError(f"unknown method {text!r}: expected ddp, fp16, powersgd-2, gtopk-<d>, "
+        if text.startswith(("gtopk-", "dgc-")):
+            check_density(float(text.rsplit("-", 1)[1]))
+        if hook_recipe(text) is None and parse_method(text).kind not in ("sparse", "diloco"):
+            raise ValueError("not a method of this benchmark")
+    except (ValueError, IndexError, argparse.ArgumentTypeError) as error:
+        raise argparse.ArgumentTypeError(f"bad method {text!r} ({error}): expected ddp, fp16, powersgd-2, gtopk-<d>, "
                                          f"dgc-<d>, dgc-pt-<d>, sparse-<collective>-<d>-<H> or diloco-<H>") from error
     return text
 
@@ -292,7 +294,7 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
     trainer = Trainer(name, config, args, world_size)
     curve = [{"step": 0, "val_loss": validation_loss(trainer.model, val_batches, rank, world_size), "bytes_sent": 0}]
     losses, seconds, selections = [], 0.0, []
-    warmed_up = DGC_WARMUP_ITERS if name.startswith("dgc-") else 2  # steps before the target density
+    warmed_up = DGC_WARMUP_ITERS if name.startswith("dgc-") else START_ITER  # steps before the target density
     for step in range(1, args.steps + 1):
         # One generator per step shared by the ranks: every rank draws the global batch and keeps its rows.
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)

@@ -1,0 +1,505 @@
+"""A language model: a small decoder-only transformer trained on the Python standard library's own source files,
+with real DDP on ``--world-size`` Gloo processes on this machine's CPU, once per method, from the same initial
+weights on the same batches. Nothing is downloaded: the corpus is every ``*.py`` file under
+``sysconfig.get_paths()["stdlib"]`` (site-packages left out), read as bytes (a byte-level vocabulary of 256), so
+it differs between Python versions: the version is recorded in the output.
+
+The split is a function of each file's path relative to the standard library alone (``sha256(path) mod 100 <
+--val-percent``): the same files are held out on every machine with the same Python version, whatever the order
+in which they are found. Each step, every rank trains on ``--batch-size`` windows of ``--seq-len`` + 1 bytes drawn
+at random from the training files (one generator per step shared by the ranks, each rank its own windows; the same
+for every method). Validation: the mean cross-entropy (nats per byte) on ``--val-windows`` fixed windows of the
+held-out files, every ``--eval-every`` steps, split over the ranks.
+
+Methods (``--methods``):
+
+    ddp, fp16, powersgd-2      DDP's allreduce, ``fp16_compress_hook``, PowerSGD rank 2 (bench/peers.py's recipes)
+    gtopk-<d>                  gtopk_ext's hook, Gaussian-k + gTop-k at density d, momentum in the optimizer
+    dgc-<d>                    the same with momentum correction (momentum 0.9 in the hook, the optimizer none) and
+                               Deep Gradient Compression's sparsity warm-up (bench/peers.py's recipe)
+    dgc-pt-<d>                 dgc-<d> with per-tensor selection (each parameter its share of the bucket's k)
+    sparse-<coll>-<d>-<H>      gx.SparseLocalSGD: H local steps of the same inner SGD, then a sparse pseudo-gradient
+    diloco-<H>                 SparseLocalSGD with density 1 and the dense collective (DiLoCo)
+
+For gtopk_ext's hook it also counts, after every compressed step, the elements of each parameter that the step
+updated (the nonzeros of its reduced gradient), grouped as embeddings, LayerNorms, attention, MLP and the output
+head: a share far below the density means a per-bucket threshold starves that group.
+
+Every method's validation curve, bytes sent (each method's own count) and the selection shares go to ``--json``
+after every method (a run cut short keeps what finished); the table is printed and the curves plotted (``--plot``).
+
+    python -m bench.lm --json lm.json --plot lm.png     # the full configuration: 600 steps of 8 x 128 bytes per rank
+    python -m bench.lm --steps 160 --seq-len 64 --eval-every 20 --json lm.json --plot lm.png   # README's run
+    python -m bench.lm --world-size 2 --steps 4 --methods ddp gtopk-0.01 --layers 1 --d-model 32   # seconds
+"""
+
+# No `from __future__ import annotations`: DDP checks the hooks' annotations against dist.GradBucket.
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gtopk_ext as gx  # noqa: E402
+from bench.demo import spawn  # noqa: E402
+from bench.local_sgd import parse_method  # noqa: E402
+from bench.peers import (DGC_WARMUP_ITERS, RECIPES, START_ITER, Recipe, dgc_recipe, gtopk_ext_recipe,  # noqa: E402
+                         numel_of)
+from gtopk_ext.compressors import check_density  # noqa: E402
+from gtopk_ext.utils import destroy_process_group  # noqa: E402
+
+DEFAULT_METHODS = ("ddp", "fp16", "powersgd-2", "gtopk-0.01", "gtopk-0.001", "dgc-0.01", "dgc-0.001",
+                   "sparse-gtopk-0.05-10", "dgc-pt-0.001", "diloco-10")
+GROUPS = ("embedding", "layernorm", "attention", "mlp", "head")
+
+
+# ------------------------------------------------------------------------------------------------------ corpus
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files(root: Optional[Path] = None) -> list[str]:
+    """The standard library's ``*.py`` files as sorted paths relative to ``root`` (installed packages left out)."""
+    root = stdlib_root() if root is None else root
+    return sorted(path.relative_to(root).as_posix() for path in root.rglob("*.py")
+                  if path.is_file() and not {"site-packages", "dist-packages"} & set(path.relative_to(root).parts))
+
+
+def is_validation(relative_path: str, val_percent: float) -> bool:
+    """Whether a file is held out: a function of its relative path only."""
+    digest = hashlib.sha256(relative_path.encode()).digest()
+    return int.from_bytes(digest[:8], "little") % 10_000 < 100 * val_percent
+
+
+def split_files(files: list[str], val_percent: float) -> tuple[list[str], list[str]]:
+    """(training files, validation files), each in the order of ``files``."""
+    held_out = [f for f in files if is_validation(f, val_percent)]
+    chosen = set(held_out)
+    return [f for f in files if f not in chosen], held_out
+
+
+def load_bytes(root: Path, files: list[str]) -> torch.Tensor:
+    """The files' bytes, concatenated, each followed by a NUL byte (which no source file contains)."""
+    data = b"".join(path.read_bytes() + b"\0" for path in (root / f for f in files))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def windows(stream: torch.Tensor, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` random windows of ``length`` bytes of ``stream`` as token ids: [count, length] int64."""
+    starts = torch.randint(0, len(stream) - length, (count,), generator=generator)
+    return stream[starts.unsqueeze(1) + torch.arange(length)].long()
+
+
+# ------------------------------------------------------------------------------------------------------- model
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab: int = 256
+    seq_len: int = 128
+    d_model: int = 256
+    layers: int = 7
+    heads: int = 4
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention and a 4x GELU MLP, each with a residual."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.heads = config.heads
+        self.ln_attention = nn.LayerNorm(config.d_model)
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.attention_out = nn.Linear(config.d_model, config.d_model)
+        self.ln_mlp = nn.LayerNorm(config.d_model)
+        self.mlp = nn.Sequential(nn.Linear(config.d_model, 4 * config.d_model), nn.GELU(),
+                                 nn.Linear(4 * config.d_model, config.d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.ln_attention(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attention_out(attended.transpose(1, 2).reshape(batch, length, width))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class TransformerLM(nn.Module):
+    """A decoder-only transformer over bytes: token and learned position embeddings, pre-LN blocks, a final
+    LayerNorm and an untied output head."""
+
+    def __init__(self, config: ModelConfig, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.token_embedding = nn.Embedding(config.vocab, config.d_model)
+        self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.ln_final = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab)
+        for name, p in self.named_parameters():  # GPT-2's initialisation
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.layers) if name.endswith(
+                    ("attention_out.weight", "mlp.2.weight")) else 0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.token_embedding(tokens) + self.position_embedding.weight[:tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_final(x))
+
+
+def parameter_group(name: str) -> str:
+    """Which of GROUPS a parameter of TransformerLM belongs to."""
+    if "embedding" in name:
+        return "embedding"
+    if ".ln_" in name or name.startswith("ln_"):
+        return "layernorm"
+    if ".qkv." in name or ".attention_out." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "mlp"
+    return "head"
+
+
+def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Next-byte cross-entropy (nats per byte) of ``batch`` [B, T + 1]."""
+    logits = model(batch[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+# ----------------------------------------------------------------------------------------------------- methods
+
+def dgc_per_tensor_recipe(density: float) -> Recipe:
+    """bench/peers.py's momentum correction + warm-up recipe with per-tensor selection (momentum 0.9 in the hook)."""
+    recipe = gtopk_ext_recipe(f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up + per-tensor",
+                              density=density, momentum=0.9, per_tensor=True,
+                              density_schedule=gx.exponential_warmup(density, DGC_WARMUP_ITERS))
+    return dataclasses.replace(recipe, momentum_in_hook=True)
+
+
+def hook_recipe(name: str) -> Optional[Recipe]:
+    """The DDP recipe of a method name, or None for a local-SGD method."""
+    if name in ("ddp", "fp16", "powersgd-2") or name.startswith("gtopk-"):
+        return RECIPES[name] if name in RECIPES else gtopk_ext_recipe(
+            f"Gaussian-k + gtopk, d={float(name.split('-')[1]):g}", density=float(name.split("-")[1]))
+    if name.startswith("dgc-pt-"):
+        return dgc_per_tensor_recipe(float(name[len("dgc-pt-"):]))
+    if name.startswith("dgc-"):
+        return dgc_recipe(float(name[len("dgc-"):]))
+    return None
+
+
+def check_method(text: str) -> str:
+    try:
+        if text.startswith(("gtopk-", "dgc-")):
+            check_density(float(text.rsplit("-", 1)[1]))
+        if hook_recipe(text) is None and parse_method(text).kind not in ("sparse", "diloco"):
+            raise ValueError("not a method of this benchmark")
+    except (ValueError, IndexError, argparse.ArgumentTypeError) as error:
+        raise argparse.ArgumentTypeError(f"bad method {text!r} ({error}): expected ddp, fp16, powersgd-2, gtopk-<d>, "
+                                         f"dgc-<d>, dgc-pt-<d>, sparse-<collective>-<d>-<H> or diloco-<H>") from error
+    return text
+
+
+def method_label(name: str) -> str:
+    recipe = hook_recipe(name)
+    return recipe.label if recipe is not None else parse_method(name).label
+
+
+# ------------------------------------------------------------------------------------------------- worker side
+
+class Trainer:
+    """One method on this rank: the model (DDP with a hook, or a replica under SparseLocalSGD), the optimizer, and
+    the bytes this rank sent so far by the method's own count."""
+
+    def __init__(self, name: str, config: ModelConfig, args: argparse.Namespace, world_size: int):
+        self.model = TransformerLM(config, args.seed)  # the same initial weights for every method and rank
+        self.recipe, self.outer, self.sent = hook_recipe(name), None, 0
+        self.trained, momentum = self.model, args.momentum
+        if self.recipe is not None:
+            # PowerSGD's one bucket: a cap above the model's size (see bench/peers.py).
+            cap_mb = numel_of(self.model) * 4 / 2**20 + 1 if self.recipe.one_bucket else args.bucket_cap_mb
+            self.trained = DistributedDataParallel(self.model, bucket_cap_mb=cap_mb)
+            self.accounting = self.recipe.attach(self.trained, world_size, args)
+            momentum = 0.0 if self.recipe.momentum_in_hook else args.momentum
+        else:
+            method = parse_method(name)
+            self.period = method.period
+            self.outer = gx.SparseLocalSGD(self.model.parameters(), sync_every=method.period,
+                                           density=method.density, collective=method.collective,
+                                           outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                                           nesterov=args.outer_momentum > 0)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=momentum)
+        self.sparse_hook = name.startswith(("gtopk-", "dgc-"))  # gtopk_ext's hook: count what it updates
+        self.groups = [parameter_group(n) for n, _ in self.model.named_parameters()]
+
+    def step(self, batch: torch.Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(self.trained, batch)
+        loss.backward()
+        self.optimizer.step()
+        if self.outer is not None:
+            self.outer.step()
+        else:
+            self.sent += self.accounting.bytes_sent()
+        return float(loss.detach())
+
+    def updated_per_group(self) -> dict[str, int]:
+        """Elements of each group that the last step's reduced gradient touched (its nonzeros)."""
+        counts = dict.fromkeys(GROUPS, 0)
+        for group, p in zip(self.groups, self.model.parameters()):
+            counts[group] += int(torch.count_nonzero(p.grad))
+        return counts
+
+    def bytes_sent(self) -> int:
+        return self.outer.stats()["bytes_sent"] if self.outer is not None else self.sent
+
+    def synced_at(self, step: int) -> bool:
+        """Whether the replicas are one model after this step (DDP: always; local SGD: after a sync)."""
+        return self.outer is None or step % self.period == 0
+
+
+@torch.no_grad()
+def validation_loss(model: nn.Module, val_batches: torch.Tensor, rank: int, world_size: int) -> float:
+    """Mean loss over every validation window, each rank evaluating its share (an allreduce of the sums)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    for batch in val_batches[rank::world_size].split(16):
+        total[0] += float(lm_loss(model, batch)) * len(batch)
+        total[1] += len(batch)
+    model.train()
+    dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, train: torch.Tensor,
+               val_batches: torch.Tensor, progress) -> dict:
+    config = model_config(args)
+    trainer = Trainer(name, config, args, world_size)
+    curve = [{"step": 0, "val_loss": validation_loss(trainer.model, val_batches, rank, world_size), "bytes_sent": 0}]
+    losses, seconds, selections = [], 0.0, []
+    warmed_up = DGC_WARMUP_ITERS if name.startswith("dgc-") else START_ITER  # steps before the target density
+    for step in range(1, args.steps + 1):
+        # One generator per step shared by the ranks: every rank draws the global batch and keeps its rows.
+        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        batch = windows(train, world_size * args.batch_size, config.seq_len + 1, generator)
+        start = time.perf_counter()
+        losses.append(trainer.step(batch[rank * args.batch_size:(rank + 1) * args.batch_size]))
+        seconds += time.perf_counter() - start
+        if trainer.sparse_hook and step > warmed_up:
+            selections.append(trainer.updated_per_group())
+        if step == args.steps and not trainer.synced_at(step):
+            trainer.outer.sync()  # every method ends with one model
+        if step % args.eval_every == 0 or step == args.steps:
+            if trainer.synced_at(step) or step == args.steps:
+                curve.append({"step": step, "val_loss": validation_loss(trainer.model, val_batches, rank, world_size),
+                              "bytes_sent": trainer.bytes_sent()})
+        if progress is not None:
+            progress.set_postfix(loss=f"{losses[-1]:.3f}", val=f"{curve[-1]['val_loss']:.3f}", refresh=False)
+            progress.update()
+    mean_losses = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(mean_losses)
+    slowest = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    numels = dict.fromkeys(GROUPS, 0)
+    for group, p in zip(trainer.groups, trainer.model.parameters()):
+        numels[group] += p.numel()
+    record = {"method": name, "label": method_label(name), "curve": curve,
+              "train_loss": (mean_losses / world_size).tolist(), "seconds": float(slowest),
+              "final_val_loss": curve[-1]["val_loss"], "bytes_sent": trainer.bytes_sent(), "group_numel": numels}
+    if selections:
+        record["updated_per_step"] = {g: sum(s[g] for s in selections) / len(selections) for g in GROUPS}
+    return record
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(seq_len=args.seq_len, d_model=args.d_model, layers=args.layers, heads=args.heads)
+
+
+def worker(rank: int, world_size: int, args: argparse.Namespace, init_file: str, result_file: str) -> None:
+    torch.set_num_threads(1)  # several processes share a few cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        root = stdlib_root()
+        train_files, val_files = split_files(corpus_files(root), args.val_percent)
+        train, val = load_bytes(root, train_files), load_bytes(root, val_files)
+        val_batches = windows(val, args.val_windows, args.seq_len + 1, torch.Generator().manual_seed(12345))
+        progress = None
+        if rank == 0 and not args.no_progress:
+            from tqdm import tqdm
+
+            # Redirected to a file, a bar redrawn every 0.1 s would flood it.
+            progress = tqdm(total=args.steps * len(args.methods), unit="step", dynamic_ncols=True, file=sys.stderr,
+                            mininterval=0.5 if sys.stderr.isatty() else 30)
+        records = []
+        for name in args.methods:
+            if progress is not None:
+                progress.set_description(name)
+            records.append(run_method(name, rank, world_size, args, train, val_batches, progress))
+            if rank == 0:  # after every method: a run cut short keeps what finished
+                Path(result_file).write_text(json.dumps({
+                    "corpus": {"files": len(train_files) + len(val_files), "train_files": len(train_files),
+                               "val_files": len(val_files), "train_bytes": len(train), "val_bytes": len(val),
+                               "val_file_list": val_files},
+                    "records": records}))
+                if args.json:
+                    write_report(args, json.loads(Path(result_file).read_text()))
+        if progress is not None:
+            progress.close()
+    finally:
+        destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------- driver side
+
+def summarize(records: list[dict]) -> list[dict]:
+    ddp = next((r for r in records if r["method"] == "ddp"), None)
+    rows = []
+    for r in records:
+        row = {"method": r["method"], "label": r["label"], "final_val_loss": r["final_val_loss"],
+               "mb_sent": r["bytes_sent"] / 1e6, "seconds": r["seconds"],
+               "loss_vs_ddp": r["final_val_loss"] / ddp["final_val_loss"] if ddp else None,
+               "bytes_vs_ddp": r["bytes_sent"] / ddp["bytes_sent"] if ddp else None}
+        if "updated_per_step" in r:  # each group's share of its elements updated per step
+            row["updated_share"] = {g: r["updated_per_step"][g] / r["group_numel"][g] for g in GROUPS}
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| method | final val loss | vs DDP | MB sent / rank | bytes vs DDP | seconds | updated per step: "
+             + ", ".join(GROUPS) + " |", "|---|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        versus = f"{row['loss_vs_ddp']:.3f}x" if row["loss_vs_ddp"] is not None else "-"
+        share = f"1/{1 / row['bytes_vs_ddp']:.0f}" if row["bytes_vs_ddp"] else "-"
+        updated = (", ".join(f"{100 * row['updated_share'][g]:.2g}%" for g in GROUPS)
+                   if "updated_share" in row else "-")
+        lines.append(f"| {row['label']} | {row['final_val_loss']:.4f} | {versus} | {row['mb_sent']:.1f} | {share} | "
+                     f"{row['seconds']:.0f} | {updated} |")
+    return "\n".join(lines)
+
+
+def setting(args: argparse.Namespace, parameters: int, corpus: dict) -> str:
+    return (f"{args.world_size} ranks, Gloo on loopback, Python {platform.python_version()} stdlib "
+            f"({corpus['train_files']} training files, {corpus['val_files']} held out), byte-level transformer "
+            f"({parameters / 1e6:.2f}M parameters, d={args.d_model}, {args.layers} layers, {args.heads} heads), "
+            f"sequence {args.seq_len}, batch {args.batch_size}/rank, {args.steps} steps, SGD lr {args.lr:g} "
+            f"momentum {args.momentum:g}, seed {args.seed}")
+
+
+def plot(records: list[dict], path: Path, title: str) -> None:
+    """Validation loss against steps and against MB sent per rank, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(13, 5.5))
+    for index, record in enumerate(records):
+        style = {"color": "black", "linewidth": 2} if record["method"] == "ddp" else {"color": f"C{index % 10}"}
+        curve = record["curve"]
+        by_step.plot([c["step"] for c in curve], [c["val_loss"] for c in curve], marker=".", label=record["label"],
+                     **style)
+        sent = [(c["bytes_sent"] / 1e6, c["val_loss"]) for c in curve if c["bytes_sent"]]  # log axis: none at 0
+        by_bytes.plot(*zip(*sent), marker=".", **style)
+    by_step.set(xlabel="step", ylabel="validation loss (nats per byte)")
+    by_bytes.set(xlabel="MB sent per rank", ylabel="validation loss (nats per byte)", xscale="log")
+    for ax in (by_step, by_bytes):
+        ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title, fontsize=8, wrap=True)
+    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.86))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(args: argparse.Namespace, measured: dict) -> list[dict]:
+    """The JSON report of what ``measured`` holds; returns its table's rows."""
+    rows = summarize(measured["records"])
+    parameters = numel_of(TransformerLM(model_config(args)))
+    args.json.write_text(json.dumps({
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "setting": setting(args, parameters, measured["corpus"]), "parameters": parameters,
+        "python": platform.python_version(), "torch": torch.__version__, "machine": platform.platform(),
+        "corpus": measured["corpus"], "table": rows, "runs": measured["records"]}, indent=1))
+    return rows
+
+
+def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--methods", nargs="+", type=check_method, default=list(DEFAULT_METHODS))
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=600, help="steps of every method")
+    parser.add_argument("--eval-every", type=int, default=50, help="a multiple of every local method's H")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per rank and step")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=7)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=0.1, help="SGD (inner SGD of the local methods)")
+    parser.add_argument("--momentum", type=float, default=0.9, help="in the optimizer, or in the hook for dgc-")
+    parser.add_argument("--outer-lr", type=float, default=1.0, help="SparseLocalSGD and DiLoCo")
+    parser.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov when > 0")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's (default: its own, 25)")
+    parser.add_argument("--val-percent", type=float, default=5.0, help="share of the files held out")
+    parser.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len bytes")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and batches")
+    parser.add_argument("--timeout", type=float, default=4 * 3600.0, help="Gloo's timeout, seconds")
+    parser.add_argument("--json", type=Path, help="settings, corpus, curves and table (rewritten after each method)")
+    parser.add_argument("--plot", type=Path, help="validation loss against steps (PNG)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    for name in ("world_size", "steps", "eval_every", "batch_size", "seq_len", "d_model", "layers", "heads",
+                 "val_windows"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.d_model % args.heads:
+        parser.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
+    if not 0 < args.val_percent < 100:
+        parser.error(f"--val-percent must be in (0, 100), got {args.val_percent}")
+    for name in args.methods:
+        if hook_recipe(name) is None and args.eval_every % parse_method(name).period:
+            parser.error(f"--eval-every ({args.eval_every}) must be a multiple of {name}'s H: the replicas are one "
+                         f"model only after a sync")
+    args.methods = list(dict.fromkeys(args.methods))
+    return args
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = parse_args(argv)
+    measured = spawn(worker, args)
+    records, corpus = measured["records"], measured["corpus"]
+    parameters = numel_of(TransformerLM(model_config(args)))
+    title = setting(args, parameters, corpus)
+    print(f"\n{title}\n")
+    rows = summarize(records) if args.json is None else write_report(args, measured)
+    print(markdown_table(rows))
+    if args.plot:
+        plot(records, args.plot, title)
+        print(f"\nwrote {args.plot}")
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

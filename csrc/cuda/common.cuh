@@ -44,6 +44,12 @@ constexpr int items_per_thread() {
   return 16 / static_cast<int>(sizeof(scalar_t));
 }
 
+int multiprocessor_count(const at::Device& device) {
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device.index()));
+  return count;
+}
+
 // Enough blocks of a grid-stride kernel to fill the GPU, no more than the work needs (and at least one). The
 // occupancy of each (kernel, launch shape, device) is asked of the driver once: every step launches the same
 // kernels, and a step's fixed cost is mostly host work.
@@ -60,10 +66,9 @@ int resident_grid(Kernel kernel, int threads, size_t shared_bytes, int64_t work_
     if (found != resident_blocks.end()) resident = found->second;
   }
   if (resident == 0) {
-    int blocks_per_sm = 0, multiprocessors = 0;
+    int blocks_per_sm = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads, shared_bytes));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device.index()));
-    resident = static_cast<int64_t>(multiprocessors) * std::max(1, blocks_per_sm);
+    resident = static_cast<int64_t>(multiprocessor_count(device)) * std::max(1, blocks_per_sm);
     const std::lock_guard<std::mutex> lock(mutex);
     resident_blocks[key] = resident;
   }

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import gtopk_ext  # noqa: F401  (registers torch.ops.gtopk_ext)
 from gtopk_ext import compressors, ops, reference, triton_kernels
 from gtopk_ext.triton_kernels import kernels
+from tests.test_wire import bad_wire_calls
 
 CPP = torch.ops.gtopk_ext
 TRITON = torch.ops.gtopk_ext_triton
@@ -263,7 +264,7 @@ def test_fake_kernels_check_with_the_cpp_message():
     C++ kernels reject, with the same message."""
     from gtopk_ext._contract import OPS
 
-    calls = bad_calls(torch.device("cpu")) + merge_bad_calls()
+    calls = bad_calls(torch.device("cpu")) + merge_bad_calls() + [(name, args) for name, args, _ in bad_wire_calls()]
     assert {name for name, _ in calls} == set(OPS)
     for op_name, args in calls:
         with pytest.raises(RuntimeError) as cpp_error:

@@ -21,12 +21,13 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
 import gtopk_ext  # noqa: F401  (the C++ ops, which gtopk_ext.ops' fake kernels refer to)
+from gtopk_ext._contract import wire_num_pages
 
 from . import ops
 
 TARGETS = (GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32))
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float64: "*fp64",
-                 torch.int32: "*i32", torch.int64: "*i64"}
+                 torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,10 @@ def op_calls(dtype: torch.dtype, numel: int) -> dict[str, list[tuple]]:
     indices = torch.zeros(max(1, numel // 100), device="cuda", dtype=torch.int32)
     values = tensor(indices.numel())
     threshold = tensor(1, torch.float32)
+    count = torch.ones(1, device="cuda", dtype=torch.int32)
+    halves, low = tensor(indices.numel(), torch.float16), torch.zeros_like(indices, dtype=torch.int16)
+    pages = torch.zeros(wire_num_pages(numel) + 1, device="cuda", dtype=torch.int32)
+    shift = torch.zeros(1, device="cuda", dtype=torch.int32)
     return {
         "gaussian_threshold": [(tensor(), tensor(), 2.5, max(1, numel // 250)), (tensor(), None, 2.5, 0)],
         "compact": [(tensor(), threshold, max(1, numel // 250))],
@@ -116,6 +121,8 @@ def op_calls(dtype: torch.dtype, numel: int) -> dict[str, list[tuple]]:
                             (tensor(), None, 2.5, 1, 1)],
         "scatter_add": [(tensor(), indices, values)],
         "residual_update": [(tensor(), indices, values)],
+        "wire_encode": [(indices, values, count, numel)],
+        "wire_decode": [(halves, low, pages, shift, count, numel)],
     }
 
 

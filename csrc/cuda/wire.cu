@@ -80,10 +80,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-int grid_for(int64_t work, const at::Device& device) {
-  return static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>((work + kThreads - 1) / kThreads, 4 * static_cast<int64_t>(multiprocessor_count(device)))));
-}
+// Blocks of kThreads threads that cover `work` elements.
+int64_t work_blocks(int64_t work) { return (work + kThreads - 1) / kThreads; }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> wire_encode_cuda(const at::Tensor& indices,
                                                                             const at::Tensor& values,
@@ -100,21 +98,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> wire_encode_cuda(cons
   at::Tensor low = at::empty({k}, values.options().dtype(at::kShort));
   at::Tensor pages = at::empty({num_pages + 1}, values.options().dtype(at::kInt));
   at::Tensor shift = at::empty({1}, values.options().dtype(at::kInt));
-  const int grid = grid_for(k, values.device());
   auto* max_ptr = reinterpret_cast<unsigned int*>(max_bits.mutable_data_ptr<int32_t>());
   GTOPK_DISPATCH_FLOAT_TYPES(values.scalar_type(), "wire_encode_cuda", [&] {
-    wire_max_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(values_contig.const_data_ptr<scalar_t>(),
-                                                             count.const_data_ptr<int32_t>(), k, max_ptr);
+    const int max_grid = resident_grid(wire_max_kernel<scalar_t>, kThreads, 0, work_blocks(k), values.device());
+    wire_max_kernel<scalar_t><<<max_grid, kThreads, 0, stream>>>(values_contig.const_data_ptr<scalar_t>(),
+                                                                 count.const_data_ptr<int32_t>(), k, max_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    wire_encode_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+    const int encode_grid = resident_grid(wire_encode_kernel<scalar_t>, kThreads, 0, work_blocks(k), values.device());
+    wire_encode_kernel<scalar_t><<<encode_grid, kThreads, 0, stream>>>(
         indices_contig.const_data_ptr<int32_t>(), values_contig.const_data_ptr<scalar_t>(),
         count.const_data_ptr<int32_t>(), k, max_ptr, reinterpret_cast<uint16_t*>(halves.mutable_data_ptr<at::Half>()),
         low.mutable_data_ptr<int16_t>(), shift.mutable_data_ptr<int32_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  wire_pages_kernel<<<grid_for(num_pages + 1, values.device()), kThreads, 0, stream>>>(
-      indices_contig.const_data_ptr<int32_t>(), count.const_data_ptr<int32_t>(), k, num_pages,
-      pages.mutable_data_ptr<int32_t>());
+  wire_pages_kernel<<<resident_grid(wire_pages_kernel, kThreads, 0, work_blocks(num_pages + 1), values.device()),
+                      kThreads, 0, stream>>>(indices_contig.const_data_ptr<int32_t>(), count.const_data_ptr<int32_t>(),
+                                             k, num_pages, pages.mutable_data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {halves, low, pages, shift};
 }
@@ -133,15 +132,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> wire_decode_cuda(const at::Tensor
   at::Tensor indices = at::empty({k}, halves.options().dtype(at::kInt));
   at::Tensor values = at::empty({k}, halves.options().dtype(at::kFloat));
   at::Tensor invalid = at::zeros({1}, halves.options().dtype(at::kInt));
-  wire_check_pages_kernel<<<grid_for(num_pages + 1, halves.device()), kThreads, 0, stream>>>(
-      pages_contig.const_data_ptr<int32_t>(), count.const_data_ptr<int32_t>(), k, num_pages,
-      invalid.mutable_data_ptr<int32_t>());
+  wire_check_pages_kernel<<<resident_grid(wire_check_pages_kernel, kThreads, 0, work_blocks(num_pages + 1),
+                                          halves.device()),
+                            kThreads, 0, stream>>>(pages_contig.const_data_ptr<int32_t>(),
+                                                   count.const_data_ptr<int32_t>(), k, num_pages,
+                                                   invalid.mutable_data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  wire_decode_kernel<<<grid_for(k, halves.device()), kThreads, 0, stream>>>(
-      reinterpret_cast<const uint16_t*>(halves_contig.const_data_ptr<at::Half>()), low_contig.const_data_ptr<int16_t>(),
-      pages_contig.const_data_ptr<int32_t>(), shift.const_data_ptr<int32_t>(), count.const_data_ptr<int32_t>(), k,
-      num_pages, numel, indices.mutable_data_ptr<int32_t>(), values.mutable_data_ptr<float>(),
-      invalid.mutable_data_ptr<int32_t>());
+  wire_decode_kernel<<<resident_grid(wire_decode_kernel, kThreads, 0, work_blocks(k), halves.device()), kThreads, 0,
+                       stream>>>(reinterpret_cast<const uint16_t*>(halves_contig.const_data_ptr<at::Half>()),
+                                 low_contig.const_data_ptr<int16_t>(), pages_contig.const_data_ptr<int32_t>(),
+                                 shift.const_data_ptr<int32_t>(), count.const_data_ptr<int32_t>(), k, num_pages, numel,
+                                 indices.mutable_data_ptr<int32_t>(), values.mutable_data_ptr<float>(),
+                                 invalid.mutable_data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {indices, values, invalid};
 }

@@ -833,7 +833,9 @@ def resolve_local_size(local_size: int | None) -> int:
 def node_groups(group: dist.ProcessGroup, local_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's (node group: its ``local_size`` consecutive group ranks, cross-node group: the ranks of the same
     local rank on every node), created at the first call and cached. Every rank of ``group`` makes its first call
-    for the same (group, local_size) at the same point (the groups' names count the groups created before)."""
+    for the same (group, local_size) at the same point (the groups' names count the groups created before). Only
+    ``group``'s ranks create them, which moves their count past that of any other rank: when ``group`` is not the
+    whole world, create groups that every rank must create before this first call."""
     key = (group.group_name, local_size)
     if _node_groups.get(key, (None,))[0] is not group:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -860,7 +862,8 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
                            local_size: int, group: dist.ProcessGroup | None = None, *, inner: str = "gtopk",
                            inner_state: OkTopkState | None = None, step: int | None = None,
                            traffic: Traffic | None = None, flags: torch.Tensor | None = None,
-                           nonfinite_flag: int = 1) -> HierarchicalResult:
+                           nonfinite_flag: int = 1, wire: str = "plain",
+                           rounding: Rounding | None = None) -> HierarchicalResult:
     """Dense inside a node, sparse between nodes (a node: ``local_size`` consecutive ranks of ``group``).
 
     1. Dense reduce-scatter inside the node of ``tensor + residual`` (flat): local rank l gets its node's sum of
@@ -876,10 +879,13 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
     element of ``tensor + residual`` is in the average. ``flags`` (int32[1], optional): bits this rank raises;
     on return their OR over the group. A shard whose node sum is not finite sends nothing and raises
     ``nonfinite_flag``; when any bit is raised, nothing is applied and ``tensor`` and ``residual`` are left as
-    they were (``average`` None). Every rank must pass the same k, local_size and inner."""
+    they were (``average`` None). ``wire``: the inner collective's wire format; with ``"compact"`` the rounding
+    errors this rank answers for stay in its residual, and are added to ``rounding`` (indices into the whole
+    tensor) when given. Every rank must pass the same k, local_size, inner and wire."""
     group, rank, size = group_rank_and_size(group)
     if inner not in HIERARCHICAL_INNER:
         raise ValueError(f"inner must be one of {HIERARCHICAL_INNER}, got {inner!r}")
+    check_wire(wire)
     node_group, cross_group = node_groups(group, local_size)
     local_rank, numel, device = rank % local_size, tensor.numel(), tensor.device
     bounds = shard_bounds(numel, local_size)
@@ -902,6 +908,8 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
     raised = torch.zeros(1, dtype=torch.int32, device=device) if flags is None else flags.clone()
     # At least one slot per nonempty shard: a shard without any would keep its residual forever.
     share = tensor_shares(max(k, local_size), widths)[local_rank]
+    shard_rounding = Rounding()  # indices into the shard
+    on_wire = dict(check=False, traffic=traffic, flags=raised, wire=wire, rounding=shard_rounding)
     if not is_finite(shard_acc):
         raised.bitwise_or_(nonfinite_flag)
     if share and not int(raised) & nonfinite_flag:
@@ -911,13 +919,12 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
     if share == 0:  # an empty shard (numel < local_size): on every node alike, nothing to exchange
         glob, applied = shard_acc.float(), torch.zeros(1, dtype=torch.bool, device=device)
     elif inner == "allgather":
-        glob = sparse_allgather(msg, cross_group, dtype=torch.float32, check=False, traffic=traffic, flags=raised)
+        glob = sparse_allgather(msg, cross_group, dtype=torch.float32, **on_wire)
         applied = torch.ones(share, dtype=torch.bool, device=device)
     elif inner == "oktopk":
-        glob, applied = oktopk_allreduce(msg, cross_group, state=inner_state, check=False, traffic=traffic,
-                                         flags=raised)
+        glob, applied = oktopk_allreduce(msg, cross_group, state=inner_state, **on_wire)
     else:
-        glob, applied = gtopk_allreduce(msg, cross_group, check=False, traffic=traffic, flags=raised)
+        glob, applied = gtopk_allreduce(msg, cross_group, **on_wire)
     shard_sum = glob if isinstance(glob, torch.Tensor) else glob.to_dense(torch.float32)
 
     # 3. Allgather inside the node of the shards' averages, each followed by its flags (as one more element).
@@ -940,6 +947,10 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
         kept = residual[shard].copy_(shard_acc)
         if share:
             ops.residual_update_(kept, msg.indices, msg.values * applied, backend=msg.backend)
+            shard_rounding.add_to(kept, backend=msg.backend)
+    if rounding is not None:
+        error_indices, errors = shard_rounding.pairs(tensor.dtype, device)
+        rounding.add(error_indices + shard.start, errors)
     return HierarchicalResult(average, shifted, applied, shard)
 
 

@@ -375,7 +375,9 @@ class SparseGradState:
             shards) and runs ``inner_collective`` (``"gtopk"``, ``"allgather"`` or ``"oktopk"``) with the same
             local rank of the other nodes, and the shards' averages are allgathered inside the node
             (:func:`gtopk_ext.collectives.hierarchical_allreduce`). A rank's residual is zero outside its shard.
-            Not with ``momentum`` or ``per_tensor``.
+            The wire applies between nodes. Not with ``momentum`` or ``per_tensor``. The node groups are created
+            at the first compressed step by the process group's ranks alone: with a group smaller than the world,
+            create the groups that every rank must create before that step.
 
     Fields besides the arguments:
 
@@ -444,8 +446,6 @@ class SparseGradState:
             if momentum or per_tensor:
                 raise ValueError("collective='hierarchical' selects from a node's sum: it supports neither momentum "
                                  "correction (momentum > 0) nor per_tensor=True")
-            if wire != "plain":
-                raise ValueError(f"collective='hierarchical' sends its shards on the plain wire, got wire={wire!r}")
             local_size = resolve_local_size(local_size)
         if error_feedback and collective != "dense" and start_iter < 2:
             raise ValueError(f"start_iter must be >= 2 with error feedback (DDP rebuilds its buckets after the first "
@@ -846,10 +846,11 @@ def _reduce_hierarchical(state: SparseGradState, tensor: torch.Tensor, index: in
     held = _hold_unused(residual, maxima, layout) if residual is not None else []
     _use_density(state, density)
     inner_state = state.oktopk_states.setdefault(index, OkTopkState()) if state.inner_collective == "oktopk" else None
+    rounding = Rounding()
     result = hierarchical_allreduce(tensor, residual, state.compressor_now, k, state.local_size, group,
                                     inner=state.inner_collective, inner_state=inner_state,
                                     step=_draw_step(state, index), traffic=stats.traffic,
-                                    nonfinite_flag=FLAG_NONFINITE)
+                                    nonfinite_flag=FLAG_NONFINITE, wire=state.wire, rounding=rounding)
     for part, saved in held:  # kept out of this step: its parameter was unused here
         part.add_(saved)
     stats.selected, stats.exchange_seconds = result.msg.count, perf_counter() - start
@@ -860,7 +861,9 @@ def _reduce_hierarchical(state: SparseGradState, tensor: torch.Tensor, index: in
         return _dense_allreduce(tensor, group, size, stats)
     tensor.copy_(result.average)
     if residual is not None:
-        _record_taken(state, index, result.msg.indices, result.msg.values * result.applied)
+        error_indices, errors = rounding.pairs(residual.dtype, residual.device)
+        _record_taken(state, index, torch.cat([result.msg.indices, error_indices]),
+                      torch.cat([result.msg.values * result.applied, -errors]))
     done = _future_on(tensor.device)
     done.set_result(tensor)
     return done

@@ -1,7 +1,7 @@
 """collectives.hierarchical_allreduce on a real Gloo group of 4 ranks, as 4, 2 and 1 nodes: the same average on
-every rank, residuals zero outside each rank's shard, nothing lost, the exact top-k of each node's shard sum when
-the nodes' selections cannot interact, and a non-finite shard turning every rank back with nothing changed.
-tests/test_torchrun.py trains through the hook with it under torchrun.
+every rank, residuals zero outside each rank's shard, nothing lost (on the plain and the compact wire), the exact
+top-k of each node's shard sum when the nodes' selections cannot interact, and a non-finite shard turning every
+rank back with nothing changed. tests/test_torchrun.py trains through the hook with it under torchrun.
 
 Every rank builds every rank's input (deterministic data), so each computes the expected results itself.
 """
@@ -56,20 +56,29 @@ def same_on_every_rank(tensor: torch.Tensor) -> bool:
     return all(torch.equal(g, mine) for g in gathered)
 
 
-def check_case(rank: int, case: int, local_size: int, inner: str, dtype: torch.dtype, density: float) -> list[str]:
-    name = f"local_size={local_size} inner={inner} {dtype} density={density}"
+def check_case(rank: int, case: int, local_size: int, inner: str, dtype: torch.dtype, density: float,
+               wire: str = "plain") -> list[str]:
+    name = f"local_size={local_size} inner={inner} {dtype} density={density} wire={wire}"
     grad, residual = rank_input(case, rank, local_size, dtype)
     old_residual = residual.clone()
     traffic = Traffic()
     compressor = gx.make_compressor("topk", density)
     k = compressor.k_for(NUMEL)
-    result = hierarchical_allreduce(grad, residual, compressor, k, local_size, inner=inner, traffic=traffic)
+    rounding = gx.wire.Rounding()
+    result = hierarchical_allreduce(grad, residual, compressor, k, local_size, inner=inner, traffic=traffic,
+                                    wire=wire, rounding=rounding)
     failures = []
     if result.average is None or not same_on_every_rank(result.average):
         return [f"{name}: the average differs across ranks"]
     if residual[:result.shard.start].any() or residual[result.shard.stop:].any():
         failures.append(f"{name}: the residual is nonzero outside the rank's shard")
-    # Conservation: what went in on every rank = P * the average + what every rank keeps.
+    # Conservation: what went in on every rank = P * the average + what every rank keeps (the compact wire's
+    # rounding errors included: they are in the residual, and in ``rounding``, inside the rank's shard).
+    error_indices, errors = rounding.pairs(torch.float32, grad.device)
+    if wire == "plain" and error_indices.numel():
+        failures.append(f"{name}: the plain wire reported rounding errors")
+    if ((error_indices < result.shard.start) | (error_indices >= result.shard.stop)).any():
+        failures.append(f"{name}: a rounding error outside the rank's shard")
     balance = torch.stack([grad.double() + old_residual.double() - residual.double(),
                            grad.double().abs() + old_residual.double().abs()])
     dist.all_reduce(balance)
@@ -81,7 +90,8 @@ def check_case(rank: int, case: int, local_size: int, inner: str, dtype: torch.d
     # a bfloat16 node sum may rank near-ties otherwise).
     if (local_size == WORLD_SIZE or density == 1.0) and dtype == torch.float32:
         expected = exact_node_topk(case, local_size, density)
-        if not torch.allclose(result.average.float(), expected, rtol=scale, atol=scale):
+        tolerance = scale if wire == "plain" else 1e-3  # float16 on the wire: 11 significant bits
+        if not torch.allclose(result.average.float(), expected, rtol=tolerance, atol=tolerance):
             failures.append(f"{name}: the average is not the per-shard top-k of the node's sum")
     if density == 1.0 and residual.any():
         failures.append(f"{name}: density 1 left a residual")
@@ -115,7 +125,9 @@ def hierarchical_worker(rank: int, size: int) -> list[str]:
         for inner in ("gtopk", "allgather", "oktopk"):
             case += 1
             failures += check_case(rank, case, local_size, inner, torch.float32, DENSITY)
+            failures += check_case(rank, case, local_size, inner, torch.float32, DENSITY, wire="compact")
         failures += check_case(rank, case, local_size, "gtopk", torch.bfloat16, DENSITY)
+        failures += check_case(rank, case, local_size, "gtopk", torch.bfloat16, DENSITY, wire="compact")
         failures += check_case(rank, case, local_size, "gtopk", torch.float32, 1.0)
         failures += check_nonfinite(rank, local_size)
     try:

@@ -61,6 +61,11 @@ METHODS: dict[str, tuple[str, str, bool] | None] = {
     "gaussiank-allgather-mc": ("gaussiank", "allgather", True),
 }
 DEFAULT_METHODS = ("dense", "topk-allgather", "gaussiank-allgather", "gaussiank-gtopk")
+# --recipe: measured settings of the hook (and the methods they are for), as defaults of the flags below.
+RECIPES: dict[str, dict] = {
+    "dgc-0.001": {"methods": ["dense", "gaussiank-gtopk-mc", "gaussiank-allgather-mc"], "densities": [0.001],
+                  "per_tensor": True, "warmup_steps": 88, "masking": "after-warmup"},
+}
 
 
 def is_sparse(method: str) -> bool:
@@ -76,6 +81,8 @@ def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx
         return None
     compressor, collective, correction = METHODS[method]
     moved = {"momentum": args.momentum, "weight_decay": args.weight_decay} if correction else {}
+    if correction and args.masking == "after-warmup":  # momentum keeps its velocity through the warm-up
+        moved["masking_start_iter"] = args.start_iter + args.warmup_steps
     return gx.SparseGradState(density=density, compressor=compressor, collective=collective,
                               start_iter=args.start_iter, min_compress_numel=args.min_compress_numel,
                               density_schedule=gx.exponential_warmup(density, args.warmup_steps, args.warmup_density,
@@ -390,6 +397,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-compress-numel", type=int, default=1024, help="smaller buckets go dense")
     parser.add_argument("--per-tensor", action="store_true", help="the hook selects per parameter (its share of k)")
     parser.add_argument("--clip-norm", type=float, default=None, help="the hook's local clipping (DGC)")
+    parser.add_argument("--masking", choices=("always", "after-warmup"), default="always",
+                        help="momentum correction's factor masking: from the first compressed step, or from the end "
+                             "of the density warm-up on (the hook's masking_start_iter)")
+    parser.add_argument("--recipe", choices=list(RECIPES),
+                        help="hook settings that converge at that density (see RECIPES); flags given explicitly win")
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder of demo.json and demo.png")
     parser.add_argument("--overhead", action="store_true",
                         help="measure time per step only (no training curves): the hook against DDP's allreduce")
@@ -398,6 +410,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before failing")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if args.recipe is not None:  # the recipe's values become the defaults: flags given explicitly still win
+        parser.set_defaults(**RECIPES[args.recipe])
+        args = parser.parse_args(argv)
     for name in ("world_size", "epochs", "batch_size", "overhead_steps", "overhead_repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

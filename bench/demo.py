@@ -399,7 +399,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="iterations of density decaying from --warmup-density to the target (0: none)")
     parser.add_argument("--warmup-density", type=float, default=0.25)
     parser.add_argument("--min-compress-numel", type=int, default=1024, help="smaller buckets go dense")
-    parser.add_argument("--per-tensor", action="store_true", help="the hook selects per parameter (its share of k)")
+    parser.add_argument("--per-tensor", action=argparse.BooleanOptionalAction, default=False,
+                        help="the hook selects per parameter (its share of k)")
     parser.add_argument("--clip-norm", type=float, default=None, help="the hook's local clipping (DGC)")
     parser.add_argument("--masking", choices=("always", "after-warmup"), default="always",
                         help="momentum correction's factor masking: from the first compressed step, or from the end "

@@ -58,5 +58,6 @@ def test_recipe_sets_the_hook_and_explicit_flags_win():
     explicit = parse_args(["--recipe", "dgc-0.001", "--warmup-steps", "44", "--methods", "gaussiank-gtopk-mc"])
     assert explicit.methods == ["gaussiank-gtopk-mc"] and explicit.per_tensor
     assert make_hook_state("gaussiank-gtopk-mc", 0.001, explicit).masking_start_iter == 46
+    assert not parse_args(["--recipe", "dgc-0.001", "--no-per-tensor"]).per_tensor
     # without the recipe: masking from the first compressed step, as the hook's default
     assert make_hook_state("gaussiank-gtopk-mc", 0.001, parse_args([])).masking_start_iter == 0

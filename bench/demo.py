@@ -21,6 +21,7 @@ against steps and against bytes sent) under ``--out``.
 
     python -m bench.demo                        # the defaults: 4 processes, CNN, densities 0.01 and 0.001
     python -m bench.demo --seeds 0 1 2          # the convergence comparison
+    python -m bench.demo --recipe dgc-0.001 --seeds 0 1 2   # density 0.001 with the settings that converge (README)
     python -m bench.demo --overhead             # time per step only: the hook against DDP's allreduce
 """
 

@@ -65,8 +65,9 @@ DEFAULT_METHODS = ("dense", "topk-allgather", "gaussiank-allgather", "gaussiank-
 # --recipe: measured settings of the hook (and the methods they are for), as defaults of the flags below.
 RECIPES: dict[str, dict] = {
     "dgc-0.001": {"methods": ["dense", "gaussiank-gtopk-mc", "gaussiank-allgather-mc"], "densities": [0.001],
-                  "per_tensor": True, "warmup_steps": 88, "masking": "after-warmup"},
-    # the same with the convolutions' bucket (18,816 elements, 3.4% of the parameters) dense and a 2-epoch warm-up
+                  "warmup_steps": 88, "masking": "after-warmup"},
+    # the convolutions' bucket (18,816 elements, 3.4% of the parameters) dense, per-tensor selection, a 2-epoch
+    # warm-up
     "dgc-0.001-dense-conv": {"methods": ["dense", "gaussiank-gtopk-mc", "gaussiank-allgather-mc"],
                              "densities": [0.001], "per_tensor": True, "min_compress_numel": 20_000,
                              "warmup_steps": 44, "masking": "after-warmup"},

@@ -62,15 +62,16 @@ METHODS: dict[str, tuple[str, str, bool] | None] = {
     "gaussiank-allgather-mc": ("gaussiank", "allgather", True),
 }
 DEFAULT_METHODS = ("dense", "topk-allgather", "gaussiank-allgather", "gaussiank-gtopk")
-# --recipe: measured settings of the hook (and the methods they are for), as defaults of the flags below.
+# --recipe: measured settings of the hook (and the methods they are for), as defaults of the flags below: DGC's
+# momentum correction with its warm-up over 4 epochs of 22 steps, momentum factor masking from the end of it on.
+_DGC = {"methods": ["dense", "gaussiank-gtopk-mc", "gaussiank-allgather-mc"], "warmup_steps": 88,
+        "masking": "after-warmup"}
 RECIPES: dict[str, dict] = {
-    "dgc-0.001": {"methods": ["dense", "gaussiank-gtopk-mc", "gaussiank-allgather-mc"], "densities": [0.001],
-                  "warmup_steps": 88, "masking": "after-warmup"},
-    # the convolutions' bucket (18,816 elements, 3.4% of the parameters) dense, per-tensor selection, a 2-epoch
-    # warm-up
-    "dgc-0.001-dense-conv": {"methods": ["dense", "gaussiank-gtopk-mc", "gaussiank-allgather-mc"],
-                             "densities": [0.001], "per_tensor": True, "min_compress_numel": 20_000,
-                             "warmup_steps": 44, "masking": "after-warmup"},
+    "dgc-0.001": {**_DGC, "densities": [0.001]},
+    "dgc-0.01": {**_DGC, "densities": [0.01], "per_tensor": True},
+    # the convolutions' bucket (18,816 elements, 3.4% of the parameters) dense, a 2-epoch warm-up
+    "dgc-0.001-dense-conv": {**_DGC, "densities": [0.001], "per_tensor": True, "min_compress_numel": 20_000,
+                             "warmup_steps": 44},
 }
 
 

@@ -58,6 +58,8 @@ def test_recipe_sets_the_hook_and_explicit_flags_win():
     explicit = parse_args(["--recipe", "dgc-0.001", "--warmup-steps", "44", "--methods", "gaussiank-gtopk-mc"])
     assert explicit.methods == ["gaussiank-gtopk-mc"] and not explicit.per_tensor
     assert make_hook_state("gaussiank-gtopk-mc", 0.001, explicit).masking_start_iter == 46
+    at_001 = parse_args(["--recipe", "dgc-0.01"])
+    assert at_001.densities == [0.01] and at_001.per_tensor
     conv = parse_args(["--recipe", "dgc-0.001-dense-conv"])
     assert (conv.per_tensor, conv.min_compress_numel, conv.warmup_steps) == (True, 20_000, 44)
     assert not parse_args(["--recipe", "dgc-0.001-dense-conv", "--no-per-tensor"]).per_tensor

@@ -21,6 +21,7 @@ against steps and against bytes sent) under ``--out``.
 
     python -m bench.demo                        # the defaults: 4 processes, CNN, densities 0.01 and 0.001
     python -m bench.demo --seeds 0 1 2          # the convergence comparison
+    python -m bench.demo --recipe dgc-0.001 --seeds 0 1 2   # density 0.001 with the settings that converge (README)
     python -m bench.demo --overhead             # time per step only: the hook against DDP's allreduce
 """
 
@@ -61,6 +62,17 @@ METHODS: dict[str, tuple[str, str, bool] | None] = {
     "gaussiank-allgather-mc": ("gaussiank", "allgather", True),
 }
 DEFAULT_METHODS = ("dense", "topk-allgather", "gaussiank-allgather", "gaussiank-gtopk")
+# --recipe: measured settings of the hook (and the methods they are for), as defaults of the flags below: DGC's
+# momentum correction with its warm-up over 4 epochs of 22 steps, momentum factor masking from the end of it on.
+_DGC = {"methods": ["dense", "gaussiank-gtopk-mc", "gaussiank-allgather-mc"], "warmup_steps": 88,
+        "masking": "after-warmup"}
+RECIPES: dict[str, dict] = {
+    "dgc-0.001": {**_DGC, "densities": [0.001]},
+    "dgc-0.01": {**_DGC, "densities": [0.01], "per_tensor": True},
+    # the convolutions' bucket (18,816 elements, 3.4% of the parameters) dense, a 2-epoch warm-up
+    "dgc-0.001-dense-conv": {**_DGC, "densities": [0.001], "per_tensor": True, "min_compress_numel": 20_000,
+                             "warmup_steps": 44},
+}
 
 
 def is_sparse(method: str) -> bool:
@@ -76,6 +88,8 @@ def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx
         return None
     compressor, collective, correction = METHODS[method]
     moved = {"momentum": args.momentum, "weight_decay": args.weight_decay} if correction else {}
+    if correction and args.masking == "after-warmup":  # momentum keeps its velocity through the warm-up
+        moved["masking_start_iter"] = args.start_iter + args.warmup_steps
     return gx.SparseGradState(density=density, compressor=compressor, collective=collective,
                               start_iter=args.start_iter, min_compress_numel=args.min_compress_numel,
                               density_schedule=gx.exponential_warmup(density, args.warmup_steps, args.warmup_density,
@@ -388,8 +402,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="iterations of density decaying from --warmup-density to the target (0: none)")
     parser.add_argument("--warmup-density", type=float, default=0.25)
     parser.add_argument("--min-compress-numel", type=int, default=1024, help="smaller buckets go dense")
-    parser.add_argument("--per-tensor", action="store_true", help="the hook selects per parameter (its share of k)")
+    parser.add_argument("--per-tensor", action=argparse.BooleanOptionalAction, default=False,
+                        help="the hook selects per parameter (its share of k)")
     parser.add_argument("--clip-norm", type=float, default=None, help="the hook's local clipping (DGC)")
+    parser.add_argument("--masking", choices=("always", "after-warmup"), default="always",
+                        help="momentum correction's factor masking: from the first compressed step, or from the end "
+                             "of the density warm-up on (the hook's masking_start_iter)")
+    parser.add_argument("--recipe", choices=list(RECIPES),
+                        help="hook settings that converge at that density (see RECIPES); flags given explicitly win")
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder of demo.json and demo.png")
     parser.add_argument("--overhead", action="store_true",
                         help="measure time per step only (no training curves): the hook against DDP's allreduce")
@@ -398,6 +418,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before failing")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if args.recipe is not None:  # the recipe's values become the defaults: flags given explicitly still win
+        parser.set_defaults(**RECIPES[args.recipe])
+        args = parser.parse_args(argv)
     for name in ("world_size", "epochs", "batch_size", "overhead_steps", "overhead_repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

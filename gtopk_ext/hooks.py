@@ -361,6 +361,10 @@ class SparseGradState:
             the dense collective) send u (Nesterov: g + momentum * u) and keep it. ``momentum=0`` (default):
             today's plain error feedback, bit for bit. Needs the buckets' parameters (a DDP model) for weight
             decay. Conserved: what entered v (the increments) = what was applied + what v keeps.
+        masking_start_iter: with momentum correction, the iteration from which applied slots clear u (momentum
+            factor masking); before it only v is cleared there. Masking during a dense-ish warm-up (a density
+            warm-up from 0.25) clears the velocity of the elements sent at almost every step, which then train
+            without momentum; starting it where the warm-up ends keeps their momentum. 0 (default): always.
         clip_norm: DGC's local gradient clipping: each rank scales each bucket's gradient so that its L2 norm is at
             most ``clip_norm / sqrt(P)`` (before weight decay and momentum), on every path. Per bucket, not over
             the model: a norm over the model would wait for the last bucket and undo the overlap.
@@ -420,7 +424,7 @@ class SparseGradState:
                  compressor_kwargs: Optional[dict] = None, synchronous: bool = False, momentum: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0, clip_norm: Optional[float] = None,
                  per_tensor: bool = False, local_size: Optional[int] = None, inner_collective: str = "gtopk",
-                 wire: str = "plain"):
+                 wire: str = "plain", masking_start_iter: int = 0):
         check_density(density)
         check_wire(wire)
         if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
@@ -437,7 +441,8 @@ class SparseGradState:
         if collective not in COLLECTIVES:
             raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
         for name, value in (("start_iter", start_iter), ("min_compress_numel", min_compress_numel),
-                            ("random_seed", random_seed), ("stats_logging_frequency", stats_logging_frequency)):
+                            ("random_seed", random_seed), ("stats_logging_frequency", stats_logging_frequency),
+                            ("masking_start_iter", masking_start_iter)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if collective == "hierarchical":
@@ -466,6 +471,7 @@ class SparseGradState:
         self.momentum = float(momentum)
         self.nesterov = bool(nesterov)
         self.weight_decay = float(weight_decay)
+        self.masking_start_iter = masking_start_iter
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.per_tensor = bool(per_tensor)
         self.local_size = local_size
@@ -782,7 +788,8 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
         error_indices, errors = rounding.pairs(residual.dtype, residual.device)
         ops.scatter_add_(residual, error_indices, errors, backend=msg.backend)
         _record_taken(state, index, torch.cat([msg.indices, error_indices]), torch.cat([taken, -errors]))
-    if velocity is not None:  # momentum factor masking: the velocity is cleared where a slot was applied
+    if velocity is not None and state.iter >= state.masking_start_iter:
+        # momentum factor masking: the velocity is cleared where a slot was applied
         sent = torch.arange(k, device=tensor.device) < msg.count
         velocity.index_fill_(0, msg.indices[sent if applied is None else sent & applied].long(), 0)
     stats.apply_seconds = perf_counter() - start

@@ -43,3 +43,25 @@ def test_demo_writes_sane_json_and_png(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])
     assert width >= 800 and height >= 600 and len(png) > 20_000
+
+
+def test_recipe_sets_the_hook_and_explicit_flags_win():
+    sys.path.insert(0, str(ROOT))
+    from bench.demo import make_hook_state, parse_args
+
+    args = parse_args(["--recipe", "dgc-0.001"])
+    assert args.methods == ["dense", "gaussiank-gtopk-mc", "gaussiank-allgather-mc"] and args.densities == [0.001]
+    state = make_hook_state("gaussiank-gtopk-mc", 0.001, args)
+    # momentum in the hook, DGC's warm-up over 4 epochs of 22 steps, masking after it
+    assert (state.momentum, state.per_tensor, state.start_iter, state.masking_start_iter) == (0.9, False, 2, 90)
+    assert state.density_at(2) == 0.25 and state.density_at(89) > 0.001 and state.density_at(90) == 0.001
+    explicit = parse_args(["--recipe", "dgc-0.001", "--warmup-steps", "44", "--methods", "gaussiank-gtopk-mc"])
+    assert explicit.methods == ["gaussiank-gtopk-mc"] and not explicit.per_tensor
+    assert make_hook_state("gaussiank-gtopk-mc", 0.001, explicit).masking_start_iter == 46
+    at_001 = parse_args(["--recipe", "dgc-0.01"])
+    assert at_001.densities == [0.01] and at_001.per_tensor
+    conv = parse_args(["--recipe", "dgc-0.001-dense-conv"])
+    assert (conv.per_tensor, conv.min_compress_numel, conv.warmup_steps) == (True, 20_000, 44)
+    assert not parse_args(["--recipe", "dgc-0.001-dense-conv", "--no-per-tensor"]).per_tensor
+    # without the recipe: masking from the first compressed step, as the hook's default
+    assert make_hook_state("gaussiank-gtopk-mc", 0.001, parse_args([])).masking_start_iter == 0

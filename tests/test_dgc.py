@@ -2,8 +2,8 @@
 
 Momentum correction and momentum factor masking against a plain-Python replay of the algorithm: per rank, a
 velocity u and an accumulator v, ``g += wd * w``, ``u = m * u + g``, ``v += u`` (Nesterov: ``v += g + m * u``),
-the top-k of v sent, the slots applied cleared in v and u, the dropped ones back in v; dense warm-up steps send u
-and keep it. Local clipping, per-tensor selection and the exponential warm-up.
+the top-k of v sent, the slots applied cleared in v and u (in u from ``masking_start_iter`` on), the dropped ones
+back in v; dense warm-up steps send u and keep it. Local clipping, per-tensor selection and the exponential warm-up.
 """
 
 import pytest
@@ -30,7 +30,8 @@ def parameters() -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator) for shape in SHAPES]
 
 
-def replay(group, rank: int, size: int, collective: str, momentum: float, nesterov: bool, decay: float):
+def replay(group, rank: int, size: int, collective: str, momentum: float, nesterov: bool, decay: float,
+           masking_start: int):
     """The algorithm in plain PyTorch, one rank's view: per step (output, u, v), and what entered v in total."""
     weights = torch.cat([p.reshape(-1) for p in parameters()])
     u, v, entered, k = torch.zeros(NUMEL), torch.zeros(NUMEL), torch.zeros(NUMEL, dtype=torch.float64), 15
@@ -57,7 +58,8 @@ def replay(group, rank: int, size: int, collective: str, momentum: float, nester
                 glob, applied = gx.collectives.gtopk_allreduce(msg, group)
                 output.index_add_(0, glob.indices.long(), glob.values / size)
                 v[indices[~applied]] += values[~applied]
-            u[indices[applied]] = 0
+            if step >= masking_start:
+                u[indices[applied]] = 0
         steps.append((output, u.clone(), v.clone()))
     return steps, entered
 
@@ -65,13 +67,15 @@ def replay(group, rank: int, size: int, collective: str, momentum: float, nester
 def check(group, rank: int, size: int) -> list[str]:
     failures = []
     for collective in ("gtopk", "allgather"):
-        for momentum, nesterov, decay in ((0.9, False, 0.0), (0.9, True, 1e-2), (0.5, False, 1e-3)):
-            where = f"P={size} {collective} m={momentum} nesterov={nesterov} wd={decay}"
+        for momentum, nesterov, decay, masking_start in ((0.9, False, 0.0, 0), (0.9, True, 1e-2, 0),
+                                                         (0.5, False, 1e-3, 0), (0.9, False, 0.0, 5)):
+            where = f"P={size} {collective} m={momentum} nesterov={nesterov} wd={decay} masking from {masking_start}"
             state = gx.SparseGradState(group, density=DENSITY, compressor="topk", collective=collective,
                                        start_iter=START_ITER, min_compress_numel=1, stats_logging_frequency=0,
-                                       momentum=momentum, nesterov=nesterov, weight_decay=decay)
+                                       momentum=momentum, nesterov=nesterov, weight_decay=decay,
+                                       masking_start_iter=masking_start)
             params = parameters()
-            expected, entered = replay(group, rank, size, collective, momentum, nesterov, decay)
+            expected, entered = replay(group, rank, size, collective, momentum, nesterov, decay, masking_start)
             applied = torch.zeros(NUMEL, dtype=torch.float64)
             for step, (output, u, v) in enumerate(expected):
                 got = state.reduce(gradient(step, rank), 0, parameters=params).wait()
@@ -156,6 +160,7 @@ def test_momentum_correction_matches_the_algorithm_and_conserves():
     ({"nesterov": True}, "nesterov=True needs momentum > 0"),
     ({"momentum": 0.9, "weight_decay": -1e-4}, "weight_decay must be a number >= 0"),
     ({"clip_norm": 0.0}, "clip_norm must be None or a number > 0"),
+    ({"momentum": 0.9, "masking_start_iter": -1}, "masking_start_iter must be an int >= 0"),
 ])
 def test_bad_momentum_arguments(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):

@@ -29,7 +29,9 @@ node and its last log2(N) rounds put L sets on the node's link at once; Ok-Topk 
 the node. The hierarchical collective (gtopk_ext.collectives.hierarchical_allreduce):
 
     hierarchical  2(L-1) (alpha_intra + 4n/L beta_intra)     (dense reduce-scatter and allgather inside the node)
-                  + select * n/L + inner(n/L, k/L, N ranks) with the node's link carrying L of its messages
+                  + copy * n + select * n/L                 (its passes over the whole gradient: the sum with the
+                                                             residual, the reduce-scatter's inputs, the result)
+                  + inner(n/L, k/L, N ranks) with the node's link carrying L of its messages
 
 beta is fitted per link rate; on the 2-core machine that measured, P ranks share the cores, so the compute terms
 of measured rows are scaled by max(1, P / cores). The fit is non-negative least squares on relative errors
@@ -61,7 +63,8 @@ METHODS = ("dense", "allgather", "gtopk", "oktopk", "hierarchical")
 SPARSE_METHODS = ("allgather", "gtopk", "oktopk")
 WIRES = ("plain", "compact")
 LINK_TERMS = ("alpha", "alpha_intra", "beta_intra")  # besides beta, which is fitted per rate
-COMPUTE_TERMS = ("merge", "scatter", "zero", "encode", "decode")  # per-element costs fitted from the exchanges
+# per-element costs fitted from the exchanges
+COMPUTE_TERMS = ("merge", "scatter", "zero", "encode", "decode", "copy")
 PAPER = {"world_size": 32, "rate_bps": 10**9, "over_dense": (2.7, 12.0), "over_allgather": (1.1, 1.7)}
 PREDICT_WORLD_SIZES = tuple(2**i for i in range(1, 11))
 PREDICT_RATES = (10**9, 10**10, 10**11)
@@ -164,7 +167,8 @@ def features(method: str, numel: int, k: int, world_size: int, share: float, wir
     nodes = world_size // local
     if method == "hierarchical":
         shard, shard_k = math.ceil(numel / local), math.ceil(max(k, local) / local)
-        terms = {"alpha_intra": 2 * (local - 1), "beta_intra": (local - 1) * (2 * 4 * shard + 4)}
+        terms = {"alpha_intra": 2 * (local - 1), "beta_intra": (local - 1) * (2 * 4 * shard + 4),
+                 "copy": numel * share}
         if nodes > 1:  # the local ranks' inner collectives share the node's link
             for name, value in features(inner, shard, shard_k, nodes, share, wire).items():
                 terms[name] = terms.get(name, 0.0) + value * (local if name == "beta" else 1)
@@ -194,6 +198,7 @@ class CostModel:
     select: float  # per gradient element, Gaussian-k selection
     encode: float = 0.0  # per pair the compact wire encodes
     decode: float = 0.0  # per pair the compact wire decodes
+    copy: float = 0.0  # per gradient element, the hierarchical collective's passes over the whole gradient
     alpha_intra: float = 0.0
     beta_intra: float = 0.0
     rate_bps: dict[str, float | None] = field(default_factory=dict)
@@ -298,18 +303,22 @@ def efficiency(model: CostModel, method: str, numel: int, density: float | None,
 
 
 def break_even_intra(model: CostModel, numel: int, density: float, world_size: int, local: int, beta: float,
-                     share: float, inner: str = "gtopk") -> float | None:
-    """The intra-node bandwidth (bytes per second, alpha_intra as fitted) above which the hierarchical exchange is
-    faster than flat gTop-k on this layout (both linear in beta_intra), with ``beta`` seconds per byte between
-    nodes and ``share`` ranks per core; None when it is never faster."""
+                     share: float, compute_scale: float = 1.0, alpha_intra: float | None = None,
+                     inner: str = "gtopk") -> float | None:
+    """The intra-node bandwidth (bytes per second) above which the hierarchical exchange is faster than flat
+    gTop-k on this layout (both linear in beta_intra), with ``beta`` seconds per byte between nodes, ``share``
+    ranks per core, the per-element costs times ``compute_scale`` and ``alpha_intra`` (None: as fitted); None
+    when it is never faster."""
     k = max(1, math.ceil(density * numel))
-    costs = {"alpha": model.alpha, "beta": beta, "alpha_intra": model.alpha_intra,
-             **{name: getattr(model, name) for name in COMPUTE_TERMS}}
+    costs = {"alpha": model.alpha, "beta": beta,
+             "alpha_intra": model.alpha_intra if alpha_intra is None else alpha_intra,
+             **{name: getattr(model, name) * compute_scale for name in COMPUTE_TERMS}}
 
     def split(method: str) -> tuple[float, float]:  # (seconds without beta_intra, bytes inside the node)
         terms = features(method, numel, k, world_size, share, "plain", local, inner)
         fixed = sum(costs[name] * value for name, value in terms.items() if name != "beta_intra")
-        return fixed + model.select * share * selected_elements(method, numel, local), terms.get("beta_intra", 0.0)
+        selection = model.select * compute_scale * share * selected_elements(method, numel, local)
+        return fixed + selection, terms.get("beta_intra", 0.0)
 
     (hier_fixed, hier_bytes), (flat_fixed, flat_bytes) = split("hierarchical"), split("gtopk")
     if hier_fixed >= flat_fixed:
@@ -319,8 +328,9 @@ def break_even_intra(model: CostModel, numel: int, density: float, world_size: i
 
 def hierarchical_against_flat(fit_result: Fit) -> list[dict]:
     """Every measured hierarchical exchange beside flat gTop-k's (plain wire) on the same layout, gradient and
-    link, and the intra-node bandwidth above which the fitted model makes hierarchical the faster one: with the
-    ranks sharing this machine's cores as measured, and with a core per rank."""
+    link, and the intra-node bandwidth above which the fitted model makes hierarchical the faster one: with every
+    cost as fitted (the ranks sharing this machine's cores as measured), and for the links alone (per-element
+    costs 0, as on an accelerator, and NVLink's latency inside the node)."""
     out = []
     for hier in (r for r in fit_result.residuals if r["method"] == "hierarchical"):
         flat = next((r for r in fit_result.residuals if r["method"] == "gtopk" and r["wire"] == "plain"
@@ -334,7 +344,8 @@ def hierarchical_against_flat(fit_result: Fit) -> list[dict]:
                    | {"hierarchical_s": hier["measured_s"], "flat_gtopk_s": flat["measured_s"],
                       "hierarchical_model_s": hier["predicted_s"], "flat_gtopk_model_s": flat["predicted_s"],
                       "break_even_Bps_as_measured": break_even_intra(*layout, share=hier["share"]),
-                      "break_even_Bps_core_per_rank": break_even_intra(*layout, share=1.0)})
+                      "break_even_Bps_links_only": break_even_intra(*layout, share=1.0, compute_scale=0.0,
+                                                                    alpha_intra=INTRA_LINKS["NVLink"][0])})
     return out
 
 
@@ -401,13 +412,14 @@ def print_report(fit_result: Fit, prediction: dict, args: argparse.Namespace) ->
                        ("scatter", "allgather scatter-add, per pair"),
                        ("zero", "allgather dense output, per element"),
                        ("encode", "compact wire, per pair encoded"),
-                       ("decode", "compact wire, per pair decoded")):
+                       ("decode", "compact wire, per pair decoded"),
+                       ("copy", "hierarchical, per gradient element (its dense passes)")):
         print(f"  {name:7}{getattr(model, name) * 1e9:9.3f} ns  {text}")
     comparisons = hierarchical_against_flat(fit_result)
     if comparisons:
         print("\nhierarchical against flat gTop-k (measured ms per exchange, model in brackets), and the intra-node "
-              "bandwidth above which the model makes hierarchical faster (ranks sharing the cores as measured; "
-              "a core per rank):")
+              "bandwidth above which the model makes hierarchical faster (every cost as fitted; the links alone: "
+              "per-element costs 0, NVLink's alpha inside):")
 
         def bandwidth(value: float | None) -> str:
             return "never" if value is None else f"{value / 1e9:.3g} GB/s"
@@ -417,7 +429,7 @@ def print_report(fit_result: Fit, prediction: dict, args: argparse.Namespace) ->
                   f"d={c['density']:g}: hierarchical {c['hierarchical_s'] * 1e3:.1f} "
                   f"({c['hierarchical_model_s'] * 1e3:.1f}), flat {c['flat_gtopk_s'] * 1e3:.1f} "
                   f"({c['flat_gtopk_model_s'] * 1e3:.1f}); break-even {bandwidth(c['break_even_Bps_as_measured'])}, "
-                  f"{bandwidth(c['break_even_Bps_core_per_rank'])}")
+                  f"{bandwidth(c['break_even_Bps_links_only'])}")
     print(f"\npredicted scaling efficiency: n = {args.numel / 1e6:g}M, compute {args.compute_s * 1e3:g} ms per "
           f"iteration, no overlap, alpha {prediction['alpha'] * 1e6:.0f} us, wire overhead x{model.wire_overhead():.3f}, "
           f"per-element costs x{args.compute_scale:g}; one rank per machine, one link each")

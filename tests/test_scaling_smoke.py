@@ -80,7 +80,8 @@ def test_bytes_by_hand():
     # Hierarchical, 2 nodes x 2: reduce-scatter and allgather of 50,000-element shards (+ a flags word), gTop-k
     # of k/2 pairs between the 2 nodes, both local ranks' sets on the node's link.
     assert cost_model.features("hierarchical", n, k, 4, 1.0, local=2) == {
-        "alpha_intra": 2, "beta_intra": 2 * 4 * 50_000 + 4, "alpha": 1, "beta": 2 * (4 + 8 * 500), "merge": 1000}
+        "alpha_intra": 2, "beta_intra": 2 * 4 * 50_000 + 4, "copy": n, "alpha": 1, "beta": 2 * (4 + 8 * 500),
+        "merge": 1000}
 
 
 def pages(n: int) -> int:
@@ -137,19 +138,20 @@ def synthetic_rows(truth: dict, noise: float) -> list[dict]:
                 add("gtopk", n, density, 4, rate, bps, alpha_i + (4 + 8 * k) * beta_i + alpha
                     + 2 * (4 + 8 * k) * beta + 2 * truth["merge"] * 2 * 2 * k, local=2)
                 add("hierarchical", n, density, 4, rate, bps, 2 * alpha_i + (4 * n + 4) * beta_i + alpha
-                    + 2 * (4 + 8 * k / 2) * beta + 2 * truth["merge"] * k + 2 * truth["select"] * n / 2, local=2)
+                    + 2 * (4 + 8 * k / 2) * beta + 2 * truth["merge"] * k + 2 * (truth["select"] * n / 2
+                                                                                 + truth["copy"] * n), local=2)
     return rows
 
 
 def test_cost_model_recovers_known_costs():
     truth = {"alpha": 200e-6, "beta": {"1gbit": 8.4e-9, "100mbit": 84e-9}, "merge": 40e-9, "scatter": 10e-9,
-             "zero": 1e-9, "select": 3e-9, "encode": 6e-9, "decode": 4e-9, "alpha_intra": 50e-6,
+             "zero": 1e-9, "select": 3e-9, "encode": 6e-9, "decode": 4e-9, "copy": 2e-9, "alpha_intra": 50e-6,
              "beta_intra": 0.5e-9}
     model = cost_model.fit(synthetic_rows(truth, noise=0.01)).model
     assert model.alpha == pytest.approx(truth["alpha"], rel=0.1)
     assert model.beta == pytest.approx(truth["beta"], rel=0.03)
     assert model.wire_overhead() == pytest.approx(1.05, rel=0.03)
-    for name in ("merge", "scatter", "zero", "encode", "decode", "beta_intra"):
+    for name in ("merge", "scatter", "zero", "encode", "decode", "copy", "beta_intra"):
         assert getattr(model, name) == pytest.approx(truth[name], rel=0.2), name
     assert model.select == pytest.approx(truth["select"], rel=1e-9)
 
@@ -167,7 +169,7 @@ def test_cost_model_recovers_known_costs():
                                                                                                     rel=1e-6)
     # Hierarchical on 8 nodes of 8 behind 10 Gbit/s links, NVLink-like links inside (5 us, 200 GB/s).
     shard, shard_k = 3_200_000, 3200
-    expected = (14 * 5e-6 + 7 * (8 * shard + 4) / 200e9 + 3e-9 * shard
+    expected = (14 * 5e-6 + 7 * (8 * shard + 4) / 200e9 + 3e-9 * shard + 2e-9 * 25_600_000
                 + 3 * (200e-6 + 8 * (4 + 8 * shard_k) * 0.84e-9 + 40e-9 * 2 * shard_k))
     assert cost_model.comm_time(exact.model, "hierarchical", 25_600_000, 0.001, 64, 10**10, local=8,
                                 intra=(5e-6, 200e9)) == pytest.approx(expected, rel=1e-6)

@@ -431,8 +431,9 @@ def print_report(fit_result: Fit, prediction: dict, args: argparse.Namespace) ->
                   f"({c['flat_gtopk_model_s'] * 1e3:.1f}); break-even {bandwidth(c['break_even_Bps_as_measured'])}, "
                   f"{bandwidth(c['break_even_Bps_links_only'])}")
     print(f"\npredicted scaling efficiency: n = {args.numel / 1e6:g}M, compute {args.compute_s * 1e3:g} ms per "
-          f"iteration, no overlap, alpha {prediction['alpha'] * 1e6:.0f} us, wire overhead x{model.wire_overhead():.3f}, "
-          f"per-element costs x{args.compute_scale:g}; one rank per machine, one link each")
+          f"iteration, no overlap, alpha {prediction['alpha'] * 1e6:.0f} us, wire overhead "
+          f"x{model.wire_overhead():.3f}, per-element costs x{args.compute_scale:g}; one rank per machine, one link "
+          f"each")
     for density in args.densities:
         names = [label(m, d, w) for m, d, w in series([density])]
         print(f"{'link':>8} {'P':>5} " + " ".join(f"{n:>20}" for n in names))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -46,7 +45,6 @@ from bench.emulated_network import (Network, Networks, TxCounter, check_can_emul
                                     join_group, rate_name, run_ranks)
 
 METHODS = ("dense", "allgather", "gtopk", "oktopk", "hierarchical")
-SPARSE_METHODS = ("allgather", "gtopk", "oktopk")
 WIRES = ("plain", "compact")
 BARRIER_PROBES = 20  # barriers timed to subtract their bytes from each measurement
 
@@ -165,7 +163,7 @@ def run_worker(config: dict) -> None:
                    "select_s": None if density is None else statistics.median(select_s[density]),
                    "cores": os.cpu_count(), "skipped": plan.skip}
             if plan.skip is None:
-                exchange = exchange_for(method, grad, messages.get(density), wire,
+                exchange = exchange_for(method, grad, messages.get(density), density, wire,
                                         node_group if group_size < world_size else None, local)
                 row.update(measure(exchange, plan.repeats))
             rows.append(row)
@@ -205,7 +203,7 @@ def link_bytes(method: str, numel: int, k: int, world_size: int, wire: str, loca
     return features(method, numel, k, world_size, 1.0, wire, min(local, world_size)).get("beta", 0.0)
 
 
-def exchange_for(method: str, grad, msg, wire: str, node_group, local: int):
+def exchange_for(method: str, grad, msg, density: float | None, wire: str, node_group, local: int):
     """The exchange to time: one call of the collective, with the header agreement off (as the DDP hook runs
     it after the warm-up has checked the headers). Ok-Topk's state is primed by one call first: the exchange
     timed is a steady step, which reuses the regions and the threshold. ``node_group``: a dense allreduce inside
@@ -223,7 +221,7 @@ def exchange_for(method: str, grad, msg, wire: str, node_group, local: int):
     if method == "gtopk":
         return lambda: collectives.gtopk_allreduce(msg, check=False, wire=wire)
     if method == "hierarchical":
-        compressor = gx.make_compressor("gaussiank", density=msg.k / msg.numel)
+        compressor = gx.make_compressor("gaussiank", density=density)
         return lambda: collectives.hierarchical_allreduce(grad, None, compressor, msg.k, local)
     state = collectives.OkTopkState()
     collectives.oktopk_allreduce(msg, state=state, check=False, wire=wire)
@@ -244,16 +242,15 @@ def run_group(world_size: int, rate_bps: int | None, network: Network | None, ar
     return json.loads(out.read_text())
 
 
-HEADER = (f"{'P':>2} {'L':>2} {'rate':>8} {'method':>12} {'wire':>7} {'n':>10} {'density':>7} {'k':>9} {'reps':>4} {'ms/exch':>9} "
-          f"{'MB sent':>9} {'MB model':>9} {'sent/model':>10} {'select ms':>9}")
+HEADER = (f"{'P':>2} {'L':>2} {'rate':>8} {'method':>12} {'wire':>7} {'n':>10} {'density':>7} {'k':>9} {'reps':>4} "
+          f"{'ms/exch':>9} {'MB sent':>9} {'MB model':>9} {'sent/model':>10} {'select ms':>9}")
 
 
 def format_row(row: dict) -> str:
     density = "-" if row["density"] is None else f"{row['density']:g}"
     select = "-" if row["select_s"] is None else f"{row['select_s'] * 1e3:.1f}"
     start = (f"{row['world_size']:>2} {row['local_size']:>2} {row['rate']:>8} {row['method']:>12} {row['wire']:>7} "
-             f"{row['numel']:>10} {density:>7} "
-             f"{row['k']:>9} {row['repeats']:>4} ")
+             f"{row['numel']:>10} {density:>7} {row['k']:>9} {row['repeats']:>4} ")
     if row["skipped"]:
         return start + f"skipped: {row['skipped']}"
     sent = row["tx_bytes"]

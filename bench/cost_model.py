@@ -503,7 +503,8 @@ def plot(fit_result: Fit, prediction: dict, args: argparse.Namespace, path: Path
         axis.set_xscale("log", base=2)
         axis.set_ylim(0, 1.02)
         axis.set_title(f"{rate / 1e9:g} Gbit/s, density {density:g}: n = {args.numel / 1e6:g}M, compute "
-                       f"{args.compute_s * 1e3:g} ms", fontsize=10)
+                       f"{args.compute_s * 1e3:g} ms,\nalpha {prediction['alpha'] * 1e6:.0f} us, per-element costs "
+                       f"x{args.compute_scale:g}", fontsize=9)
         axis.set_xlabel("ranks P (one per machine)")
         axis.set_ylabel("scaling efficiency")
         axis.grid(alpha=0.3)
@@ -540,8 +541,9 @@ def plot_two_level(prediction: dict, args: argparse.Namespace, path: Path) -> No
         axis.set_ylabel("scaling efficiency")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
-    figure.suptitle(f"n = {args.numel / 1e6:g}M, compute {args.compute_s * 1e3:g} ms per iteration, no overlap",
-                    fontsize=10)
+    figure.suptitle(f"n = {args.numel / 1e6:g}M, compute {args.compute_s * 1e3:g} ms per iteration, no overlap, "
+                    f"alpha {prediction['alpha'] * 1e6:.0f} us between nodes, per-element costs "
+                    f"x{args.compute_scale:g}", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -21,7 +21,8 @@ repetitions), bytes sent per rank, and each rank's Gaussian-k selection time (ra
 Needs root, ``ip`` and ``tc`` with tbf; without them it says so and exits with status 2. Everything it creates
 is removed on exit, on failure and on SIGINT/SIGTERM; ``--cleanup`` removes what a killed run left behind.
 
-    python -m bench.netem_scaling --json bench_netem.json          # full run, ~10 minutes on 2 cores
+    python -m bench.netem_scaling --json bench_netem.json          # full run, both wires: 3 sizes, P = 2, 4, 8
+    python -m bench.netem_scaling --sizes 1e6 25e6 --world-sizes 2 4 6 8 --json w.json   # 12 minutes on 2 cores
     python -m bench.netem_scaling --loopback --sizes 100000 --world-sizes 2   # no namespaces, no shaping
     python -m bench.netem_scaling --local-size 2 --world-sizes 4 --sizes 4e6 --wires plain
     python -m bench.netem_scaling --cleanup

@@ -14,9 +14,15 @@ message, Gaussian-k, with its own error-feedback residual; Ok-Topk with one OkTo
 ``--wire plain compact`` measures each sparse collective with each wire format (gtopk_ext/wire.py); the dense
 allreduce has none. The compact wire's rounding errors go back into the residuals, as in the hook.
 
+``--counters`` (as root) runs the ranks in network namespaces instead (bench/emulated_network.py: a veth link
+each, unshaped) and checks ``stats()`` against the kernel: the bytes each rank's interface sent
+(``/sys/class/net/eth0/statistics/tx_bytes`` in its namespace) over the measured steps, minus one barrier's,
+divided by what ``stats()`` counted over the same steps. TCP/IP headers and ACKs put the ratio a little above 1.
+
     python -m bench.bytes_per_step --world-sizes 4 8 --density 0.01 --json bytes_per_step.json
     python -m bench.bytes_per_step --exchange --hidden 2048 768 --world-sizes 2 4 8 --steps 40
     python -m bench.bytes_per_step --hidden 2048 768 --world-sizes 8 --wire plain compact
+    python -m bench.bytes_per_step --counters --hidden 2048 768 --world-sizes 8 --steps 10 --wire plain compact
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import json
 import os
 import queue
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -56,10 +64,23 @@ def runs(collectives: tuple[str, ...], wires: tuple[str, ...]) -> list[tuple[str
     return [(c, w) for c in collectives for w in (("plain",) if c == "dense" else wires)]
 
 
+BARRIER_PROBES = 20  # barriers whose bytes are measured, to take one off the counted steps
+
+
 def measure(rank: int, world_size: int, density: float, steps: int, hidden: tuple[int, int],
-            collectives: tuple[str, ...], wires: tuple[str, ...]) -> dict:
+            collectives: tuple[str, ...], wires: tuple[str, ...], counter=None) -> dict:
+    """Per (collective, wire): bytes from ``stats()`` per compressed step (median) and over all of them; with a
+    ``counter`` (bench.emulated_network.TxCounter), also the bytes the interface sent over those steps."""
     import gtopk_ext as gx
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    barrier_bytes = 0.0
+    if counter is not None:
+        dist.barrier()
+        start = counter.read()
+        for _ in range(BARRIER_PROBES):
+            dist.barrier()
+        barrier_bytes = (counter.read() - start) / BARRIER_PROBES
 
     results = {}
     for collective, wire in runs(collectives, wires):
@@ -72,6 +93,9 @@ def measure(rank: int, world_size: int, density: float, steps: int, hidden: tupl
         generator = torch.Generator().manual_seed(rank)
         sent, received, seconds = [], [], []
         for step in range(WARMUP + steps):
+            if step == WARMUP and counter is not None:
+                dist.barrier()
+                counted_from = counter.read()
             x, y = batch(generator)
             start = time.perf_counter()
             optimizer.zero_grad()
@@ -82,10 +106,14 @@ def measure(rank: int, world_size: int, density: float, steps: int, hidden: tupl
                 sent.append(total["bytes_sent"])
                 received.append(total["bytes_received"])
                 seconds.append(time.perf_counter() - start)
+        if counter is not None:
+            dist.barrier()  # every rank's last step sent; the barrier's own bytes are taken off
+            interface_bytes = counter.read() - counted_from - barrier_bytes
         results[collective, wire] = {"parameters": sum(p.numel() for p in model.parameters()),
                                "buckets": len(state.stats()["buckets"]), "k": state.stats()["total"]["k"],
                                "bytes_sent": statistics.median(sent), "bytes_received": statistics.median(received),
-                               "seconds": statistics.median(seconds)}
+                               "seconds": statistics.median(seconds), "stats_bytes_steps": sum(sent),
+                               "interface_bytes_steps": interface_bytes if counter is not None else None}
     return results
 
 
@@ -175,6 +203,38 @@ def run_on_gloo(measure_fn, world_size: int, *args, timeout: float = 900.0) -> l
     return [per_rank[r] for r in range(world_size)]
 
 
+def counters_worker(config: dict) -> None:
+    """One rank inside its namespace (bench.emulated_network.run_ranks): the hook's bytes and the interface's."""
+    from bench.emulated_network import TxCounter, join_group
+
+    args, rank, world_size = join_group(config)
+    results = measure(rank, world_size, args.density, args.steps, tuple(args.hidden), tuple(config["collectives"]),
+                      tuple(args.wire), counter=TxCounter(config["ifname"]))
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, [[*key, value] for key, value in results.items()])
+    if rank == 0:
+        Path(config["out"]).write_text(json.dumps(gathered))
+    destroy_process_group()
+
+
+def run_in_namespaces(world_size: int, args: argparse.Namespace, collectives: tuple[str, ...]) -> list[dict]:
+    """``measure`` with interface counters on P ranks, each in its own namespace (one unshaped link each)."""
+    from bench.emulated_network import Networks, run_ranks
+
+    networks = Networks(args.prefix)
+    try:
+        network = networks.create(world_size)
+        with tempfile.TemporaryDirectory(prefix="bytes_per_step_") as tmp:
+            out = Path(tmp) / "results.json"
+            config = {"args": {key: value for key, value in vars(args).items() if key != "worker"},
+                      "collectives": list(collectives), "out": str(out)}
+            run_ranks("bench.bytes_per_step", world_size, network, config, Path(tmp), f"p{world_size}", 1800.0)
+            return [{(collective, wire): value for collective, wire, value in ranks}
+                    for ranks in json.loads(out.read_text())]
+    finally:
+        networks.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[4, 8])
@@ -186,16 +246,35 @@ def main() -> None:
                         help="measure the collectives on the whole gradient instead of through the hook")
     parser.add_argument("--wire", nargs="+", default=["plain"], choices=["plain", "compact"],
                         help="the sparse collectives' wire formats to measure")
+    parser.add_argument("--counters", action="store_true",
+                        help="as root: ranks in network namespaces, stats() checked against the interfaces' tx_bytes")
+    parser.add_argument("--prefix", default="gxbytes", help="name prefix of the namespaces --counters creates")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        counters_worker(json.loads(args.worker.read_text()))
+        return
+    if args.counters and args.exchange:
+        parser.error("--counters measures the hook; leave out --exchange")
+    if args.counters:
+        from bench.emulated_network import check_can_emulate
+
+        reason = check_can_emulate()
+        if reason:
+            print(f"bytes_per_step --counters cannot run: {reason}", file=sys.stderr)
+            sys.exit(2)
     if args.exchange:
         measure_fn, collectives = measure_exchanges, COLLECTIVES
     else:  # the collectives the hook offers
         measure_fn, collectives = measure, tuple(c for c in COLLECTIVES if c in HOOK_COLLECTIVES)
     rows = []
     for world_size in args.world_sizes:
-        per_rank = run_on_gloo(measure_fn, world_size, args.density, args.steps, tuple(args.hidden), collectives,
-                               tuple(args.wire))
+        if args.counters:
+            per_rank = run_in_namespaces(world_size, args, collectives)
+        else:
+            per_rank = run_on_gloo(measure_fn, world_size, args.density, args.steps, tuple(args.hidden), collectives,
+                                   tuple(args.wire))
         for collective, wire in runs(collectives, tuple(args.wire)):
             ranks = [r[collective, wire] for r in per_rank]
             rows.append({"world_size": world_size, "collective": collective, "wire": wire, "density": args.density,
@@ -206,9 +285,14 @@ def main() -> None:
                          "sent_mean_all_steps": statistics.mean(r.get("bytes_sent_mean", r["bytes_sent"])
                                                                 for r in ranks),
                          "received_max": None if args.exchange else max(r["bytes_received"] for r in ranks),
-                         "seconds_median": None if args.exchange else statistics.median(r["seconds"] for r in ranks)})
+                         "seconds_median": None if args.exchange else statistics.median(r["seconds"] for r in ranks),
+                         "interface_over_stats": statistics.mean(r["interface_bytes_steps"] / r["stats_bytes_steps"]
+                                                                 for r in ranks) if args.counters else None,
+                         "interface_per_step_mean": statistics.mean(r["interface_bytes_steps"] for r in ranks)
+                         / args.steps if args.counters else None})
     print(f"{'P':>3} {'collective':>10} {'wire':>7} {'params':>9} {'k':>6} {'sent/rank mean':>15} {'sent max':>10} "
-          f"{'recv max':>10} {'all steps':>10} {'vs dense':>8} {'vs gtopk':>8} {'vs plain':>8} {'s/step':>7}")
+          f"{'recv max':>10} {'all steps':>10} {'vs dense':>8} {'vs gtopk':>8} {'vs plain':>8} {'s/step':>7}"
+          + (f" {'iface/step':>11} {'iface/stats':>11}" if args.counters else ""))
 
     def optional(value: float | None, form: str) -> str:
         return "-" if value is None else format(value, form)
@@ -226,7 +310,9 @@ def main() -> None:
               f"{row['sent_mean_all_steps']:>10.0f} {row['sent_mean'] / dense['sent_mean']:>8.4f} "
               f"{row['sent_mean'] / gtopk['sent_mean']:>8.4f} "
               f"{optional(plain and row['sent_mean'] / plain['sent_mean'], '.4f'):>8} "
-              f"{optional(row['seconds_median'], '.3f'):>7}")
+              f"{optional(row['seconds_median'], '.3f'):>7}"
+              + (f" {row['interface_per_step_mean']:>11.0f} {row['interface_over_stats']:>11.4f}" if args.counters
+                 else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,25 +1,48 @@
-"""Alpha-beta cost model of dense allreduce, TopK-SGD's allgather, gTop-k and Ok-Topk, fitted to the measurements
-of bench/netem_scaling.py, and its prediction of scaling efficiency up to P = 1024 ranks.
+"""Alpha-beta cost model of dense allreduce, TopK-SGD's allgather, gTop-k, Ok-Topk (plain and compact wire) and the
+hierarchical collective, on one level of network or two (nodes of ``local`` ranks: fast links inside, a slower
+link from each node to the switch), fitted to the measurements of bench/netem_scaling.py; it predicts time per
+step and scaling efficiency up to P = 1024 ranks.
 
-Times of one exchange on P ranks, n gradient elements, k = ceil(density * n) selected, payload 4 + 8k bytes:
+One exchange on P ranks, n gradient elements, k = ceil(density * n) selected. A message of k pairs carries, on
+the plain wire, a 4-byte count and 8 bytes a pair; on the compact wire (gtopk_ext/wire.py) the count, a scale
+word, a page table of 4 bytes per 65,536 elements (+4) and 4 bytes a pair: m(k) bytes. One level (local = 1):
 
-    dense      2(P-1) alpha + 2(P-1)/P * 4n beta                                  (ring allreduce)
-    allgather  (P-1) alpha + (P-1)(4 + 8k) beta + scatter * Pk + zero * n         (ring allgather, decompress)
-    gtopk      log2(P) * (alpha + (4 + 8k) beta + merge * 2k)                     (butterfly, merge per round)
-    oktopk     4(P-1) alpha + (2(P-1)/P * 8k + 24(P-1)) beta + merge * 2k         (counts, reduce-scatter, counts,
-                                                                                   allgatherv; sums and cut)
+    dense      2(P-1) alpha + 2(P-1)/P * 4n beta                              (ring allreduce)
+    allgather  (P-1) (alpha + m(k) beta) + scatter * Pk + zero * n            (ring allgather, decompress)
+    gtopk      log2(P) (alpha + m(k) beta + merge * 2k)                       (butterfly, a merge per round)
+    oktopk     4(P-1) alpha + (2(P-1)/P k * pair + 24(P-1)) beta + merge * 2k (counts, reduce-scatter, counts,
+                                                                               allgatherv; sums and cut)
 
-and the sparse methods also select: select * n (Gaussian-k, measured one rank at a time). Ok-Topk's term is its
-steady step: the regions and the threshold it re-estimates every 32 steps (a few KB) are left out, and its kept
-sums are taken as k, spread evenly over the regions. beta is fitted per link
-rate; on the 2-core machine that measured, P ranks share the cores, so the compute terms of measured rows are
-scaled by max(1, P / cores). The fit is non-negative least squares on relative errors (times span 4 decades).
+gTop-k on a P that is not a power of two adds a fold and a return (2 messages, and k/8 bytes of applied mask);
+Ok-Topk's compact messages each carry their own page table (2(P-1) of them). With the compact wire gTop-k and
+Ok-Topk also allreduce one int32 (the corruption check: 2(P-1) alpha on Gloo's ring), and every pair encoded or
+decoded costs ``encode`` or ``decode``: allgather encodes k and decodes (P+1)k (its own payload, then all P),
+gTop-k per round encodes k and decodes 2k, Ok-Topk encodes k and decodes (1 + 2(P-1)/P)k. The sparse methods
+also select: select * n (Gaussian-k, measured one rank at a time). Ok-Topk's term is its steady step (the
+regions and the threshold it re-estimates every 32 steps, a few KB, are left out; its kept sums taken as k,
+spread evenly over the regions).
+
+Two levels: P = N nodes x L ranks (consecutive ranks share a node); inside a node alpha_intra and beta_intra,
+and the node's one link to the switch carries what all its L ranks send off the node at once. Flat collectives:
+dense and allgather rings are as slow as their inter-node hops; gTop-k's first log2(L) rounds stay inside the
+node and its last log2(N) rounds put L sets on the node's link at once; Ok-Topk sends L(P-L)/P of its pairs off
+the node. The hierarchical collective (gtopk_ext.collectives.hierarchical_allreduce):
+
+    hierarchical  2(L-1) (alpha_intra + 4n/L beta_intra)     (dense reduce-scatter and allgather inside the node)
+                  + copy * n + select * n/L                 (its passes over the whole gradient: the sum with the
+                                                             residual, the reduce-scatter's inputs, the result)
+                  + inner(n/L, k/L, N ranks) with the node's link carrying L of its messages
+
+beta is fitted per link rate; on the 2-core machine that measured, P ranks share the cores, so the compute terms
+of measured rows are scaled by max(1, P / cores). The fit is non-negative least squares on relative errors
+(times span 4 decades).
 
 Scaling efficiency = t_compute / (t_compute + t_comm) with no overlap of computation and communication, as the
 gTop-k paper (Shi et al., ICDCS 2019) defines it; its published figures (32 machines, 1 Gbit/s Ethernet):
 gTop-k's scaling efficiency is 2.7-12x dense S-SGD's and 1.1-1.7x allgather Top-k S-SGD's.
 
-    python -m bench.cost_model --json bench_netem.json --plot scaling_model.png --out bench_cost_model.json
+    python -m bench.cost_model --json bench_netem.json bench_two_level.json --plot scaling_model.png \
+        --plot-two-level scaling_two_level.png --out bench_cost_model.json
 """
 
 from __future__ import annotations
@@ -28,33 +51,144 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 from scipy.optimize import nnls
 
-METHODS = ("dense", "allgather", "gtopk", "oktopk")
-COMPUTE_TERMS = ("merge", "scatter", "zero")  # per-element costs fitted from the exchanges
+from gtopk_ext._contract import wire_num_pages
+
+METHODS = ("dense", "allgather", "gtopk", "oktopk", "hierarchical")
+SPARSE_METHODS = ("allgather", "gtopk", "oktopk")
+WIRES = ("plain", "compact")
+LINK_TERMS = ("alpha", "alpha_intra", "beta_intra")  # besides beta, which is fitted per rate
+# per-element costs fitted from the exchanges
+COMPUTE_TERMS = ("merge", "scatter", "zero", "encode", "decode", "copy")
 PAPER = {"world_size": 32, "rate_bps": 10**9, "over_dense": (2.7, 12.0), "over_allgather": (1.1, 1.7)}
 PREDICT_WORLD_SIZES = tuple(2**i for i in range(1, 11))
 PREDICT_RATES = (10**9, 10**10, 10**11)
+# Two levels: nodes of 8 ranks, one link per node to the switch, and what moves inside a node, stated:
+# (alpha s, bytes per second) of NVLink (the bus bandwidth NCCL reaches in an 8-GPU A100 node, about 230 GB/s)
+# and of PCIe 4.0 x16 (24 GB/s per GPU, halved where two GPUs share a switch).
+NODE_SIZE = 8
+INTRA_LINKS = {"NVLink": (5e-6, 200e9), "PCIe": (10e-6, 12e9)}
+TWO_LEVEL_RATES = (10**9, 10**10, 10**11)
+TWO_LEVEL_WORLD_SIZES = tuple(2**i for i in range(4, 11))
 
 
-def packed_bytes(k: int) -> int:
-    """The collectives' payload: count, k int32 indices, k fp32 values."""
-    return 4 + 8 * k
+def message_bytes(k: int, numel: int, wire: str = "plain", head_words: int = 1) -> int:
+    """A message of k pairs of a tensor of ``numel`` elements: ``head_words`` int32 words (the count, ...), then
+    plain: 8 bytes a pair; compact: a scale word, the page table (a word per 65,536 elements, +1), 4 bytes a pair."""
+    if wire == "plain":
+        return 4 * head_words + 8 * k
+    return 4 * (head_words + 2 + wire_num_pages(numel)) + 4 * k
 
 
-def oktopk_bytes(k: int, world_size: int) -> float:
-    """Ok-Topk's steady step: (P-1)/P of the k pairs to the regions' owners, (P-1)/P of the k kept sums from them,
-    and 24 bytes of counts per other rank."""
-    return 2 * (world_size - 1) / world_size * 8 * k + 24 * (world_size - 1)
+def oktopk_run_bytes(n: float, numel: int, wire: str) -> float:
+    """One Ok-Topk message of n pairs (its size travels first, as a count): plain, 8 bytes a pair; compact, a
+    message of its own with n as the head."""
+    return 8 * n if wire == "plain" else message_bytes(0, numel, wire) + 4 * n
+
+
+def check_allreduce_bytes(world_size: int) -> int:
+    """The compact wire's corruption check: one int32 allreduce (a ring's bytes)."""
+    return 2 * (world_size - 1) * 4 // world_size
+
+
+def butterfly(world_size: int) -> tuple[int, bool]:
+    """(gTop-k's rounds, whether ranks beyond the largest power of two fold in and get the result back)."""
+    largest = 1 << (world_size.bit_length() - 1)
+    return largest.bit_length() - 1, largest != world_size
+
+
+def bytes_per_rank(method: str, numel: int, k: int, world_size: int, wire: str = "plain") -> float:
+    """Bytes a rank sends in one exchange, the mean over the ranks, on one level of network."""
+    p = world_size
+    if method == "dense":
+        return 2 * (p - 1) * numel * 4 // p
+    if method == "allgather":
+        return (p - 1) * message_bytes(k, numel, wire)
+    check = check_allreduce_bytes(p) if wire == "compact" else 0
+    if method == "gtopk":
+        rounds, folds = butterfly(p)
+        largest, message = 1 << rounds, message_bytes(k, numel, wire)
+        extra = p - largest  # ranks folded in: each sends a message and gets one back with its mask
+        return (largest * rounds * message + extra * (2 * message + (k + 7) // 8)) / p + check
+    if method == "oktopk":
+        return 2 * (p - 1) * oktopk_run_bytes(k / p, numel, wire) + 24 * (p - 1) + check
+    raise ValueError(f"method must be one of {METHODS[:4]}, got {method!r}")
+
+
+def _flat_features(method: str, numel: int, k: int, p: int, local: int, share: float, wire: str) -> dict:
+    """Coefficients of one exchange on p ranks in nodes of ``local`` (see the module doc); alpha and beta are the
+    inter-node link's."""
+    message = message_bytes(k, numel, wire)
+    if method == "dense":
+        return {"alpha": 2 * (p - 1), "beta": 2 * (p - 1) / p * 4 * numel}
+    if method == "allgather":
+        terms = {"alpha": p - 1, "beta": (p - 1) * message, "scatter": p * k * share, "zero": numel * share}
+        if wire == "compact":
+            terms.update(encode=k * share, decode=(p + 1) * k * share)
+        return terms
+    if method == "gtopk":
+        rounds, folds = butterfly(p)
+        intra = min(rounds, local.bit_length() - 1) if local & (local - 1) == 0 else 0
+        terms = {"alpha": rounds - intra + 2 * folds, "alpha_intra": intra,
+                 "beta": (rounds - intra) * local * message + folds * (2 * message + (k + 7) // 8),
+                 "beta_intra": intra * message, "merge": (rounds + folds) * 2 * k * share}
+        if wire == "compact":
+            terms.update(encode=(rounds + 2 * folds) * k * share, decode=(2 * rounds + 3 * folds) * k * share)
+    elif method == "oktopk":
+        pair, header = (8, 0) if wire == "plain" else (4, message_bytes(0, numel, wire))
+        terms = {"alpha": 4 * (p - 1),
+                 "beta": local * (p - local) / p * 2 * k * pair + 2 * local * (p - local) * header + 24 * (p - 1),
+                 "beta_intra": (local - 1) / p * 2 * k * pair + 2 * (local - 1) * header, "merge": 2 * k * share}
+        if wire == "compact":
+            terms.update(encode=k * share, decode=(1 + 2 * (p - 1) / p) * k * share)
+    else:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if wire == "compact":  # the corruption check's int32 allreduce
+        terms["alpha"] += 2 * (p - 1)
+        terms["beta"] += 2 * (p - 1) / p * 4
+    return terms
+
+
+def features(method: str, numel: int, k: int, world_size: int, share: float, wire: str = "plain", local: int = 1,
+             inner: str = "gtopk") -> dict[str, float]:
+    """The coefficients of alpha, beta (the link between nodes, or every rank's link when local = 1),
+    alpha_intra, beta_intra and the per-element costs in one exchange's time, selection excluded (see the module
+    doc). ``share``: how many ranks share one core (compute terms take that much longer); ``local``: ranks per
+    node; ``inner``: the hierarchical collective's sparse collective between nodes."""
+    if wire not in WIRES:
+        raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
+    if local < 1 or world_size % local:
+        raise ValueError(f"local must divide world_size, got local={local}, world_size={world_size}")
+    nodes = world_size // local
+    if method == "hierarchical":
+        shard, shard_k = math.ceil(numel / local), math.ceil(max(k, local) / local)
+        terms = {"alpha_intra": 2 * (local - 1), "beta_intra": (local - 1) * (2 * 4 * shard + 4),
+                 "copy": numel * share}
+        if nodes > 1:  # the local ranks' inner collectives share the node's link
+            for name, value in features(inner, shard, shard_k, nodes, share, wire).items():
+                terms[name] = terms.get(name, 0.0) + value * (local if name == "beta" else 1)
+        return terms
+    terms = _flat_features(method, numel, k, world_size, local, share, wire)
+    if nodes == 1:  # every message stays inside the node
+        terms["alpha_intra"] = terms.get("alpha_intra", 0.0) + terms.pop("alpha")
+        terms["beta_intra"] = terms.get("beta_intra", 0.0) + terms.pop("beta")
+    return terms
+
+
+def selected_elements(method: str, numel: int, local: int = 1) -> int:
+    """Elements a rank's Gaussian-k selection reads: none for dense, its shard for hierarchical."""
+    return 0 if method == "dense" else math.ceil(numel / local) if method == "hierarchical" else numel
 
 
 @dataclass
 class CostModel:
-    """Fitted costs in seconds: per message (alpha), per byte for each measured rate (beta), per element."""
+    """Fitted costs in seconds: per message (alpha, and alpha_intra inside a node), per byte for each measured rate
+    (beta) and inside a node (beta_intra), per element."""
 
     alpha: float
     beta: dict[str, float]
@@ -62,6 +196,11 @@ class CostModel:
     scatter: float  # per pair scatter-added by the allgather (Pk)
     zero: float  # per element of the allgather's dense output (n)
     select: float  # per gradient element, Gaussian-k selection
+    encode: float = 0.0  # per pair the compact wire encodes
+    decode: float = 0.0  # per pair the compact wire decodes
+    copy: float = 0.0  # per gradient element, the hierarchical collective's passes over the whole gradient
+    alpha_intra: float = 0.0
+    beta_intra: float = 0.0
     rate_bps: dict[str, float | None] = field(default_factory=dict)
 
     def wire_overhead(self) -> float:
@@ -74,24 +213,20 @@ class CostModel:
         return self.wire_overhead() * 8 / rate_bps
 
 
-def features(method: str, numel: int, k: int, world_size: int, share: float) -> dict[str, float]:
-    """The coefficients of alpha, beta and the per-element costs in one exchange's time (see the module doc).
-    ``share``: how many ranks share one core (compute terms take that much longer)."""
-    if method == "dense":
-        return {"alpha": 2 * (world_size - 1), "beta": 2 * (world_size - 1) / world_size * 4 * numel}
-    if method == "allgather":
-        return {"alpha": world_size - 1, "beta": (world_size - 1) * packed_bytes(k),
-                "scatter": world_size * k * share, "zero": numel * share}
-    if method == "gtopk":
-        rounds = math.log2(world_size)
-        return {"alpha": rounds, "beta": rounds * packed_bytes(k), "merge": rounds * 2 * k * share}
-    if method == "oktopk":
-        return {"alpha": 4 * (world_size - 1), "beta": oktopk_bytes(k, world_size), "merge": 2 * k * share}
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-
-
 def cpu_share(row: dict) -> float:
     return max(1.0, row["world_size"] / row["cores"])
+
+
+def row_features(row: dict) -> dict[str, float]:
+    return features(row["method"], row["numel"], row["k"], row["world_size"], cpu_share(row),
+                    row.get("wire") or "plain", row.get("local_size", 1), row.get("inner") or "gtopk")
+
+
+def row_label(row: dict) -> str:
+    """The method, its wire when compact, and the layout when two levels."""
+    name = row["method"] + ("/compact" if row.get("wire") == "compact" else "")
+    local = row.get("local_size", 1)
+    return name if local == 1 else f"{name} {row['world_size'] // local}x{local}"
 
 
 @dataclass
@@ -106,156 +241,309 @@ def fit(rows: list[dict]) -> Fit:
     rows = [row for row in rows if not row.get("skipped")]
     if not rows:
         raise ValueError("rows: no measured exchange to fit")
+    select_rows = [(row["numel"], row["select_s"]) for row in rows if row.get("select_s")]
+    # t = select * n: the mean of the rows' time per element; the hierarchical exchanges select inside their
+    # timed call, so their selection is subtracted from what the other costs must explain.
+    select = float(np.mean([t / n for n, t in select_rows])) if select_rows else 0.0
     rates = sorted({row["rate"] for row in rows})
-    columns = ["alpha", *(f"beta:{rate}" for rate in rates), *COMPUTE_TERMS]
+    columns = ["alpha", *(f"beta:{rate}" for rate in rates), "alpha_intra", "beta_intra", *COMPUTE_TERMS]
     design = np.zeros((len(rows), len(columns)))
+    offset = np.zeros(len(rows))
     for i, row in enumerate(rows):
-        for name, value in features(row["method"], row["numel"], row["k"], row["world_size"], cpu_share(row)).items():
+        for name, value in row_features(row).items():
             design[i, columns.index(f"beta:{row['rate']}" if name == "beta" else name)] = value
+        if row["method"] == "hierarchical":
+            offset[i] = select * selected_elements("hierarchical", row["numel"], row["local_size"]) * cpu_share(row)
     measured = np.array([row["time_s"] for row in rows])
     used = design.any(axis=0)  # a cost no row exercises (e.g. no allgather measured) stays 0
     solution = np.zeros(len(columns))
-    solution[used], _ = nnls(design[:, used] / measured[:, None], np.ones(len(rows)))
-    predicted = design @ solution
+    solution[used], _ = nnls(design[:, used] / measured[:, None], 1 - offset / measured)
+    predicted = design @ solution + offset
     params = dict(zip(columns, solution.tolist()))
-
-    select_rows = [(row["numel"], row["select_s"]) for row in rows if row.get("select_s")]
-    select = 0.0
-    if select_rows:  # t = select * n: the mean of the rows' time per element
-        select = float(np.mean([t / n for n, t in select_rows]))
     model = CostModel(alpha=params["alpha"], beta={rate: params[f"beta:{rate}"] for rate in rates},
-                      merge=params["merge"], scatter=params["scatter"], zero=params["zero"], select=select,
-                      rate_bps={row["rate"]: row["rate_bps"] for row in rows})
+                      select=select, rate_bps={row["rate"]: row["rate_bps"] for row in rows},
+                      **{name: params[name] for name in (*COMPUTE_TERMS, "alpha_intra", "beta_intra")})
     relative = predicted / measured - 1
+    labels = [row_label(row) for row in rows]
     quality = {"rows": len(rows), "r2": float(1 - np.sum((measured - predicted) ** 2)
                                               / np.sum((measured - measured.mean()) ** 2)),
                "median_abs_rel_error": float(np.median(np.abs(relative))),
                "max_abs_rel_error": float(np.max(np.abs(relative))),
                "per_method_median_abs_rel_error": {
-                   method: float(np.median(np.abs(relative[[r["method"] == method for r in rows]])))
-                   for method in METHODS if any(r["method"] == method for r in rows)}}
-    residuals = [{"method": r["method"], "numel": r["numel"], "density": r["density"], "world_size": r["world_size"],
-                  "rate": r["rate"], "measured_s": float(m), "predicted_s": float(p)}
+                   name: float(np.median(np.abs(relative[[label == name for label in labels]])))
+                   for name in dict.fromkeys(labels)}}
+    residuals = [{"method": r["method"], "wire": r.get("wire") or "plain", "local_size": r.get("local_size", 1),
+                  "numel": r["numel"], "density": r["density"], "world_size": r["world_size"], "rate": r["rate"],
+                  "rate_bps": r["rate_bps"], "share": cpu_share(r), "measured_s": float(m), "predicted_s": float(p)}
                  for r, m, p in zip(rows, measured, predicted)]
     return Fit(model, quality, residuals)
 
 
 def comm_time(model: CostModel, method: str, numel: int, density: float | None, world_size: int, rate_bps: float,
-              compute_scale: float = 1.0) -> float:
-    """Predicted seconds per iteration spent outside the backward pass: selection and exchange, on P machines
-    each with its own processor (per-element costs times ``compute_scale``)."""
+              compute_scale: float = 1.0, wire: str = "plain", local: int = 1,
+              intra: tuple[float, float] | None = None, inner: str = "gtopk") -> float:
+    """Predicted seconds per iteration spent outside the backward pass: selection and exchange, on P ranks each
+    with its own processor (per-element costs times ``compute_scale``), in nodes of ``local`` ranks whose links
+    inside cost ``intra`` = (alpha s, bytes per second) (None: the fitted alpha_intra and beta_intra)."""
     k = numel if method == "dense" else max(1, math.ceil(density * numel))
-    terms = features(method, numel, k, world_size, share=1.0)
-    costs = {"alpha": model.alpha, "beta": model.beta_at(rate_bps),
-             **{name: getattr(model, name) * compute_scale for name in COMPUTE_TERMS}}
-    total = sum(costs[name] * value for name, value in terms.items())
-    if method != "dense":
-        total += model.select * compute_scale * numel
-    return total
+    alpha_intra, beta_intra = (model.alpha_intra, model.beta_intra) if intra is None else (intra[0], 1 / intra[1])
+    costs = {"alpha": model.alpha, "beta": model.beta_at(rate_bps), "alpha_intra": alpha_intra,
+             "beta_intra": beta_intra, **{name: getattr(model, name) * compute_scale for name in COMPUTE_TERMS}}
+    terms = features(method, numel, k, world_size, 1.0, wire, local, inner)
+    return (sum(costs[name] * value for name, value in terms.items())
+            + model.select * compute_scale * selected_elements(method, numel, local))
 
 
 def efficiency(model: CostModel, method: str, numel: int, density: float | None, world_size: int,
-               rate_bps: float, compute_s: float, compute_scale: float = 1.0) -> float:
-    """t_compute / (t_compute + t_comm): the fraction of P times one machine's throughput that P machines reach."""
-    return compute_s / (compute_s + comm_time(model, method, numel, density, world_size, rate_bps, compute_scale))
+               rate_bps: float, compute_s: float, compute_scale: float = 1.0, **layout) -> float:
+    """t_compute / (t_compute + t_comm): the fraction of P times one machine's throughput that P machines reach.
+    ``layout``: comm_time's wire, local, intra and inner."""
+    return compute_s / (compute_s + comm_time(model, method, numel, density, world_size, rate_bps, compute_scale,
+                                              **layout))
 
 
-def series(densities: list[float]) -> list[tuple[str, float | None]]:
-    return [("dense", None)] + [(method, d) for d in densities for method in ("allgather", "gtopk", "oktopk")]
+def break_even_intra(model: CostModel, numel: int, density: float, world_size: int, local: int, beta: float,
+                     share: float, compute_scale: float = 1.0, alpha_intra: float | None = None,
+                     inner: str = "gtopk") -> float | None:
+    """The intra-node bandwidth (bytes per second) above which the hierarchical exchange is faster than flat
+    gTop-k on this layout (both linear in beta_intra), with ``beta`` seconds per byte between nodes, ``share``
+    ranks per core, the per-element costs times ``compute_scale`` and ``alpha_intra`` (None: as fitted); None
+    when it is never faster."""
+    k = max(1, math.ceil(density * numel))
+    costs = {"alpha": model.alpha, "beta": beta,
+             "alpha_intra": model.alpha_intra if alpha_intra is None else alpha_intra,
+             **{name: getattr(model, name) * compute_scale for name in COMPUTE_TERMS}}
+
+    def split(method: str) -> tuple[float, float]:  # (seconds without beta_intra, bytes inside the node)
+        terms = features(method, numel, k, world_size, share, "plain", local, inner)
+        fixed = sum(costs[name] * value for name, value in terms.items() if name != "beta_intra")
+        selection = model.select * compute_scale * share * selected_elements(method, numel, local)
+        return fixed + selection, terms.get("beta_intra", 0.0)
+
+    (hier_fixed, hier_bytes), (flat_fixed, flat_bytes) = split("hierarchical"), split("gtopk")
+    if hier_fixed >= flat_fixed:
+        return None
+    return (hier_bytes - flat_bytes) / (flat_fixed - hier_fixed)
 
 
-def label(method: str, density: float | None) -> str:
-    return method if density is None else f"{method}@{density:g}"
+def hierarchical_against_flat(fit_result: Fit) -> list[dict]:
+    """Every measured hierarchical exchange beside flat gTop-k's (plain wire) on the same layout, gradient and
+    link, and the intra-node bandwidth above which the fitted model makes hierarchical the faster one: with every
+    cost as fitted (the ranks sharing this machine's cores as measured), and for the links alone (per-element
+    costs 0, as on an accelerator, and NVLink's latency inside the node)."""
+    out = []
+    for hier in (r for r in fit_result.residuals if r["method"] == "hierarchical"):
+        flat = next((r for r in fit_result.residuals if r["method"] == "gtopk" and r["wire"] == "plain"
+                     and all(r[key] == hier[key] for key in ("numel", "density", "world_size", "local_size", "rate"))),
+                    None)
+        if flat is None:
+            continue
+        layout = (fit_result.model, hier["numel"], hier["density"], hier["world_size"], hier["local_size"],
+                  fit_result.model.beta[hier["rate"]])
+        out.append({key: hier[key] for key in ("numel", "density", "world_size", "local_size", "rate")}
+                   | {"hierarchical_s": hier["measured_s"], "flat_gtopk_s": flat["measured_s"],
+                      "hierarchical_model_s": hier["predicted_s"], "flat_gtopk_model_s": flat["predicted_s"],
+                      "break_even_Bps_as_measured": break_even_intra(*layout, share=hier["share"]),
+                      "break_even_Bps_links_only": break_even_intra(*layout, share=1.0, compute_scale=0.0,
+                                                                    alpha_intra=INTRA_LINKS["NVLink"][0])})
+    return out
+
+
+def series(densities: list[float], wires: tuple[str, ...] = WIRES) -> list[tuple[str, float | None, str]]:
+    """(method, density, wire) of every predicted curve: dense, then each sparse method on each wire."""
+    return [("dense", None, "plain")] + [(method, d, wire) for d in densities for method in SPARSE_METHODS
+                                         for wire in wires]
+
+
+def label(method: str, density: float | None, wire: str = "plain") -> str:
+    name = method if density is None else f"{method}@{density:g}"
+    return name if wire == "plain" else f"{name}/compact"
+
+
+def two_level_series(densities: list[float]) -> list[tuple[str, float | None, str]]:
+    return ([("dense", None, "plain")]
+            + [(method, d, "plain") for d in densities for method in (*SPARSE_METHODS, "hierarchical")]
+            + [(method, d, "compact") for d in densities for method in ("gtopk", "oktopk")])
 
 
 def predict(model: CostModel, args: argparse.Namespace) -> dict:
-    """Efficiency for every rate, world size and series; and the paper's comparison at its operating point."""
+    """Efficiency for every rate, world size and series, one level and two; the paper's comparison at its
+    operating point; the time per step on two levels."""
     table = {}
     for rate in PREDICT_RATES:
         for p in PREDICT_WORLD_SIZES:
-            for method, density in series(args.densities):
-                table[(rate, p, label(method, density))] = efficiency(
-                    model, method, args.numel, density, p, rate, args.compute_s, args.compute_scale)
+            for method, density, wire in series(args.densities):
+                table[(rate, p, label(method, density, wire))] = efficiency(
+                    model, method, args.numel, density, p, rate, args.compute_s, args.compute_scale, wire=wire)
     paper = {}
     for density in args.densities:
         key = (PAPER["rate_bps"], PAPER["world_size"])
-        gtopk = table[(*key, label("gtopk", density))]
-        paper[density] = {"over_dense": gtopk / table[(*key, "dense")],
-                          "over_allgather": gtopk / table[(*key, label("allgather", density))]}
-    return {"table": table, "paper": paper}
+        paper[density] = {wire: {"over_dense": table[(*key, label("gtopk", density, wire))] / table[(*key, "dense")],
+                                 "over_allgather": table[(*key, label("gtopk", density, wire))]
+                                 / table[(*key, label("allgather", density, wire))]} for wire in WIRES}
+    two_level = {}
+    for intra_name, intra in INTRA_LINKS.items():
+        for rate in TWO_LEVEL_RATES:
+            for p in TWO_LEVEL_WORLD_SIZES:
+                for method, density, wire in two_level_series(args.densities):
+                    seconds = comm_time(model, method, args.numel, density, p, rate, args.compute_scale, wire=wire,
+                                        local=NODE_SIZE, intra=intra)
+                    two_level[(intra_name, rate, p, label(method, density, wire))] = {
+                        "step_s": args.compute_s + seconds, "efficiency": args.compute_s / (args.compute_s + seconds)}
+    return {"table": table, "paper": paper, "two_level": two_level, "alpha": model.alpha}
 
 
 def print_report(fit_result: Fit, prediction: dict, args: argparse.Namespace) -> None:
     model, quality = fit_result.model, fit_result.quality
     print(f"fit over {quality['rows']} measured exchanges: R^2 {quality['r2']:.4f}, |relative error| median "
-          f"{quality['median_abs_rel_error']:.1%}, max {quality['max_abs_rel_error']:.1%}; per method "
-          + ", ".join(f"{m} {e:.1%}" for m, e in quality["per_method_median_abs_rel_error"].items()))
-    print(f"  alpha  {model.alpha * 1e6:9.1f} us per message")
+          f"{quality['median_abs_rel_error']:.1%}, max {quality['max_abs_rel_error']:.1%}; per method:")
+    for name, error in quality["per_method_median_abs_rel_error"].items():
+        print(f"  {name:28} {error:6.1%}")
+    print(f"  alpha  {model.alpha * 1e6:9.1f} us per message (between nodes)")
     for rate, beta in model.beta.items():
         bps = model.rate_bps[rate]
         nominal = f" (nominal {8 / bps * 1e9:.3f}: x{beta * bps / 8:.3f})" if bps else ""
         print(f"  beta   {beta * 1e9:9.3f} ns per byte at {rate}{nominal}")
+    print(f"  alpha_intra {model.alpha_intra * 1e6:.1f} us per message, beta_intra {model.beta_intra * 1e9:.3f} ns "
+          f"per byte" + (f" ({1 / model.beta_intra / 1e9:.2f} GB/s)" if model.beta_intra else "")
+          + " (inside an emulated node: its loopback)")
     for name, text in (("select", "Gaussian-k selection, per gradient element"),
                        ("merge", "gTop-k merge, per element merged"),
                        ("scatter", "allgather scatter-add, per pair"),
-                       ("zero", "allgather dense output, per element")):
+                       ("zero", "allgather dense output, per element"),
+                       ("encode", "compact wire, per pair encoded"),
+                       ("decode", "compact wire, per pair decoded"),
+                       ("copy", "hierarchical, per gradient element (its dense passes)")):
         print(f"  {name:7}{getattr(model, name) * 1e9:9.3f} ns  {text}")
+    comparisons = hierarchical_against_flat(fit_result)
+    if comparisons:
+        print("\nhierarchical against flat gTop-k (measured ms per exchange, model in brackets), and the intra-node "
+              "bandwidth above which the model makes hierarchical faster (every cost as fitted; the links alone: "
+              "per-element costs 0, NVLink's alpha inside):")
+
+        def bandwidth(value: float | None) -> str:
+            return "never" if value is None else f"{value / 1e9:.3g} GB/s"
+
+        for c in comparisons:
+            print(f"  {c['world_size'] // c['local_size']}x{c['local_size']} {c['rate']:>8} n={c['numel']} "
+                  f"d={c['density']:g}: hierarchical {c['hierarchical_s'] * 1e3:.1f} "
+                  f"({c['hierarchical_model_s'] * 1e3:.1f}), flat {c['flat_gtopk_s'] * 1e3:.1f} "
+                  f"({c['flat_gtopk_model_s'] * 1e3:.1f}); break-even {bandwidth(c['break_even_Bps_as_measured'])}, "
+                  f"{bandwidth(c['break_even_Bps_links_only'])}")
     print(f"\npredicted scaling efficiency: n = {args.numel / 1e6:g}M, compute {args.compute_s * 1e3:g} ms per "
-          f"iteration, no overlap, wire overhead x{model.wire_overhead():.3f}, "
-          f"per-element costs x{args.compute_scale:g}")
-    names = [label(m, d) for m, d in series(args.densities)]
-    print(f"{'link':>8} {'P':>5} " + " ".join(f"{n:>15}" for n in names))
-    for rate in PREDICT_RATES:
-        for p in (2, 8, 32, 128, 1024):
-            print(f"{rate / 1e9:>5g}Gb/s {p:>5} "
-                  + " ".join(f"{prediction['table'][(rate, p, n)]:>15.3f}" for n in names))
+          f"iteration, no overlap, alpha {prediction['alpha'] * 1e6:.0f} us, wire overhead "
+          f"x{model.wire_overhead():.3f}, per-element costs x{args.compute_scale:g}; one rank per machine, one link "
+          f"each")
+    for density in args.densities:
+        names = [label(m, d, w) for m, d, w in series([density])]
+        print(f"{'link':>8} {'P':>5} " + " ".join(f"{n:>20}" for n in names))
+        for rate in PREDICT_RATES:
+            for p in (2, 8, 32, 128, 1024):
+                print(f"{rate / 1e9:>5g}Gb/s {p:>5} "
+                      + " ".join(f"{prediction['table'][(rate, p, n)]:>20.3f}" for n in names))
     print(f"\nat the paper's point (P = {PAPER['world_size']}, 1 Gbit/s): gTop-k's efficiency over")
-    for density, ratio in prediction["paper"].items():
-        print(f"  density {density:g}: dense x{ratio['over_dense']:.2f} (paper 2.7-12x), allgather "
-              f"x{ratio['over_allgather']:.2f} (paper 1.1-1.7x)")
+    for density, by_wire in prediction["paper"].items():
+        for wire, ratio in by_wire.items():
+            print(f"  density {density:g}, {wire:7} wire: dense x{ratio['over_dense']:.2f} (paper 2.7-12x), "
+                  f"allgather x{ratio['over_allgather']:.2f} (paper 1.1-1.7x)")
+    print(f"\ntwo levels: nodes of {NODE_SIZE} ranks, one link per node to the switch; step seconds "
+          f"(efficiency) at P = 32, 256, 1024")
+    names = [label(m, d, w) for m, d, w in two_level_series(args.densities)]
+    for intra_name in INTRA_LINKS:
+        for rate in TWO_LEVEL_RATES:
+            print(f"  {intra_name} inside, {rate / 1e9:g} Gbit/s between nodes:")
+            for name in names:
+                cells = [prediction["two_level"][(intra_name, rate, p, name)] for p in (32, 256, 1024)]
+                print(f"    {name:28} " + "  ".join(f"{c['step_s']:8.3f} s ({c['efficiency']:.3f})" for c in cells))
+
+
+COLOURS = {"dense": "black", "allgather": "tab:blue", "gtopk": "tab:red", "oktopk": "tab:green",
+           "hierarchical": "tab:purple"}
+
+
+def plot_fit(axis, fit_result: Fit) -> None:
+    for method in METHODS:
+        for wire, marker in (("plain", "o"), ("compact", "^")):
+            points = [r for r in fit_result.residuals if r["method"] == method and r["wire"] == wire]
+            if points:
+                axis.scatter([r["measured_s"] for r in points], [r["predicted_s"] for r in points], s=12,
+                             marker=marker, color=COLOURS[method], label=f"{method} {wire}")
+    times = [r["measured_s"] for r in fit_result.residuals] + [r["predicted_s"] for r in fit_result.residuals]
+    bounds = [min(times) / 2, max(times) * 2]
+    axis.plot(bounds, bounds, color="grey", linewidth=0.8)
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xlabel("measured s per exchange (emulated network)")
+    axis.set_ylabel("model s per exchange")
+    axis.set_title(f"fit: {fit_result.quality['rows']} exchanges, R^2 {fit_result.quality['r2']:.3f}, median "
+                   f"|error| {fit_result.quality['median_abs_rel_error']:.0%}", fontsize=10)
+    axis.legend(fontsize=6)
 
 
 def plot(fit_result: Fit, prediction: dict, args: argparse.Namespace, path: Path) -> None:
+    """One level: efficiency against P at 1 and 10 Gbit/s for the first two densities (plain solid, compact
+    dashed), and the fit."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(2, 2, figsize=(12, 9))
-    colours = {"dense": "black", "allgather": "tab:blue", "gtopk": "tab:red", "oktopk": "tab:green"}
-    styles = dict(zip(args.densities, ("-", "--", ":", "-.")))
-    for axis, rate in zip(axes.flat, PREDICT_RATES):
-        for method, density in series(args.densities):
-            name = label(method, density)
-            axis.plot(PREDICT_WORLD_SIZES, [prediction["table"][(rate, p, name)] for p in PREDICT_WORLD_SIZES],
-                      color=colours[method], linestyle=styles.get(density, "-"), marker="o", markersize=3, label=name)
+    panels = [(rate, density) for rate in PREDICT_RATES[:2] for density in args.densities[:2]][:3]
+    for axis, (rate, density) in zip(axes.flat, panels):
+        for method, d, wire in series([density]):
+            axis.plot(PREDICT_WORLD_SIZES,
+                      [prediction["table"][(rate, p, label(method, d, wire))] for p in PREDICT_WORLD_SIZES],
+                      color=COLOURS[method], linestyle="-" if wire == "plain" else "--", marker="o", markersize=3,
+                      label=label(method, d, wire))
         if rate == PAPER["rate_bps"]:
             axis.axvline(PAPER["world_size"], color="grey", linewidth=0.8)
             axis.annotate("paper: P=32, 1 Gbit/s\ngTop-k 2.7-12x dense,\n1.1-1.7x allgather",
                           (PAPER["world_size"], 0.55), xytext=(40, 0.6), fontsize=8)
         axis.set_xscale("log", base=2)
         axis.set_ylim(0, 1.02)
-        axis.set_title(f"{rate / 1e9:g} Gbit/s: n = {args.numel / 1e6:g}M, compute {args.compute_s * 1e3:g} ms, "
-                       f"per-element costs x{args.compute_scale:g}", fontsize=10)
+        axis.set_title(f"{rate / 1e9:g} Gbit/s, density {density:g}: n = {args.numel / 1e6:g}M, compute "
+                       f"{args.compute_s * 1e3:g} ms,\nalpha {prediction['alpha'] * 1e6:.0f} us, per-element costs "
+                       f"x{args.compute_scale:g}", fontsize=9)
+        axis.set_xlabel("ranks P (one per machine)")
+        axis.set_ylabel("scaling efficiency")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    plot_fit(axes.flat[3], fit_result)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_two_level(prediction: dict, args: argparse.Namespace, path: Path) -> None:
+    """Two levels: efficiency against P for nodes of NODE_SIZE ranks, per intra-node link and node link rate, at
+    the first density."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    density = args.densities[0]
+    panels = [(intra, rate) for intra in INTRA_LINKS for rate in TWO_LEVEL_RATES[:2]]
+    figure, axes = plt.subplots(2, 2, figsize=(12, 9))
+    for axis, (intra, rate) in zip(axes.flat, panels):
+        for method, d, wire in two_level_series([density]):
+            name = label(method, d, wire)
+            axis.plot(TWO_LEVEL_WORLD_SIZES,
+                      [prediction["two_level"][(intra, rate, p, name)]["efficiency"] for p in TWO_LEVEL_WORLD_SIZES],
+                      color=COLOURS[method], linestyle="-" if wire == "plain" else "--", marker="o", markersize=3,
+                      label=name)
+        axis.set_xscale("log", base=2)
+        axis.set_ylim(0, 1.02)
+        axis.set_title(f"{intra} inside nodes of {NODE_SIZE}, {rate / 1e9:g} Gbit/s per node; density {density:g}",
+                       fontsize=10)
         axis.set_xlabel("ranks P")
         axis.set_ylabel("scaling efficiency")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
-    fit_axis = axes.flat[3]
-    for method in METHODS:
-        points = [r for r in fit_result.residuals if r["method"] == method]
-        fit_axis.scatter([r["measured_s"] for r in points], [r["predicted_s"] for r in points], s=12,
-                         color=colours[method], label=method)
-    times = [r["measured_s"] for r in fit_result.residuals] + [r["predicted_s"] for r in fit_result.residuals]
-    bounds = [min(times) / 2, max(times) * 2]
-    fit_axis.plot(bounds, bounds, color="grey", linewidth=0.8)
-    fit_axis.set_xscale("log")
-    fit_axis.set_yscale("log")
-    fit_axis.set_xlabel("measured s per exchange (emulated network)")
-    fit_axis.set_ylabel("model s per exchange")
-    fit_axis.set_title(f"fit: R^2 {fit_result.quality['r2']:.3f}, median |error| "
-                       f"{fit_result.quality['median_abs_rel_error']:.0%}")
-    fit_axis.legend(fontsize=7)
+    figure.suptitle(f"n = {args.numel / 1e6:g}M, compute {args.compute_s * 1e3:g} ms per iteration, no overlap, "
+                    f"alpha {prediction['alpha'] * 1e6:.0f} us between nodes, per-element costs "
+                    f"x{args.compute_scale:g}", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -264,36 +552,49 @@ def plot(fit_result: Fit, prediction: dict, args: argparse.Namespace, path: Path
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path, required=True, help="bench/netem_scaling.py's JSON")
+    parser.add_argument("--json", type=Path, nargs="+", required=True,
+                        help="bench/netem_scaling.py's JSON files (their rows are fitted together)")
     parser.add_argument("--numel", type=float, default=25.6e6, help="gradient elements (ResNet-50: 25.6M)")
     parser.add_argument("--compute-s", type=float, default=0.25,
                         help="forward+backward seconds per iteration on one accelerator")
     parser.add_argument("--compute-scale", type=float, default=1.0,
-                        help="multiplies the fitted per-element selection/merge/scatter costs (1: this machine's "
-                             "CPU core; below 1 for an accelerator)")
+                        help="multiplies the fitted per-element selection/merge/scatter/coding costs (1: this "
+                             "machine's CPU core; below 1 for an accelerator)")
     parser.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01])
-    parser.add_argument("--plot", type=Path, help="write the PNG here")
+    parser.add_argument("--alpha-s", type=float, default=None,
+                        help="seconds per message between machines for the predictions (default: the fitted alpha, "
+                             "this machine's: namespaces, tbf and shared cores)")
+    parser.add_argument("--plot", type=Path, help="write the one-level PNG here")
+    parser.add_argument("--plot-two-level", type=Path, help="write the two-level PNG here")
     parser.add_argument("--out", type=Path, help="write the fit and predictions as JSON here")
     args = parser.parse_args(argv)
-    if args.numel < 1 or args.compute_s <= 0 or args.compute_scale < 0:
-        parser.error("--numel must be >= 1, --compute-s > 0 and --compute-scale >= 0")
+    if args.numel < 1 or args.compute_s <= 0 or args.compute_scale < 0 or (args.alpha_s or 0) < 0:
+        parser.error("--numel must be >= 1, --compute-s > 0, --compute-scale >= 0 and --alpha-s >= 0")
     if not all(0 < d <= 1 for d in args.densities):
         parser.error(f"--densities must be in (0, 1], got {args.densities}")
     args.numel = int(args.numel)
-    fit_result = fit(json.loads(args.json.read_text())["rows"])
-    prediction = predict(fit_result.model, args)
+    fit_result = fit([row for path in args.json for row in json.loads(path.read_text())["rows"]])
+    model = fit_result.model if args.alpha_s is None else replace(fit_result.model, alpha=args.alpha_s)
+    prediction = predict(model, args)
     print_report(fit_result, prediction, args)
-    if args.plot:
-        plot(fit_result, prediction, args, args.plot)
-        print(f"wrote {args.plot}")
+    for path, draw in ((args.plot, lambda: plot(fit_result, prediction, args, args.plot)),
+                       (args.plot_two_level, lambda: plot_two_level(prediction, args, args.plot_two_level))):
+        if path:
+            draw()
+            print(f"wrote {path}")
     if args.out:
         args.out.write_text(json.dumps({
             "model": asdict(fit_result.model), "wire_overhead": fit_result.model.wire_overhead(),
             "quality": fit_result.quality, "residuals": fit_result.residuals,
-            "assumptions": {"numel": args.numel, "compute_s": args.compute_s, "compute_scale": args.compute_scale},
+            "assumptions": {"numel": args.numel, "compute_s": args.compute_s, "compute_scale": args.compute_scale,
+                            "alpha_s": model.alpha,
+                            "node_size": NODE_SIZE, "intra_links": INTRA_LINKS},
             "efficiency": [{"rate_bps": rate, "world_size": p, "series": name, "efficiency": value}
                            for (rate, p, name), value in prediction["table"].items()],
-            "paper_point": {str(d): v for d, v in prediction["paper"].items()}}, indent=1))
+            "two_level": [{"intra": intra, "rate_bps": rate, "world_size": p, "series": name, **value}
+                          for (intra, rate, p, name), value in prediction["two_level"].items()],
+            "paper_point": {str(d): v for d, v in prediction["paper"].items()},
+            "hierarchical_against_flat": hierarchical_against_flat(fit_result)}, indent=1))
         print(f"wrote {args.out}")
     return 0
 

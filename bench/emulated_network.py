@@ -210,11 +210,12 @@ def join_group(config: dict, timeout_arg: str | None = None) -> tuple[argparse.N
 
 
 def run_ranks(module: str, world_size: int, network: Network | None, config: dict, workdir: Path, name: str,
-              timeout: float) -> None:
+              timeout: float, ranks_per_host: int = 1) -> None:
     """Runs ``python -m <module> --worker <file>`` once per rank, where the file holds ``config`` plus ``rank``,
     ``world_size``, ``master_addr``, ``port`` and ``ifname`` (the interface whose bytes a rank may count; None on
-    loopback). Each rank runs inside its namespace with Gloo bound to its interface, or on 127.0.0.1 without a
-    network. Streams rank 0's output; raises with a failing rank's log. ``name`` tells this run's files apart."""
+    loopback). Rank r runs inside namespace r // ``ranks_per_host`` (ranks sharing one talk over its loopback)
+    with Gloo bound to its interface, or on 127.0.0.1 without a network. Streams rank 0's output; raises with a
+    failing rank's log. ``name`` tells this run's files apart."""
     master = Network.address(0) if network else "127.0.0.1"
     port = GLOO_PORT if network else free_port()
     commands = []
@@ -224,19 +225,20 @@ def run_ranks(module: str, world_size: int, network: Network | None, config: dic
         config_path = workdir / f"config-{name}-r{rank}.json"
         config_path.write_text(json.dumps(rank_config))
         commands.append([sys.executable, "-m", module, "--worker", str(config_path)])
-    run_on_hosts(commands, network, workdir, [f"{name}-r{rank}" for rank in range(world_size)], timeout)
+    run_on_hosts(commands, network, workdir, [f"{name}-r{rank}" for rank in range(world_size)], timeout,
+                 ranks_per_host=ranks_per_host)
 
 
 def run_on_hosts(commands: list[list[str]], network: Network | None, workdir: Path, names: list[str],
-                 timeout: float, env: dict[str, str] | None = None) -> list[str]:
-    """Runs ``commands[i]`` inside host namespace i (on this machine's loopback without a network) with Gloo bound
-    to its interface, logging to ``log-<names[i]>.txt`` in ``workdir``. Streams the first one's output; raises
-    with a failing one's log; returns every log."""
+                 timeout: float, env: dict[str, str] | None = None, ranks_per_host: int = 1) -> list[str]:
+    """Runs ``commands[i]`` inside host namespace i // ``ranks_per_host`` (on this machine's loopback without a
+    network) with Gloo bound to its interface, logging to ``log-<names[i]>.txt`` in ``workdir``. Streams the first
+    one's output; raises with a failing one's log; returns every log."""
     procs, logs = [], []
     try:
         for host, (command, name) in enumerate(zip(commands, names)):
             if network:
-                command = ["ip", "netns", "exec", network.rank_ns[host], *command]
+                command = ["ip", "netns", "exec", network.rank_ns[host // ranks_per_host], *command]
             host_env = dict(os.environ, GLOO_SOCKET_IFNAME=RANK_IFNAME if network else "lo", OMP_NUM_THREADS="1",
                             **(env or {}))
             log = open(workdir / f"log-{name}.txt", "w+")
@@ -319,13 +321,14 @@ def main(argv: list[str] | None = None) -> None:
     torchrun.add_argument("--loopback", action="store_true", help="no namespaces, no shaping")
     torchrun.add_argument("--max-restarts", type=int, default=0)
     torchrun.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
+    torchrun.add_argument("--prefix", default="gxtr", help="name prefix of the namespaces this run creates")
     torchrun.add_argument("script", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = parser.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not script:
         parser.error("name the training script after --")
     loopback = runs_on_loopback("bench.emulated_network", args.loopback)
-    networks = Networks("gxtr")
+    networks = Networks(args.prefix)
     try:
         network = None if loopback else networks.create(args.nnodes, args.rate)
         print(f"{args.nnodes} nodes x {args.nproc_per_node} ranks over {network_name(None if loopback else args.rate)}",

@@ -129,7 +129,7 @@ class LocalExchange:
                  args: argparse.Namespace, world_size: int):
         self.method, self.model, self.world_size = method, model, world_size
         self.model_bytes = 4 * sum(p.numel() for p in model.parameters())
-        self.outer, self.averager, self.counted, self.steps = None, None, 0, 0
+        self.outer, self.averager, self.counted, self.steps, self.finished = None, None, 0, 0, False
         if method.kind == "postlocal":
             self.averager = PeriodicModelAverager(period=method.period, warmup_steps=0)
             self.optimizer = PostLocalSGDOptimizer(optim=inner, averager=self.averager)
@@ -148,7 +148,9 @@ class LocalExchange:
             self.counted += ring_allreduce_bytes(self.model_bytes, self.world_size)
 
     def synced(self) -> bool:
-        """Whether the replicas are one model now (right after an average or a sync)."""
+        """Whether the replicas are one model now (right after an average or a sync, or :meth:`finish`)."""
+        if self.finished:
+            return True
         if self.outer is not None:
             return self.steps % self.method.period == 0
         return (self.steps - 1) % self.method.period == 0
@@ -162,6 +164,7 @@ class LocalExchange:
         else:
             average_parameters(self.model.parameters(), dist.group.WORLD)
             self.counted += ring_allreduce_bytes(self.model_bytes, self.world_size)
+        self.finished = True
 
     def bytes_sent(self) -> int:
         return self.outer.stats()["bytes_sent"] if self.outer is not None else self.counted

@@ -393,7 +393,7 @@ def summarize(records: list[dict]) -> list[dict]:
     rows = []
     for r in records:
         row = {"method": r["method"], "label": r["label"], "final_val_loss": r["final_val_loss"],
-               "mb_sent": r["bytes_sent"] / 1e6, "tx_mb": r["tx_bytes"] / 1e6, "seconds": r["seconds"],
+               "mb_sent": r["bytes_sent"] / 1e6, "tx_mb": r.get("tx_bytes", 0) / 1e6, "seconds": r["seconds"],
                "loss_vs_ddp": r["final_val_loss"] / ddp["final_val_loss"] if ddp else None,
                "bytes_vs_ddp": r["bytes_sent"] / ddp["bytes_sent"] if ddp else None}
         if "updated_per_step" in r:  # each group's share of its elements updated per step
@@ -546,7 +546,8 @@ def merged(args: argparse.Namespace) -> tuple[argparse.Namespace, dict]:
     names = [record["method"] for record in records]
     if len(set(names)) != len(names):
         raise SystemExit(f"--merge: a method appears in more than one report: {names}")
-    settings = argparse.Namespace(**{**first, "methods": names, "json": args.json, "plot": args.plot})
+    # Reports from before --rate ran on loopback.
+    settings = argparse.Namespace(**{"rate": None, **first, "methods": names, "json": args.json, "plot": args.plot})
     return settings, {"records": records, "corpus": reports[0]["corpus"]}
 
 

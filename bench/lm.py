@@ -1,15 +1,18 @@
 """A language model: a small decoder-only transformer trained on the Python standard library's own source files,
 with real DDP on ``--world-size`` Gloo processes on this machine's CPU, once per method, from the same initial
-weights on the same batches. Nothing is downloaded: the corpus is every ``*.py`` file under
-``sysconfig.get_paths()["stdlib"]`` (site-packages left out), read as bytes (a byte-level vocabulary of 256), so
-it differs between Python versions: the version is recorded in the output.
+weights on the same batches; on loopback, or with ``--rate`` each rank in its own network namespace behind an
+emulated link of that rate (bench/emulated_network.py, as bench/local_sgd.py runs it; needs root). Nothing is
+downloaded: the corpus is every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]`` (site-packages left out),
+read as bytes (a byte-level vocabulary of 256), so it differs between Python versions: the version is recorded in
+the output.
 
 The split is a function of each file's path relative to the standard library alone (``sha256(path) mod 100 <
 --val-percent``): the same files are held out on every machine with the same Python version, whatever the order
 in which they are found. Each step, every rank trains on ``--batch-size`` windows of ``--seq-len`` + 1 bytes drawn
 at random from the training files (one generator per step shared by the ranks, each rank its own windows; the same
 for every method). Validation: the mean cross-entropy (nats per byte) on ``--val-windows`` fixed windows of the
-held-out files, every ``--eval-every`` steps, split over the ranks.
+held-out files, every ``--eval-every`` steps, split over the ranks, of the model the ranks share (for a local
+method between its exchanges: the mean of the replicas, formed by an allreduce that no count includes).
 
 Methods (``--methods``):
 
@@ -19,24 +22,29 @@ Methods (``--methods``):
                                Deep Gradient Compression's sparsity warm-up (bench/peers.py's recipe)
     dgc-pt-<d>                 dgc-<d> with per-tensor selection (each parameter its share of the bucket's k)
     sparse-<coll>-<d>-<H>      gx.SparseLocalSGD: H local steps of the same inner SGD, then a sparse pseudo-gradient
+    sparse-<coll>-<d>-<H>-compact   the same on the compact wire (4 bytes a pair instead of 8)
     diloco-<H>                 SparseLocalSGD with density 1 and the dense collective (DiLoCo)
+    postlocal-<H>              PyTorch's local SGD (PostLocalSGDOptimizer, PeriodicModelAverager every H steps)
 
 For gtopk_ext's hook it also counts, after every compressed step, the elements of each parameter that the step
 updated (the nonzeros of its reduced gradient), grouped as embeddings, LayerNorms, attention, MLP and the output
 head: a share far below the density means a per-bucket threshold starves that group.
 
-Every method's validation curve, bytes sent (each method's own count) and the selection shares go to ``--json``
-after every method (a run cut short keeps what finished); the table is printed and the curves plotted (``--plot``).
+Every method's validation curve, training seconds (the slowest rank's time in its steps and exchanges, evaluation
+left out), bytes sent (each method's own count; on emulated links also the rank's interface counter, TCP/IP
+headers included) and the selection shares go to ``--json`` after every method (a run cut short keeps what
+finished); the table is printed and the curves plotted (``--plot``).
 
     python -m bench.lm --json lm.json --plot lm.png     # the full configuration: 600 steps of 8 x 128 bytes per rank
     python -m bench.lm --steps 160 --seq-len 64 --eval-every 20 --json lm.json --plot lm.png   # README's run
     python -m bench.lm --world-size 2 --steps 4 --methods ddp gtopk-0.01 --layers 1 --d-model 32   # seconds
+    python -m bench.lm --steps 160 --seq-len 64 --eval-every 20 --rate 100mbit --methods ddp diloco-10 \
+        sparse-gtopk-0.05-10-compact --json lm_100mbit.json --plot lm_100mbit.png      # as root
 """
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations against dist.GradBucket.
 import argparse
 import dataclasses
-import datetime
 import hashlib
 import json
 import math
@@ -55,8 +63,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gtopk_ext as gx  # noqa: E402
-from bench.demo import spawn  # noqa: E402
-from bench.local_sgd import parse_method  # noqa: E402
+from bench.emulated_network import TxCounter, join_group, network_name, parse_rate, runs_on_loopback  # noqa: E402
+from bench.local_sgd import LocalExchange, load_consensus, parse_method, run_group  # noqa: E402
 from bench.peers import (DGC_WARMUP_ITERS, RECIPES, START_ITER, Recipe, dgc_recipe, gtopk_ext_recipe,  # noqa: E402
                          numel_of)
 from gtopk_ext.compressors import check_density  # noqa: E402
@@ -209,11 +217,12 @@ def check_method(text: str) -> str:
     try:
         if text.startswith(("gtopk-", "dgc-")):
             check_density(float(text.rsplit("-", 1)[1]))
-        if hook_recipe(text) is None and parse_method(text).kind not in ("sparse", "diloco"):
+        if hook_recipe(text) is None and parse_method(text).kind not in ("sparse", "diloco", "postlocal"):
             raise ValueError("not a method of this benchmark")
     except (ValueError, IndexError, argparse.ArgumentTypeError) as error:
         raise argparse.ArgumentTypeError(f"bad method {text!r} ({error}): expected ddp, fp16, powersgd-2, gtopk-<d>, "
-                                         f"dgc-<d>, dgc-pt-<d>, sparse-<collective>-<d>-<H> or diloco-<H>") from error
+                                         f"dgc-<d>, dgc-pt-<d>, sparse-<collective>-<d>-<H>[-compact], diloco-<H> "
+                                         f"or postlocal-<H>") from error
     return text
 
 
@@ -225,12 +234,12 @@ def method_label(name: str) -> str:
 # ------------------------------------------------------------------------------------------------- worker side
 
 class Trainer:
-    """One method on this rank: the model (DDP with a hook, or a replica under SparseLocalSGD), the optimizer, and
+    """One method on this rank: the model (DDP with a hook, or a replica under a local method), the optimizer, and
     the bytes this rank sent so far by the method's own count."""
 
     def __init__(self, name: str, config: ModelConfig, args: argparse.Namespace, world_size: int):
         self.model = TransformerLM(config, args.seed)  # the same initial weights for every method and rank
-        self.recipe, self.outer, self.sent = hook_recipe(name), None, 0
+        self.recipe, self.local, self.sent = hook_recipe(name), None, 0
         self.trained, momentum = self.model, args.momentum
         if self.recipe is not None:
             # PowerSGD's one bucket: a cap above the model's size (see bench/peers.py).
@@ -238,14 +247,10 @@ class Trainer:
             self.trained = DistributedDataParallel(self.model, bucket_cap_mb=cap_mb)
             self.accounting = self.recipe.attach(self.trained, world_size, args)
             momentum = 0.0 if self.recipe.momentum_in_hook else args.momentum
-        else:
-            method = parse_method(name)
-            self.period = method.period
-            self.outer = gx.SparseLocalSGD(self.model.parameters(), sync_every=method.period,
-                                           density=method.density, collective=method.collective,
-                                           outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                                           nesterov=args.outer_momentum > 0)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=momentum)
+        if self.recipe is None:
+            self.local = LocalExchange(parse_method(name), self.model, self.optimizer, args, world_size)
+            self.optimizer = self.local.optimizer
         self.sparse_hook = name.startswith(("gtopk-", "dgc-"))  # gtopk_ext's hook: count what it updates
         self.groups = [parameter_group(n) for n, _ in self.model.named_parameters()]
 
@@ -254,8 +259,8 @@ class Trainer:
         loss = lm_loss(self.trained, batch)
         loss.backward()
         self.optimizer.step()
-        if self.outer is not None:
-            self.outer.step()
+        if self.local is not None:
+            self.local.after_step()
         else:
             self.sent += self.accounting.bytes_sent()
         return float(loss.detach())
@@ -268,11 +273,11 @@ class Trainer:
         return counts
 
     def bytes_sent(self) -> int:
-        return self.outer.stats()["bytes_sent"] if self.outer is not None else self.sent
+        return self.local.bytes_sent() if self.local is not None else self.sent
 
-    def synced_at(self, step: int) -> bool:
-        """Whether the replicas are one model after this step (DDP: always; local SGD: after a sync)."""
-        return self.outer is None or step % self.period == 0
+    def synced(self) -> bool:
+        """Whether the replicas are one model now (DDP: always; a local method: right after an exchange)."""
+        return self.local is None or self.local.synced()
 
 
 @torch.no_grad()
@@ -288,41 +293,54 @@ def validation_loss(model: nn.Module, val_batches: torch.Tensor, rank: int, worl
     return float(total[0] / total[1])
 
 
+def slowest(seconds: float) -> float:
+    """The largest of the ranks' ``seconds``."""
+    values = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return float(values)
+
+
 def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, train: torch.Tensor,
-               val_batches: torch.Tensor, progress) -> dict:
+               val_batches: torch.Tensor, tx: TxCounter, progress) -> dict:
     config = model_config(args)
     trainer = Trainer(name, config, args, world_size)
-    curve = [{"step": 0, "val_loss": validation_loss(trainer.model, val_batches, rank, world_size), "bytes_sent": 0}]
-    losses, seconds, selections = [], 0.0, []
+    evaluation = TransformerLM(config, args.seed) if trainer.local is not None else None  # the replicas' mean
+
+    def point(step: int, seconds: float, tx_bytes: int) -> dict:
+        shared = trainer.model if trainer.synced() else load_consensus(trainer.model, evaluation, world_size)
+        return {"step": step, "val_loss": validation_loss(shared, val_batches, rank, world_size),
+                "seconds": slowest(seconds), "bytes_sent": trainer.bytes_sent(), "tx_bytes": tx_bytes}
+
+    curve = [point(0, 0.0, 0)]
+    losses, seconds, tx_bytes, selections = [], 0.0, 0, []
     warmed_up = DGC_WARMUP_ITERS if name.startswith("dgc-") else START_ITER  # steps before the target density
     for step in range(1, args.steps + 1):
         # One generator per step shared by the ranks: every rank draws the global batch and keeps its rows.
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
         batch = windows(train, world_size * args.batch_size, config.seq_len + 1, generator)
-        start = time.perf_counter()
+        before, start = tx.read(), time.perf_counter()
         losses.append(trainer.step(batch[rank * args.batch_size:(rank + 1) * args.batch_size]))
+        if step == args.steps and trainer.local is not None:
+            trainer.local.finish()  # every method ends with one model
         seconds += time.perf_counter() - start
+        tx_bytes += tx.read() - before
         if trainer.sparse_hook and step > warmed_up:
             selections.append(trainer.updated_per_group())
-        if step == args.steps and not trainer.synced_at(step):
-            trainer.outer.sync()  # every method ends with one model
         if step % args.eval_every == 0 or step == args.steps:
-            if trainer.synced_at(step) or step == args.steps:
-                curve.append({"step": step, "val_loss": validation_loss(trainer.model, val_batches, rank, world_size),
-                              "bytes_sent": trainer.bytes_sent()})
+            curve.append(point(step, seconds, tx_bytes))
         if progress is not None:
             progress.set_postfix(loss=f"{losses[-1]:.3f}", val=f"{curve[-1]['val_loss']:.3f}", refresh=False)
             progress.update()
     mean_losses = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(mean_losses)
-    slowest = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     numels = dict.fromkeys(GROUPS, 0)
     for group, p in zip(trainer.groups, trainer.model.parameters()):
         numels[group] += p.numel()
+    final = curve[-1]
     record = {"method": name, "label": method_label(name), "curve": curve,
-              "train_loss": (mean_losses / world_size).tolist(), "seconds": float(slowest),
-              "final_val_loss": curve[-1]["val_loss"], "bytes_sent": trainer.bytes_sent(), "group_numel": numels}
+              "train_loss": (mean_losses / world_size).tolist(), "seconds": final["seconds"],
+              "final_val_loss": final["val_loss"], "bytes_sent": final["bytes_sent"], "tx_bytes": final["tx_bytes"],
+              "group_numel": numels, "load_average": os.getloadavg()}  # the machine's load while it ran
     if selections:
         record["updated_per_step"] = {g: sum(s[g] for s in selections) / len(selections) for g in GROUPS}
     return record
@@ -332,10 +350,11 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(seq_len=args.seq_len, d_model=args.d_model, layers=args.layers, heads=args.heads)
 
 
-def worker(rank: int, world_size: int, args: argparse.Namespace, init_file: str, result_file: str) -> None:
-    torch.set_num_threads(1)  # several processes share a few cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+def run_worker(config: dict) -> None:
+    """One rank (started by bench.local_sgd.run_group): every method in turn; rank 0 writes the records."""
+    args, rank, world_size = join_group(config, "timeout")  # one intra-op thread: the ranks share a few cores
+    args.json = Path(args.json) if args.json else None
+    result_file, tx = config["out"], TxCounter(config["ifname"])
     try:
         root = stdlib_root()
         train_files, val_files = split_files(corpus_files(root), args.val_percent)
@@ -352,7 +371,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_file: str,
         for name in args.methods:
             if progress is not None:
                 progress.set_description(name)
-            records.append(run_method(name, rank, world_size, args, train, val_batches, progress))
+            records.append(run_method(name, rank, world_size, args, train, val_batches, tx, progress))
             if rank == 0:  # after every method: a run cut short keeps what finished
                 Path(result_file).write_text(json.dumps({
                     "corpus": {"files": len(train_files) + len(val_files), "train_files": len(train_files),
@@ -374,7 +393,7 @@ def summarize(records: list[dict]) -> list[dict]:
     rows = []
     for r in records:
         row = {"method": r["method"], "label": r["label"], "final_val_loss": r["final_val_loss"],
-               "mb_sent": r["bytes_sent"] / 1e6, "seconds": r["seconds"],
+               "mb_sent": r["bytes_sent"] / 1e6, "tx_mb": r.get("tx_bytes", 0) / 1e6, "seconds": r["seconds"],
                "loss_vs_ddp": r["final_val_loss"] / ddp["final_val_loss"] if ddp else None,
                "bytes_vs_ddp": r["bytes_sent"] / ddp["bytes_sent"] if ddp else None}
         if "updated_per_step" in r:  # each group's share of its elements updated per step
@@ -384,20 +403,21 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| method | final val loss | vs DDP | MB sent / rank | bytes vs DDP | seconds | updated per step: "
-             + ", ".join(GROUPS) + " |", "|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| method | final val loss | vs DDP | MB sent / rank | bytes vs DDP | link MB / rank | seconds | updated "
+             "per step: " + ", ".join(GROUPS) + " |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for row in rows:
         versus = f"{row['loss_vs_ddp']:.3f}x" if row["loss_vs_ddp"] is not None else "-"
         share = f"1/{1 / row['bytes_vs_ddp']:.0f}" if row["bytes_vs_ddp"] else "-"
         updated = (", ".join(f"{100 * row['updated_share'][g]:.2g}%" for g in GROUPS)
                    if "updated_share" in row else "-")
+        link = f"{row['tx_mb']:.1f}" if row["tx_mb"] else "-"  # the interface counter: emulated links only
         lines.append(f"| {row['label']} | {row['final_val_loss']:.4f} | {versus} | {row['mb_sent']:.1f} | {share} | "
-                     f"{row['seconds']:.0f} | {updated} |")
+                     f"{link} | {row['seconds']:.0f} | {updated} |")
     return "\n".join(lines)
 
 
 def setting(args: argparse.Namespace, parameters: int, corpus: dict) -> str:
-    return (f"{args.world_size} ranks, Gloo on loopback, Python {platform.python_version()} stdlib "
+    return (f"{args.world_size} ranks, Gloo on {network_name(args.rate)}, Python {platform.python_version()} stdlib "
             f"({corpus['train_files']} training files, {corpus['val_files']} held out), byte-level transformer "
             f"({parameters / 1e6:.2f}M parameters, d={args.d_model}, {args.layers} layers, {args.heads} heads), "
             f"sequence {args.seq_len}, batch {args.batch_size}/rank, {args.steps} steps, SGD lr {args.lr:g} "
@@ -405,23 +425,25 @@ def setting(args: argparse.Namespace, parameters: int, corpus: dict) -> str:
 
 
 def plot(records: list[dict], path: Path, title: str) -> None:
-    """Validation loss against steps and against MB sent per rank, one line per method."""
+    """Validation loss against steps, training seconds and MB sent per rank, one line per method."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(13, 5.5))
+    fig, (by_step, by_time, by_bytes) = plt.subplots(1, 3, figsize=(17, 5.5))
     for index, record in enumerate(records):
         style = {"color": "black", "linewidth": 2} if record["method"] == "ddp" else {"color": f"C{index % 10}"}
         curve = record["curve"]
-        by_step.plot([c["step"] for c in curve], [c["val_loss"] for c in curve], marker=".", label=record["label"],
-                     **style)
+        loss = [c["val_loss"] for c in curve]
+        by_step.plot([c["step"] for c in curve], loss, marker=".", label=record["label"], **style)
+        by_time.plot([c.get("seconds", math.nan) for c in curve], loss, marker=".", **style)
         sent = [(c["bytes_sent"] / 1e6, c["val_loss"]) for c in curve if c["bytes_sent"]]  # log axis: none at 0
         by_bytes.plot(*zip(*sent), marker=".", **style)
     by_step.set(xlabel="step", ylabel="validation loss (nats per byte)")
+    by_time.set(xlabel="training seconds (slowest rank)", ylabel="validation loss (nats per byte)")
     by_bytes.set(xlabel="MB sent per rank", ylabel="validation loss (nats per byte)", xscale="log")
-    for ax in (by_step, by_bytes):
+    for ax in (by_step, by_time, by_bytes):
         ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
         ax.grid(True, which="both", alpha=0.3)
     fig.suptitle(title, fontsize=8, wrap=True)
@@ -463,11 +485,21 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--val-percent", type=float, default=5.0, help="share of the files held out")
     parser.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len bytes")
     parser.add_argument("--seed", type=int, default=0, help="initial weights and batches")
-    parser.add_argument("--timeout", type=float, default=4 * 3600.0, help="Gloo's timeout, seconds")
+    parser.add_argument("--rate", type=parse_rate, default=None,
+                        help="every rank in its own network namespace behind a link of this rate, e.g. 100mbit "
+                             "(needs root; default: loopback, no shaping)")
+    parser.add_argument("--prefix", default="gxlm", help="name prefix of the namespaces a --rate run creates")
+    parser.add_argument("--timeout", type=float, default=4 * 3600.0, help="Gloo's timeout and the whole run's, seconds")
     parser.add_argument("--json", type=Path, help="settings, corpus, curves and table (rewritten after each method)")
-    parser.add_argument("--plot", type=Path, help="validation loss against steps (PNG)")
+    parser.add_argument("--plot", type=Path, help="validation loss against steps, seconds and bytes (PNG)")
+    parser.add_argument("--merge", type=Path, nargs="+",
+                        help="run nothing: the table, --json and --plot of these reports' methods together (reports "
+                             "of one configuration, written by parts of --methods)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        return args
     for name in ("world_size", "steps", "eval_every", "batch_size", "seq_len", "d_model", "layers", "heads",
                  "val_windows"):
         if getattr(args, name) < 1:
@@ -476,17 +508,51 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
         parser.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
     if not 0 < args.val_percent < 100:
         parser.error(f"--val-percent must be in (0, 100), got {args.val_percent}")
-    for name in args.methods:
-        if hook_recipe(name) is None and args.eval_every % parse_method(name).period:
-            parser.error(f"--eval-every ({args.eval_every}) must be a multiple of {name}'s H: the replicas are one "
-                         f"model only after a sync")
     args.methods = list(dict.fromkeys(args.methods))
     return args
 
 
 def main(argv: Optional[list] = None) -> int:
     args = parse_args(argv)
-    measured = spawn(worker, args)
+    if args.worker:
+        run_worker(json.loads(args.worker.read_text()))
+        return 0
+    if args.merge:
+        args, measured = merged(args)
+        return report(args, measured)
+    if args.rate is not None and runs_on_loopback("bench.lm", loopback=False):
+        args.rate = None
+    worker_args = {key: str(value.resolve()) if isinstance(value, Path) else value
+                   for key, value in vars(args).items() if key not in ("worker", "plot")}
+    measured = run_group("bench.lm", args.world_size, args.rate, args.prefix, worker_args, args.timeout)
+    return report(args, measured)
+
+
+# What makes two reports one experiment (--merge): everything but the methods and how they were run.
+CONFIGURATION = ("world_size", "steps", "eval_every", "batch_size", "seq_len", "d_model", "layers", "heads", "lr",
+                 "momentum", "outer_lr", "outer_momentum", "bucket_cap_mb", "val_percent", "val_windows", "seed",
+                 "rate")
+
+
+def merged(args: argparse.Namespace) -> tuple[argparse.Namespace, dict]:
+    """The settings and records of the reports ``args.merge`` names, which must share one configuration."""
+    reports = [json.loads(path.read_text()) for path in args.merge]
+    first = reports[0]["settings"]
+    for path, other in zip(args.merge[1:], reports[1:]):
+        differ = [key for key in CONFIGURATION if other["settings"].get(key) != first.get(key)]
+        if differ:
+            raise SystemExit(f"--merge: {path} differs from {args.merge[0]} in {differ}: not one experiment")
+    records = [record for r in reports for record in r["runs"]]
+    names = [record["method"] for record in records]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--merge: a method appears in more than one report: {names}")
+    # Reports from before --rate ran on loopback.
+    settings = argparse.Namespace(**{"rate": None, **first, "methods": names, "json": args.json, "plot": args.plot})
+    return settings, {"records": records, "corpus": reports[0]["corpus"]}
+
+
+def report(args: argparse.Namespace, measured: dict) -> int:
+    """Prints the table; writes --json and --plot."""
     records, corpus = measured["records"], measured["corpus"]
     parameters = numel_of(TransformerLM(model_config(args)))
     title = setting(args, parameters, corpus)

@@ -15,8 +15,9 @@ last step when it is not a sync step already, so every method ends with one mode
 
 Methods (``--methods``): ``ddp``; ``hook-<collective>-<density>`` (gtopk_ext's DDP hook); ``postlocal-<H>``
 (PyTorch's local SGD: average the weights every H steps); ``diloco-<H>`` (SparseLocalSGD with density 1 and the
-dense collective); ``sparse-<collective>-<density>-<H>`` (SparseLocalSGD). ``diloco-equal`` is DiLoCo with the H
-that gives it about the bytes of the first ``sparse-`` method in the list.
+dense collective); ``sparse-<collective>-<density>-<H>`` (SparseLocalSGD), ``sparse-<collective>-<density>-<H>-compact``
+on the compact wire (4 bytes a pair instead of 8). ``diloco-equal`` is DiLoCo with the H that gives it about the
+bytes of the first ``sparse-`` method in the list.
 
     python -m bench.local_sgd --rate 100mbit --json local_sgd_100mbit.json --plot local_sgd_100mbit.png
     python -m bench.local_sgd --loopback --steps 64 --methods ddp diloco-8 sparse-gtopk-0.01-8
@@ -65,6 +66,7 @@ class Method:
     period: int = 1  # H: inner steps between exchanges
     collective: str = "dense"
     density: float = 1.0
+    wire: str = "plain"
 
     @property
     def label(self) -> str:
@@ -76,7 +78,8 @@ class Method:
             return f"PyTorch PostLocalSGD, H={self.period}"
         if self.kind == "diloco":
             return f"DiLoCo (dense), H={self.period}"
-        return f"SparseLocalSGD {self.collective} d={self.density:g}, H={self.period}"
+        compact = ", compact wire" if self.wire == "compact" else ""
+        return f"SparseLocalSGD {self.collective} d={self.density:g}, H={self.period}{compact}"
 
 
 def parse_method(text: str) -> Method:
@@ -88,12 +91,14 @@ def parse_method(text: str) -> Method:
             return Method(text, "hook", collective=parts[1], density=float(parts[2]))
         if parts[0] in ("postlocal", "diloco") and len(parts) == 2:
             return Method(text, parts[0], period=int(parts[1]))
-        if parts[0] == "sparse" and len(parts) == 4:
-            return Method(text, "sparse", period=int(parts[3]), collective=parts[1], density=float(parts[2]))
+        if parts[0] == "sparse" and (len(parts) == 4 or len(parts) == 5 and parts[4] == "compact"):
+            return Method(text, "sparse", period=int(parts[3]), collective=parts[1], density=float(parts[2]),
+                          wire="compact" if len(parts) == 5 else "plain")
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(f"unknown method {text!r}: expected ddp, hook-<collective>-<density>, "
-                                     f"postlocal-<H>, diloco-<H>, diloco-equal or sparse-<collective>-<density>-<H>")
+                                     f"postlocal-<H>, diloco-<H>, diloco-equal or "
+                                     f"sparse-<collective>-<density>-<H>[-compact]")
 
 
 def sync_bytes(method: Method, numel: int, world_size: int) -> float:
@@ -103,7 +108,7 @@ def sync_bytes(method: Method, numel: int, world_size: int) -> float:
     k = gx.compressors.k_for_density(method.density, numel)
     rounds = (world_size - 1 if method.collective == "allgather"
               else math.ceil(math.log2(world_size)) + (world_size & (world_size - 1) != 0))
-    return HEADER_BYTES + rounds * (4 + 8 * k)
+    return HEADER_BYTES + rounds * gx.wire.payload_size(method.wire, k, numel, torch.float32, head_words=1)
 
 
 def equal_bytes_period(sparse: Method, numel: int, world_size: int) -> int:
@@ -113,6 +118,58 @@ def equal_bytes_period(sparse: Method, numel: int, world_size: int) -> int:
 
 # ------------------------------------------------------------------------------------------------ worker side
 
+class LocalExchange:
+    """A local method's exchange around its inner optimizer: PyTorch's local SGD (``PostLocalSGDOptimizer`` with
+    ``PeriodicModelAverager``: the weights averaged every H steps, from the first), DiLoCo or SparseLocalSGD (a
+    sync after every H-th step), and the bytes this rank sent so far (a ring allreduce of the model per average;
+    SparseLocalSGD's own count). Use :attr:`optimizer` as the inner optimizer and call :meth:`after_step` after
+    each of its steps."""
+
+    def __init__(self, method: Method, model: torch.nn.Module, inner: torch.optim.Optimizer,
+                 args: argparse.Namespace, world_size: int):
+        self.method, self.model, self.world_size = method, model, world_size
+        self.model_bytes = 4 * sum(p.numel() for p in model.parameters())
+        self.outer, self.averager, self.counted, self.steps, self.finished = None, None, 0, 0, False
+        if method.kind == "postlocal":
+            self.averager = PeriodicModelAverager(period=method.period, warmup_steps=0)
+            self.optimizer = PostLocalSGDOptimizer(optim=inner, averager=self.averager)
+        else:
+            self.optimizer = inner
+            self.outer = gx.SparseLocalSGD(model.parameters(), sync_every=method.period, density=method.density,
+                                           collective=method.collective, outer_lr=args.outer_lr,
+                                           outer_momentum=args.outer_momentum, nesterov=args.outer_momentum > 0,
+                                           wire=method.wire)
+
+    def after_step(self) -> None:
+        self.steps += 1
+        if self.outer is not None:
+            self.outer.step()
+        elif self.synced():
+            self.counted += ring_allreduce_bytes(self.model_bytes, self.world_size)
+
+    def synced(self) -> bool:
+        """Whether the replicas are one model now (right after an average or a sync, or :meth:`finish`)."""
+        if self.finished:
+            return True
+        if self.outer is not None:
+            return self.steps % self.method.period == 0
+        return (self.steps - 1) % self.method.period == 0
+
+    def finish(self) -> None:
+        """Exchanges once more when the last step was not an exchange: every method ends with one model."""
+        if self.synced():
+            return
+        if self.outer is not None:
+            self.outer.sync()
+        else:
+            average_parameters(self.model.parameters(), dist.group.WORLD)
+            self.counted += ring_allreduce_bytes(self.model_bytes, self.world_size)
+        self.finished = True
+
+    def bytes_sent(self) -> int:
+        return self.outer.stats()["bytes_sent"] if self.outer is not None else self.counted
+
+
 class Trainer:
     """One method's model, inner optimizer and exchange, and its own count of the bytes this rank sent."""
 
@@ -120,7 +177,7 @@ class Trainer:
         self.method, self.world_size = method, world_size
         self.model = make_model(args.model)  # the same initial weights on every rank and for every method
         self.numel = sum(p.numel() for p in self.model.parameters())
-        self.trained, self.outer, self.averager, self.hook_state = self.model, None, None, None
+        self.trained, self.local, self.hook_state = self.model, None, None
         inner = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=args.momentum)
         if method.kind in ("ddp", "hook"):
             self.trained = DistributedDataParallel(self.model)
@@ -128,49 +185,45 @@ class Trainer:
                 self.hook_state = gx.SparseGradState(density=method.density, collective=method.collective,
                                                      stats_logging_frequency=0)
                 self.trained.register_comm_hook(self.hook_state, gx.sparse_grad_hook)
-        elif method.kind == "postlocal":
-            self.averager = PeriodicModelAverager(period=method.period, warmup_steps=0)
-            inner = PostLocalSGDOptimizer(optim=inner, averager=self.averager)
         else:
-            self.outer = gx.SparseLocalSGD(self.model.parameters(), sync_every=method.period,
-                                           density=method.density, collective=method.collective,
-                                           outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                                           nesterov=args.outer_momentum > 0)
+            self.local = LocalExchange(method, self.model, inner, args, world_size)
+            inner = self.local.optimizer
         self.inner = inner
-        self.counted = 0  # bytes sent by the methods that do not count their own
+        self.counted = 0  # bytes sent by DDP and the hook
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        exchanges = self.method.kind == "ddp" or (self.averager is not None
-                                                  and self.averager.step % self.method.period == 0)
         self.inner.zero_grad()
         torch.nn.functional.cross_entropy(self.trained(x), y).backward()
         self.inner.step()
-        if self.outer is not None:
-            self.outer.step()
-        if self.hook_state is not None:
+        if self.local is not None:
+            self.local.after_step()
+        elif self.hook_state is not None:
             self.counted += self.hook_state.stats()["total"]["bytes_sent"]
-        elif exchanges:
+        else:
             self.counted += ring_allreduce_bytes(self.numel * 4, self.world_size)
 
     def finish(self) -> None:
-        """A local method whose last step was not an exchange exchanges once more: every method ends with one model."""
-        if self.outer is not None and self.outer.local_step % self.method.period:
-            self.outer.sync()
-        if self.averager is not None and (self.averager.step - 1) % self.method.period:
-            average_parameters(self.model.parameters(), dist.group.WORLD)
-            self.counted += ring_allreduce_bytes(self.numel * 4, self.world_size)
+        if self.local is not None:
+            self.local.finish()
 
     def bytes_sent(self) -> int:
-        return self.outer.stats()["bytes_sent"] if self.outer is not None else self.counted
+        return self.local.bytes_sent() if self.local is not None else self.counted
+
+
+@torch.no_grad()
+def load_consensus(model: torch.nn.Module, evaluation: torch.nn.Module, world_size: int) -> torch.nn.Module:
+    """``evaluation`` (a model of the same shape) set to the mean of the replicas of ``model`` (an allreduce that
+    the byte counts leave out)."""
+    mean = parameters_to_vector(model.parameters()).detach().clone()
+    dist.all_reduce(mean)
+    vector_to_parameters(mean.div_(world_size), evaluation.parameters())
+    return evaluation
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, evaluation: torch.nn.Module, world_size: int, test_x, test_y) -> dict:
-    """Validation loss and accuracy of the mean of the replicas (an allreduce that the byte counts leave out)."""
-    mean = parameters_to_vector(model.parameters()).detach().clone()
-    dist.all_reduce(mean)
-    vector_to_parameters(mean.div_(world_size), evaluation.parameters())
-    logits = evaluation(test_x)
+    """Validation loss and accuracy of the mean of the replicas."""
+    logits = load_consensus(model, evaluation, world_size)(test_x)
     return {"val_loss": float(torch.nn.functional.cross_entropy(logits, test_y)),
             "accuracy": float((logits.argmax(1) == test_y).float().mean())}
 
@@ -221,6 +274,25 @@ def run_worker(config: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ driver side
+
+def run_group(module: str, world_size: int, rate_bps: int | None, prefix: str, worker_args: dict,
+              timeout: float):
+    """Runs ``python -m <module> --worker <config>`` on ``world_size`` ranks, each in its own network namespace
+    (named ``<prefix><pid>-...``) behind a tbf link of ``rate_bps``, or on loopback (None); returns what the
+    workers wrote to ``config["out"]`` (JSON). The worker gets ``config["args"] = worker_args``."""
+    if rate_bps is not None:
+        cleanup_stale(prefix)
+    networks = Networks(prefix)
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"{module.rsplit('.', 1)[-1]}_") as tmp:
+            network = None if rate_bps is None else networks.create(world_size, rate_bps)
+            out = Path(tmp) / "out.json"
+            run_ranks(module, world_size, network, {"args": worker_args, "out": str(out)}, Path(tmp),
+                      module.rsplit(".", 1)[-1], timeout)
+            return json.loads(out.read_text())
+    finally:
+        networks.close()
+
 
 def summarize(runs: list[dict]) -> list[dict]:
     ddp = next((r["curve"][-1] for r in runs if r["method"] == "ddp"), None)
@@ -309,19 +381,9 @@ def main() -> None:
     print(f"{args.world_size} Gloo processes on {links}, digits {args.model} ({numel} parameters), batch "
           f"{args.batch_size}/rank, {args.steps} inner steps (SGD lr {args.lr}, momentum {args.momentum}), outer lr "
           f"{args.outer_lr}, Nesterov momentum {args.outer_momentum}", flush=True)
-    if not args.loopback:
-        cleanup_stale(args.prefix)
-    networks = Networks(args.prefix)
-    try:
-        with tempfile.TemporaryDirectory(prefix="local_sgd_") as tmp:
-            network = None if args.loopback else networks.create(args.world_size, args.rate)
-            out = Path(tmp) / "runs.json"
-            worker_args = {key: value for key, value in vars(args).items() if key not in ("worker", "plot")}
-            run_ranks("bench.local_sgd", args.world_size, network, {"args": worker_args, "out": str(out)}, Path(tmp),
-                      "local_sgd", args.timeout)
-            runs = json.loads(out.read_text())
-    finally:
-        networks.close()
+    worker_args = {key: value for key, value in vars(args).items() if key not in ("worker", "plot")}
+    runs = run_group("bench.local_sgd", args.world_size, None if args.loopback else args.rate, args.prefix,
+                     worker_args, args.timeout)
     for run, method in zip(runs, methods):
         run["label"] = method.label
     rows = summarize(runs)

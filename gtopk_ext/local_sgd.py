@@ -33,22 +33,27 @@ from gtopk_ext._contract import FLOAT_DTYPES
 from gtopk_ext.collectives import (MAX_NUMEL, Traffic, gather_headers, group_rank_and_size, require_same,
                                    ring_allreduce_bytes)
 from gtopk_ext.compressors import COMPRESSOR_KINDS, SparseMessage, check_density, make_compressor
+from gtopk_ext.wire import WIRES, Rounding, check_wire
 
 __all__ = ["SparseLocalSGD", "COLLECTIVES"]
 
-# A sparse reduction: (message, group, traffic) -> (the dense float32 SUM over ranks, the mask over the message's
-# slots of what this rank got applied, or None when all of it was).
-SparseReduction = Callable[[SparseMessage, dist.ProcessGroup, Traffic], tuple[torch.Tensor, "torch.Tensor | None"]]
+# A sparse reduction: (message, group, traffic, wire=, rounding=) -> (the dense float32 SUM over ranks, the mask over
+# the message's slots of what this rank got applied, or None when all of it was). With the compact wire, the
+# rounding errors this rank answers for are added to ``rounding``.
+SparseReduction = Callable[..., tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
-def _allgather(msg: SparseMessage, group: dist.ProcessGroup, traffic: Traffic) -> tuple[torch.Tensor, None]:
-    return collectives.sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=traffic), None
+def _allgather(msg: SparseMessage, group: dist.ProcessGroup, traffic: Traffic, *, wire: str,
+               rounding: Rounding | None) -> tuple[torch.Tensor, None]:
+    return collectives.sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=traffic, wire=wire,
+                                        rounding=rounding), None
 
 
 def _global_topk(allreduce: Callable) -> SparseReduction:
     """A collective with the ``(glob, applied)`` contract of :func:`gtopk_ext.collectives.gtopk_allreduce`."""
-    def reduce(msg: SparseMessage, group: dist.ProcessGroup, traffic: Traffic) -> tuple[torch.Tensor, torch.Tensor]:
-        glob, applied = allreduce(msg, group, check=False, traffic=traffic)
+    def reduce(msg: SparseMessage, group: dist.ProcessGroup, traffic: Traffic, *, wire: str,
+               rounding: Rounding | None) -> tuple[torch.Tensor, torch.Tensor]:
+        glob, applied = allreduce(msg, group, check=False, traffic=traffic, wire=wire, rounding=rounding)
         return glob.to_dense(torch.float32), applied
     return reduce
 
@@ -138,6 +143,10 @@ class SparseLocalSGD:
             arguments (see :func:`gtopk_ext.make_compressor`).
         buffers: tensors averaged densely at each sync (``model.buffers()``); integer buffers (BatchNorm's
             ``num_batches_tracked``) are taken from the group's first rank.
+        wire: how a sparse collective sends its pairs (:mod:`gtopk_ext.wire`): ``"plain"`` (8 bytes a pair) or
+            ``"compact"`` (4 bytes a pair: float16 values after a power-of-two scale, 16-bit indices); what the
+            compact wire's rounding takes off a value goes into the accumulator, so nothing is lost. The dense
+            collective sends float32 and takes ``"plain"`` only.
 
     Construction is collective over ``process_group``: every rank checks that the others have the same
     parameters, and all adopt the first rank's parameters and buffers (as DDP does), so training starts from
@@ -146,7 +155,8 @@ class SparseLocalSGD:
 
     What is guaranteed: after every sync the parameters and buffers are bitwise equal on every rank; with a
     sparse collective, ``sum over ranks (pseudo-gradient + old accumulator) = P x averaged pseudo-gradient +
-    sum over ranks (new accumulator)`` up to float rounding (nothing is lost, only delayed); a non-finite
+    sum over ranks (new accumulator)`` up to float rounding, with either wire (nothing is lost, only delayed:
+    what the compact wire's float16 rounding took off a value is in the accumulator); a non-finite
     pseudo-gradient on any rank raises :class:`FloatingPointError` on every rank and changes nothing.
     """
 
@@ -154,7 +164,7 @@ class SparseLocalSGD:
                  collective: str = "gtopk", outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, process_group: dist.ProcessGroup | None = None, *,
                  compressor: str = "gaussiank", compressor_kwargs: dict | None = None,
-                 buffers: Iterable[torch.Tensor] = ()):
+                 buffers: Iterable[torch.Tensor] = (), wire: str = "plain"):
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
         check_density(density)
@@ -171,6 +181,10 @@ class SparseLocalSGD:
         if nesterov and self.outer_momentum == 0.0:
             raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD): set a momentum or "
                              "nesterov=False")
+        check_wire(wire)
+        if collective == "dense" and wire != "plain":
+            raise ValueError(f"collective='dense' allreduces float32 on the plain wire, got wire={wire!r} (the "
+                             f"compact wire is for the sparse collectives: {tuple(SPARSE_REDUCTIONS)})")
         if compressor not in COMPRESSOR_KINDS:
             raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {compressor!r}")
         self.params = _tensor_list(params, "params")
@@ -184,6 +198,7 @@ class SparseLocalSGD:
         self.sync_every = sync_every
         self.density = float(density)
         self.collective = collective
+        self.wire = wire
         self.nesterov = nesterov
         self.process_group = process_group
         self.compressor = compressor
@@ -251,9 +266,12 @@ class SparseLocalSGD:
         accumulator = self._accumulator[index]
         # compress leaves accumulator = delta + old accumulator - what this rank sends.
         msg = self._compressor.compress(delta, accumulator, step=self.syncs * len(self._shards) + index)
-        summed, applied = SPARSE_REDUCTIONS[self.collective](msg, group, traffic)
+        rounding = Rounding() if self.wire == "compact" else None
+        summed, applied = SPARSE_REDUCTIONS[self.collective](msg, group, traffic, wire=self.wire, rounding=rounding)
         if applied is not None:  # what a merge dropped goes back: nothing is lost
             ops.scatter_add_(accumulator, msg.indices, msg.values * ~applied, backend=msg.backend)
+        if rounding is not None:  # and so does what the compact wire's rounding took off the values applied
+            rounding.add_to(accumulator, backend=msg.backend)
         return summed.div_(size), msg.k, int(msg.count)
 
     def _outer_step(self, index: int, averaged: torch.Tensor) -> None:
@@ -305,8 +323,9 @@ class SparseLocalSGD:
         headers = gather_headers({"valid": 1, "params": len(self.params), "buffers": len(self.buffers),
                                   "numel": sum(p.numel() for p in self.params),
                                   "signature": zlib.crc32(signature.encode()),
-                                  "sync_every": self.sync_every}, group, self._shards[0].device)
-        require_same(headers, ("params", "buffers", "numel", "signature", "sync_every"), "SparseLocalSGD")
+                                  "sync_every": self.sync_every, "wire": WIRES.index(self.wire)},
+                                 group, self._shards[0].device)
+        require_same(headers, ("params", "buffers", "numel", "signature", "sync_every", "wire"), "SparseLocalSGD")
 
     # ----- statistics and checkpoints -----
 
@@ -318,17 +337,20 @@ class SparseLocalSGD:
                 "bytes_received": self.traffic.received, "last_sync": dict(self._last)}
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's resumable state (copies): ``local_step``, ``syncs``, ``numels`` (per shard), ``global``
-        (the global weights, the same on every rank), ``momentum`` and ``accumulator`` (this rank's), one float32
-        vector per shard. Save it with the model's and the inner optimizer's state."""
-        return {"local_step": self.local_step, "syncs": self.syncs, "numels": [s.numel for s in self._shards],
+        """This rank's resumable state (copies): ``local_step``, ``syncs``, ``wire``, ``numels`` (per shard),
+        ``global`` (the global weights, the same on every rank), ``momentum`` and ``accumulator`` (this rank's,
+        the compact wire's rounding errors included), one float32 vector per shard. Save it with the model's and
+        the inner optimizer's state."""
+        return {"local_step": self.local_step, "syncs": self.syncs, "wire": self.wire,
+                "numels": [s.numel for s in self._shards],
                 "global": [g.clone() for g in self._global], "momentum": [m.clone() for m in self._momentum],
                 "accumulator": [a.clone() for a in self._accumulator]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s output; with the model's and the inner optimizer's states restored too,
         training continues bitwise as if it had not stopped. Momentum or an accumulator that the saved optimizer
-        did not have (another ``outer_momentum`` or ``collective``) start at zero."""
+        did not have (another ``outer_momentum`` or ``collective``) start at zero. A state saved with the other
+        wire loads too: the accumulator means the same on both (the wire's rounding errors are in it)."""
         missing = {"local_step", "syncs", "numels", "global"} - set(state_dict)
         if missing:
             raise KeyError(f"state_dict is missing {sorted(missing)} (expected SparseLocalSGD.state_dict()'s keys)")
@@ -336,6 +358,8 @@ class SparseLocalSGD:
         if list(state_dict["numels"]) != numels:
             raise ValueError(f"state_dict holds shards of {list(state_dict['numels'])} elements, this optimizer's "
                              f"parameters make {numels}: it was saved for another model")
+        if "wire" in state_dict and state_dict["wire"] not in WIRES:
+            raise ValueError(f"state_dict['wire'] must be one of {WIRES}, got {state_dict['wire']!r}")
         for name in ("local_step", "syncs"):
             value = state_dict[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -365,4 +389,4 @@ class SparseLocalSGD:
     def __repr__(self) -> str:
         return (f"SparseLocalSGD(sync_every={self.sync_every}, density={self.density}, "
                 f"collective={self.collective!r}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, "
-                f"nesterov={self.nesterov}, compressor={self.compressor!r})")
+                f"nesterov={self.nesterov}, compressor={self.compressor!r}, wire={self.wire!r})")

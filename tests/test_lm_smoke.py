@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -31,7 +33,7 @@ def test_split_depends_on_the_paths_alone():
 
 
 def test_tiny_run_writes_a_sane_report(tmp_path):
-    methods = ["ddp", "gtopk-0.01", "sparse-gtopk-0.1-2"]
+    methods = ["ddp", "gtopk-0.01", "sparse-gtopk-0.1-2", "sparse-gtopk-0.1-2-compact", "postlocal-3"]
     result = subprocess.run(
         [sys.executable, "-m", "bench.lm", "--world-size", "2", "--steps", "4", "--eval-every", "2", "--layers", "1",
          "--d-model", "32", "--seq-len", "16", "--batch-size", "4", "--val-windows", "8", "--no-progress",
@@ -49,12 +51,19 @@ def test_tiny_run_writes_a_sane_report(tmp_path):
         assert [c["step"] for c in run["curve"]] == [0, 2, 4]
         losses = [c["val_loss"] for c in run["curve"]]
         assert all(math.isfinite(v) and 0 < v < 8 for v in losses)
+        for before, after in zip(run["curve"], run["curve"][1:]):  # counted as the run goes
+            assert before["seconds"] <= after["seconds"] and before["bytes_sent"] <= after["bytes_sent"]
         assert losses[0] == runs["ddp"]["curve"][0]["val_loss"]  # the same initial weights for every method
     # four steps of DDP learn something about bytes (ln 256 = 5.55 at the start)
     assert runs["ddp"]["curve"][-1]["val_loss"] < runs["ddp"]["curve"][0]["val_loss"]
     table = {row["method"]: row for row in report["table"]}
     assert table["ddp"]["loss_vs_ddp"] == 1.0
     assert 0 < table["gtopk-0.01"]["bytes_vs_ddp"] < 1 and 0 < table["sparse-gtopk-0.1-2"]["bytes_vs_ddp"] < 0.2
+    # the compact wire: 4 bytes a pair instead of 8 (plus a few words per message)
+    assert 0.4 < table["sparse-gtopk-0.1-2-compact"]["mb_sent"] / table["sparse-gtopk-0.1-2"]["mb_sent"] < 0.65
+    # PyTorch's local SGD averages at steps 1 and 4 (every 3 steps from the first): a ring allreduce of the model
+    # each, 2 (P - 1) / P of its float32 bytes, against DDP's 4
+    assert table["postlocal-3"]["bytes_vs_ddp"] == pytest.approx(2 / 4)
     # the hook's updated elements per group: step 3 and 4 are compressed (2 dense warm-up steps)
     shares = table["gtopk-0.01"]["updated_share"]
     assert set(shares) == {"embedding", "layernorm", "attention", "mlp", "head"}

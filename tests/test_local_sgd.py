@@ -69,15 +69,25 @@ def _case_replicas_and_conservation(rank: int, world_size: int) -> None:
     """Sparse collectives: bitwise replicas after each sync, and sum over ranks of (pseudo-gradient + old
     accumulator) = P x the averaged pseudo-gradient + sum over ranks of new accumulators. With outer_lr 1 and no
     momentum the global weights move by exactly the averaged pseudo-gradient, so the test reads it from them."""
-    settings = [("gtopk", "gaussiank", 0.05, torch.float32), ("gtopk", "topk", 0.2, torch.float32),
-                ("allgather", "gaussiank", 0.05, torch.float32), ("gtopk", "gaussiank", 0.1, torch.bfloat16),
-                ("allgather", "randomk", 0.1, torch.float16), ("oktopk", "gaussiank", 0.05, torch.float32)]
-    for collective, compressor, density, dtype in settings:
-        what = f"{collective}/{compressor}/d={density}/{dtype}"
+    settings = [("gtopk", "gaussiank", 0.05, torch.float32, "plain"),
+                ("gtopk", "topk", 0.2, torch.float32, "plain"),
+                ("allgather", "gaussiank", 0.05, torch.float32, "plain"),
+                ("gtopk", "gaussiank", 0.1, torch.bfloat16, "plain"),
+                ("allgather", "randomk", 0.1, torch.float16, "plain"),
+                ("oktopk", "gaussiank", 0.05, torch.float32, "plain"),
+                # The compact wire: the float16 rounding of every value applied (about 1e-5 of these pseudo-
+                # gradients, above the tolerance) must be in the new accumulators.
+                ("gtopk", "gaussiank", 0.05, torch.float32, "compact"),
+                ("gtopk", "topk", 0.2, torch.bfloat16, "compact"),
+                ("allgather", "gaussiank", 0.1, torch.float32, "compact"),
+                ("oktopk", "gaussiank", 0.05, torch.float16, "compact")]
+    sent = {}  # (collective, compressor, density, dtype, wire) -> bytes of the first sync
+    for collective, compressor, density, dtype, wire in settings:
+        what = f"{collective}/{compressor}/d={density}/{dtype}/{wire}"
         model = _model(seed=rank, dtype=dtype)  # different on every rank: construction adopts rank 0's
         outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=density, collective=collective,
                                   outer_lr=1.0, outer_momentum=0.0, nesterov=False, compressor=compressor,
-                                  buffers=model.buffers())
+                                  buffers=model.buffers(), wire=wire)
         _assert_replicas_equal(model, f"{what}, after construction")
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
         dropped_somewhere = False
@@ -102,7 +112,12 @@ def _case_replicas_and_conservation(rank: int, world_size: int) -> None:
             last = outer.stats()["last_sync"]
             assert last["k"] == math.ceil(density * sum(p.numel() for p in model.parameters()))
             assert 0 < last["bytes_sent"] and last["numel"] == adopted.numel()
+            sent.setdefault((collective, compressor, density, wire), (last["bytes_sent"], last["k"]))
         assert dropped_somewhere, f"{what}: the accumulator never held anything; the conservation check is empty"
+    # gtopk sends k pairs in each of its rounds (at least one), in 4 bytes a pair instead of 8: the compact wire
+    # saves 4 bytes a pair less its few words of page table and scale.
+    (plain, k), (compact, _) = sent[("gtopk", "topk", 0.2, "plain")], sent[("gtopk", "topk", 0.2, "compact")]
+    assert plain - compact >= 3 * k, (plain, compact, k)
 
 
 def _diloco_reference(model: nn.Module, world_size: int, outer_lr: float, momentum: float):
@@ -162,11 +177,17 @@ def _case_local_sgd(rank: int, world_size: int) -> None:
 
 
 def _case_resume(rank: int, world_size: int) -> None:
-    """A run saved in the middle of a sync interval and restored into fresh objects continues bitwise."""
+    """A run saved in the middle of a sync interval and restored into fresh objects continues bitwise, on either
+    wire (the compact wire's rounding errors travel in the accumulator)."""
+    for wire in ("plain", "compact"):
+        _resume(rank, wire)
+
+
+def _resume(rank: int, wire: str) -> None:
     def build(seed: int):
         model = _model(seed)
         outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=0.1, collective="gtopk",
-                                  outer_lr=0.7, outer_momentum=0.9, buffers=model.buffers())
+                                  outer_lr=0.7, outer_momentum=0.9, buffers=model.buffers(), wire=wire)
         return model, torch.optim.AdamW(model.parameters(), lr=0.01), outer
 
     model, inner, outer = build(0)
@@ -184,10 +205,11 @@ def _case_resume(rank: int, world_size: int) -> None:
         _inner_step(resumed_model, resumed_inner, rank, step)
         resumed_outer.step()
     for a, b in zip([*model.state_dict().values()], [*resumed_model.state_dict().values()]):
-        assert torch.equal(a, b), "the resumed run's model differs"
+        assert torch.equal(a, b), f"{wire}: the resumed run's model differs"
     for name in ("global", "momentum", "accumulator"):
         for a, b in zip(outer.state_dict()[name], resumed_outer.state_dict()[name]):
-            assert torch.equal(a, b), f"the resumed run's {name} differs"
+            assert torch.equal(a, b), f"{wire}: the resumed run's {name} differs"
+    assert resumed_outer.state_dict()["wire"] == wire
 
 
 def _expect_error(error: type[Exception], match: str, build) -> None:
@@ -217,6 +239,9 @@ def _case_errors(rank: int, world_size: int) -> None:
     _expect_error(ValueError, r"nesterov=True needs outer_momentum > 0", make(outer_momentum=0.0))
     _expect_error(TypeError, r"nesterov must be a bool, got 'yes'", make(nesterov="yes"))
     _expect_error(ValueError, r"compressor must be one of .*, got 'sort'", make(compressor="sort"))
+    _expect_error(ValueError, r"wire must be one of \('plain', 'compact'\), got 'zip'", make(wire="zip"))
+    _expect_error(ValueError, r"collective='dense' allreduces float32 on the plain wire, got wire='compact'",
+                  make(collective="dense", density=1.0, wire="compact"))
     _expect_error(ValueError, r"params is empty", make(params=[]))
     _expect_error(TypeError, r"params must be an iterable of tensors .* got a single tensor", make(params=params[0]))
     _expect_error(TypeError, r"param groups are not supported", make(params=[{"params": params}]))
@@ -229,6 +254,8 @@ def _case_errors(rank: int, world_size: int) -> None:
     _expect_error(ValueError, r"SparseLocalSGD: params differs across ranks", make(params=params + extra))
     _expect_error(ValueError, r"SparseLocalSGD: sync_every differs across ranks",
                   make(sync_every=H + (rank == world_size - 1)))
+    _expect_error(ValueError, r"SparseLocalSGD: wire differs across ranks",
+                  make(wire="compact" if rank == world_size - 1 else "plain"))
 
     outer = gx.SparseLocalSGD(params, sync_every=H, density=0.1)
     outer.local_step = rank  # as if ranks had called step() a different number of times
@@ -248,6 +275,8 @@ def _case_errors(rank: int, world_size: int) -> None:
     other = gx.SparseLocalSGD(_model(1)[0].parameters(), sync_every=H, density=0.1)
     _expect_error(ValueError, r"state_dict holds shards of \[\d+\] elements, this optimizer's parameters make",
                   lambda: other.load_state_dict(before))
+    _expect_error(ValueError, r"state_dict\['wire'\] must be one of \('plain', 'compact'\), got 'zip'",
+                  lambda: outer.load_state_dict({**before, "wire": "zip"}))
     _expect_error(KeyError, r"state_dict is missing \['global'\]",
                   lambda: outer.load_state_dict({k: v for k, v in before.items() if k != "global"}))
 

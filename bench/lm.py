@@ -62,7 +62,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import gtopk_ext as gx  # noqa: E402
 from bench.emulated_network import TxCounter, join_group, network_name, parse_rate, runs_on_loopback  # noqa: E402
 from bench.local_sgd import LocalExchange, load_consensus, parse_method, run_group  # noqa: E402
 from bench.peers import (DGC_WARMUP_ITERS, RECIPES, START_ITER, Recipe, dgc_recipe, gtopk_ext_recipe,  # noqa: E402
@@ -193,21 +192,13 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------------- methods
 
-def dgc_per_tensor_recipe(density: float) -> Recipe:
-    """bench/peers.py's momentum correction + warm-up recipe with per-tensor selection (momentum 0.9 in the hook)."""
-    recipe = gtopk_ext_recipe(f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up + per-tensor",
-                              density=density, momentum=0.9, per_tensor=True,
-                              density_schedule=gx.exponential_warmup(density, DGC_WARMUP_ITERS))
-    return dataclasses.replace(recipe, momentum_in_hook=True)
-
-
 def hook_recipe(name: str) -> Optional[Recipe]:
     """The DDP recipe of a method name, or None for a local-SGD method."""
     if name in ("ddp", "fp16", "powersgd-2") or name.startswith("gtopk-"):
         return RECIPES[name] if name in RECIPES else gtopk_ext_recipe(
             f"Gaussian-k + gtopk, d={float(name.split('-')[1]):g}", density=float(name.split("-")[1]))
     if name.startswith("dgc-pt-"):
-        return dgc_per_tensor_recipe(float(name[len("dgc-pt-"):]))
+        return dgc_recipe(float(name[len("dgc-pt-"):]), per_tensor=True)
     if name.startswith("dgc-"):
         return dgc_recipe(float(name[len("dgc-"):]))
     return None
@@ -313,7 +304,7 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
 
     curve = [point(0, 0.0, 0)]
     losses, seconds, tx_bytes, selections = [], 0.0, 0, []
-    warmed_up = DGC_WARMUP_ITERS if name.startswith("dgc-") else START_ITER  # steps before the target density
+    warmed_up = args.dgc_warmup if name.startswith("dgc-") else START_ITER  # steps before the target density
     for step in range(1, args.steps + 1):
         # One generator per step shared by the ranks: every rank draws the global batch and keeps its rows.
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
@@ -479,6 +470,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=0.1, help="SGD (inner SGD of the local methods)")
     parser.add_argument("--momentum", type=float, default=0.9, help="in the optimizer, or in the hook for dgc-")
+    parser.add_argument("--dgc-warmup", type=int, default=DGC_WARMUP_ITERS,
+                        help="iterations of the dgc- methods' sparsity warm-up (masking starts after it)")
     parser.add_argument("--outer-lr", type=float, default=1.0, help="SparseLocalSGD and DiLoCo")
     parser.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov when > 0")
     parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's (default: its own, 25)")

@@ -70,7 +70,7 @@ from bench.gradients import wide_mlp  # noqa: E402
 from gtopk_ext.utils import destroy_process_group  # noqa: E402
 
 START_ITER = 2  # dense iterations of every compressing hook (PowerSGD and gtopk_ext need at least 2)
-DGC_WARMUP_ITERS = 20  # the dgc methods' sparsity warm-up (from density 0.25 to theirs)
+DGC_WARMUP_ITERS = 20  # the dgc methods' sparsity warm-up by default (from density 0.25 to theirs)
 WARMUP_STEPS = START_ITER + 1  # steps left out of the timing and byte statistics
 MODELS = ("cnn", "mlp", "deep")
 DEEP_LAYERS = 8  # --model deep: this many equal hidden layers, so that many buckets overlap the backward
@@ -186,17 +186,20 @@ def gtopk_ext_recipe(label: str, **state_kwargs) -> Recipe:
     return Recipe(label, attach)
 
 
-def dgc_recipe(density: float) -> Recipe:
+def dgc_recipe(density: float, per_tensor: bool = False) -> Recipe:
     """gtopk_ext with Deep Gradient Compression's momentum correction (the optimizer's momentum moves into the
-    hook) and its exponential sparsity warm-up over the first DGC_WARMUP_ITERS iterations."""
+    hook) and its exponential sparsity warm-up over the first ``--dgc-warmup`` iterations, with momentum factor
+    masking after the warm-up (during it most elements are sent nearly every step: masking would train them
+    without momentum; bench.demo measured it); ``per_tensor``: each parameter selects its share of k."""
     def attach(ddp, world_size, args):
         state = gx.SparseGradState(start_iter=START_ITER, stats_logging_frequency=0, density=density,
-                                   momentum=args.momentum, density_schedule=gx.exponential_warmup(
-                                       density, DGC_WARMUP_ITERS))
+                                   momentum=args.momentum, per_tensor=per_tensor,
+                                   density_schedule=gx.exponential_warmup(density, args.dgc_warmup),
+                                   masking_start_iter=args.dgc_warmup)
         ddp.register_comm_hook(state, gx.sparse_grad_hook)
         return GtopkExtAccounting(state)
-    return Recipe(f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up", attach,
-                  momentum_in_hook=True)
+    label = f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up" + (" + per-tensor" * per_tensor)
+    return Recipe(label, attach, momentum_in_hook=True)
 
 
 def floor_recipe() -> Recipe:
@@ -471,6 +474,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--dgc-warmup", type=int, default=DGC_WARMUP_ITERS,
+                        help="iterations of the dgc methods' sparsity warm-up (masking starts after it)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the whole job may take")
     parser.add_argument("--prefix", default="gxpeers", help="name prefix of the namespaces this run creates")
     parser.add_argument("--json", type=Path, help="write the settings, the load, every measurement and the table")

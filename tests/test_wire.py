@@ -1,6 +1,6 @@
 """The compact wire: its ops (wire_encode, wire_decode) against gtopk_ext/reference.py on every backend, their
 contract (bad arguments, opcheck), corrupted payloads, and every sparse collective with wire="compact" on real
-Gloo groups of 2, 3 and 4 ranks (one spawn): conservation through the hook, identical results on every rank,
+Gloo groups of 2, 3, 4, 5 and 8 ranks (one spawn): conservation through the hook, identical results on every rank,
 corruption and bad arguments failing alike on every rank."""
 
 from __future__ import annotations
@@ -199,6 +199,7 @@ def test_compact_payload_is_four_bytes_a_pair():
 # ----- the collectives on real groups -----
 
 WIRE_COLLECTIVES = ("gtopk", "allgather", "oktopk")
+WIRE_WORLD_SIZES = (2, 3, 4, 5, 8)  # groups of the first ranks; non-powers of two fold into gTop-k's butterfly
 BUCKET_NUMELS = (3000, 70_000)  # the second spans two pages
 STEPS = 4  # two dense warm-up steps, then two compressed
 
@@ -322,7 +323,7 @@ def check_traffic(members: Members) -> list[str]:
 
 def wire_worker(rank: int, world_size: int) -> list[str]:
     failures = []
-    for size in (2, 3, 4):
+    for size in WIRE_WORLD_SIZES:
         group = dist.new_group(list(range(size)))
         if rank < size:
             members = Members(group, list(range(size)), rank, f"{size} ranks")
@@ -331,7 +332,7 @@ def wire_worker(rank: int, world_size: int) -> list[str]:
 
 
 def test_compact_wire_on_real_groups():
-    results = run_distributed(wire_worker, 4, timeout=600)
+    results = run_distributed(wire_worker, max(WIRE_WORLD_SIZES), timeout=900)
     failures = [f for rank_failures in results for f in rank_failures]
     assert not failures, "\n".join(failures[:20])
 

@@ -500,12 +500,12 @@ def main(argv: list[str] | None = None) -> None:
         baseline = next((statistics.median(r["ms_per_step_rounds"]) for r in rows if r["method"] == "dense"), None)
         print(f"time per step, {setting}; median of {args.overhead_repeats} interleaved rounds of "
               f"{args.overhead_steps} steps (each round: the slowest rank's median)")
-        print(f"{'method':<21}{'density':>8}{'ms/step':>9}{'(min-max)':>16}{'vs dense':>9}")
+        print(f"{'method':<23}{'density':>8}{'ms/step':>9}{'(min-max)':>16}{'vs dense':>9}")
         for r in rows:
             ms = r["ms_per_step_rounds"]
             r["ms_per_step"] = statistics.median(ms)
             ratio = f"{r['ms_per_step'] / baseline:.2f}x" if baseline else "-"
-            print(f"{r['method']:<21}{r['density']:>8g}{r['ms_per_step']:>9.2f}"
+            print(f"{r['method']:<23}{r['density']:>8g}{r['ms_per_step']:>9.2f}"
                   f"{f'({min(ms):.2f}-{max(ms):.2f})':>16}{ratio:>9}")
         path = args.out / "overhead.json"
         path.write_text(json.dumps({"settings": {k: str(v) if isinstance(v, Path) else v for k, v in

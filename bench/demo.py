@@ -11,6 +11,11 @@ the same initial weights, data order and epochs:
     gaussiank-gtopk       Gaussian-k threshold + gTop-k butterfly merge, O(k log P)
     gaussiank-gtopk-mc    the same with momentum correction (the hook applies the momentum, the optimizer none)
     gaussiank-allgather-mc  Gaussian-k + allgather with momentum correction
+    gaussiank-gtopk-recipe  gaussiank-gtopk-mc with the recipe of its density (``RECIPES["dgc-<density>"]``)
+
+The default run is what a user should compare: DDP, gtopk_ext's recommended settings at densities 0.01 and 0.001
+(``gaussiank-gtopk-recipe``: ``dgc-0.01`` and ``dgc-0.001``) and, for contrast, Gaussian-k + gTop-k with the
+momentum in the optimizer (``gaussiank-gtopk``), what the recipe fixes.
 
 Every sparse run uses the hook's error feedback, its residual warm-up (``--start-iter`` dense iterations) and a
 density warm-up: ``--warmup-steps`` iterations of density decaying geometrically from ``--warmup-density`` to the
@@ -20,7 +25,7 @@ test accuracy, final training loss, bytes sent per rank per step as ``state.stat
 against steps and against bytes sent) under ``--out``.
 
     python -m bench.demo                        # the defaults: 4 processes, CNN, densities 0.01 and 0.001
-    python -m bench.demo --seeds 0 1 2          # the convergence comparison
+    python -m bench.demo --seeds 0 1 2          # the convergence comparison (README)
     python -m bench.demo --recipe dgc-0.001 --seeds 0 1 2   # density 0.001 with the settings that converge (README)
     python -m bench.demo --overhead             # time per step only: the hook against DDP's allreduce
 """
@@ -60,10 +65,12 @@ METHODS: dict[str, tuple[str, str, bool] | None] = {
     "gaussiank-gtopk": ("gaussiank", "gtopk", False),
     "gaussiank-gtopk-mc": ("gaussiank", "gtopk", True),
     "gaussiank-allgather-mc": ("gaussiank", "allgather", True),
+    "gaussiank-gtopk-recipe": ("gaussiank", "gtopk", True),  # with its density's recipe: run_args
 }
-DEFAULT_METHODS = ("dense", "topk-allgather", "gaussiank-allgather", "gaussiank-gtopk")
+DEFAULT_METHODS = ("dense", "gaussiank-gtopk", "gaussiank-gtopk-recipe")
 # --recipe: measured settings of the hook (and the methods they are for), as defaults of the flags below: DGC's
 # momentum correction with its warm-up over 4 epochs of 22 steps, momentum factor masking from the end of it on.
+# Without --recipe, RECIPE_METHOD runs at each density d with the recipe f"dgc-{d:g}" (flags given still win).
 _DGC = {"methods": ["dense", "gaussiank-gtopk-mc", "gaussiank-allgather-mc"], "warmup_steps": 88,
         "masking": "after-warmup"}
 RECIPES: dict[str, dict] = {
@@ -73,6 +80,7 @@ RECIPES: dict[str, dict] = {
     "dgc-0.001-dense-conv": {**_DGC, "densities": [0.001], "per_tensor": True, "min_compress_numel": 20_000,
                              "warmup_steps": 44},
 }
+RECIPE_METHOD = "gaussiank-gtopk-recipe"
 
 
 def is_sparse(method: str) -> bool:
@@ -83,7 +91,27 @@ def momentum_in_hook(method: str) -> bool:
     return METHODS[method] is not None and METHODS[method][2]
 
 
+def run_args(args: argparse.Namespace, method: str, density: float) -> argparse.Namespace:
+    """The settings one run trains with: ``args``, with its density's recipe for RECIPE_METHOD (parse_args put
+    the recipe's values that no explicit flag overrides in ``args.recipe_settings``)."""
+    if method != RECIPE_METHOD or args.recipe is not None:
+        return args
+    return argparse.Namespace(**{**vars(args), **args.recipe_settings[recipe_for(density)]})
+
+
+def recipe_for(density: float) -> str:
+    return f"dgc-{density:g}"
+
+
+def make_optimizer(model: nn.Module, method: str, args: argparse.Namespace) -> torch.optim.SGD:
+    """SGD with ``args``' momentum and weight decay, or neither where the hook applies them."""
+    in_hook = momentum_in_hook(method)
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if in_hook else args.momentum,
+                           weight_decay=0.0 if in_hook else args.weight_decay)
+
+
 def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx.SparseGradState | None:
+    """The hook's state of one run; ``args``: run_args' for that run."""
     if METHODS[method] is None:
         return None
     compressor, collective, correction = METHODS[method]
@@ -119,15 +147,14 @@ def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple,
     """One DDP training run; every rank returns the same record (rank 0's evaluations, losses averaged over
     ranks, step times as the slowest rank saw them)."""
     train_x, train_y, test_x, test_y = data
+    args = run_args(args, method, density)
     model = make_model(args.model, seed)  # the same initial weights on every rank and for every method
     ddp = DistributedDataParallel(model)
     state = make_hook_state(method, density, args)
     if state is not None:
         ddp.register_comm_hook(state, gx.sparse_grad_hook)
     dense_bytes = ring_allreduce_bytes(sum(p.numel() * p.element_size() for p in model.parameters()), world_size)
-    in_hook = momentum_in_hook(method)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if in_hook else args.momentum,
-                                weight_decay=0.0 if in_hook else args.weight_decay)
+    optimizer = make_optimizer(model, method, args)
     losses, step_seconds, bytes_sent, selected_over_k = [], [], [], []
     evals = [(0, *evaluate(model, test_x, test_y))]
     dist.barrier()
@@ -168,7 +195,7 @@ def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple,
     timed = slowest[warmed_up:] if len(slowest) > 2 * warmed_up else slowest[1:]
     steady_bytes = bytes_sent[warmed_up:] or bytes_sent
     return {
-        "method": method, "density": density if is_sparse(method) else 1.0, "seed": seed,
+        "method": method, "density": density if is_sparse(method) else 1.0, "seed": seed, "recipe": args.recipe,
         "compressor": METHODS[method][0] if METHODS[method] else None,
         "collective": METHODS[method][1] if METHODS[method] else "ddp-allreduce",
         "train_loss": mean_losses.tolist(),
@@ -230,16 +257,17 @@ def overhead_worker(rank: int, world_size: int, args: argparse.Namespace, init_f
         configs = [(m, d) for m in args.methods for d in (args.densities if is_sparse(m) else [1.0])]
         models = {}
         for method, density in configs:
+            settings = run_args(args, method, density)
             ddp = DistributedDataParallel(make_model(args.model, 0))
-            state = make_hook_state(method, density, args)
+            state = make_hook_state(method, density, settings)
             if state is not None:
                 ddp.register_comm_hook(state, gx.sparse_grad_hook)
-            models[(method, density)] = (ddp, torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum))
+            warmup = settings.start_iter + settings.warmup_steps + 3
+            models[(method, density)] = (ddp, make_optimizer(ddp, method, settings), warmup)
         batches = torch.Generator().manual_seed(rank)
-        warmup = args.start_iter + args.warmup_steps + 3
 
         def timed_steps(config, steps: int) -> list[float]:
-            ddp, optimizer = models[config]
+            ddp, optimizer, _ = models[config]
             seconds = []
             for _ in range(steps):
                 index = torch.randint(0, len(train_y), (args.batch_size,), generator=batches)
@@ -251,7 +279,7 @@ def overhead_worker(rank: int, world_size: int, args: argparse.Namespace, init_f
             return seconds
 
         for config in configs:
-            timed_steps(config, warmup)
+            timed_steps(config, models[config][2])
         medians = {config: [] for config in configs}
         for repeat in range(args.overhead_repeats):
             shift = repeat % len(configs)
@@ -284,7 +312,7 @@ def summarize(records: list[dict]) -> list[dict]:
         accuracies = [r["final_test_accuracy"] for r in group]
         selected = [r["selected_over_k"] for r in group if r["selected_over_k"] is not None]
         rows.append({
-            "method": key[0], "density": key[1], "seeds": [r["seed"] for r in group],
+            "method": key[0], "density": key[1], "recipe": group[0]["recipe"], "seeds": [r["seed"] for r in group],
             "test_accuracy": statistics.fmean(accuracies),
             "test_accuracy_min": min(accuracies), "test_accuracy_max": max(accuracies),
             "train_loss": statistics.fmean(r["final_train_loss"] for r in group),
@@ -298,14 +326,15 @@ def summarize(records: list[dict]) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     dense = next((r for r in rows if r["method"] == "dense"), None)
-    print(f"{'method':<21}{'density':>8}{'test acc':>10}{'(min-max)':>14}{'vs dense':>9}{'train loss':>11}"
-          f"{'B/step':>11}{'total MB':>10}{'ms/step':>9}{'sel/k':>7}")
+    print(f"{'method':<23}{'density':>8}{'test acc':>10}{'(min-max)':>14}{'vs dense':>9}{'train loss':>11}"
+          f"{'B/step':>11}{'total MB':>10}{'vs dense':>9}{'ms/step':>9}{'sel/k':>7}")
     for r in rows:
         spread = f"({100 * r['test_accuracy_min']:.1f}-{100 * r['test_accuracy_max']:.1f})"
         gap = f"{100 * (r['test_accuracy'] - dense['test_accuracy']):+.2f}pp" if dense else "-"
+        share = f"{100 * r['total_bytes'] / dense['total_bytes']:.2f}%" if dense else "-"
         selected = f"{r['selected_over_k']:.2f}" if r["selected_over_k"] is not None else "-"
-        print(f"{r['method']:<21}{r['density']:>8g}{100 * r['test_accuracy']:>9.2f}%{spread:>14}{gap:>9}"
-              f"{r['train_loss']:>11.4f}{r['bytes_per_step']:>11.0f}{r['total_bytes'] / 1e6:>10.2f}"
+        print(f"{r['method']:<23}{r['density']:>8g}{100 * r['test_accuracy']:>9.2f}%{spread:>14}{gap:>9}"
+              f"{r['train_loss']:>11.4f}{r['bytes_per_step']:>11.0f}{r['total_bytes'] / 1e6:>10.2f}{share:>9}"
               f"{r['ms_per_step']:>9.2f}{selected:>7}")
 
 
@@ -331,7 +360,8 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     import matplotlib.ticker
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
-    colors = dict(zip(METHODS, ("black", "tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
+    colors = dict(zip(METHODS, ("black", "tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
+                                "tab:brown")))
     densities = sorted({r["density"] for r in records if r["density"] < 1.0}, reverse=True)
     styles = dict(zip(densities, ("-", "--", ":", "-.")))
     steps = len(records[0]["train_loss"])
@@ -409,7 +439,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="momentum correction's factor masking: from the first compressed step, or from the end "
                              "of the density warm-up on (the hook's masking_start_iter)")
     parser.add_argument("--recipe", choices=list(RECIPES),
-                        help="hook settings that converge at that density (see RECIPES); flags given explicitly win")
+                        help="hook settings that converge at that density (see RECIPES), for every run; flags given "
+                             f"explicitly win. Without it, {RECIPE_METHOD} takes its density's recipe")
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder of demo.json and demo.png")
     parser.add_argument("--overhead", action="store_true",
                         help="measure time per step only (no training curves): the hook against DDP's allreduce")
@@ -418,9 +449,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before failing")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    if args.recipe is not None:  # the recipe's values become the defaults: flags given explicitly still win
-        parser.set_defaults(**RECIPES[args.recipe])
-        args = parser.parse_args(argv)
+    if args.recipe is not None:
+        args = parse_with_preset(parser, argv, RECIPES[args.recipe])
     for name in ("world_size", "epochs", "batch_size", "overhead_steps", "overhead_repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -435,7 +465,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.methods = list(dict.fromkeys(args.methods))
     args.densities = sorted(set(args.densities), reverse=True)
     args.seeds = list(dict.fromkeys(args.seeds))
+    # RECIPE_METHOD's settings at each density (run_args): the recipe's values that no explicit flag overrides
+    args.recipe_settings = {}
+    if args.recipe is None and RECIPE_METHOD in args.methods:
+        for density in args.densities:
+            name = recipe_for(density)
+            if name not in RECIPES:
+                parser.error(f"--methods {RECIPE_METHOD} runs each density with the recipe dgc-<density>, and there "
+                             f"is none for density {density:g} (recipes: {', '.join(RECIPES)}); or give --recipe")
+            preset = {key: value for key, value in RECIPES[name].items() if key not in ("methods", "densities")}
+            recipe_args = parse_with_preset(parser, argv, preset)
+            args.recipe_settings[name] = {"recipe": name, **{key: getattr(recipe_args, key) for key in preset}}
     return args
+
+
+def parse_with_preset(parser: argparse.ArgumentParser, argv: list[str] | None, preset: dict) -> argparse.Namespace:
+    """``argv`` parsed with ``preset``'s values as the defaults: flags given explicitly still win."""
+    saved = {name: parser.get_default(name) for name in preset}
+    parser.set_defaults(**preset)
+    try:
+        return parser.parse_args(argv)
+    finally:
+        parser.set_defaults(**saved)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -449,12 +500,12 @@ def main(argv: list[str] | None = None) -> None:
         baseline = next((statistics.median(r["ms_per_step_rounds"]) for r in rows if r["method"] == "dense"), None)
         print(f"time per step, {setting}; median of {args.overhead_repeats} interleaved rounds of "
               f"{args.overhead_steps} steps (each round: the slowest rank's median)")
-        print(f"{'method':<21}{'density':>8}{'ms/step':>9}{'(min-max)':>16}{'vs dense':>9}")
+        print(f"{'method':<23}{'density':>8}{'ms/step':>9}{'(min-max)':>16}{'vs dense':>9}")
         for r in rows:
             ms = r["ms_per_step_rounds"]
             r["ms_per_step"] = statistics.median(ms)
             ratio = f"{r['ms_per_step'] / baseline:.2f}x" if baseline else "-"
-            print(f"{r['method']:<21}{r['density']:>8g}{r['ms_per_step']:>9.2f}"
+            print(f"{r['method']:<23}{r['density']:>8g}{r['ms_per_step']:>9.2f}"
                   f"{f'({min(ms):.2f}-{max(ms):.2f})':>16}{ratio:>9}")
         path = args.out / "overhead.json"
         path.write_text(json.dumps({"settings": {k: str(v) if isinstance(v, Path) else v for k, v in
@@ -467,6 +518,9 @@ def main(argv: list[str] | None = None) -> None:
     seeds = " ".join(map(str, args.seeds))
     print(f"{setting}; {args.epochs} epochs ({len(records[0]['train_loss'])} steps), seeds {seeds} (mean), "
           f"dense warm-up {args.start_iter} iterations, density warm-up {args.warmup_steps} iterations")
+    for name, values in args.recipe_settings.items():
+        print(f"{RECIPE_METHOD} at density {RECIPES[name]['densities'][0]:g}: " +
+              ", ".join(f"{key}={value}" for key, value in values.items()))
     print_table(rows)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     (args.out / "demo.json").write_text(json.dumps({"settings": settings, **machine, "table": rows,

@@ -1,4 +1,5 @@
-"""The demo is not a test; this tiny run (2 Gloo processes, 1 epoch, 2 methods) keeps it from rotting."""
+"""The demo is not a test; this tiny run (2 Gloo processes, 1 epoch, 3 methods) keeps it from rotting, and the
+default run is pinned to what README's "Convergence: the demo" states it measured."""
 
 import json
 import math
@@ -7,21 +8,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_writes_sane_json_and_png(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "bench.demo", "--world-size", "2", "--epochs", "1", "--methods", "dense",
-         "gaussiank-gtopk", "--densities", "0.01", "--model", "mlp", "--batch-size", "32", "--warmup-steps", "8",
-         "--no-progress", "--out", str(tmp_path)],
+         "gaussiank-gtopk", "gaussiank-gtopk-recipe", "--densities", "0.01", "--model", "mlp", "--batch-size", "32",
+         "--warmup-steps", "8", "--no-progress", "--out", str(tmp_path)],
         cwd=ROOT, timeout=300, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gaussiank-gtopk" in result.stdout and "test acc" in result.stdout
 
     report = json.loads((tmp_path / "demo.json").read_text())
     runs = {r["method"]: r for r in report["runs"]}
-    assert set(runs) == {"dense", "gaussiank-gtopk"}
+    assert set(runs) == {"dense", "gaussiank-gtopk", "gaussiank-gtopk-recipe"}
+    assert [runs[m]["recipe"] for m in runs] == [None, None, "dgc-0.01"]
+    assert "gaussiank-gtopk-recipe at density 0.01: recipe=dgc-0.01, warmup_steps=8" in result.stdout
     steps = 1438 // (2 * 32)  # the training split's images // the global batch
     dense, sparse = runs["dense"], runs["gaussiank-gtopk"]
     for run in (dense, sparse):
@@ -31,13 +36,15 @@ def test_demo_writes_sane_json_and_png(tmp_path):
         assert run["train_loss"][-1] < run["train_loss"][0]
     # chance is 0.1; one short epoch of either method learns the digits (the sparse one more slowly)
     assert dense["final_test_accuracy"] > 0.5 and sparse["final_test_accuracy"] > 0.3
+    assert runs["gaussiank-gtopk-recipe"]["final_test_accuracy"] > 0.3
     assert sparse["density"] == 0.01 and dense["density"] == 1.0
     # the MLP's 0.3M parameters at density 0.01, against a ring allreduce of all of them
     assert sparse["bytes_per_step"] < dense["bytes_per_step"] / 20
     # dense iterations (residual warm-up), then the density warm-up, then the target density
     assert sparse["bytes_sent"][0] > sparse["bytes_sent"][5] > sparse["bytes_per_step"] == sparse["bytes_sent"][-1]
     assert 0.8 <= sparse["selected_over_k"] <= 1.25
-    assert [(row["method"], row["density"]) for row in report["table"]] == [("dense", 1.0), ("gaussiank-gtopk", 0.01)]
+    assert [(row["method"], row["density"]) for row in report["table"]] == [
+        ("dense", 1.0), ("gaussiank-gtopk", 0.01), ("gaussiank-gtopk-recipe", 0.01)]
 
     png = (tmp_path / "demo.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -65,3 +72,53 @@ def test_recipe_sets_the_hook_and_explicit_flags_win():
     assert not parse_args(["--recipe", "dgc-0.001-dense-conv", "--no-per-tensor"]).per_tensor
     # without the recipe: masking from the first compressed step, as the hook's default
     assert make_hook_state("gaussiank-gtopk-mc", 0.001, parse_args([])).masking_start_iter == 0
+
+
+def test_default_run_is_readmes_table():
+    """README's headline table: DDP, Gaussian-k + gTop-k with the momentum in the optimizer (the demo's 44-step
+    warm-up from 0.25) and the recipe of each density, dgc-0.01 (per-tensor) and dgc-0.001, at 0.01 and 0.001."""
+    sys.path.insert(0, str(ROOT))
+    from bench.demo import make_hook_state, make_optimizer, parse_args, planned_runs, run_args
+    from bench.digits import make_model
+
+    args = parse_args(["--seeds", "0", "1", "2"])
+    assert (args.epochs, args.world_size, args.model, args.batch_size, args.lr) == (10, 4, "cnn", 16, 0.05)
+    assert [(m, d) for m, d, seed in planned_runs(args) if seed == 0] == [
+        ("dense", 1.0), ("gaussiank-gtopk", 0.01), ("gaussiank-gtopk", 0.001),
+        ("gaussiank-gtopk-recipe", 0.01), ("gaussiank-gtopk-recipe", 0.001)]
+    model = make_model("mlp", 0)
+    settings = {}
+    for method, density, _ in planned_runs(args)[1:5]:
+        run = run_args(args, method, density)
+        state = make_hook_state(method, density, run)
+        optimizer_momentum = make_optimizer(model, method, run).defaults["momentum"]
+        warmup = next(i for i in range(2, 200) if state.density_at(i) == density) - 2
+        settings[method, density] = (run.recipe, state.compressor, state.collective, state.momentum,
+                                     optimizer_momentum, state.per_tensor, warmup, state.masking_start_iter)
+        assert state.density_at(2) == 0.25 and state.start_iter == 2 and state.clip_norm is None
+    assert make_hook_state("dense", 1.0, args) is None
+    assert make_optimizer(model, "dense", args).defaults["momentum"] == 0.9
+    assert settings == {
+        # momentum in the optimizer, masking irrelevant (no momentum in the hook)
+        ("gaussiank-gtopk", 0.01): (None, "gaussiank", "gtopk", 0.0, 0.9, False, 44, 0),
+        ("gaussiank-gtopk", 0.001): (None, "gaussiank", "gtopk", 0.0, 0.9, False, 44, 0),
+        # momentum correction, DGC's warm-up over 4 epochs of 22 steps, masking from its end on
+        ("gaussiank-gtopk-recipe", 0.01): ("dgc-0.01", "gaussiank", "gtopk", 0.9, 0.0, True, 88, 90),
+        ("gaussiank-gtopk-recipe", 0.001): ("dgc-0.001", "gaussiank", "gtopk", 0.9, 0.0, False, 88, 90),
+    }
+
+
+def test_recipe_method_explicit_flags_win_and_unknown_density_is_an_error(capsys):
+    sys.path.insert(0, str(ROOT))
+    from bench.demo import make_hook_state, parse_args, run_args
+
+    args = parse_args(["--no-per-tensor", "--warmup-steps", "44"])
+    for density in (0.01, 0.001):
+        state = make_hook_state("gaussiank-gtopk-recipe", density, run_args(args, "gaussiank-gtopk-recipe", density))
+        assert (state.per_tensor, state.masking_start_iter, state.momentum) == (False, 46, 0.9)
+    # --recipe given: every run uses it, the recipe method included
+    args = parse_args(["--recipe", "dgc-0.001", "--methods", "gaussiank-gtopk-recipe", "--densities", "0.01"])
+    assert run_args(args, "gaussiank-gtopk-recipe", 0.01).per_tensor is False
+    with pytest.raises(SystemExit):
+        parse_args(["--densities", "0.005"])
+    assert "none for density 0.005" in capsys.readouterr().err

@@ -117,6 +117,38 @@ def test_peers_benchmark(tmp_path, network):
         assert "gxsmokepeers" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+
+def dgc_states_of(rank: int, world_size: int, argvs: list) -> list[dict]:
+    """The SparseGradState that bench.peers' ``dgc-0.001`` recipe attaches under each of the options ``argvs``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from bench.gradients import wide_mlp
+    from bench.peers import RECIPES, parse_args
+
+    states = [RECIPES["dgc-0.001"].attach(DistributedDataParallel(wide_mlp(20_000)), world_size,
+                                          parse_args(argv)).state for argv in argvs]
+    return [{name: getattr(state, name) for name in ("start_iter", "momentum", "nesterov", "clip_norm", "per_tensor",
+                                                     "min_compress_numel", "density_schedule", "masking_start_iter")}
+            for state in states]
+
+
+def test_peers_dgc_options_reach_the_hook():
+    from tests.distributed import run_distributed
+
+    default, levers = run_distributed(dgc_states_of, 1, [[], [
+        "--dgc-warmup", "40", "--dgc-warmup-start", "0.5", "--dgc-dense-steps", "6", "--dgc-per-tensor",
+        "--dgc-nesterov", "--dgc-clip-norm", "2.5", "--dgc-min-compress-numel", "50000", "--momentum", "0.8"]])[0]
+    # The defaults are the recipe README measured: DGC's warm-up from 0.25 over 20 steps (0.25 ... 0.001 in four
+    # geometric stages), masking after it, 2 dense steps, the hook's own small-bucket limit.
+    assert default["density_schedule"][0] == (0, 0.25) and default["density_schedule"][-1] == (20, 0.001)
+    assert (default["start_iter"], default["masking_start_iter"], default["momentum"]) == (2, 20, 0.9)
+    assert not default["per_tensor"] and not default["nesterov"] and default["clip_norm"] is None
+    assert default["min_compress_numel"] == 1024
+    assert levers["density_schedule"][0] == (0, 0.5) and levers["density_schedule"][-1] == (40, 0.001)
+    assert (levers["start_iter"], levers["masking_start_iter"], levers["momentum"]) == (6, 40, 0.8)
+    assert levers["per_tensor"] and levers["nesterov"] and levers["clip_norm"] == 2.5
+    assert levers["min_compress_numel"] == 50000
+
 def test_bytes_per_step_exchange_benchmark(tmp_path):
     out = tmp_path / "bytes.json"
     run_bench("bytes_per_step", "--exchange", "--world-sizes", "2", "--steps", "2", "--hidden", "64", "32",

@@ -273,8 +273,10 @@ class Contestant:
         cap_mb = numel_of(model) * 4 / 2**20 + 1 if recipe.one_bucket else args.bucket_cap_mb
         self.ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
         self.accounting = recipe.attach(self.ddp, world_size, args)
+        in_optimizer = not recipe.momentum_in_hook
         self.optimizer = torch.optim.SGD(model.parameters(), lr=args.lr,
-                                         momentum=0.0 if recipe.momentum_in_hook else args.momentum)
+                                         momentum=args.momentum if in_optimizer else 0.0,
+                                         nesterov=args.nesterov and in_optimizer)
         self.seconds, self.cpu_seconds, self.tx_bytes, self.own_bytes = [], [], [], []
         self.evals: list[tuple[int, float]] = []
 
@@ -497,6 +499,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--nesterov", action="store_true",
+                        help="Nesterov momentum in the optimizer (the dgc methods': --dgc-nesterov, in the hook)")
     add_dgc_arguments(parser)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the whole job may take")
     parser.add_argument("--prefix", default="gxpeers", help="name prefix of the namespaces this run creates")

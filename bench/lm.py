@@ -64,7 +64,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.emulated_network import TxCounter, join_group, network_name, parse_rate, runs_on_loopback  # noqa: E402
 from bench.local_sgd import LocalExchange, load_consensus, parse_method, run_group  # noqa: E402
-from bench.peers import (DGC_WARMUP_ITERS, RECIPES, START_ITER, Recipe, dgc_recipe, gtopk_ext_recipe,  # noqa: E402
+from bench.peers import (RECIPES, START_ITER, Recipe, add_dgc_arguments, dgc_recipe, gtopk_ext_recipe,  # noqa: E402
                          numel_of)
 from gtopk_ext.compressors import check_density  # noqa: E402
 from gtopk_ext.utils import destroy_process_group  # noqa: E402
@@ -470,8 +470,7 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=0.1, help="SGD (inner SGD of the local methods)")
     parser.add_argument("--momentum", type=float, default=0.9, help="in the optimizer, or in the hook for dgc-")
-    parser.add_argument("--dgc-warmup", type=int, default=DGC_WARMUP_ITERS,
-                        help="iterations of the dgc- methods' sparsity warm-up (masking starts after it)")
+    add_dgc_arguments(parser)
     parser.add_argument("--outer-lr", type=float, default=1.0, help="SparseLocalSGD and DiLoCo")
     parser.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov when > 0")
     parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's (default: its own, 25)")

@@ -70,7 +70,8 @@ from bench.gradients import wide_mlp  # noqa: E402
 from gtopk_ext.utils import destroy_process_group  # noqa: E402
 
 START_ITER = 2  # dense iterations of every compressing hook (PowerSGD and gtopk_ext need at least 2)
-DGC_WARMUP_ITERS = 20  # the dgc methods' sparsity warm-up by default (from density 0.25 to theirs)
+DGC_WARMUP_ITERS = 20  # the dgc methods' sparsity warm-up by default (from DGC_WARMUP_START to theirs)
+DGC_WARMUP_START = 0.25  # DGC's
 WARMUP_STEPS = START_ITER + 1  # steps left out of the timing and byte statistics
 MODELS = ("cnn", "mlp", "deep")
 DEEP_LAYERS = 8  # --model deep: this many equal hidden layers, so that many buckets overlap the backward
@@ -188,18 +189,40 @@ def gtopk_ext_recipe(label: str, **state_kwargs) -> Recipe:
 
 def dgc_recipe(density: float, per_tensor: bool = False) -> Recipe:
     """gtopk_ext with Deep Gradient Compression's momentum correction (the optimizer's momentum moves into the
-    hook) and its exponential sparsity warm-up over the first ``--dgc-warmup`` iterations, with momentum factor
-    masking after the warm-up (during it most elements are sent nearly every step: masking would train them
-    without momentum; bench.demo measured it); ``per_tensor``: each parameter selects its share of k."""
+    hook) and its exponential sparsity warm-up from ``--dgc-warmup-start`` over the first ``--dgc-warmup``
+    iterations, with momentum factor masking after the warm-up (during it most elements are sent nearly every
+    step: masking would train them without momentum; bench.demo measured it); ``per_tensor`` (or
+    ``--dgc-per-tensor``): each parameter selects its share of k. The other levers are the ``--dgc-*`` options
+    (:func:`add_dgc_arguments`)."""
     def attach(ddp, world_size, args):
-        state = gx.SparseGradState(start_iter=START_ITER, stats_logging_frequency=0, density=density,
-                                   momentum=args.momentum, per_tensor=per_tensor,
-                                   density_schedule=gx.exponential_warmup(density, args.dgc_warmup),
-                                   masking_start_iter=args.dgc_warmup)
+        dense_below = args.dgc_min_compress_numel
+        optional = {} if dense_below is None else {"min_compress_numel": dense_below}  # None: the hook's default
+        schedule = gx.exponential_warmup(density, args.dgc_warmup, start_density=args.dgc_warmup_start)
+        state = gx.SparseGradState(
+            start_iter=args.dgc_dense_steps, stats_logging_frequency=0, density=density, momentum=args.momentum,
+            nesterov=args.dgc_nesterov, clip_norm=args.dgc_clip_norm, per_tensor=per_tensor or args.dgc_per_tensor,
+            density_schedule=schedule, masking_start_iter=args.dgc_warmup, **optional)
         ddp.register_comm_hook(state, gx.sparse_grad_hook)
         return GtopkExtAccounting(state)
     label = f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up" + (" + per-tensor" * per_tensor)
     return Recipe(label, attach, momentum_in_hook=True)
+
+
+def add_dgc_arguments(parser: argparse.ArgumentParser) -> None:
+    """The levers of :func:`dgc_recipe` (bench.peers and bench.lm): the defaults are the recipe."""
+    parser.add_argument("--dgc-warmup", type=int, default=DGC_WARMUP_ITERS,
+                        help="iterations of the dgc methods' sparsity warm-up (masking starts after it)")
+    parser.add_argument("--dgc-warmup-start", type=float, default=DGC_WARMUP_START,
+                        help="the density the warm-up starts from (falling geometrically to the method's)")
+    parser.add_argument("--dgc-dense-steps", type=int, default=START_ITER,
+                        help="dense allreduce steps (at least 2), the warm-up's first iterations included")
+    parser.add_argument("--dgc-per-tensor", action="store_true",
+                        help="each parameter of a bucket selects its share of k")
+    parser.add_argument("--dgc-nesterov", action="store_true", help="Nesterov momentum correction")
+    parser.add_argument("--dgc-clip-norm", type=float, default=None,
+                        help="local gradient clipping: each bucket's norm at most this / sqrt(P)")
+    parser.add_argument("--dgc-min-compress-numel", type=int, default=None,
+                        help="buckets of fewer elements go dense (default: the hook's)")
 
 
 def floor_recipe() -> Recipe:
@@ -250,8 +273,10 @@ class Contestant:
         cap_mb = numel_of(model) * 4 / 2**20 + 1 if recipe.one_bucket else args.bucket_cap_mb
         self.ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
         self.accounting = recipe.attach(self.ddp, world_size, args)
+        in_optimizer = not recipe.momentum_in_hook
         self.optimizer = torch.optim.SGD(model.parameters(), lr=args.lr,
-                                         momentum=0.0 if recipe.momentum_in_hook else args.momentum)
+                                         momentum=args.momentum if in_optimizer else 0.0,
+                                         nesterov=args.nesterov and in_optimizer)
         self.seconds, self.cpu_seconds, self.tx_bytes, self.own_bytes = [], [], [], []
         self.evals: list[tuple[int, float]] = []
 
@@ -474,8 +499,9 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--dgc-warmup", type=int, default=DGC_WARMUP_ITERS,
-                        help="iterations of the dgc methods' sparsity warm-up (masking starts after it)")
+    parser.add_argument("--nesterov", action="store_true",
+                        help="Nesterov momentum in the optimizer (the dgc methods': --dgc-nesterov, in the hook)")
+    add_dgc_arguments(parser)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the whole job may take")
     parser.add_argument("--prefix", default="gxpeers", help="name prefix of the namespaces this run creates")
     parser.add_argument("--json", type=Path, help="write the settings, the load, every measurement and the table")

@@ -117,6 +117,48 @@ def test_peers_benchmark(tmp_path, network):
         assert "gxsmokepeers" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+
+def peers_contestants(rank: int, world_size: int, argvs: list) -> list[dict]:
+    """Under each of the options ``argvs``: the SparseGradState that bench.peers' ``dgc-0.001`` recipe attaches
+    and the optimizers of it and of ``ddp``."""
+    from bench.peers import RECIPES, Contestant, parse_args
+
+    described = []
+    for argv in argvs:
+        args = parse_args(["--model", "mlp", "--mlp-params", "20000", *argv])
+        dgc, ddp = (Contestant(RECIPES[name], args, 0, world_size) for name in ("dgc-0.001", "ddp"))
+        state = dgc.accounting.state
+        described.append({
+            **{name: getattr(state, name) for name in ("start_iter", "momentum", "nesterov", "clip_norm", "per_tensor",
+                                                       "min_compress_numel", "density_schedule", "masking_start_iter")},
+            "dgc_optimizer": {key: dgc.optimizer.param_groups[0][key] for key in ("momentum", "nesterov")},
+            "ddp_optimizer": {key: ddp.optimizer.param_groups[0][key] for key in ("momentum", "nesterov")}})
+    return described
+
+
+def test_peers_dgc_options_reach_the_hook():
+    from tests.distributed import run_distributed
+
+    default, levers = run_distributed(peers_contestants, 1, [[], [
+        "--dgc-warmup", "40", "--dgc-warmup-start", "0.5", "--dgc-dense-steps", "6", "--dgc-per-tensor",
+        "--dgc-nesterov", "--dgc-clip-norm", "2.5", "--dgc-min-compress-numel", "50000", "--momentum", "0.8",
+        "--nesterov"]])[0]
+    # The defaults are the recipe README measured: DGC's warm-up from 0.25 over 20 steps (0.25 ... 0.001 in four
+    # geometric stages), masking after it, 2 dense steps, the hook's own small-bucket limit.
+    assert default["density_schedule"][0] == (0, 0.25) and default["density_schedule"][-1] == (20, 0.001)
+    assert (default["start_iter"], default["masking_start_iter"], default["momentum"]) == (2, 20, 0.9)
+    assert not default["per_tensor"] and not default["nesterov"] and default["clip_norm"] is None
+    assert default["min_compress_numel"] == 1024
+    assert levers["density_schedule"][0] == (0, 0.5) and levers["density_schedule"][-1] == (40, 0.001)
+    assert (levers["start_iter"], levers["masking_start_iter"], levers["momentum"]) == (6, 40, 0.8)
+    assert levers["per_tensor"] and levers["nesterov"] and levers["clip_norm"] == 2.5
+    assert levers["min_compress_numel"] == 50000
+    # The momentum is in the hook or in the optimizer, never both; --nesterov is the optimizer's.
+    assert default["dgc_optimizer"] == levers["dgc_optimizer"] == {"momentum": 0.0, "nesterov": False}
+    assert default["ddp_optimizer"] == {"momentum": 0.9, "nesterov": False}
+    assert levers["ddp_optimizer"] == {"momentum": 0.8, "nesterov": True}
+
+
 def test_bytes_per_step_exchange_benchmark(tmp_path):
     out = tmp_path / "bytes.json"
     run_bench("bytes_per_step", "--exchange", "--world-sizes", "2", "--steps", "2", "--hidden", "64", "32",

@@ -28,7 +28,9 @@ dense and allgather rings are as slow as their inter-node hops; gTop-k's first l
 node and its last log2(N) rounds put L sets on the node's link at once; Ok-Topk sends L(P-L)/P of its pairs off
 the node. The hierarchical collective (gtopk_ext.collectives.hierarchical_allreduce):
 
-    hierarchical  2(L-1) (alpha_intra + 4n/L beta_intra)     (dense reduce-scatter and allgather inside the node)
+    hierarchical  2(L-1) alpha_intra + (L-1) 4n/L beta_intra  (dense reduce-scatter inside the node)
+                  + (L-1) g beta_intra                      (allgather inside the node: g = the bytes of a shard's
+                                                             result, index-value pairs when fewer)
                   + copy * n + select * n/L                 (its passes over the whole gradient: the sum with the
                                                              residual, the reduce-scatter's inputs, the result)
                   + inner(n/L, k/L, N ranks) with the node's link carrying L of its messages
@@ -58,6 +60,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from gtopk_ext._contract import wire_num_pages
+from gtopk_ext.collectives import inner_result_slots, node_gather_bytes
 
 METHODS = ("dense", "allgather", "gtopk", "oktopk", "hierarchical")
 SPARSE_METHODS = ("allgather", "gtopk", "oktopk")
@@ -167,7 +170,8 @@ def features(method: str, numel: int, k: int, world_size: int, share: float, wir
     nodes = world_size // local
     if method == "hierarchical":
         shard, shard_k = math.ceil(numel / local), math.ceil(max(k, local) / local)
-        terms = {"alpha_intra": 2 * (local - 1), "beta_intra": (local - 1) * (2 * 4 * shard + 4),
+        gathered = node_gather_bytes(shard, min(shard, inner_result_slots(inner, shard_k, nodes)), 4)
+        terms = {"alpha_intra": 2 * (local - 1), "beta_intra": (local - 1) * (4 * shard + gathered),
                  "copy": numel * share}
         if nodes > 1:  # the local ranks' inner collectives share the node's link
             for name, value in features(inner, shard, shard_k, nodes, share, wire).items():

@@ -77,10 +77,10 @@ def test_bytes_by_hand():
     # Two levels, 4 nodes x 2: gTop-k's first round inside the node, two rounds carry 2 sets on the node's link.
     assert cost_model.features("gtopk", n, k, 8, 1.0, local=2) == {
         "alpha": 2, "alpha_intra": 1, "beta": 2 * 2 * 8004, "beta_intra": 8004, "merge": 3 * 2 * k}
-    # Hierarchical, 2 nodes x 2: reduce-scatter and allgather of 50,000-element shards (+ a flags word), gTop-k
-    # of k/2 pairs between the 2 nodes, both local ranks' sets on the node's link.
+    # Hierarchical, 2 nodes x 2: reduce-scatter of 50,000-element shards, allgather of the shard's k/2 pairs (+ an
+    # 8-byte header), gTop-k of k/2 pairs between the 2 nodes, both local ranks' sets on the node's link.
     assert cost_model.features("hierarchical", n, k, 4, 1.0, local=2) == {
-        "alpha_intra": 2, "beta_intra": 2 * 4 * 50_000 + 4, "copy": n, "alpha": 1, "beta": 2 * (4 + 8 * 500),
+        "alpha_intra": 2, "beta_intra": 4 * 50_000 + 8 + 8 * 500, "copy": n, "alpha": 1, "beta": 2 * (4 + 8 * 500),
         "merge": 1000}
 
 
@@ -137,7 +137,7 @@ def synthetic_rows(truth: dict, noise: float) -> list[dict]:
                 k = math.ceil(density * n)
                 add("gtopk", n, density, 4, rate, bps, alpha_i + (4 + 8 * k) * beta_i + alpha
                     + 2 * (4 + 8 * k) * beta + 2 * truth["merge"] * 2 * 2 * k, local=2)
-                add("hierarchical", n, density, 4, rate, bps, 2 * alpha_i + (4 * n + 4) * beta_i + alpha
+                add("hierarchical", n, density, 4, rate, bps, 2 * alpha_i + (2 * n + 8 + 4 * k) * beta_i + alpha
                     + 2 * (4 + 8 * k / 2) * beta + 2 * truth["merge"] * k + 2 * (truth["select"] * n / 2
                                                                                  + truth["copy"] * n), local=2)
     return rows
@@ -169,7 +169,7 @@ def test_cost_model_recovers_known_costs():
                                                                                                     rel=1e-6)
     # Hierarchical on 8 nodes of 8 behind 10 Gbit/s links, NVLink-like links inside (5 us, 200 GB/s).
     shard, shard_k = 3_200_000, 3200
-    expected = (14 * 5e-6 + 7 * (8 * shard + 4) / 200e9 + 3e-9 * shard + 2e-9 * 25_600_000
+    expected = (14 * 5e-6 + 7 * (4 * shard + 8 + 8 * shard_k) / 200e9 + 3e-9 * shard + 2e-9 * 25_600_000
                 + 3 * (200e-6 + 8 * (4 + 8 * shard_k) * 0.84e-9 + 40e-9 * 2 * shard_k))
     assert cost_model.comm_time(exact.model, "hierarchical", 25_600_000, 0.001, 64, 10**10, local=8,
                                 intra=(5e-6, 200e9)) == pytest.approx(expected, rel=1e-6)

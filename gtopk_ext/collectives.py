@@ -920,12 +920,16 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
         glob, applied = oktopk_allreduce(msg, cross_group, state=inner_state, **on_wire)
     else:
         glob, applied = gtopk_allreduce(msg, cross_group, **on_wire)
-    shard_sum = glob if isinstance(glob, torch.Tensor) else glob.to_dense(torch.float32)
 
-    # 3. Allgather inside the node of the shards' averages and flags.
-    mine = shard_sum.div_(size).to(tensor.dtype)
+    # 3. Allgather inside the node of the shards' averages (as pairs of indices into the shard and values) and flags.
+    if isinstance(glob, SparseMessage):  # gTop-k's and Ok-Topk's share slots: distinct indices, then (0, 0) padding
+        indices, values = glob.indices, (glob.values.float() / size).to(tensor.dtype)
+    else:  # the allgather's dense sum
+        mine = (glob / size).to(tensor.dtype)
+        indices = mine.nonzero().view(-1).to(torch.int32)
+        values = mine[indices.long()]
     most = min(width, inner_result_slots(inner, max(shares), size // local_size))
-    average, combined = node_allgather(mine, int(raised), widths, most, node_group, traffic)
+    average, combined = node_allgather(indices, values, int(raised), widths, most, node_group, traffic)
     if flags is not None:
         flags.fill_(combined)
     shifted = SparseMessage(msg.values, msg.indices + shard.start, msg.count, numel, msg.stats, msg.backend)
@@ -961,9 +965,9 @@ def node_reduce_scatter(tensor: torch.Tensor, bounds: list[int], node_group: dis
 
 
 def inner_result_slots(inner: str, share: int, nodes: int) -> int:
-    """At most how many nonzeros the ``inner`` collective's result on a shard has, ``share`` slots selected on each
-    of ``nodes`` nodes: gTop-k keeps ``share`` of them, the others their union."""
-    return share if inner == "gtopk" else share * nodes
+    """At most how many slots the ``inner`` collective's result on a shard has, ``share`` selected on each of
+    ``nodes`` nodes: gTop-k and Ok-Topk keep ``share``, the allgather their union."""
+    return share * nodes if inner == "allgather" else share
 
 
 def node_gather_bytes(width: int, most: int, element_size: int) -> int:
@@ -972,27 +976,27 @@ def node_gather_bytes(width: int, most: int, element_size: int) -> int:
     return min(8 + most * (4 + element_size), (width + 1) * element_size)
 
 
-def node_allgather(mine: torch.Tensor, flags: int, widths: list[int], most: int, node_group: dist.ProcessGroup,
-                   traffic: Traffic | None) -> tuple[torch.Tensor, int]:
-    """(the concatenation of every local rank's ``mine``: its shard of ``widths``, the OR of their ``flags``),
-    gathered inside the node. ``mine`` has at most ``most`` nonzeros on every rank: when (index, value) pairs of
-    that many slots take fewer bytes than the widest shard, only those cross (the same choice on every rank)."""
-    local_size, width, dtype, device = len(widths), widths[0], mine.dtype, mine.device
-    nbytes = node_gather_bytes(width, most, mine.element_size())
-    sparse = nbytes < (width + 1) * mine.element_size()
+def node_allgather(indices: torch.Tensor, values: torch.Tensor, flags: int, widths: list[int], most: int,
+                   node_group: dist.ProcessGroup, traffic: Traffic | None) -> tuple[torch.Tensor, int]:
+    """(every local rank's shard of ``widths``: zero but for its (``indices``: int32 into the shard, ``values``)
+    pairs, concatenated; the OR of their ``flags``), gathered inside the node. A rank has at most ``most`` pairs;
+    an index may repeat with value 0 (padding). When that many pairs take fewer bytes than the widest shard, only
+    they cross (the same choice on every rank)."""
+    local_size, width, dtype, device = len(widths), widths[0], values.dtype, values.device
+    count = indices.numel()
+    if count > most:
+        raise RuntimeError(f"a shard's result has {count} slots, more than the {most} its selections allow")
+    nbytes = node_gather_bytes(width, most, values.element_size())
+    sparse = nbytes < (width + 1) * values.element_size()
     values_at = 8 + 4 * most  # a sparse message: count and flags (int32), most indices (int32), most values
     if sparse:
-        indices = mine.nonzero().view(-1).to(torch.int32)
-        count = indices.numel()
-        if count > most:
-            raise RuntimeError(f"a shard's result has {count} nonzeros, more than the {most} its slots allow")
         packed = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         packed[:8].view(torch.int32).copy_(torch.tensor([count, flags], dtype=torch.int32))
-        packed[8:values_at].view(torch.int32)[:count] = indices
-        packed[values_at:].view(dtype)[:count] = mine[indices.long()]
+        packed[8:8 + 4 * count].view(torch.int32).copy_(indices)
+        packed[values_at:values_at + count * values.element_size()].view(dtype).copy_(values)
     else:
         packed = torch.zeros(width + 1, dtype=dtype, device=device)
-        packed[:mine.numel()] = mine
+        packed.index_add_(0, indices.long(), values)
         packed[width] = flags
     gathered = [torch.empty_like(packed) for _ in range(local_size)]
     dist.all_gather(gathered, packed, group=node_group)
@@ -1001,14 +1005,15 @@ def node_allgather(mine: torch.Tensor, flags: int, widths: list[int], most: int,
     if not sparse:
         combined = functools.reduce(operator.or_, (int(g[width]) for g in gathered))
         return torch.cat([g[:w] for g, w in zip(gathered, widths)]), combined
-    result = torch.zeros(sum(widths), dtype=dtype, device=device)
-    combined, start = 0, 0
+    combined, all_indices, all_values, start = 0, [], [], 0
     for g, w in zip(gathered, widths):
         count, raised = g[:8].view(torch.int32).tolist()
         combined |= raised
-        result[g[8:values_at].view(torch.int32)[:count].long() + start] = g[values_at:].view(dtype)[:count]
+        all_indices.append(g[8:8 + 4 * count].view(torch.int32).long() + start)
+        all_values.append(g[values_at:].view(dtype)[:count])
         start += w
-    return result, combined
+    result = torch.zeros(start, dtype=dtype, device=device)
+    return result.index_add_(0, torch.cat(all_indices), torch.cat(all_values)), combined
 
 
 def padding_message(tensor: torch.Tensor, k: int, compressor: Compressor) -> SparseMessage:

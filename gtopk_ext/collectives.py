@@ -850,6 +850,12 @@ def node_groups(group: dist.ProcessGroup, local_size: int) -> tuple[dist.Process
     return _node_groups[key][1:]
 
 
+def forget_node_groups() -> None:
+    """Let go of the cached groups of :func:`node_groups` (a group held past ``dist.destroy_process_group`` keeps
+    its Gloo threads until the interpreter finalizes, where they can abort the process)."""
+    _node_groups.clear()
+
+
 def shard_bounds(numel: int, local_size: int) -> list[int]:
     """The start of each local rank's shard, then the end: ``local_size`` contiguous shards of
     ``ceil(numel / local_size)`` elements, the last ones shorter (so that padding the tensor at its end to

@@ -10,12 +10,12 @@ The work runs on a communication thread per state while the backward pass goes o
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations against dist.GradBucket.
+import atexit
 import builtins
 import logging
 import math
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Callable, Optional, Sequence, Union
@@ -47,9 +47,12 @@ _STEPS_PER_ITER = 1 << 20
 FLAG_NONFINITE = 1
 # How often a waiting rank looks for another rank's published failure.
 _FAILURE_POLL_SECONDS = 0.25
+# How long closing a communication thread waits for the bucket in flight (a peer that is gone fails it sooner).
+_CLOSE_SECONDS = 10.0
 # Per process group, how many states have started on it here: the same on every member, since the members start
 # their states in the same order (at the first bucket).
 _states_started: dict[str, int] = {}
+_open_threads: set["_CommunicationThread"] = set()  # closed at exit, before the interpreter finalizes
 
 
 @dataclass
@@ -193,6 +196,7 @@ class _CommunicationThread:
         self.group = group
         self.rank = dist.get_rank(group)
         self.failure: Optional[BaseException] = None
+        self.closed = False
         self._store = distributed_c10d._get_process_group_store(group)
         serial = _states_started[group.group_name] = _states_started.get(group.group_name, -1) + 1
         self._key = f"gtopk_ext/sparse_grad_hook/{group.group_name}/{serial}/failure"
@@ -200,9 +204,28 @@ class _CommunicationThread:
         self._pending: list[torch.futures.Future] = []  # results not yet set, oldest first
         self._lock = threading.Lock()
         self._busy = threading.Event()
+        self._closing = threading.Event()
         self._worker = threading.Thread(target=self._serve, name="gtopk_ext-sparse_grad_hook", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="gtopk_ext-sparse_grad_hook-watch", daemon=True)
         self._worker.start()
-        threading.Thread(target=self._watch, name="gtopk_ext-sparse_grad_hook-watch", daemon=True).start()
+        self._watcher.start()
+        _open_threads.add(self)
+
+    def close(self, timeout: float = _CLOSE_SECONDS) -> None:
+        """End both threads once the buckets handed over have finished, and let go of the group. A daemon thread
+        still inside a torch call when the interpreter finalizes aborts the process ("terminate called without an
+        active exception"), so this runs before that: at exit, and from :func:`gtopk_ext.destroy_process_group`."""
+        if self.closed:
+            return
+        self.closed = True
+        _open_threads.discard(self)
+        self._closing.set()
+        self._busy.set()  # wakes the watcher
+        self._jobs.put(None)
+        for thread in (self._worker, self._watcher):
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+        self.group = self._store = None
 
     def submit(self, job: Callable[[torch.futures.Future], None],
                device: torch.device = torch.device("cpu")) -> torch.futures.Future:
@@ -221,7 +244,7 @@ class _CommunicationThread:
 
     def drain(self) -> None:
         """Wait until every bucket handed over has finished (successfully or not)."""
-        if threading.current_thread() is self._worker:
+        if self.closed or threading.current_thread() is self._worker:
             return
         finished = self.submit(_complete)
         try:
@@ -237,8 +260,8 @@ class _CommunicationThread:
                 self._busy.clear()
 
     def _serve(self) -> None:
-        while True:
-            job, result = self._jobs.get()
+        while (item := self._jobs.get()) is not None:
+            job, result = item
             if self.failure is not None:
                 _fail(result, self.failure)
                 continue
@@ -282,7 +305,8 @@ class _CommunicationThread:
         """While buckets wait, look for a failure another rank published."""
         while self.failure is None:
             self._busy.wait()
-            time.sleep(_FAILURE_POLL_SECONDS)
+            if self._closing.wait(_FAILURE_POLL_SECONDS):
+                return
             try:
                 published = self._published_failure() if self._busy.is_set() else None
             except Exception:  # noqa: BLE001 - the group is being torn down
@@ -290,6 +314,14 @@ class _CommunicationThread:
             if published is not None and self.failure is None:
                 self.failure = published
                 self._fail_pending()
+
+
+@atexit.register
+def close_communication_threads() -> None:
+    """Close every state's communication thread (see :meth:`_CommunicationThread.close`); a state used afterwards
+    starts a new one on its process group."""
+    for thread in list(_open_threads):
+        thread.close()
 
 
 def _future_on(device: torch.device) -> torch.futures.Future:
@@ -630,7 +662,7 @@ class SparseGradState:
         def job(result: torch.futures.Future) -> None:
             _reduce_bucket(self, buffer, bucket_index, is_last, parameters, result)
 
-        if self.thread is None:
+        if self.thread is None or self.thread.closed:
             self.thread = _CommunicationThread(group_rank_and_size(self.process_group)[0])
         if self.thread.failure is not None:
             raise RuntimeError(f"sparse_grad_hook: an earlier exchange failed ({self.thread.failure}); the state "

@@ -6,13 +6,19 @@ import gc
 
 import torch.distributed as dist
 
+from gtopk_ext import collectives, hooks
+
 
 def destroy_process_group() -> None:
-    """``dist.destroy_process_group()`` after freeing the objects that still hold the group (DDP models sit in
-    reference cycles), so that the group and its worker threads end while the interpreter is fully alive.
+    """``dist.destroy_process_group()`` after closing the hooks' communication threads, letting go of the
+    hierarchical collective's node groups and freeing the objects that still hold a group (DDP models sit in
+    reference cycles), so that the groups and their worker threads end while the interpreter is fully alive.
 
-    Left to the interpreter's exit, a Gloo worker thread that drops a finished work (and its tensors) can take the
-    GIL during finalization, which ends the thread by unwinding a noexcept destructor: the process aborts with
-    "terminate called without an active exception" after its work is done (seen in about 1 run in 10)."""
+    Left to the interpreter's exit, a thread that is inside a torch call (a Gloo worker dropping a finished work,
+    a hook thread waiting for a peer) takes the GIL during finalization, which ends the thread by unwinding a
+    noexcept destructor: the process aborts with "terminate called without an active exception" after its work
+    is done (seen in about 1 run in 10)."""
+    hooks.close_communication_threads()
+    collectives.forget_node_groups()
     gc.collect()
     dist.destroy_process_group()

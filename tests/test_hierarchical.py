@@ -1,7 +1,8 @@
 """collectives.hierarchical_allreduce on a real Gloo group of 4 ranks, as 4, 2 and 1 nodes: the same average on
 every rank, residuals zero outside each rank's shard, nothing lost (on the plain and the compact wire), the exact
 top-k of each node's shard sum when the nodes' selections cannot interact, and a non-finite shard turning every
-rank back with nothing changed. tests/test_torchrun.py trains through the hook with it under torchrun.
+rank back with nothing changed; gx.destroy_process_group lets go of every group and thread. tests/test_torchrun.py
+trains through the hook with it under torchrun.
 
 Every rank builds every rank's input (deterministic data), so each computes the expected results itself.
 """
@@ -9,13 +10,15 @@ Every rank builds every rank's input (deterministic data), so each computes the 
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import gtopk_ext as gx
-from gtopk_ext.collectives import Traffic, hierarchical_allreduce, resolve_local_size, shard_bounds
+from gtopk_ext.collectives import Traffic, hierarchical_allreduce, node_groups, resolve_local_size, shard_bounds
 from tests.distributed import run_distributed
 
 WORLD_SIZE = 4
@@ -119,6 +122,27 @@ def check_nonfinite(rank: int, local_size: int) -> list[str]:
     return []
 
 
+def check_destroy_lets_go() -> list[str]:
+    """gx.destroy_process_group closes the hook's threads and lets go of every group (the world, the cached node
+    groups): none outlives it into the interpreter's finalization, where its threads could abort the process. A
+    state used after a new init_process_group starts a new thread on the new world."""
+    state = gx.SparseGradState(density=DENSITY)
+    state.reduce(torch.ones(NUMEL), 0).wait()
+    groups = [weakref.ref(group) for group in (dist.group.WORLD, *node_groups(dist.group.WORLD, 2))]
+    gx.destroy_process_group()
+    failures = []
+    if any(group() is not None for group in groups):
+        failures.append("a process group outlived gx.destroy_process_group")
+    threads = [thread.name for thread in threading.enumerate() if thread.name.startswith("gtopk_ext")]
+    if threads:
+        failures.append(f"threads outlived gx.destroy_process_group: {threads}")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the harness destroys it
+    state.reduce(torch.ones(NUMEL), 0).wait()
+    if state.thread.group is not dist.group.WORLD:
+        failures.append("the state did not start a new thread on the new world")
+    return failures
+
+
 def hierarchical_worker(rank: int, size: int) -> list[str]:
     failures, case = [], 0
     for local_size in (2, WORLD_SIZE, 1):
@@ -136,7 +160,7 @@ def hierarchical_worker(rank: int, size: int) -> list[str]:
     except ValueError as error:
         if "must divide the group's size" not in str(error):
             failures.append(f"unclear error for local_size 3: {error}")
-    return failures
+    return failures + check_destroy_lets_go()
 
 
 def test_hierarchical_allreduce_on_4_ranks():

@@ -225,7 +225,8 @@ class _CommunicationThread:
         for thread in (self._worker, self._watcher):
             if thread is not threading.current_thread():
                 thread.join(timeout)
-        self.group = self._store = None
+        if not self._worker.is_alive():  # else its buckets still need them
+            self.group = self._store = None
 
     def submit(self, job: Callable[[torch.futures.Future], None],
                device: torch.device = torch.device("cpu")) -> torch.futures.Future:

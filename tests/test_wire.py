@@ -1,7 +1,7 @@
 """The compact wire: its ops (wire_encode, wire_decode) against gtopk_ext/reference.py on every backend, their
 contract (bad arguments, opcheck), corrupted payloads, and every sparse collective with wire="compact" on real
-Gloo groups of 2, 3, 4, 5 and 8 ranks (one spawn): conservation through the hook, identical results on every rank,
-corruption and bad arguments failing alike on every rank."""
+Gloo groups of 2, 3, 4, 5 and 8 ranks, the hierarchical one on 4 and 3 nodes of 2 (one spawn): conservation through
+the hook, identical results on every rank, corruption and bad arguments failing alike on every rank."""
 
 from __future__ import annotations
 
@@ -204,15 +204,17 @@ BUCKET_NUMELS = (3000, 70_000)  # the second spans two pages
 STEPS = 4  # two dense warm-up steps, then two compressed
 
 
-def check_hook_conservation(members: Members) -> list[str]:
+def check_hook_conservation(members: Members, checked: tuple[str, ...] | None = None) -> list[str]:
     """Through SparseGradState.reduce with wire="compact": per bucket and step, sum_r new_residual_r + P * output
     == sum_r (input_r + old_residual_r) up to the float rounding of the sums (the wire's rounding is kept in
-    the residuals), and the output bitwise the same on every rank."""
+    the residuals), and the output bitwise the same on every rank. ``checked``: the collectives (default: every
+    sparse one, and the hierarchical one with nodes of 2 ranks on the whole world)."""
     failures = []
-    # The hierarchical collective on the whole world only (2 nodes of 2 ranks): its node groups are created by
-    # their members alone, which would leave the ranks' counts of created groups apart for later subgroups.
-    hierarchical = ("hierarchical",) if members.size == dist.get_world_size() else ()
-    for collective in WIRE_COLLECTIVES + hierarchical:
+    # The hierarchical collective on the whole world only by default: its node groups are created by their members
+    # alone, which would leave the ranks' counts of created groups apart for later subgroups.
+    if checked is None:
+        checked = WIRE_COLLECTIVES + (("hierarchical",) if members.size == dist.get_world_size() else ())
+    for collective in checked:
         for dtype in DTYPES:
             state = gx.SparseGradState(members.group, density=0.02, collective=collective, start_iter=2,
                                        min_compress_numel=1000, stats_logging_frequency=0, wire="compact",
@@ -328,6 +330,11 @@ def wire_worker(rank: int, world_size: int) -> list[str]:
         if rank < size:
             members = Members(group, list(range(size)), rank, f"{size} ranks")
             failures += check_collectives(members) + check_traffic(members) + check_hook_conservation(members)
+    # Last, as its node groups are its members' alone: 3 nodes of 2 (gTop-k between them folds the third in).
+    group = dist.new_group(list(range(6)))
+    if rank < 6:
+        failures += check_hook_conservation(Members(group, list(range(6)), rank, "6 ranks as 3 nodes of 2"),
+                                            ("hierarchical",))
     return failures
 
 

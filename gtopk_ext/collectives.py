@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gtopk_ext import ops
+from gtopk_ext._worker import Disagreement
 from gtopk_ext._contract import FLOAT_DTYPES
 from gtopk_ext.compressors import Compressor, SparseMessage, tensor_shares
 from gtopk_ext.wire import (WIRES, Rounding, as_bytes, ascending, check_wire, pack, payload_size, rounding_error,
@@ -28,11 +29,6 @@ from gtopk_ext.wire import (WIRES, Rounding, as_bytes, ascending, check_wire, pa
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(FLOAT_DTYPES, start=1)}  # header codes of the op dtypes
 MAX_NUMEL = 2**31 - 1
 _INVALID = -1  # a header field of a rank whose own input was invalid
-
-
-class Disagreement(ValueError):
-    """The ranks' headers disagree (or a rank's input was invalid): raised on every rank alike, after a header
-    exchange that every rank took part in, so the group is still in step."""
 
 
 @dataclass

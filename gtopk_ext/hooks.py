@@ -10,22 +10,18 @@ The work runs on a communication thread per state while the backward pass goes o
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations against dist.GradBucket.
-import atexit
-import builtins
 import logging
 import math
-import queue
-import threading
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gtopk_ext import ops
+from gtopk_ext._worker import Worker, complete, fail, future_on
 from gtopk_ext.collectives import (DTYPE_CODES, Disagreement, OkTopkState, Traffic, gather_headers,
                                    group_rank_and_size, gtopk_allreduce, hierarchical_allreduce, HIERARCHICAL_INNER,
                                    oktopk_allreduce, padding_message, require_same, resolve_local_size,
@@ -45,15 +41,6 @@ Layout = Union[tuple[tuple[int, int], ...], None]
 _STEPS_PER_ITER = 1 << 20
 # Flag bits carried inside the sparse payload (every rank learns the OR).
 FLAG_NONFINITE = 1
-# How often a waiting rank looks for another rank's published failure.
-_FAILURE_POLL_SECONDS = 0.25
-# How long closing a communication thread waits for the bucket in flight (a peer that is gone fails it sooner).
-_CLOSE_SECONDS = 10.0
-# Per process group, how many states have started on it here: the same on every member, since the members start
-# their states in the same order (at the first bucket).
-_states_started: dict[str, int] = {}
-_open_threads: set["_CommunicationThread"] = set()  # closed at exit, before the interpreter finalizes
-
 
 @dataclass
 class BucketStats:
@@ -178,184 +165,6 @@ class ResidualStore:
         self.layouts = {int(i): None if layout is None else tuple((int(o), int(n)) for o, n in layout)
                         for i, layout in state_dict.get("layouts", {}).items()}
         self.unclaimed = {int(o): r.detach().clone() for o, r in state_dict.get("unclaimed", {}).items()}
-
-
-class _CommunicationThread:
-    """Runs a state's buckets one at a time in the order they were handed over, which DDP makes the same on every
-    rank: so every rank issues its collectives in the same order, with any number of buckets.
-
-    The last bucket of an iteration has been issued before its hook call returns: right after it, DDP issues
-    collectives of its own on the autograd thread (the used-parameter map with ``find_unused_parameters=True``),
-    and Gloo pairs collectives by the order in which each rank issued them.
-
-    A failure on one rank is published in the group's store; a rank whose buckets wait finds it within
-    ``_FAILURE_POLL_SECONDS`` and fails them with the same exception type, instead of waiting for the peer until
-    the group's timeout. The state is unusable after that (its exchanges were left half done)."""
-
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.failure: Optional[BaseException] = None
-        self.closed = False
-        self._store = distributed_c10d._get_process_group_store(group)
-        serial = _states_started[group.group_name] = _states_started.get(group.group_name, -1) + 1
-        self._key = f"gtopk_ext/sparse_grad_hook/{group.group_name}/{serial}/failure"
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: list[torch.futures.Future] = []  # results not yet set, oldest first
-        self._lock = threading.Lock()
-        self._busy = threading.Event()
-        self._closing = threading.Event()
-        self._worker = threading.Thread(target=self._serve, name="gtopk_ext-sparse_grad_hook", daemon=True)
-        self._watcher = threading.Thread(target=self._watch, name="gtopk_ext-sparse_grad_hook-watch", daemon=True)
-        self._worker.start()
-        self._watcher.start()
-        _open_threads.add(self)
-
-    def close(self, timeout: float = _CLOSE_SECONDS) -> None:
-        """End both threads once the buckets handed over have finished, and let go of the group. A daemon thread
-        still inside a torch call when the interpreter finalizes aborts the process ("terminate called without an
-        active exception"), so this runs before that: at exit, and from :func:`gtopk_ext.destroy_process_group`."""
-        if self.closed:
-            return
-        self.closed = True
-        _open_threads.discard(self)
-        self._closing.set()
-        self._busy.set()  # wakes the watcher
-        self._jobs.put(None)
-        for thread in (self._worker, self._watcher):
-            if thread is not threading.current_thread():
-                thread.join(timeout)
-        if not self._worker.is_alive():  # else its buckets still need them
-            self.group = self._store = None
-
-    def submit(self, job: Callable[[torch.futures.Future], None],
-               device: torch.device = torch.device("cpu")) -> torch.futures.Future:
-        """Queue ``job(result)``, which must eventually complete ``result`` (or raise). On a CUDA ``device`` the job
-        runs on the stream that is current here (the one that produced its gradient), and ``result`` makes its
-        consumer's stream wait for the job's kernels."""
-        result = _future_on(device)
-        if device.type == "cuda":
-            job = _on_stream(job, torch.cuda.current_stream(device))
-        with self._lock:
-            self._pending.append(result)
-            self._busy.set()
-        result.add_done_callback(self._done)
-        self._jobs.put((job, result))
-        return result
-
-    def drain(self) -> None:
-        """Wait until every bucket handed over has finished (successfully or not)."""
-        if self.closed or threading.current_thread() is self._worker:
-            return
-        finished = self.submit(_complete)
-        try:
-            finished.wait()
-        except BaseException:  # noqa: BLE001 - a failure reaches the caller through its buckets' futures
-            pass
-
-    def _done(self, result: torch.futures.Future) -> None:
-        with self._lock:
-            if result in self._pending:
-                self._pending.remove(result)
-            if not self._pending:
-                self._busy.clear()
-
-    def _serve(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            job, result = item
-            if self.failure is not None:
-                _fail(result, self.failure)
-                continue
-            try:
-                job(result)
-            except Disagreement as error:  # raised on every rank alike: the group is still in step
-                _fail(result, error)
-            except BaseException as error:  # noqa: BLE001 - handed to DDP and to the other ranks
-                self.fail(error)
-
-    def fail(self, error: BaseException) -> None:
-        """This rank failed: tell the others, and fail every bucket still waiting here. A failure another rank
-        published first is the cause (this one may only be its echo, such as a connection that rank closed)."""
-        if self.failure is None:
-            try:
-                self.failure = self._published_failure()
-                if self.failure is None:
-                    self.failure = error
-                    self._store.set(self._key, f"{type(error).__name__}\n{self.rank}\n{error}")
-            except Exception:  # noqa: BLE001 - the store itself is gone: the group's timeout is all that is left
-                logger.exception("sparse_grad_hook: could not publish the failure of rank %d", self.rank)
-                self.failure = self.failure or error
-        self._fail_pending()
-
-    def _published_failure(self) -> Optional[BaseException]:
-        if not self._store.check([self._key]):
-            return None
-        type_name, rank, message = self._store.get(self._key).decode().split("\n", 2)
-        kind = getattr(builtins, type_name, None)
-        kind = kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError
-        return kind(f"sparse_grad_hook: rank {rank} failed: {message}")
-
-    def _fail_pending(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-            self._busy.clear()
-        for result in pending:
-            _fail(result, self.failure)
-
-    def _watch(self) -> None:
-        """While buckets wait, look for a failure another rank published."""
-        while self.failure is None:
-            self._busy.wait()
-            if self._closing.wait(_FAILURE_POLL_SECONDS):
-                return
-            try:
-                published = self._published_failure() if self._busy.is_set() else None
-            except Exception:  # noqa: BLE001 - the group is being torn down
-                return
-            if published is not None and self.failure is None:
-                self.failure = published
-                self._fail_pending()
-
-
-@atexit.register
-def close_communication_threads() -> None:
-    """Close every state's communication thread (see :meth:`_CommunicationThread.close`); a state used afterwards
-    starts a new one on its process group."""
-    for thread in list(_open_threads):
-        thread.close()
-
-
-def _future_on(device: torch.device) -> torch.futures.Future:
-    """A future whose value may hold tensors on ``device``: a CUDA one records, when set, an event on the setting
-    thread's stream that the consumer's stream then waits for."""
-    return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
-
-
-def _on_stream(job: Callable[[torch.futures.Future], None], stream: "torch.cuda.Stream"
-               ) -> Callable[[torch.futures.Future], None]:
-    def on_stream(result: torch.futures.Future) -> None:
-        with torch.cuda.stream(stream):
-            job(result)
-
-    return on_stream
-
-
-def _fail(result: torch.futures.Future, error: BaseException) -> None:
-    _complete(result, error=error)
-
-
-def _complete(result: torch.futures.Future, value=None, error: Optional[BaseException] = None) -> None:
-    """Set ``result`` unless it is already set (a failure seen by the watching thread can get there first)."""
-    if result.done():
-        return
-    try:
-        if error is None:
-            result.set_result(value)
-        else:
-            result.set_exception(error)
-    except RuntimeError:  # set by another thread in between
-        if not result.done():
-            raise
 
 
 class SparseGradState:
@@ -526,7 +335,7 @@ class SparseGradState:
         # Runtime: the compressor of the current density, the communication thread (created at the first
         # bucket), whether an iteration has begun.
         self.compressor_now: Compressor = make_compressor(compressor, self.density, **self.compressor_kwargs)
-        self.thread: Optional[_CommunicationThread] = None
+        self.thread: Optional[Worker] = None
         self.iteration_open = False
 
     @property
@@ -664,7 +473,7 @@ class SparseGradState:
             _reduce_bucket(self, buffer, bucket_index, is_last, parameters, result)
 
         if self.thread is None or self.thread.closed:
-            self.thread = _CommunicationThread(group_rank_and_size(self.process_group)[0])
+            self.thread = Worker(group_rank_and_size(self.process_group)[0])
         if self.thread.failure is not None:
             raise RuntimeError(f"sparse_grad_hook: an earlier exchange failed ({self.thread.failure}); the state "
                                f"cannot go on") from self.thread.failure
@@ -673,7 +482,7 @@ class SparseGradState:
             if is_last:
                 self.thread.drain()
             return result
-        result = _future_on(buffer.device)
+        result = future_on(buffer.device)
         try:
             job(result)
             result.wait()
@@ -826,7 +635,7 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
         sent = torch.arange(k, device=tensor.device) < msg.count
         velocity.index_fill_(0, msg.indices[sent if applied is None else sent & applied].long(), 0)
     stats.apply_seconds = perf_counter() - start
-    done = _future_on(tensor.device)
+    done = future_on(tensor.device)
     done.set_result(tensor)
     return done
 
@@ -904,7 +713,7 @@ def _reduce_hierarchical(state: SparseGradState, tensor: torch.Tensor, index: in
         error_indices, errors = rounding.pairs(residual.dtype, residual.device)
         _record_taken(state, index, torch.cat([result.msg.indices, error_indices]),
                       torch.cat([result.msg.values * result.applied, -errors]))
-    done = _future_on(tensor.device)
+    done = future_on(tensor.device)
     done.set_result(tensor)
     return done
 
@@ -978,7 +787,7 @@ def _reduce_in_parts(state: SparseGradState, buffer: torch.Tensor, layout: Layou
                             [by_ordinal[o] for o, _ in part_layout])
                for (index, part_layout), part_slices in zip(parts, slices)]
 
-    result = _future_on(buffer.device)
+    result = future_on(buffer.device)
 
     def scatter_back(_):
         try:
@@ -989,9 +798,9 @@ def _reduce_in_parts(state: SparseGradState, buffer: torch.Tensor, layout: Layou
                     buffer[s] = reduced[offset:offset + width]
                     offset += width
         except BaseException as error:  # noqa: BLE001 - a part's failure is the bucket's
-            _fail(result, error)
+            fail(result, error)
         else:
-            _complete(result, buffer)
+            complete(result, buffer)
 
     # collect_all's future holds futures, not tensors: the buffer is handed on through a future on its device.
     torch.futures.collect_all(futures).add_done_callback(scatter_back)
@@ -999,7 +808,7 @@ def _reduce_in_parts(state: SparseGradState, buffer: torch.Tensor, layout: Layou
 
 
 def _chain(reduced: torch.futures.Future, result: torch.futures.Future, value: torch.Tensor,
-           thread: _CommunicationThread) -> None:
+           thread: Worker) -> None:
     """Complete ``result`` with ``value`` when ``reduced`` completes; a failure (of a dense allreduce) goes
     through ``thread``, which prefers the cause another rank published."""
 
@@ -1008,9 +817,9 @@ def _chain(reduced: torch.futures.Future, result: torch.futures.Future, value: t
             future.wait()
         except BaseException as error:  # noqa: BLE001 - handed to DDP and to the other ranks
             thread.fail(error)
-            _fail(result, thread.failure)
+            fail(result, thread.failure)
         else:
-            _complete(result, value)
+            complete(result, value)
 
     reduced.add_done_callback(forward)
 

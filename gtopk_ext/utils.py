@@ -6,7 +6,7 @@ import gc
 
 import torch.distributed as dist
 
-from gtopk_ext import collectives, hooks
+from gtopk_ext import _worker, collectives
 
 
 def destroy_process_group() -> None:
@@ -18,7 +18,7 @@ def destroy_process_group() -> None:
     a hook thread waiting for a peer) takes the GIL during finalization, which ends the thread by unwinding a
     noexcept destructor: the process aborts with "terminate called without an active exception" after its work
     is done (seen in about 1 run in 10)."""
-    hooks.close_communication_threads()
+    _worker.close_workers()
     collectives.forget_node_groups()
     gc.collect()
     dist.destroy_process_group()

@@ -1,0 +1,212 @@
+"""One background worker per state: runs jobs in order on a thread of its own, publishes a failure to the other
+ranks and fails their waiting jobs with it, and closes before the interpreter finalizes.
+
+Used by the DDP hook (one worker per :class:`gtopk_ext.SparseGradState`)."""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import logging
+import queue
+import threading
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+logger = logging.getLogger(__name__)
+
+# How often a waiting rank looks for another rank's published failure.
+_FAILURE_POLL_SECONDS = 0.25
+# How long closing a worker waits for the job in flight (a peer that is gone fails it sooner).
+_CLOSE_SECONDS = 10.0
+# Per process group, how many workers have started on it here: the same on every member, since the members start
+# their workers in the same order.
+_states_started: dict[str, int] = {}
+_open_threads: set["Worker"] = set()  # closed at exit, before the interpreter finalizes
+
+
+class Disagreement(ValueError):
+    """An error raised on every rank alike (the ranks' headers disagree, or a rank's input was invalid), after an
+    exchange that every rank took part in: the group is still in step, so a worker fails only that job."""
+
+
+class Worker:
+    """Runs jobs one at a time in the order they were handed over (for the DDP hook: its buckets, in the order DDP
+    makes the same on every rank): so every rank issues its collectives in the same order, with any number of jobs.
+
+    The last bucket of an iteration has been issued before its hook call returns: right after it, DDP issues
+    collectives of its own on the autograd thread (the used-parameter map with ``find_unused_parameters=True``),
+    and Gloo pairs collectives by the order in which each rank issued them.
+
+    A failure on one rank is published in the group's store; a rank whose buckets wait finds it within
+    ``_FAILURE_POLL_SECONDS`` and fails them with the same exception type, instead of waiting for the peer until
+    the group's timeout. The state is unusable after that (its exchanges were left half done)."""
+
+    def __init__(self, group: dist.ProcessGroup, name: str = "sparse_grad_hook"):
+        self.group = group
+        self.name = name
+        self.rank = dist.get_rank(group)
+        self.failure: Optional[BaseException] = None
+        self.closed = False
+        self._store = distributed_c10d._get_process_group_store(group)
+        serial = _states_started[group.group_name] = _states_started.get(group.group_name, -1) + 1
+        self._key = f"gtopk_ext/{name}/{group.group_name}/{serial}/failure"
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: list[torch.futures.Future] = []  # results not yet set, oldest first
+        self._lock = threading.Lock()
+        self._busy = threading.Event()
+        self._closing = threading.Event()
+        self._worker = threading.Thread(target=self._serve, name=f"gtopk_ext-{name}", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name=f"gtopk_ext-{name}-watch", daemon=True)
+        self._worker.start()
+        self._watcher.start()
+        _open_threads.add(self)
+
+    def close(self, timeout: float = _CLOSE_SECONDS) -> None:
+        """End both threads once the buckets handed over have finished, and let go of the group. A daemon thread
+        still inside a torch call when the interpreter finalizes aborts the process ("terminate called without an
+        active exception"), so this runs before that: at exit, and from :func:`gtopk_ext.destroy_process_group`."""
+        if self.closed:
+            return
+        self.closed = True
+        _open_threads.discard(self)
+        self._closing.set()
+        self._busy.set()  # wakes the watcher
+        self._jobs.put(None)
+        for thread in (self._worker, self._watcher):
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+        if not self._worker.is_alive():  # else its buckets still need them
+            self.group = self._store = None
+
+    def submit(self, job: Callable[[torch.futures.Future], None],
+               device: torch.device = torch.device("cpu")) -> torch.futures.Future:
+        """Queue ``job(result)``, which must eventually complete ``result`` (or raise). On a CUDA ``device`` the job
+        runs on the stream that is current here (the one that produced its gradient), and ``result`` makes its
+        consumer's stream wait for the job's kernels."""
+        result = future_on(device)
+        if device.type == "cuda":
+            job = on_stream(job, torch.cuda.current_stream(device))
+        with self._lock:
+            self._pending.append(result)
+            self._busy.set()
+        result.add_done_callback(self._done)
+        self._jobs.put((job, result))
+        return result
+
+    def drain(self) -> None:
+        """Wait until every bucket handed over has finished (successfully or not)."""
+        if self.closed or threading.current_thread() is self._worker:
+            return
+        finished = self.submit(complete)
+        try:
+            finished.wait()
+        except BaseException:  # noqa: BLE001 - a failure reaches the caller through its buckets' futures
+            pass
+
+    def _done(self, result: torch.futures.Future) -> None:
+        with self._lock:
+            if result in self._pending:
+                self._pending.remove(result)
+            if not self._pending:
+                self._busy.clear()
+
+    def _serve(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, result = item
+            if self.failure is not None:
+                fail(result, self.failure)
+                continue
+            try:
+                job(result)
+            except Disagreement as error:  # raised on every rank alike: the group is still in step
+                fail(result, error)
+            except BaseException as error:  # noqa: BLE001 - handed to DDP and to the other ranks
+                self.fail(error)
+
+    def fail(self, error: BaseException) -> None:
+        """This rank failed: tell the others, and fail every bucket still waiting here. A failure another rank
+        published first is the cause (this one may only be its echo, such as a connection that rank closed)."""
+        if self.failure is None:
+            try:
+                self.failure = self._published_failure()
+                if self.failure is None:
+                    self.failure = error
+                    self._store.set(self._key, f"{type(error).__name__}\n{self.rank}\n{error}")
+            except Exception:  # noqa: BLE001 - the store itself is gone: the group's timeout is all that is left
+                logger.exception("%s: could not publish the failure of rank %d", self.name, self.rank)
+                self.failure = self.failure or error
+        self._fail_pending()
+
+    def _published_failure(self) -> Optional[BaseException]:
+        if not self._store.check([self._key]):
+            return None
+        type_name, rank, message = self._store.get(self._key).decode().split("\n", 2)
+        kind = getattr(builtins, type_name, None)
+        kind = kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError
+        return kind(f"{self.name}: rank {rank} failed: {message}")
+
+    def _fail_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._busy.clear()
+        for result in pending:
+            fail(result, self.failure)
+
+    def _watch(self) -> None:
+        """While buckets wait, look for a failure another rank published."""
+        while self.failure is None:
+            self._busy.wait()
+            if self._closing.wait(_FAILURE_POLL_SECONDS):
+                return
+            try:
+                published = self._published_failure() if self._busy.is_set() else None
+            except Exception:  # noqa: BLE001 - the group is being torn down
+                return
+            if published is not None and self.failure is None:
+                self.failure = published
+                self._fail_pending()
+
+
+@atexit.register
+def close_workers() -> None:
+    """Close every open :class:`Worker` (see :meth:`Worker.close`); a state used afterwards starts a new one on its
+    process group."""
+    for thread in list(_open_threads):
+        thread.close()
+
+
+def future_on(device: torch.device) -> torch.futures.Future:
+    """A future whose value may hold tensors on ``device``: a CUDA one records, when set, an event on the setting
+    thread's stream that the consumer's stream then waits for."""
+    return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+
+
+def on_stream(job: Callable[[torch.futures.Future], None], stream: "torch.cuda.Stream"
+               ) -> Callable[[torch.futures.Future], None]:
+    def on_stream(result: torch.futures.Future) -> None:
+        with torch.cuda.stream(stream):
+            job(result)
+
+    return on_stream
+
+
+def fail(result: torch.futures.Future, error: BaseException) -> None:
+    complete(result, error=error)
+
+
+def complete(result: torch.futures.Future, value=None, error: Optional[BaseException] = None) -> None:
+    """Set ``result`` unless it is already set (a failure seen by the watching thread can get there first)."""
+    if result.done():
+        return
+    try:
+        if error is None:
+            result.set_result(value)
+        else:
+            result.set_exception(error)
+    except RuntimeError:  # set by another thread in between
+        if not result.done():
+            raise

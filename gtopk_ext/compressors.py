@@ -9,48 +9,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from gtopk_ext import ops
 from gtopk_ext._contract import FLOAT_DTYPES
 from gtopk_ext.backends import Backend, BackendChoice, BackendLike
+from gtopk_ext.message import SparseMessage
 
 COMPRESSOR_KINDS = ("gaussiank", "topk", "randomk")
 GAUSSIANK_MODES = ("accurate", "paper")
 # The paper's threshold correction (Shi et al. 2019): at most 3 steps, halve below 2k/3, x1.5 above 4k/3.
 PAPER_CORRECTION_STEPS = 3
-
-
-@dataclass
-class SparseMessage:
-    """k (index, value) slots of a flattened tensor of ``numel`` elements.
-
-    ``values`` has the gradient's dtype, ``indices`` is int32; the slots in use come first with ascending indices,
-    the rest are padding (index 0, value 0), which every sum ignores. ``count`` (int32[1], on the values' device)
-    is how many elements the compressor selected before truncation to k (a statistic: it may exceed k).
-    ``stats`` is the threshold statistics tensor (``ops.STAT_*`` layout) when the compressor computed one.
-    ``backend`` is the backend that made it, which the collectives and ``to_dense`` use for their ops too
-    (``None``: each op's default).
-    """
-
-    values: torch.Tensor
-    indices: torch.Tensor
-    count: torch.Tensor
-    numel: int
-    stats: torch.Tensor | None = None
-    backend: Backend | None = None
-
-    @property
-    def k(self) -> int:
-        return self.values.numel()
-
-    def to_dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The flat dense tensor of ``numel`` elements that this message stands for (``dtype``: default the
-        values' dtype; sums of duplicate indices are taken in that dtype)."""
-        dense = torch.zeros(self.numel, dtype=dtype or self.values.dtype, device=self.values.device)
-        return ops.scatter_add_(dense, self.indices, self.values.to(dense.dtype), backend=self.backend)
 
 
 def k_for_density(density: float, numel: int) -> int:
@@ -139,7 +109,7 @@ class Compressor:
         """The message of (values, indices) taken from acc; what is sent leaves the residual."""
         if residual is not None:
             ops.residual_update_(residual, indices, values, backend=backend, check=False)
-        return SparseMessage(values, indices, count, acc.numel(), stats, backend)
+        return SparseMessage(values, indices, count, acc.numel(), stats)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(density={self.density})"

@@ -22,14 +22,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gtopk_ext import ops
 from gtopk_ext._worker import Worker, complete, fail, future_on
-from gtopk_ext.collectives import (DTYPE_CODES, Disagreement, OkTopkState, Traffic, gather_headers,
-                                   group_rank_and_size, gtopk_allreduce, hierarchical_allreduce, HIERARCHICAL_INNER,
-                                   oktopk_allreduce, padding_message, require_same, resolve_local_size,
-                                   ring_allreduce_bytes, sparse_allgather)
-from gtopk_ext.collectives import is_finite as _is_finite
-from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, SparseMessage, check_density, k_for_density, \
-    make_compressor, tensor_shares
-from gtopk_ext.wire import Rounding, check_wire
+from gtopk_ext.collectives import (DTYPE_CODES, Agreement, Collective, DenseAllreduce, Disagreement, OkTopkState,
+                                   collective_named, group_rank_and_size)
+from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, k_for_density, make_compressor, \
+    tensor_shares
+from gtopk_ext.costs import Traffic
+from gtopk_ext.hierarchical import HIERARCHICAL_INNER, hierarchical_allreduce, resolve_local_size
+from gtopk_ext.message import SparseMessage
+from gtopk_ext.reduction import FLAG_NONFINITE, agree_plan, is_finite, put_back, reduce
+from gtopk_ext.wire import Rounding, check_wire, wire_named
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,6 @@ DensitySchedule = Union[Sequence[tuple[int, float]], Callable[[int], float], Non
 Layout = Union[tuple[tuple[int, int], ...], None]
 # Seeds of the randomk draws: step = random_seed + iter * _STEPS_PER_ITER + bucket index, unique per bucket.
 _STEPS_PER_ITER = 1 << 20
-# Flag bits carried inside the sparse payload (every rank learns the OR).
-FLAG_NONFINITE = 1
 
 @dataclass
 class BucketStats:
@@ -330,11 +329,12 @@ class SparseGradState:
         # Statistics and agreement.
         self.iter = 0
         self.bucket_stats: dict[int, BucketStats] = {}
-        self.agreed_plans: dict[int, tuple[int, int, str, int]] = {}
+        self.agreed_plans: dict[int, Agreement] = {}
         self.oktopk_states: dict[int, OkTopkState] = {}  # per bucket, with collective="oktopk"
         # Runtime: the compressor of the current density, the communication thread (created at the first
         # bucket), whether an iteration has begun.
         self.compressor_now: Compressor = make_compressor(compressor, self.density, **self.compressor_kwargs)
+        self.collective_now: Collective = _collective(self)
         self.thread: Optional[Worker] = None
         self.iteration_open = False
 
@@ -555,20 +555,23 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
     k = k_for_density(density, numel) if compress else numel
     stats = state.bucket_stats[index] = BucketStats("sparse" if compress else "dense", numel, k,
                                                     selected=0 if compress else numel)
-    _agree(state, group, tensor, index, ("sparse" if compress else "dense", k), stats.traffic)
+    agree_plan(tensor, group, state.agreed_plans.setdefault(index, Agreement()), sparse=compress, k=k,
+               wire=wire_named(state.wire), what="sparse_grad_hook",
+               volatile={"iter": state.iter, "bucket_index": index}, traffic=stats.traffic)
     if state.clip_norm is not None:
         _clip(tensor, state.clip_norm / math.sqrt(size))
     if not compress:
-        if state.momentum and _is_finite(tensor):  # an inf must not poison the velocity
+        if state.momentum and is_finite(tensor):  # an inf must not poison the velocity
             _momentum_increment(state, tensor, index, layout, parameters, [1.0] * len(layout or [None]),
                                 sent_whole=True)
         if state.error_feedback and state.residual_store.holds_any(index, layout):
             _flush_into(state, tensor, index, layout)
         return _dense_allreduce(tensor, group, size, stats)
+    _use_density(state, density)
     if state.collective == "hierarchical":
-        return _reduce_hierarchical(state, tensor, index, layout, density, k, stats)
+        return _reduce_hierarchical(state, tensor, index, layout, k, stats)
 
-    # 2. Select.
+    # 2.-4. Select, exchange, apply: the reduction.
     start = perf_counter()
     residual = state.residual_store.residual(index, tensor, layout) if state.error_feedback else None
     # max |grad| of each parameter: one pass that tells both whether acc = grad + residual can be non-finite and
@@ -579,85 +582,45 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
         velocity = _momentum_increment(state, tensor, index, layout, parameters, maxima, sent_whole=False)
         unused = [m == 0 for m in maxima]
         maxima = [0.0 if zero else m for zero, m in zip(unused, _parameter_maxima(tensor, layout).tolist())]
-    finite = _accumulation_is_finite(state, tensor, residual, maxima, index)
-    flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
-    if finite:
-        msg = _select(state, tensor, residual, maxima, layout, index, density, k)
-    else:  # nothing selected, the residual untouched: the flag sends every rank dense
-        flags[0] = FLAG_NONFINITE
-        msg = padding_message(tensor, k, state.compressor_now)
-    stats.selected = msg.count
-    stats.select_seconds = perf_counter() - start
+    finite = _accumulationis_finite(state, tensor, residual, maxima, index)
+    collective = state.collective_now
 
-    # 3. Exchange.
-    start = perf_counter()
-    rounding = Rounding()  # what the compact wire took off this rank's values: back into the residual
-    wire = dict(wire=state.wire, rounding=rounding)
-    if state.collective == "allgather":
-        summed = sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=stats.traffic, flags=flags,
-                                  **wire)
-        glob = applied = None
-    elif state.collective == "oktopk":  # called on every compressed step, so the states stay equal across ranks
-        glob, applied = oktopk_allreduce(msg, group, state=state.oktopk_states.setdefault(index, OkTopkState()),
-                                         check=False, traffic=stats.traffic, flags=flags, **wire)
-    else:
-        glob, applied = gtopk_allreduce(msg, group, check=False, traffic=stats.traffic, flags=flags, **wire)
-    stats.exchange_seconds = perf_counter() - start
+    def select() -> SparseMessage:
+        begin = perf_counter()
+        msg = _select(state, tensor, residual, maxima, layout, index, k)
+        stats.select_seconds = perf_counter() - begin
+        return msg
 
-    # 4. Apply (or every rank goes dense).
-    start = perf_counter()
-    if int(flags) & FLAG_NONFINITE:
+    outcome = reduce(tensor, residual, select, collective, group, k=k, wire=wire_named(state.wire),
+                     backend=state.compressor_now.backend.for_device(tensor.device), finite=finite,
+                     traffic=stats.traffic,
+                     state=state.oktopk_states.setdefault(index, collective.new_state()) if collective.stateful
+                     else None)
+    stats.selected = outcome.msg.count
+    stats.exchange_seconds = perf_counter() - start - stats.select_seconds  # exchanging and applying
+
+    # 5. Every rank goes dense if any rank's sum was not finite.
+    if outcome.nonfinite:
         stats.path, stats.k, stats.selected = "nonfinite", numel, numel
-        if finite and residual is not None:
-            # This rank's acc was finite: all of it goes into the dense average, nothing stays behind.
-            ops.scatter_add_(residual, msg.indices, msg.values, backend=msg.backend)
-            tensor.copy_(residual)
+        if finite and residual is not None:  # its whole sum is in tensor: nothing stays behind
             del state.residuals[index]
             state.residual_bounds.pop(index, None)
             _record_taken(state, index, None, residual)
         return _dense_allreduce(tensor, group, size, stats)
-    if glob is None:
-        tensor.copy_(summed.div_(size))
-        taken = msg.values
-    else:
-        if residual is not None:  # contributions dropped by a merge go back: nothing is lost
-            ops.scatter_add_(residual, msg.indices, msg.values * ~applied, backend=msg.backend)
-        # glob's indices are distinct (gTop-k and Ok-Topk): dividing its values equals dividing the dense sum.
-        tensor.zero_()
-        ops.scatter_add_(tensor, glob.indices, (glob.values.float() / size).to(tensor.dtype), backend=msg.backend)
-        taken = msg.values * applied
     if residual is not None:
-        error_indices, errors = rounding.pairs(residual.dtype, residual.device)
-        ops.scatter_add_(residual, error_indices, errors, backend=msg.backend)
-        _record_taken(state, index, torch.cat([msg.indices, error_indices]), torch.cat([taken, -errors]))
+        _record_taken(state, index, *outcome.taken())
     if velocity is not None and state.iter >= state.masking_start_iter:
         # momentum factor masking: the velocity is cleared where a slot was applied
-        sent = torch.arange(k, device=tensor.device) < msg.count
-        velocity.index_fill_(0, msg.indices[sent if applied is None else sent & applied].long(), 0)
-    stats.apply_seconds = perf_counter() - start
+        sent = torch.arange(k, device=tensor.device) < outcome.msg.count
+        applied = outcome.applied
+        velocity.index_fill_(0, outcome.msg.indices[sent if applied is None else sent & applied].long(), 0)
     done = future_on(tensor.device)
     done.set_result(tensor)
     return done
 
 
-def _agree(state: SparseGradState, group: dist.ProcessGroup, tensor: torch.Tensor, index: int,
-           plan: tuple[str, int], traffic: Traffic) -> None:
-    """Step 1's check: a new or changed plan is compared across ranks (a mismatch raises on every rank alike,
-    before any payload of the wrong size could abort Gloo); an agreed plan is not exchanged again."""
-    key = (tensor.numel(), DTYPE_CODES[tensor.dtype], *plan)
-    if state.agreed_plans.get(index) == key:
-        return
-    path, k = plan
-    headers = gather_headers({"valid": 1, "iter": state.iter, "bucket_index": index, "numel": tensor.numel(),
-                              "dtype": DTYPE_CODES[tensor.dtype], "sparse": int(path == "sparse"), "k": k},
-                             group, tensor.device, traffic)
-    require_same(headers, ("iter", "bucket_index", "numel", "dtype", "sparse", "k"), "sparse_grad_hook")
-    state.agreed_plans[index] = key
-
-
 def _select(state: SparseGradState, tensor: torch.Tensor, residual: Optional[torch.Tensor], maxima: list[float],
-            layout: Layout, index: int, density: float, k: int) -> SparseMessage:
-    _use_density(state, density)
+            layout: Layout, index: int, k: int) -> SparseMessage:
     step = _draw_step(state, index)
     if state.per_tensor and layout is not None and len(layout) > 1:
         msg, bound = _select_per_tensor(state.compressor_now, tensor, residual, maxima, layout, k, step)
@@ -677,6 +640,13 @@ def _select(state: SparseGradState, tensor: torch.Tensor, residual: Optional[tor
 def _use_density(state: SparseGradState, density: float) -> None:
     if state.compressor_now.density != density:
         state.compressor_now = make_compressor(state.compressor, density, **state.compressor_kwargs)
+        state.collective_now = _collective(state)
+
+
+def _collective(state: SparseGradState) -> Collective:
+    """The flat collective of the state (between nodes, with the hierarchical one), on the compressor's backend."""
+    name = state.inner_collective if state.collective == "hierarchical" else state.collective
+    return collective_named("gtopk" if name == "dense" else name, state.compressor_now.backend)
 
 
 def _draw_step(state: SparseGradState, index: int) -> int:
@@ -684,8 +654,8 @@ def _draw_step(state: SparseGradState, index: int) -> int:
     return state.random_seed + state.iter * _STEPS_PER_ITER + index
 
 
-def _reduce_hierarchical(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout, density: float,
-                         k: int, stats: BucketStats) -> torch.futures.Future:
+def _reduce_hierarchical(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout, k: int,
+                         stats: BucketStats) -> torch.futures.Future:
     """Steps 2-4 of :func:`sparse_grad_hook` with ``collective="hierarchical"``: the collective selects, from this
     rank's shard of its node's sum, and raises the non-finite flag inside its payloads."""
     group, size = state.thread.group, dist.get_world_size(state.thread.group)
@@ -693,8 +663,8 @@ def _reduce_hierarchical(state: SparseGradState, tensor: torch.Tensor, index: in
     residual = state.residual_store.residual(index, tensor, layout) if state.error_feedback else None
     maxima = _parameter_maxima(tensor, layout).tolist()
     held = _hold_unused(residual, maxima, layout) if residual is not None else []
-    _use_density(state, density)
-    inner_state = state.oktopk_states.setdefault(index, OkTopkState()) if state.inner_collective == "oktopk" else None
+    collective = state.collective_now
+    inner_state = state.oktopk_states.setdefault(index, collective.new_state()) if collective.stateful else None
     rounding = Rounding()
     result = hierarchical_allreduce(tensor, residual, state.compressor_now, k, state.local_size, group,
                                     inner=state.inner_collective, inner_state=inner_state,
@@ -705,7 +675,7 @@ def _reduce_hierarchical(state: SparseGradState, tensor: torch.Tensor, index: in
     stats.selected, stats.exchange_seconds = result.msg.count, perf_counter() - start
     if result.average is None:  # a flag: every rank goes dense, nothing was changed
         stats.path, stats.k, stats.selected = "nonfinite", tensor.numel(), tensor.numel()
-        if residual is not None and _accumulation_is_finite(state, tensor, residual, maxima, index):
+        if residual is not None and _accumulationis_finite(state, tensor, residual, maxima, index):
             _flush_into(state, tensor, index, layout)
         return _dense_allreduce(tensor, group, size, stats)
     tensor.copy_(result.average)
@@ -749,8 +719,7 @@ def _select_per_tensor(compressor: Compressor, tensor: torch.Tensor, residual: O
     order = torch.argsort((~used).to(torch.int32), stable=True)
     in_use = used[order]
     msg = SparseMessage(torch.cat(values)[order], torch.where(in_use, torch.cat(indices)[order], 0),
-                        in_use.sum(dtype=torch.int32).reshape(1), tensor.numel(),
-                        backend=compressor.backend.for_device(tensor.device))
+                        in_use.sum(dtype=torch.int32).reshape(1), tensor.numel())
     bound = None if any(b is None for b in bounds) else torch.stack(bounds).max()
     return msg, bound
 
@@ -762,16 +731,8 @@ def _record_taken(state: SparseGradState, index: int, indices: Optional[torch.Te
 
 def _dense_allreduce(tensor: torch.Tensor, group: dist.ProcessGroup, size: int,
                      stats: BucketStats) -> torch.futures.Future:
-    nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), size)
-    stats.traffic.add(nbytes, nbytes)
-    tensor.div_(size)
-    start = perf_counter()
-
-    def finished(future):
-        stats.exchange_seconds = perf_counter() - start
-        return future.value()[0]
-
-    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(finished)
+    return DenseAllreduce().reduce_dense(tensor, group, size, stats.traffic,
+                                         on_done=lambda seconds: setattr(stats, "exchange_seconds", seconds))
 
 
 def _reduce_in_parts(state: SparseGradState, buffer: torch.Tensor, layout: Layout,
@@ -889,7 +850,7 @@ def _momentum_increment(state: SparseGradState, tensor: torch.Tensor, index: int
 # ----- what a step may not apply: non-finite sums, unused parameters, steps the loss scaler skips -----
 
 
-def _accumulation_is_finite(state: SparseGradState, tensor: torch.Tensor, residual: Optional[torch.Tensor],
+def _accumulationis_finite(state: SparseGradState, tensor: torch.Tensor, residual: Optional[torch.Tensor],
                             maxima: list[float], index: int) -> bool:
     """Whether acc = grad + residual is finite; a full check only when the bounds allow an overflow."""
     if not all(math.isfinite(m) for m in maxima):
@@ -899,7 +860,7 @@ def _accumulation_is_finite(state: SparseGradState, tensor: torch.Tensor, residu
     residual_with_bound, bound = state.residual_bounds.get(index, (None, None))
     if residual_with_bound is residual and max(maxima) + float(bound) < torch.finfo(tensor.dtype).max:
         return True
-    return _is_finite(tensor + residual)
+    return is_finite(tensor + residual)
 
 
 def _hold_unused(residual: torch.Tensor, maxima: list[float], layout: Layout,
@@ -939,8 +900,7 @@ def _start_iteration(state: SparseGradState) -> None:
             if indices is None:
                 state.residuals[index] = values if residual is None else residual.add_(values)
             else:
-                ops.scatter_add_(residual, indices, values,
-                                 backend=state.compressor_now.backend.for_device(residual.device))
+                put_back(residual, indices, values, state.compressor_now.backend.for_device(residual.device))
         for index, velocity in state.velocities_before.items():
             state.velocity_store.residuals[index] = velocity
     state.taken, state.velocities_before = {}, {}

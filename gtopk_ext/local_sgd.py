@@ -23,49 +23,21 @@ import math
 import zlib
 from collections.abc import Iterable
 from time import perf_counter
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gtopk_ext import collectives, ops
 from gtopk_ext._contract import FLOAT_DTYPES
-from gtopk_ext.collectives import (MAX_NUMEL, Traffic, gather_headers, group_rank_and_size, require_same,
-                                   ring_allreduce_bytes)
-from gtopk_ext.compressors import COMPRESSOR_KINDS, SparseMessage, check_density, make_compressor
-from gtopk_ext.wire import WIRES, Rounding, check_wire
+from gtopk_ext.collectives import MAX_NUMEL, SPARSE_COLLECTIVES, agree, collective_named, group_rank_and_size
+from gtopk_ext.compressors import COMPRESSOR_KINDS, check_density, make_compressor
+from gtopk_ext.costs import Traffic, ring_allreduce_bytes
+from gtopk_ext.reduction import reduce
+from gtopk_ext.wire import WIRES, wire_named
 
 __all__ = ["SparseLocalSGD", "COLLECTIVES"]
 
-# A sparse reduction: (message, group, traffic, wire=, rounding=) -> (the dense float32 SUM over ranks, the mask over
-# the message's slots of what this rank got applied, or None when all of it was). With the compact wire, the
-# rounding errors this rank answers for are added to ``rounding``.
-SparseReduction = Callable[..., tuple[torch.Tensor, "torch.Tensor | None"]]
-
-
-def _allgather(msg: SparseMessage, group: dist.ProcessGroup, traffic: Traffic, *, wire: str,
-               rounding: Rounding | None) -> tuple[torch.Tensor, None]:
-    return collectives.sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=traffic, wire=wire,
-                                        rounding=rounding), None
-
-
-def _global_topk(allreduce: Callable) -> SparseReduction:
-    """A collective with the ``(glob, applied)`` contract of :func:`gtopk_ext.collectives.gtopk_allreduce`."""
-    def reduce(msg: SparseMessage, group: dist.ProcessGroup, traffic: Traffic, *, wire: str,
-               rounding: Rounding | None) -> tuple[torch.Tensor, torch.Tensor]:
-        glob, applied = allreduce(msg, group, check=False, traffic=traffic, wire=wire, rounding=rounding)
-        return glob.to_dense(torch.float32), applied
-    return reduce
-
-
-# The sparse collectives by name. Ok-Topk re-estimates its regions and threshold at every sync (no state kept:
-# syncs are rare).
-SPARSE_REDUCTIONS: dict[str, SparseReduction] = {
-    "gtopk": _global_topk(collectives.gtopk_allreduce),
-    "allgather": _allgather,
-    "oktopk": _global_topk(collectives.oktopk_allreduce),
-}
-COLLECTIVES = (*SPARSE_REDUCTIONS, "dense")
+COLLECTIVES = (*SPARSE_COLLECTIVES, "dense")
 
 
 class _Shard:
@@ -172,7 +144,7 @@ class SparseLocalSGD:
             raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
         if collective == "dense" and density != 1.0:
             raise ValueError(f"collective='dense' sends every element: density must be 1.0, got {density!r} "
-                             f"(a sparse collective sends a fraction: {tuple(SPARSE_REDUCTIONS)})")
+                             f"(a sparse collective sends a fraction: {SPARSE_COLLECTIVES})")
         self.outer_lr = _check_number("outer_lr", outer_lr, 0.0, math.inf, low_open=True, high_open=True)
         self.outer_momentum = _check_number("outer_momentum", outer_momentum, 0.0, 1.0, low_open=False,
                                             high_open=True)
@@ -181,10 +153,10 @@ class SparseLocalSGD:
         if nesterov and self.outer_momentum == 0.0:
             raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD): set a momentum or "
                              "nesterov=False")
-        check_wire(wire)
+        wire_named(wire)
         if collective == "dense" and wire != "plain":
             raise ValueError(f"collective='dense' allreduces float32 on the plain wire, got wire={wire!r} (the "
-                             f"compact wire is for the sparse collectives: {tuple(SPARSE_REDUCTIONS)})")
+                             f"compact wire is for the sparse collectives: {SPARSE_COLLECTIVES})")
         if compressor not in COMPRESSOR_KINDS:
             raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {compressor!r}")
         self.params = _tensor_list(params, "params")
@@ -204,6 +176,8 @@ class SparseLocalSGD:
         self.compressor = compressor
         self._compressor = (make_compressor(compressor, self.density, **dict(compressor_kwargs or {}))
                             if collective != "dense" else None)
+        self._collective = (collective_named(collective, self._compressor.backend)
+                            if self._compressor is not None else None)
         self.local_step = 0  # calls of step() so far
         self.syncs = 0
         self.traffic = Traffic()  # every sync's bytes, this rank
@@ -235,9 +209,8 @@ class SparseLocalSGD:
         traffic = Traffic()
         deltas = [shard.adopted(g).sub(shard.flat()) for shard, g in zip(self._shards, self._global)]
         finite = all(bool(torch.isfinite(d).all()) for d in deltas)
-        headers = gather_headers({"valid": 1, "local_step": self.local_step, "syncs": self.syncs,
-                                  "finite": int(finite)}, group, self._shards[0].device, traffic)
-        require_same(headers, ("local_step", "syncs"), "SparseLocalSGD.sync")
+        headers = agree({"local_step": self.local_step, "syncs": self.syncs}, group, self._shards[0].device,
+                        "SparseLocalSGD.sync", traffic=traffic, reported={"finite": int(finite)})
         diverged = [rank for rank, h in enumerate(headers) if not h["finite"]]
         if diverged:
             raise FloatingPointError(f"SparseLocalSGD.sync: the pseudo-gradient of rank(s) {diverged} is not finite "
@@ -264,15 +237,15 @@ class SparseLocalSGD:
             traffic.add(nbytes, nbytes)
             return delta.div_(size), delta.numel(), delta.numel()
         accumulator = self._accumulator[index]
-        # compress leaves accumulator = delta + old accumulator - what this rank sends.
-        msg = self._compressor.compress(delta, accumulator, step=self.syncs * len(self._shards) + index)
-        rounding = Rounding() if self.wire == "compact" else None
-        summed, applied = SPARSE_REDUCTIONS[self.collective](msg, group, traffic, wire=self.wire, rounding=rounding)
-        if applied is not None:  # what a merge dropped goes back: nothing is lost
-            ops.scatter_add_(accumulator, msg.indices, msg.values * ~applied, backend=msg.backend)
-        if rounding is not None:  # and so does what the compact wire's rounding took off the values applied
-            rounding.add_to(accumulator, backend=msg.backend)
-        return summed.div_(size), msg.k, int(msg.count)
+        step = self.syncs * len(self._shards) + index
+
+        def select():  # leaves accumulator = delta + old accumulator - what this rank sends
+            return self._compressor.compress(delta, accumulator, step=step)
+
+        outcome = reduce(delta, accumulator, select, self._collective, group, k=self._compressor.k_for(delta.numel()),
+                         wire=wire_named(self.wire), backend=self._compressor.backend.for_device(delta.device),
+                         traffic=traffic)
+        return delta, outcome.msg.k, int(outcome.msg.count)
 
     def _outer_step(self, index: int, averaged: torch.Tensor) -> None:
         """torch.optim.SGD's step (dampening 0, no weight decay) with the averaged pseudo-gradient as gradient.
@@ -320,12 +293,9 @@ class SparseLocalSGD:
         """Every rank raises the same clear error when the ranks' parameters or buffers differ."""
         group, _, _ = group_rank_and_size(self.process_group)
         signature = repr([(tuple(t.shape), str(t.dtype)) for t in [*self.params, *self.buffers]])
-        headers = gather_headers({"valid": 1, "params": len(self.params), "buffers": len(self.buffers),
-                                  "numel": sum(p.numel() for p in self.params),
-                                  "signature": zlib.crc32(signature.encode()),
-                                  "sync_every": self.sync_every, "wire": WIRES.index(self.wire)},
-                                 group, self._shards[0].device)
-        require_same(headers, ("params", "buffers", "numel", "signature", "sync_every", "wire"), "SparseLocalSGD")
+        agree({"params": len(self.params), "buffers": len(self.buffers), "numel": sum(p.numel() for p in self.params),
+               "signature": zlib.crc32(signature.encode()), "sync_every": self.sync_every,
+               "wire": list(WIRES).index(self.wire)}, group, self._shards[0].device, "SparseLocalSGD")
 
     # ----- statistics and checkpoints -----
 

@@ -6,7 +6,7 @@ import gc
 
 import torch.distributed as dist
 
-from gtopk_ext import _worker, collectives
+from gtopk_ext import _worker, hierarchical
 
 
 def destroy_process_group() -> None:
@@ -19,6 +19,6 @@ def destroy_process_group() -> None:
     noexcept destructor: the process aborts with "terminate called without an active exception" after its work
     is done (seen in about 1 run in 10)."""
     _worker.close_workers()
-    collectives.forget_node_groups()
+    hierarchical.forget_node_groups()
     gc.collect()
     dist.destroy_process_group()

@@ -1,13 +1,13 @@
 """The wire formats of the sparse collectives: how a message's k (index, value) slots become the bytes sent.
 
-* ``"plain"``: int32 indices, then the values in their dtype: 8 bytes a pair in float32, exact.
-* ``"compact"``: :func:`gtopk_ext.ops.wire_encode`: an index in 2 bytes (its low 16 bits; a table of 4 bytes per
-  65536 elements of the tensor gives the rest), a value in 2 (float16 after one power-of-two scale per message,
-  so it never overflows and keeps 11 significant bits at any gradient scale): 4 bytes a pair plus 4 bytes per
-  65536 elements (4.006 bytes a pair at density 0.01), at sizes that sender and receiver compute alike. Only the
-  used slots (``min(count, k)``, ascending) are sent; the receiver gets the others as (0, 0). What the float16
-  rounding takes off a value is not lost: the collectives report it in a :class:`Rounding`, which the caller
-  adds to its residual (error feedback), each error by exactly one rank.
+* :class:`PlainWire` (``"plain"``): int32 indices, then the values in their dtype: 8 bytes a pair in float32, exact.
+* :class:`CompactWire` (``"compact"``): :func:`gtopk_ext.ops.wire_encode`: an index in 2 bytes (its low 16 bits;
+  a table of 4 bytes per 65536 elements of the tensor gives the rest), a value in 2 (float16 after one
+  power-of-two scale per message, so it never overflows and keeps 11 significant bits at any gradient scale):
+  4 bytes a pair plus 4 bytes per 65536 elements (4.006 bytes a pair at density 0.01), at sizes that sender and
+  receiver compute alike. Only the used slots (``min(count, k)``, ascending) are sent; the receiver gets the
+  others as (0, 0). What the float16 rounding takes off a value is not lost: the collectives report it in a
+  :class:`Rounding`, which the reduction adds to the residual (error feedback), each error by exactly one rank.
 
 A payload is one uint8 tensor: the head (int32 words: the count, then any flags), then the format's parts.
 """
@@ -15,25 +15,18 @@ A payload is one uint8 tensor: the head (int32 words: the count, then any flags)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Union
 
 import torch
 
 from gtopk_ext import ops
 from gtopk_ext._contract import wire_num_pages
 
-WIRES = ("plain", "compact")
-
-
-def check_wire(wire: str) -> None:
-    if wire not in WIRES:
-        raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
-
 
 @dataclass
 class Rounding:
     """The compact wire's rounding errors that this rank answers for, as sparse (index, error) pairs: what a value
-    was minus what the network carried of it. Adding them to the residual keeps every gradient: with error
-    feedback, pass one to the collective and call :meth:`add_to` with the residual afterwards."""
+    was minus what the network carried of it. Adding them to the residual keeps every gradient."""
 
     parts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
@@ -47,36 +40,10 @@ class Rounding:
         return (torch.cat([i for i, _ in self.parts]).to(device),
                 torch.cat([e.to(dtype) for _, e in self.parts]).to(device))
 
-    def add_to(self, residual: torch.Tensor, backend=None) -> torch.Tensor:
-        """``residual[index] += error`` for every pair (``residual``: flat, the message's numel elements)."""
-        indices, errors = self.pairs(residual.dtype, residual.device)
-        return ops.scatter_add_(residual, indices, errors, backend=backend)
-
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes, as a flat uint8 view (a copy when it is not contiguous)."""
     return tensor.contiguous().view(-1).view(torch.uint8)
-
-
-def payload_size(wire: str, k: int, numel: int, dtype: torch.dtype, head_words: int) -> int:
-    """Bytes of the payload of k slots of a tensor of ``numel`` elements, values in ``dtype``."""
-    if wire == "plain":
-        return 4 * head_words + k * (4 + torch.empty((), dtype=dtype).element_size())
-    return 4 * (head_words + 1 + wire_num_pages(numel) + 1) + 4 * k
-
-
-def pack(wire: str, indices: torch.Tensor, values: torch.Tensor, head: torch.Tensor, numel: int,
-         backend=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(payload, sent_indices, sent_values)``: the payload of the slots, ``head[0]`` being their count, and the
-    slots as the receiver will decode them (values in their dtype; plain: the slots themselves). Compact: the
-    used slots must ascend (:func:`ascending`)."""
-    if wire == "plain":
-        return torch.cat([as_bytes(head), as_bytes(indices), as_bytes(values)]), indices, values
-    count = head[:1].contiguous()
-    halves, low, pages, shift = ops.wire_encode(indices, values, count, numel, backend=backend)
-    sent_indices, sent_values, _ = ops.wire_decode(halves, low, pages, shift, count, numel, backend=backend)
-    payload = torch.cat([as_bytes(head), as_bytes(shift), as_bytes(pages), as_bytes(halves), as_bytes(low)])
-    return payload, sent_indices, sent_values.to(values.dtype)
 
 
 def rounding_error(values: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
@@ -86,36 +53,144 @@ def rounding_error(values: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
     return torch.where(arrived, torch.zeros_like(values), values - sent)
 
 
-def unpack(wire: str, payload: torch.Tensor, k: int, numel: int, dtype: torch.dtype, head_words: int,
-           backend=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(indices, values in dtype, head, invalid)`` of a payload made by :func:`pack`; ``invalid`` (compact
-    only, int32[1] on the device) counts the signs of a corrupted message (see
-    :func:`gtopk_ext.ops.wire_decode`), whose slots concerned come out as (0, 0)."""
-    start = 4 * head_words
-    head = payload[:start].view(torch.int32)
-    if wire == "plain":
-        indices = payload[start:start + 4 * k].view(torch.int32)
-        values = payload[start + 4 * k:payload_size(wire, k, numel, dtype, head_words)].view(dtype)
-        return indices, values, head, None
-    pages_end = start + 4 * (1 + wire_num_pages(numel) + 1)
-    shift = payload[start:start + 4].view(torch.int32)
-    pages = payload[start + 4:pages_end].view(torch.int32)
-    halves = payload[pages_end:pages_end + 2 * k].view(torch.float16)
-    low = payload[pages_end + 2 * k:pages_end + 4 * k].view(torch.int16)
-    indices, values, invalid = ops.wire_decode(halves, low, pages, shift, head[:1].contiguous(), numel,
-                                               backend=backend)
-    return indices, values.to(dtype), head, invalid
+class Wire:
+    """A wire format. ``lossy``: the values arrive rounded (their errors go to a :class:`Rounding`), only the used
+    slots are sent (they must ascend: :meth:`ascending`), and a corrupted payload is detected when decoded."""
 
+    name = ""
+    lossy = False
 
-def ascending(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(indices, values, order)``: the slots with the used ones (the first ``min(count, k)``) in ascending index
-    order, as the compact wire needs them, and the permutation applied (None: they already ascend, which is what
-    every compressor and merge makes)."""
-    used = min(max(int(count), 0), indices.numel())
-    head = indices[:used]
-    if used < 2 or bool((head[1:] >= head[:-1]).all()):
+    def payload_size(self, k: int, numel: int, dtype: torch.dtype, head_words: int) -> int:
+        """Bytes of the payload of k slots of a tensor of ``numel`` elements, values in ``dtype``."""
+        raise NotImplementedError
+
+    def pack(self, indices: torch.Tensor, values: torch.Tensor, head: torch.Tensor, numel: int,
+             backend=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(payload, sent_indices, sent_values)``: the payload of the slots, ``head[0]`` being their count, and
+        the slots as the receiver will decode them (values in their dtype)."""
+        raise NotImplementedError
+
+    def unpack(self, payload: torch.Tensor, k: int, numel: int, dtype: torch.dtype, head_words: int,
+               backend=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(indices, values in dtype, head, invalid)`` of a payload made by :meth:`pack`; ``invalid`` (lossy
+        wires only, int32[1] on the device) counts the signs of a corrupted message (see
+        :func:`gtopk_ext.ops.wire_decode`), whose slots concerned come out as (0, 0)."""
+        raise NotImplementedError
+
+    def ascending(self, indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(indices, values, order)``: the slots as this wire needs them, and the permutation applied (None:
+        unchanged)."""
         return indices, values, None
-    order = torch.cat([torch.sort(head, stable=True).indices,
-                       torch.arange(used, indices.numel(), device=indices.device)])
-    return indices[order], values[order], order
+
+    # A run of n pairs whose n the receiver knows (Ok-Topk's phases): no head on the plain wire, n as the head
+    # on the compact one; an empty run is an empty payload, which is not sent.
+
+    def pairs_size(self, n: int, numel: int, dtype: torch.dtype) -> int:
+        return 0 if n == 0 else self.payload_size(n, numel, dtype, 1)
+
+    def pack_pairs(self, indices: torch.Tensor, values: torch.Tensor, numel: int,
+                   backend=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = indices.numel()
+        if n == 0:
+            return torch.cat([as_bytes(indices), as_bytes(values)]), indices, values
+        return self.pack(indices, values, torch.tensor([n], dtype=torch.int32, device=indices.device), numel,
+                         backend)
+
+    def unpack_pairs(self, payload: torch.Tensor, n: int, numel: int, dtype: torch.dtype, backend,
+                     invalid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The n pairs of a payload made by :meth:`pack_pairs`; signs of corruption are added to ``invalid``."""
+        indices, values, _, payload_invalid = self.unpack(payload, n, numel, dtype, 1, backend)
+        if payload_invalid is not None:
+            invalid.add_(payload_invalid)
+        return indices, values
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class PlainWire(Wire):
+    name = "plain"
+
+    def payload_size(self, k, numel, dtype, head_words):
+        return 4 * head_words + k * (4 + torch.empty((), dtype=dtype).element_size())
+
+    def pack(self, indices, values, head, numel, backend=None):
+        return torch.cat([as_bytes(head), as_bytes(indices), as_bytes(values)]), indices, values
+
+    def unpack(self, payload, k, numel, dtype, head_words, backend=None):
+        start = 4 * head_words
+        head = payload[:start].view(torch.int32)
+        indices = payload[start:start + 4 * k].view(torch.int32)
+        values = payload[start + 4 * k:self.payload_size(k, numel, dtype, head_words)].view(dtype)
+        return indices, values, head, None
+
+    # No head: the pairs alone.
+    def pairs_size(self, n, numel, dtype):
+        return n * (4 + torch.empty((), dtype=dtype).element_size())
+
+    def pack_pairs(self, indices, values, numel, backend=None):
+        return torch.cat([as_bytes(indices), as_bytes(values)]), indices, values
+
+    def unpack_pairs(self, payload, n, numel, dtype, backend, invalid):
+        return payload[:4 * n].view(torch.int32), payload[4 * n:].view(dtype)
+
+
+class CompactWire(Wire):
+    name = "compact"
+    lossy = True
+
+    def payload_size(self, k, numel, dtype, head_words):
+        return 4 * (head_words + 1 + wire_num_pages(numel) + 1) + 4 * k
+
+    def pack(self, indices, values, head, numel, backend=None):
+        count = head[:1].contiguous()
+        halves, low, pages, shift = ops.wire_encode(indices, values, count, numel, backend=backend)
+        sent_indices, sent_values, _ = ops.wire_decode(halves, low, pages, shift, count, numel, backend=backend)
+        payload = torch.cat([as_bytes(head), as_bytes(shift), as_bytes(pages), as_bytes(halves), as_bytes(low)])
+        return payload, sent_indices, sent_values.to(values.dtype)
+
+    def unpack(self, payload, k, numel, dtype, head_words, backend=None):
+        start = 4 * head_words
+        head = payload[:start].view(torch.int32)
+        pages_end = start + 4 * (1 + wire_num_pages(numel) + 1)
+        shift = payload[start:start + 4].view(torch.int32)
+        pages = payload[start + 4:pages_end].view(torch.int32)
+        halves = payload[pages_end:pages_end + 2 * k].view(torch.float16)
+        low = payload[pages_end + 2 * k:pages_end + 4 * k].view(torch.int16)
+        indices, values, invalid = ops.wire_decode(halves, low, pages, shift, head[:1].contiguous(), numel,
+                                                   backend=backend)
+        return indices, values.to(dtype), head, invalid
+
+    def ascending(self, indices, values, count):
+        """The used slots (the first ``min(count, k)``) in ascending index order, as this wire needs them (None:
+        they already ascend, which is what every compressor and merge makes)."""
+        used = min(max(int(count), 0), indices.numel())
+        head = indices[:used]
+        if used < 2 or bool((head[1:] >= head[:-1]).all()):
+            return indices, values, None
+        order = torch.cat([torch.sort(head, stable=True).indices,
+                           torch.arange(used, indices.numel(), device=indices.device)])
+        return indices[order], values[order], order
+
+
+WIRES = {wire.name: wire for wire in (PlainWire(), CompactWire())}
+WireLike = Union[str, Wire]
+
+
+def wire_named(wire: WireLike) -> Wire:
+    """The :class:`Wire` of a name in :data:`WIRES` (a Wire is returned as it is)."""
+    if isinstance(wire, Wire):
+        return wire
+    if wire not in WIRES:
+        raise ValueError(f"wire must be one of {tuple(WIRES)}, got {wire!r}")
+    return WIRES[wire]
+
+
+def check_wire(wire: WireLike) -> None:
+    wire_named(wire)
+
+
+def payload_size(wire: WireLike, k: int, numel: int, dtype: torch.dtype, head_words: int) -> int:
+    """:meth:`Wire.payload_size` of the wire named ``wire``."""
+    return wire_named(wire).payload_size(k, numel, dtype, head_words)

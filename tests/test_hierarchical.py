@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 import gtopk_ext as gx
-from gtopk_ext.collectives import Traffic, hierarchical_allreduce, node_groups, resolve_local_size, shard_bounds
+from gtopk_ext.collectives import Traffic
+from gtopk_ext.hierarchical import hierarchical_allreduce, node_groups, resolve_local_size, shard_bounds
 from tests.distributed import run_distributed
 
 WORLD_SIZE = 4

@@ -280,20 +280,20 @@ def check_collectives(members: Members) -> list[str]:
                 failures.append(f"{where} ({variant}): conservation broken by {imbalance:.3g}")
 
         # A corrupted payload from the last rank: the same error on every rank.
-        original_pack = collectives.pack
+        original_pack = wire.CompactWire.pack
 
-        def corrupting_pack(*args, **kwargs):
-            payload, sent_indices, sent_values = original_pack(*args, **kwargs)
-            if members.me == members.size - 1 and args[0] == "compact":
+        def corrupting_pack(self, *args, **kwargs):
+            payload, sent_indices, sent_values = original_pack(self, *args, **kwargs)
+            if members.me == members.size - 1:
                 payload = payload.clone()
                 payload[-2:] = 255  # the last slot's low bits: its index descends or passes numel
             return payload, sent_indices, sent_values
 
-        collectives.pack = corrupting_pack
+        wire.CompactWire.pack = corrupting_pack
         try:
             seen = errors_on_every_rank(members, lambda: run_collective(name, msg, members.group, wire="compact"))
         finally:
-            collectives.pack = original_pack
+            wire.CompactWire.pack = original_pack
         if len(set(seen)) != 1 or "arrived corrupted" not in seen[0]:
             failures.append(f"{where}: a corrupted payload raised {seen}")
 

@@ -1,0 +1,226 @@
+"""The protocol every collective of this package follows.
+
+Before any payload moves, the ranks agree on a small header (k, numel, dtype, the wire, the caller's plan): Gloo
+aborts the whole process when a message's size differs from the receiver's buffer, and a check between two
+partners only would leave the other ranks waiting, so the header is gathered over the group and every rank raises
+the same clear error (:class:`Disagreement`). A caller that reduces the same tensor step after step (a bucket)
+keeps an :class:`Agreement`: the header is exchanged again only when the plan changes.
+
+A collective is a :class:`Collective`: ``reduce(msg, group, ...) -> Reduced``, the sum over the group's ranks and
+the mask of this rank's slots that the sum holds; the reduction (:mod:`gtopk_ext.reduction`) keeps the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from gtopk_ext import ops
+from gtopk_ext._contract import FLOAT_DTYPES
+from gtopk_ext._worker import Disagreement
+from gtopk_ext.backends import Backend, BackendChoice, BackendLike
+from gtopk_ext.costs import Traffic, ring_allgather_bytes
+from gtopk_ext.message import SparseMessage
+from gtopk_ext.wire import WIRES, Rounding, Wire, WireLike, wire_named
+
+DTYPE_CODES = {dtype: code for code, dtype in enumerate(FLOAT_DTYPES, start=1)}  # header codes of the op dtypes
+
+
+MAX_NUMEL = 2**31 - 1
+
+
+_INVALID = -1  # a header field of a rank whose own input was invalid
+
+
+def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
+    """``(group, rank in it, its size)``; ``None`` is the default (world) group."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
+    group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the process group it was given")
+    return group, rank, dist.get_world_size(group)
+
+
+def gather_headers(fields: dict[str, int], group: dist.ProcessGroup, device: torch.device,
+                   traffic: Traffic | None = None) -> list[dict[str, int]]:
+    """Every rank's ``fields`` (same names on every rank, int64 values), in group-rank order."""
+    header = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
+    size = dist.get_world_size(group)
+    gathered = [torch.empty_like(header) for _ in range(size)]
+    dist.all_gather(gathered, header, group=group)
+    if traffic is not None:
+        nbytes = ring_allgather_bytes(header.numel() * 8, size)
+        traffic.add(nbytes, nbytes)
+    return [dict(zip(fields, h.tolist())) for h in gathered]
+
+
+def require_same(headers: list[dict[str, int]], names: tuple[str, ...], what: str) -> None:
+    """Raise (on every rank alike, since all hold the same headers) when a rank's input was invalid or the
+    ranks disagree on one of ``names``."""
+    invalid = [rank for rank, h in enumerate(headers) if h["valid"] == 0]
+    if invalid:
+        raise Disagreement(f"{what}: the input of rank(s) {invalid} was invalid (see the error on those ranks)")
+    for name in names:
+        seen = [h[name] for h in headers]
+        if len(set(seen)) > 1:
+            listing = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(seen))
+            raise Disagreement(f"{what}: {name} differs across ranks ({listing}); every rank must pass the same "
+                             f"{', '.join(names)}")
+
+
+def check_message(msg: SparseMessage, name: str = "msg") -> None:
+    """Raise a clear error unless ``msg`` is a well-formed SparseMessage."""
+    if not isinstance(msg, SparseMessage):
+        raise TypeError(f"{name} must be a SparseMessage, got {type(msg).__name__}")
+    values, indices, count = msg.values, msg.indices, msg.count
+    for field_name, tensor in (("values", values), ("indices", indices), ("count", count)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}.{field_name} must be a tensor, got {type(tensor).__name__}")
+    if values.dtype not in DTYPE_CODES:
+        raise TypeError(f"{name}.values must be float32, float16 or bfloat16, got {values.dtype}")
+    if indices.dtype != torch.int32:
+        raise TypeError(f"{name}.indices must be int32, got {indices.dtype}")
+    if values.dim() != 1 or indices.shape != values.shape or values.numel() == 0:
+        raise ValueError(f"{name}.values and {name}.indices must be 1-D with the same k >= 1 slots, got shapes "
+                         f"{tuple(values.shape)} and {tuple(indices.shape)}")
+    if count.dtype != torch.int32 or count.shape != (1,):
+        raise ValueError(f"{name}.count must be int32 of shape (1,), got {count.dtype} of shape {tuple(count.shape)}")
+    if indices.device != values.device or count.device != values.device:
+        raise ValueError(f"{name}'s tensors must be on one device, got values on {values.device}, indices on "
+                         f"{indices.device}, count on {count.device}")
+    if not isinstance(msg.numel, int) or not 0 < msg.numel <= MAX_NUMEL:
+        raise ValueError(f"{name}.numel must be an int in [1, 2^31 - 1], got {msg.numel!r}")
+    if not bool(((indices >= 0) & (indices < msg.numel)).all()):
+        raise ValueError(f"{name}.indices must lie in [0, {name}.numel = {msg.numel}), got "
+                         f"{int(indices.min())} to {int(indices.max())}")
+
+
+def agree_on_message(msg: SparseMessage, flags: torch.Tensor | None, group: dist.ProcessGroup, what: str,
+                     traffic: Traffic | None, extra: Callable[[], dict[str, int]] | None = None,
+                     extra_names: tuple[str, ...] = (), wire: WireLike = "plain") -> None:
+    """Every rank checks its message and wire format and the ranks compare (k, numel, dtype, whether flags are
+    sent, the wire), and the fields ``extra()`` returns (named ``extra_names``), so all of them raise together.
+
+    Any local error (not only the checks' TypeError and ValueError) is held until the headers are exchanged:
+    raising before would leave the other ranks waiting for this one until the group's timeout."""
+    try:
+        check_message(msg)
+        check_flags(flags, msg.values.device)
+        fields = {"valid": 1, "k": msg.k, "numel": msg.numel, "dtype": DTYPE_CODES[msg.values.dtype],
+                  "flags": int(flags is not None), "wire": list(WIRES).index(wire_named(wire).name),
+                  **(extra() if extra is not None else {})}
+        device, local_error = msg.values.device, None
+    except Exception as error:  # noqa: BLE001 - raised below, once every rank knows
+        fields = {"valid": 0, **dict.fromkeys(("k", "numel", "dtype", "flags", "wire", *extra_names), _INVALID)}
+        values = getattr(msg, "values", None)
+        usable = isinstance(values, torch.Tensor) and values.device.type != "meta"
+        device = values.device if usable else torch.device("cpu")
+        local_error = error
+    headers = gather_headers(fields, group, device, traffic)
+    if local_error is not None:
+        raise local_error
+    require_same(headers, ("k", "numel", "dtype", "flags", "wire", *extra_names), what)
+
+
+def payload_head(count: torch.Tensor, flags: torch.Tensor | None) -> torch.Tensor:
+    """The int32 words in front of a payload: the count, then the flags when the caller sends some."""
+    count = count.reshape(1).int()
+    return count if flags is None else torch.cat([count, flags.reshape(1).int()])
+
+
+def check_flags(flags: torch.Tensor | None, device: torch.device) -> None:
+    if flags is not None and (not isinstance(flags, torch.Tensor) or flags.dtype != torch.int32
+                              or flags.shape != (1,) or flags.device != device):
+        raise ValueError(f"flags must be an int32 tensor of shape (1,) on {device}, got "
+                         f"{getattr(flags, 'dtype', type(flags).__name__)} of shape "
+                         f"{tuple(getattr(flags, 'shape', ()))}")
+
+
+def carried_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which gTop-k carries a message's values between merges: float32 for float16 (a sum over
+    ranks of values inside float16's range can leave it: two ranks' 40000 make 80000), else the message's."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+class Agreement:
+    """What the ranks have checked they share about one tensor that they reduce step after step (a bucket): while
+    the plan stays the same, :func:`agree` exchanges no header."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self):
+        self.fields: dict[str, int] | None = None
+
+
+def agree(fields: dict[str, int], group: dist.ProcessGroup, device: torch.device, what: str, *,
+          traffic: Traffic | None = None, agreement: Agreement | None = None, volatile: dict[str, int] | None = None,
+          reported: dict[str, int] | None = None) -> list[dict[str, int]] | None:
+    """The ranks compare ``fields`` and ``volatile`` (int values, the same names on every rank) and all raise the
+    same :class:`Disagreement` when they differ. With an ``agreement`` whose ``fields`` are these, nothing is
+    exchanged (``volatile`` fields, such as the iteration, are compared only when ``fields`` change). Returns every
+    rank's header (``reported`` fields travel along uncompared), or None when nothing was exchanged."""
+    if agreement is not None and agreement.fields == fields:
+        return None
+    headers = gather_headers({"valid": 1, **(volatile or {}), **fields, **(reported or {})}, group, device, traffic)
+    require_same(headers, (*(volatile or {}), *fields), what)
+    if agreement is not None:
+        agreement.fields = dict(fields)
+    return headers
+
+
+def message_fields(numel: int, dtype: torch.dtype, sparse: bool, k: int, wire: Wire) -> dict[str, int]:
+    """The header fields that fix a payload's size: what every rank must share before a message moves."""
+    return {"numel": numel, "dtype": DTYPE_CODES[dtype], "sparse": int(sparse), "k": k,
+            "wire": list(WIRES).index(wire.name)}
+
+
+@dataclass
+class Reduced:
+    """A collective's result on this rank: the SUM over the group's ranks of what was applied, as ``glob`` (a
+    SparseMessage with distinct indices: gTop-k, Ok-Topk) or ``summed`` (a dense float32 tensor: the allgather,
+    the dense collectives), bitwise the same on every rank; ``applied``, the mask over this rank's message slots
+    of those inside the sum (None: all of them)."""
+
+    glob: SparseMessage | None = None
+    summed: torch.Tensor | None = None
+    applied: torch.Tensor | None = None
+
+    def average_into(self, out: torch.Tensor, size: int, backend: Backend | None = None) -> torch.Tensor:
+        """``out`` (flat, the tensor's numel) becomes the sum divided by ``size``, in out's dtype (divided in
+        float32)."""
+        if self.glob is None:
+            return out.copy_(self.summed.div_(size))
+        out.zero_()
+        # glob's indices are distinct: dividing its values equals dividing the dense sum.
+        return ops.scatter_add_(out, self.glob.indices, (self.glob.values.float() / size).to(out.dtype),
+                                backend=backend)
+
+
+class Collective:
+    """Reduces every rank's message over a process group (see :class:`Reduced`).
+
+    ``sparse``: whether it moves the message's k slots (else the whole tensor, dense). ``stateful``: whether the
+    caller keeps a state per tensor (:meth:`new_state`) that every rank passes alike. Every rank must call
+    :meth:`reduce` with the same k, numel, dtype, wire and flags (or none), as :func:`agree` checks."""
+
+    name = ""
+    sparse = True
+    stateful = False
+
+    def __init__(self, backend: BackendLike = None):
+        self.backend = backend if isinstance(backend, BackendChoice) else BackendChoice(backend)
+
+    def new_state(self):
+        return None
+
+    def reduce(self, msg: SparseMessage, group: dist.ProcessGroup, *, wire: Wire, traffic: Traffic | None = None,
+               flags: torch.Tensor | None = None, rounding: Rounding | None = None, state=None) -> Reduced:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,151 @@
+"""Moving bytes between ranks: point-to-point exchanges (through host memory on Gloo), a sparse all-to-all, small
+count exchanges, and the signs of a corrupted payload."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gtopk_ext.costs import Traffic, ring_allgather_bytes, ring_allreduce_bytes
+
+
+def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: dist.ProcessGroup,
+              traffic: Traffic | None) -> None:
+    """Send ``send`` to and receive ``recv`` from group rank ``peer`` at the same time."""
+    global_peer = dist.get_global_rank(group, peer)
+    sent, received = p2p_buffer(send, group), p2p_buffer(recv, group)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, global_peer, group),
+                                    dist.P2POp(dist.irecv, received, global_peer, group)])
+    for work in works:
+        work.wait()
+    if received is not recv:
+        recv.copy_(received)
+    if traffic is not None:
+        traffic.add(send.numel() * send.element_size(), recv.numel() * recv.element_size())
+
+
+def send_to(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic: Traffic | None) -> None:
+    dist.send(p2p_buffer(tensor, group), dist.get_global_rank(group, peer), group=group)
+    if traffic is not None:
+        traffic.add(tensor.numel() * tensor.element_size(), 0)
+
+
+def recv_from(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic: Traffic | None) -> torch.Tensor:
+    buffer = p2p_buffer(tensor, group)
+    dist.recv(buffer, dist.get_global_rank(group, peer), group=group)
+    if buffer is not tensor:
+        tensor.copy_(buffer)
+    if traffic is not None:
+        traffic.add(0, tensor.numel() * tensor.element_size())
+    return tensor
+
+
+def p2p_buffer(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The tensor that a point-to-point op may hand to the group's backend: Gloo's send and recv read and write
+    the buffer from the CPU, so a CUDA tensor goes through a host copy (the caller copies a received one back);
+    Gloo's collectives and NCCL take CUDA tensors as they are."""
+    return tensor.to(p2p_device(tensor.device, group))
+
+
+def p2p_device(device: torch.device, group: dist.ProcessGroup) -> torch.device:
+    return torch.device("cpu") if dist.get_backend(group) == dist.Backend.GLOO else device
+
+
+def sparse_alltoallv(payloads: list[torch.Tensor | None], recv_nbytes: list[int], group: dist.ProcessGroup,
+                      rank: int, traffic: Traffic | None) -> list[torch.Tensor | None]:
+    """Sends ``payloads[r]`` to every group rank r != rank and receives ``recv_nbytes[r]`` bytes from each, all at
+    once; in round s of the paper's destination rotation a rank sends to rank + s and receives from rank - s, so
+    no rank is every sender's first destination. Empty messages are not sent (both sides know their size).
+    Returns the received payloads by source rank (None for this rank and for empty ones)."""
+    size = len(payloads)
+    device = payloads[rank].device
+    works, received, sent_bytes = [], [None] * size, 0
+    for shift in range(1, size):
+        destination, source = (rank + shift) % size, (rank - shift) % size
+        payload = payloads[destination]
+        if payload is not None and payload.numel():
+            works.append(dist.P2POp(dist.isend, p2p_buffer(payload, group), dist.get_global_rank(group, destination),
+                                    group))
+            sent_bytes += payload.numel()
+        if recv_nbytes[source]:
+            received[source] = torch.empty(recv_nbytes[source], dtype=torch.uint8,
+                                           device=p2p_device(device, group))
+            works.append(dist.P2POp(dist.irecv, received[source], dist.get_global_rank(group, source), group))
+    if works:
+        for work in dist.batch_isend_irecv(works):
+            work.wait()
+    received = [None if payload is None else payload.to(device) for payload in received]
+    if traffic is not None:
+        traffic.add(sent_bytes, sum(nbytes for r, nbytes in enumerate(recv_nbytes) if r != rank))
+    return received
+
+
+def exchange_counts(counts: list[int], group: dist.ProcessGroup, device: torch.device,
+                     traffic: Traffic | None) -> list[int]:
+    """All-to-all of one count per rank pair: ``counts[r]`` goes to rank r; returns the count from each rank."""
+    size = len(counts)
+    send = torch.tensor(counts, dtype=torch.int64, device=device)
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    if traffic is not None:
+        traffic.add(8 * (size - 1), 8 * (size - 1))
+    return received.tolist()
+
+
+def gather_counts(counts: list[int], group: dist.ProcessGroup, size: int, device: torch.device,
+                   traffic: Traffic | None) -> list[list[int]]:
+    """Every rank's ``counts`` (the same number on every rank), in group-rank order."""
+    mine = torch.tensor(counts, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine, group=group)
+    if traffic is not None:
+        nbytes = ring_allgather_bytes(mine.numel() * 8, size)
+        traffic.add(nbytes, nbytes)
+    return [g.tolist() for g in gathered]
+
+
+def allreduce_counts(counts: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic | None) -> torch.Tensor:
+    dist.all_reduce(counts, group=group)
+    if traffic is not None:
+        nbytes = ring_allreduce_bytes(counts.numel() * counts.element_size(), dist.get_world_size(group))
+        traffic.add(nbytes, nbytes)
+    return counts
+
+
+def or_flags(flag_words) -> torch.Tensor:
+    combined = None
+    for words in flag_words:
+        combined = words.clone() if combined is None else combined.bitwise_or_(words)
+    return combined
+
+
+def raise_if_corrupt(invalid: int, what: str) -> None:
+    """Raise when the compact payloads decoded by the group showed ``invalid`` signs of corruption (the same
+    number on every rank, so every rank raises alike)."""
+    if invalid:
+        raise ValueError(f"{what}: a compact payload arrived corrupted ({invalid} slots or table entries that no "
+                         "encoding makes); nothing of it was written")
+
+
+def allreduce_invalid(invalid: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic | None) -> int:
+    """The group's total of the corruption signs that its ranks decoded (one int32 allreduce)."""
+    return int(allreduce_counts(invalid, group, traffic))
+
+
+def mask_to_bytes(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask as bits, 8 slots a byte (slot j: bit j % 8 of byte j // 8)."""
+    bits = torch.nn.functional.pad(mask.to(torch.uint8), (0, -mask.numel() % 8)).view(-1, 8)
+    return (bits << torch.arange(8, dtype=torch.uint8, device=mask.device)).sum(1, dtype=torch.uint8)
+
+
+def mask_from_bytes(raw: torch.Tensor, k: int) -> torch.Tensor:
+    shifts = torch.arange(8, dtype=torch.uint8, device=raw.device)
+    return ((raw.unsqueeze(1) >> shifts) & 1).view(-1)[:k].bool()
+
+
+def in_sorted(sorted_indices: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Whether each of ``indices`` is one of ``sorted_indices`` (ascending)."""
+    if sorted_indices.numel() == 0:
+        return torch.zeros(indices.shape, dtype=torch.bool, device=indices.device)
+    found = torch.searchsorted(sorted_indices, indices).clamp_(max=sorted_indices.numel() - 1)
+    return sorted_indices[found] == indices

@@ -1,0 +1,45 @@
+"""SparseMessage: k (index, value) slots of a flattened tensor, the data every compressor makes and every
+collective moves. Data only: which backend runs the ops on it is the compressor's and the collective's choice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gtopk_ext import ops
+from gtopk_ext.backends import BackendLike
+
+
+@dataclass
+class SparseMessage:
+    """k (index, value) slots of a flattened tensor of ``numel`` elements.
+
+    ``values`` has the gradient's dtype, ``indices`` is int32; the slots in use come first with ascending indices,
+    the rest are padding (index 0, value 0), which every sum ignores. ``count`` (int32[1], on the values' device)
+    is how many elements the compressor selected before truncation to k (a statistic: it may exceed k).
+    ``stats`` is the threshold statistics tensor (``ops.STAT_*`` layout) when the compressor computed one.
+    """
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    count: torch.Tensor
+    numel: int
+    stats: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        return self.values.numel()
+
+    def to_dense(self, dtype: torch.dtype | None = None, *, backend: BackendLike = None) -> torch.Tensor:
+        """The flat dense tensor of ``numel`` elements that this message stands for (``dtype``: default the
+        values' dtype; sums of duplicate indices are taken in that dtype)."""
+        dense = torch.zeros(self.numel, dtype=dtype or self.values.dtype, device=self.values.device)
+        return ops.scatter_add_(dense, self.indices, self.values.to(dense.dtype), backend=backend)
+
+
+def padding_message(like: torch.Tensor, k: int) -> SparseMessage:
+    """k padding slots (index 0, value 0) of a message about ``like``: what a rank that selects nothing sends."""
+    device = like.device
+    return SparseMessage(like.new_zeros(k), torch.zeros(k, dtype=torch.int32, device=device),
+                         torch.zeros(1, dtype=torch.int32, device=device), max(like.numel(), 1))

@@ -69,15 +69,26 @@ class Compressor:
     ``step`` identifies the call for randomized kinds (every rank must pass the same one to draw the same
     indices); deterministic kinds ignore it. ``backend`` (a name, a :class:`gtopk_ext.backends.Backend` or None
     for ``$GTOPK_EXT_BACKEND``) is resolved once per device, at the first message on it, and runs every op of
-    the compressor and of the message's collectives.
+    the compressor and of the collectives that reduce its messages. ``per_tensor``: the DDP hook selects within
+    each parameter of a bucket separately, each with its share of the bucket's k
+    (:func:`tensor_shares`), so that a tensor of small gradients (a LayerNorm, an embedding) is not starved by a
+    larger-scaled one. ``options``: the keyword arguments it was made with (:meth:`with_density` reuses them).
     """
 
     kind = ""
 
-    def __init__(self, density: float, *, backend: BackendLike = None):
+    def __init__(self, density: float, *, backend: BackendLike = None, per_tensor: bool = False):
         check_density(density)
+        if not isinstance(per_tensor, bool):
+            raise TypeError(f"per_tensor must be a bool, got {per_tensor!r}")
         self.density = float(density)
         self.backend = BackendChoice(backend)
+        self.per_tensor = per_tensor
+        self.options: dict = {"backend": backend, "per_tensor": per_tensor}
+
+    def with_density(self, density: float) -> "Compressor":
+        """A compressor of the same kind and options at another density."""
+        return type(self)(density, **self.options)
 
     def k_for(self, numel: int) -> int:
         return k_for_density(self.density, numel)
@@ -127,11 +138,13 @@ class GaussianK(Compressor):
 
     kind = "gaussiank"
 
-    def __init__(self, density: float, *, mode: str = "accurate", backend: BackendLike = None):
-        super().__init__(density, backend=backend)
+    def __init__(self, density: float, *, mode: str = "accurate", backend: BackendLike = None,
+                 per_tensor: bool = False):
+        super().__init__(density, backend=backend, per_tensor=per_tensor)
         if mode not in GAUSSIANK_MODES:
             raise ValueError(f"mode must be one of {GAUSSIANK_MODES}, got {mode!r}")
         self.mode = mode
+        self.options["mode"] = mode
         self.z = ops.z_for_density(self.density)
 
     def _compress(self, grad, residual, k, step, backend):
@@ -181,11 +194,12 @@ class RandomK(Compressor):
 
     kind = "randomk"
 
-    def __init__(self, density: float, *, seed: int = 0, backend: BackendLike = None):
-        super().__init__(density, backend=backend)
+    def __init__(self, density: float, *, seed: int = 0, backend: BackendLike = None, per_tensor: bool = False):
+        super().__init__(density, backend=backend, per_tensor=per_tensor)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
         self.seed = seed
+        self.options["seed"] = seed
         self.calls = 0
 
     def _compress(self, grad, residual, k, step, backend):
@@ -204,8 +218,8 @@ _KINDS = {cls.kind: cls for cls in (GaussianK, TopK, RandomK)}
 
 
 def make_compressor(kind: str = "gaussiank", density: float = 0.01, **kwargs) -> Compressor:
-    """A compressor by name: ``"gaussiank"`` (``mode=``, ``backend=``), ``"topk"`` (``backend=``) or
-    ``"randomk"`` (``seed=``, ``backend=``)."""
+    """A compressor by name: ``"gaussiank"`` (``mode=``), ``"topk"`` or ``"randomk"`` (``seed=``); every kind
+    takes ``backend=`` and ``per_tensor=``."""
     if kind not in _KINDS:
         raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {kind!r}")
     try:

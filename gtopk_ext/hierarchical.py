@@ -44,6 +44,22 @@ class HierarchicalResult:
     shard: slice
 
 
+@dataclass(frozen=True)
+class Hierarchical:
+    """The option of the DDP hook that reduces hierarchically: a node is ``local_size`` consecutive ranks of the
+    group (None: torchrun's ``LOCAL_WORLD_SIZE``); each bucket is reduce-scattered densely inside the node, each
+    local rank selects from its shard of the node's sum (k split over the shards) and runs the hook's collective
+    with the same local rank of the other nodes, and the shards' averages are allgathered inside the node
+    (:func:`hierarchical_allreduce`). The wire applies between nodes. The node groups are created at the first
+    compressed step by the process group's ranks alone: with a group smaller than the world, create the groups
+    that every rank must create before that step."""
+
+    local_size: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "local_size", resolve_local_size(self.local_size))
+
+
 def resolve_local_size(local_size: int | None) -> int:
     """``local_size``, or torchrun's ``LOCAL_WORLD_SIZE`` when it is None."""
     if local_size is None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import gtopk_ext as gx
+from gtopk_ext.ddp import reduce_buffer
 from gtopk_ext import backends, ops
 from tests.distributed import run_distributed
 
@@ -83,7 +84,7 @@ def every_op_through_one_backend(rank: int, world_size: int) -> dict[str, dict[s
             state = gx.SparseGradState(density=0.01, collective=collective, min_compress_numel=0,
                                        compressor_kwargs={"mode": mode, "backend": backends.TRITON})
             for _ in range(3):  # two dense warm-up iterations, then a compressed one
-                state.reduce(torch.randn(4000, generator=generator), 0).wait()
+                reduce_buffer(state, torch.randn(4000, generator=generator), 0).wait()
     return {backend.name: dict(backend.calls - before[backend.name]) for backend in backends.ALL}
 
 

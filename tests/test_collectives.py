@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gtopk_ext as gx
+from gtopk_ext.ddp import reduce_buffer
 from gtopk_ext import ops, reference
 from gtopk_ext.collectives import Traffic
 from tests.distributed import run_distributed
@@ -340,7 +341,7 @@ def reduce_and_check_bucket(members: Members, state: gx.SparseGradState, step: i
     failures = []
     grad = bucket_input(members.me, step, index, numel, dtype)
     old_residual = state.residuals.get(index, torch.zeros(numel, dtype=dtype)).clone()
-    output = state.reduce(grad.clone(), index, is_last=is_last).wait()
+    output = reduce_buffer(state, grad.clone(), index, is_last=is_last).wait()
     new_residual = state.residuals.get(index, torch.zeros(numel, dtype=dtype))
     if not equal_on_every_rank(members, output):
         failures.append(f"{where}: the averaged gradient differs across ranks")
@@ -384,7 +385,7 @@ def check_hook_edge_cases(members: Members) -> list[str]:
         state = gx.SparseGradState(group, density=1.0, collective=collective, start_iter=0, error_feedback=False,
                                    stats_logging_frequency=0)
         grad = bucket_input(me, 0, 0, numel, torch.float32)
-        output = state.reduce(grad.clone(), 0).wait()
+        output = reduce_buffer(state, grad.clone(), 0).wait()
         dense = grad / size
         dist.all_reduce(dense, group=group)
         if not torch.allclose(output, dense, rtol=1e-5, atol=1e-8):
@@ -396,12 +397,12 @@ def check_hook_edge_cases(members: Members) -> list[str]:
         state = gx.SparseGradState(group, density=0.05, collective=collective, start_iter=2,
                                    stats_logging_frequency=0)
         for step in range(3):  # two dense steps, one sparse step: a residual to keep
-            state.reduce(bucket_input(me, step, 0, numel, torch.float32), 0).wait()
+            reduce_buffer(state, bucket_input(me, step, 0, numel, torch.float32), 0).wait()
         residual_before = state.residuals[0].clone()
         grad = bucket_input(me, 3, 0, numel, torch.float32)
         if me == last:
             grad[7] = float("inf")
-        output = state.reduce(grad.clone(), 0).wait()
+        output = reduce_buffer(state, grad.clone(), 0).wait()
         path = state.stats()["buckets"][0]["path"]
         kept = state.residuals[0] if me == last else state.residuals.get(0, torch.zeros(numel))
         applied = grad / size + (0 if me == last else residual_before / size)
@@ -419,7 +420,7 @@ def check_hook_edge_cases(members: Members) -> list[str]:
                                stats_logging_frequency=0)
     ks = []
     for step in range(4):
-        state.reduce(bucket_input(me, step, 0, numel, torch.float32), 0).wait()
+        reduce_buffer(state, bucket_input(me, step, 0, numel, torch.float32), 0).wait()
         ks.append(state.stats()["buckets"][0]["k"])
     if ks != [numel, numel, 20, 100]:
         failures.append(f"{members.name}: density schedule gave k {ks}, expected {[numel, numel, 20, 100]}")
@@ -427,17 +428,17 @@ def check_hook_edge_cases(members: Members) -> list[str]:
     if size >= 2:  # mismatches fail on every rank, with a clear message, and leave the group usable
         state = gx.SparseGradState(group, density=0.05, start_iter=2, stats_logging_frequency=0)
         odd = numel + 1 if me == last else numel
-        failure = expect_error(lambda: state.reduce(torch.ones(odd), 0).wait(), ValueError,
+        failure = expect_error(lambda: reduce_buffer(state, torch.ones(odd), 0).wait(), ValueError,
                                "sparse_grad_hook: numel differs across ranks")
         if failure:
             failures.append(f"{members.name}: buckets of different sizes: {failure}")
         state.iter = 1 if me == last else 0
-        failure = expect_error(lambda: state.reduce(torch.ones(numel), 0).wait(), ValueError,
+        failure = expect_error(lambda: reduce_buffer(state, torch.ones(numel), 0).wait(), ValueError,
                                "sparse_grad_hook: iter differs across ranks")
         if failure:
             failures.append(f"{members.name}: states at different iterations: {failure}")
         state.iter = 0
-        state.reduce(torch.ones(numel), 0).wait()
+        reduce_buffer(state, torch.ones(numel), 0).wait()
     return failures
 
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gtopk_ext as gx
+from gtopk_ext.ddp import reduce_buffer
 from gtopk_ext.averaging import GroupModelAverager
 from tests.distributed import run_distributed
 
@@ -183,7 +184,7 @@ def check_fp16_merge(group: Group, rank: int) -> list[str]:
             grad = torch.full((1000,), 0.01 * (rank + 1), dtype=torch.float16)
             grad[5] = 40000.0
             residual_before = state.residuals.get(0, torch.zeros_like(grad)).clone()
-            output = state.reduce(grad.clone(), 0).wait()
+            output = reduce_buffer(state, grad.clone(), 0).wait()
             outputs.append(output)
             residual = state.residuals.get(0, torch.zeros_like(grad))
             failures += imbalance_failure(f"{group.name} float16 {collective} step {step}",
@@ -208,7 +209,7 @@ def check_fp16_residual_overflow(group: Group, rank: int) -> list[str]:
         if step == 3:
             grad[7] = 55000.0 if rank == 0 else 0.0
         residual_before = state.residuals.get(0, torch.zeros_like(grad)).clone()
-        output = state.reduce(grad.clone(), 0).wait()
+        output = reduce_buffer(state, grad.clone(), 0).wait()
         residual = state.residuals.get(0, torch.zeros_like(grad))
         if not bool(torch.isfinite(residual).all()) or not bool(torch.isfinite(output).all()):
             failures.append(f"{where}: step {step}: non-finite residual or output")
@@ -413,14 +414,14 @@ def check_dense_after_new_layout(group: Group, rank: int) -> list[str]:
         for step in range(4):  # one bucket of both
             g0, g1 = grads(step)
             went_in += torch.cat([g0, g1]).double()
-            applied += state.reduce(torch.cat([g0, g1]), 0, parameters=[p0, p1]).wait().double()
+            applied += reduce_buffer(state, torch.cat([g0, g1]), 0, parameters=[p0, p1]).wait().double()
         resumed = make_state()
         resumed.load_state_dict(state.state_dict())
         for step in range(4, 6):  # two buckets: p0 (compressed), p1 (dense: below min_compress_numel)
             g0, g1 = grads(step)
             went_in += torch.cat([g0, g1]).double()
-            out0 = resumed.reduce(g0.clone(), 0, is_last=False, parameters=[p0]).wait()
-            out1 = resumed.reduce(g1.clone(), 1, parameters=[p1]).wait()
+            out0 = reduce_buffer(resumed, g0.clone(), 0, is_last=False, parameters=[p0]).wait()
+            out1 = reduce_buffer(resumed, g1.clone(), 1, parameters=[p1]).wait()
             applied += torch.cat([out0, out1]).double()
         kept = torch.cat([resumed.residuals[0], torch.zeros(600, dtype=dtype)]).double()
         if resumed.state_dict()["unclaimed"] or 1 in resumed.residuals:

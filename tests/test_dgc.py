@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import gtopk_ext as gx
+from gtopk_ext.ddp import reduce_buffer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -78,7 +79,7 @@ def check(group, rank: int, size: int) -> list[str]:
             expected, entered = replay(group, rank, size, collective, momentum, nesterov, decay, masking_start)
             applied = torch.zeros(NUMEL, dtype=torch.float64)
             for step, (output, u, v) in enumerate(expected):
-                got = state.reduce(gradient(step, rank), 0, parameters=params).wait()
+                got = reduce_buffer(state, gradient(step, rank), 0, parameters=params).wait()
                 velocity, residual = state.velocity_store.residuals[0], state.residuals.get(0, torch.zeros(NUMEL))
                 if not (torch.allclose(got, output, rtol=1e-5, atol=1e-6) and torch.allclose(velocity, u, atol=1e-5)
                         and torch.allclose(residual, v, atol=1e-5)):
@@ -103,7 +104,7 @@ def check(group, rank: int, size: int) -> list[str]:
         limit = clip_norm / size ** 0.5
         expected = grad * min(1.0, limit / (float(grad.norm()) + 1e-6)) / size
         dist.all_reduce(expected, group=group)
-        got = state.reduce(grad.clone(), 0).wait()
+        got = reduce_buffer(state, grad.clone(), 0).wait()
         if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
             failures.append(f"P={size} {collective} clip_norm: off by {float((got - expected).abs().max()):.3g}")
     # Per-tensor selection: a parameter of gradients 1000x smaller still sends its share of k (allgather applies
@@ -117,7 +118,7 @@ def check(group, rank: int, size: int) -> list[str]:
             grad = gradient(step, rank)
             grad[200:] *= 1e-3
             entered += grad
-            output = state.reduce(grad, 0, parameters=params).wait()
+            output = reduce_buffer(state, grad, 0, parameters=params).wait()
             sent += size * output.double()
             small = int((output[200:] != 0).sum())
             if collective == "allgather" and small < tensor_shares(30, [200, 100])[1]:
@@ -131,8 +132,8 @@ def check(group, rank: int, size: int) -> list[str]:
     plain = gx.SparseGradState(group, density=DENSITY, start_iter=START_ITER, stats_logging_frequency=0)
     zero = gx.SparseGradState(group, density=DENSITY, start_iter=START_ITER, stats_logging_frequency=0, momentum=0.0)
     for step in range(4):
-        a = plain.reduce(gradient(step, rank), 0).wait()
-        b = zero.reduce(gradient(step, rank), 0).wait()
+        a = reduce_buffer(plain, gradient(step, rank), 0).wait()
+        b = reduce_buffer(zero, gradient(step, rank), 0).wait()
         if not torch.equal(a, b) or zero.velocity_store.residuals:
             failures.append(f"P={size}: momentum=0 differs from the default at step {step}")
             break

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import gtopk_ext as gx
+from gtopk_ext.ddp import reduce_buffer
 from gtopk_ext.collectives import Traffic
 from gtopk_ext.hierarchical import hierarchical_allreduce, node_groups, resolve_local_size, shard_bounds
 from tests.distributed import run_distributed
@@ -128,7 +129,7 @@ def check_destroy_lets_go() -> list[str]:
     groups): none outlives it into the interpreter's finalization, where its threads could abort the process. A
     state used after a new init_process_group starts a new thread on the new world."""
     state = gx.SparseGradState(density=DENSITY)
-    state.reduce(torch.ones(NUMEL), 0).wait()
+    reduce_buffer(state, torch.ones(NUMEL), 0).wait()
     groups = [weakref.ref(group) for group in (dist.group.WORLD, *node_groups(dist.group.WORLD, 2))]
     gx.destroy_process_group()
     failures = []
@@ -138,7 +139,7 @@ def check_destroy_lets_go() -> list[str]:
     if threads:
         failures.append(f"threads outlived gx.destroy_process_group: {threads}")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the harness destroys it
-    state.reduce(torch.ones(NUMEL), 0).wait()
+    reduce_buffer(state, torch.ones(NUMEL), 0).wait()
     if state.thread.group is not dist.group.WORLD:
         failures.append("the state did not start a new thread on the new world")
     return failures

@@ -1,0 +1,387 @@
+"""The state of the DDP hook: plain data, grouped by role; the algorithm is :mod:`gtopk_ext.ddp.hook`."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from gtopk_ext._worker import Worker
+from gtopk_ext.collectives import COLLECTIVES as FLAT_COLLECTIVES
+from gtopk_ext.collectives import Agreement, Collective, OkTopkState, collective_named, group_rank_and_size
+from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, make_compressor
+from gtopk_ext.costs import Traffic
+from gtopk_ext.ddp.amp import LossScaling
+from gtopk_ext.ddp.dgc import MomentumCorrection
+from gtopk_ext.ddp.residuals import ResidualStore
+from gtopk_ext.ddp.schedule import DensitySchedule, checked_schedule, density_at
+from gtopk_ext.hierarchical import HIERARCHICAL_INNER, Hierarchical
+from gtopk_ext.wire import wire_named
+
+logger = logging.getLogger("gtopk_ext.hooks")
+
+# "hierarchical": the earlier spelling of hierarchical=gx.Hierarchical(...)
+COLLECTIVES = (*FLAT_COLLECTIVES, "hierarchical")
+# The constructor arguments of earlier versions, and where each now lives.
+_MOVED = {"density_schedule": "density=", "compressor_kwargs": "compressor=gx.make_compressor(kind, density, ...)",
+          "random_seed": "compressor=gx.make_compressor('randomk', density, seed=...)",
+          "per_tensor": "compressor=gx.make_compressor(kind, density, per_tensor=True)",
+          "nesterov": "momentum=gx.MomentumCorrection(...)", "weight_decay": "momentum=gx.MomentumCorrection(...)",
+          "masking_start_iter": "momentum=gx.MomentumCorrection(...)",
+          "clip_norm": "momentum=gx.MomentumCorrection(...)",
+          "local_size": "hierarchical=gx.Hierarchical(local_size)", "inner_collective": "collective=",
+          "stats_logging_frequency": "the attribute state.stats_logging_frequency",
+          "synchronous": "the attribute state.synchronous"}
+
+
+@dataclass
+class BucketStats:
+    """What the hook did with one bucket in its latest step."""
+
+    path: str  # "sparse"; "dense" (warm-up, small bucket or dense collective); "nonfinite" (went dense)
+    numel: int
+    k: int  # slots sent per rank (numel on the dense paths)
+    selected: Union[int, torch.Tensor] = 0  # elements the compressor selected before truncation to k
+    select_seconds: float = 0.0  # grad + residual, statistics, compaction, residual update
+    exchange_seconds: float = 0.0  # the collective and the average (a dense bucket: from issuing its allreduce)
+    apply_seconds: float = 0.0  # kept for the statistics' layout: the reduction applies inside the exchange
+    traffic: Traffic = field(default_factory=Traffic, repr=False)
+
+
+class SparseGradState:
+    r"""State of :func:`gtopk_ext.sparse_grad_hook`, one per DDP model (and per rank). Plain data: the
+    configuration, the residual store, the parts' own states (momentum correction, loss scaling) and the
+    statistics; the algorithm is :func:`gtopk_ext.sparse_grad_hook`.
+
+    Args:
+        process_group: the group to reduce over (``None``: the default group). Dropped when pickled.
+        density: fraction of each bucket sent, in (0, 1]; or a schedule: a list of ``(start_iter, density)``
+            (each applies from its iteration on), e.g. :func:`gtopk_ext.exponential_warmup` or the gTop-k paper's
+            ``[(0, 0.016), (1000, 0.004), (2000, 0.001)]``, or a callable ``iter -> density`` (a pure function:
+            every rank must get the same density for the same iteration).
+        compressor: ``"gaussiank"`` (default), ``"topk"``, ``"randomk"``, or a compressor made by
+            :func:`gtopk_ext.make_compressor` with its options (``mode``, ``seed``, ``backend``, ``per_tensor``);
+            its backend runs every op of the hook: selection, merges, scatters.
+        collective: ``"gtopk"`` (default, O(k log P)), ``"allgather"`` (O(kP)), ``"oktopk"`` (Ok-Topk, O(k) for any
+            P; its per-bucket state is kept here and in checkpoints) or ``"dense"`` (plain allreduce).
+        start_iter: iterations of dense allreduce before compressing. With error feedback it must be >= 2:
+            DDP rebuilds its buckets after the first iteration.
+        min_compress_numel: buckets with fewer elements go dense.
+        wire: the sparse collectives' wire format (:mod:`gtopk_ext.wire`): ``"plain"`` (default) or ``"compact"``
+            (4 bytes a pair: float16 values, their rounding error kept in the residual; 16-bit indices).
+        momentum: :class:`gtopk_ext.MomentumCorrection` (DGC's momentum correction and local clipping; a number m
+            is ``MomentumCorrection(m)``), or None.
+        hierarchical: :class:`gtopk_ext.Hierarchical`: dense inside a node, ``collective`` between nodes; or None.
+            Not with momentum correction or per-tensor selection.
+        error_feedback: keep what is not applied in a per-bucket residual (default); False drops it.
+
+    Fields besides the arguments:
+
+    - Runtime options: ``stats_logging_frequency`` (log :meth:`stats` through ``logging``, logger
+      ``gtopk_ext.hooks``, INFO, every this many iterations; 0 never; default 1000) and ``synchronous`` (finish
+      each bucket inside the hook call instead of on the communication thread, for debugging: the results are
+      bitwise the same).
+    - Residuals: ``residual_store`` (:class:`ResidualStore`; ``residuals`` is its per-bucket dict),
+      ``residual_bounds`` (per bucket, (residual, bound on its max |value|) from the compressed step that left
+      it: grad + residual cannot overflow while max |grad| + bound stays below the dtype's largest value, so it
+      is not checked).
+    - Parts: ``velocity_store`` (momentum correction's velocities, laid out as the residuals), ``loss_scaling``
+      (:class:`gtopk_ext.ddp.amp.LossScaling`, see :meth:`attach_scaler`), ``oktopk_states`` (per bucket,
+      Ok-Topk's regions and threshold).
+    - Statistics and agreement: ``iter`` (iterations done; advanced on ``bucket.is_last()``), ``bucket_stats``
+      (per bucket, the latest :class:`BucketStats`), ``agreed_plans`` (per bucket, the
+      :class:`gtopk_ext.collectives.Agreement` of its plan: while it stays, no header is exchanged).
+
+    What is guaranteed, with error feedback on: every element of ``grad + residual`` on every rank is either in
+    the average this step returns or in the new residual (nothing is lost), in float32, bfloat16 and float16
+    (gTop-k carries float16 sums in float32, the average is divided in float32).
+
+    - A bucket whose ``grad + residual`` is not finite on some rank raises a flag inside the sparse payload; when
+      any rank raised it, every rank takes the dense path: that rank sends its gradient and keeps its residual
+      untouched (so a ``GradScaler`` sees the inf); the others send all of ``grad + residual`` (which is then
+      applied, not lost) and keep nothing.
+    - A parameter whose gradient in a bucket is exactly zero on this rank keeps its residual out of that step's
+      selection. With ``find_unused_parameters=True`` DDP zeros an unused parameter's gradient and, when no rank
+      used it, never copies the reduced values into ``.grad``: what the hook sent for it would be lost. So a
+      parameter that a rank did not use this step gets none of that rank's residual applied, as DDP applies no
+      gradient to it, and its residual waits for a step in which the rank uses it.
+    - Loss scaling: see :meth:`attach_scaler`.
+    - Buckets that go dense (small, warm-up) after a change of layout (a resume with other bucket sizes) add
+      the residual parts of their parameters to the gradient they send: they are applied, not left behind.
+
+    The arguments of earlier versions (``density_schedule``, ``compressor_kwargs``, ``random_seed``,
+    ``per_tensor``, ``nesterov``, ``weight_decay``, ``masking_start_iter``, ``clip_norm``, ``local_size``,
+    ``inner_collective``, ``collective="hierarchical"``, ``stats_logging_frequency``, ``synchronous``) still work
+    and warn (DeprecationWarning) with where each now lives.
+    """
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, density: DensitySchedule = 0.01,
+                 compressor: Union[str, Compressor] = "gaussiank", collective: str = "gtopk", start_iter: int = 2,
+                 min_compress_numel: int = 1024, wire: str = "plain",
+                 momentum: Union[MomentumCorrection, float, None] = None, hierarchical: Optional[Hierarchical] = None,
+                 error_feedback: bool = True, **moved):
+        unknown = set(moved) - set(_MOVED)
+        if unknown:
+            raise TypeError(f"SparseGradState got unexpected keyword argument(s) {sorted(unknown)}")
+        for name in moved:
+            warnings.warn(f"SparseGradState({name}=...) is deprecated: use {_MOVED[name]}", DeprecationWarning,
+                          stacklevel=2)
+        if "density_schedule" in moved:
+            schedule = checked_schedule(moved["density_schedule"])
+        elif isinstance(density, (int, float)) and not isinstance(density, bool):
+            schedule = None
+        else:
+            schedule, density = checked_schedule(density), 0.01
+            density = schedule[0][1] if isinstance(schedule, list) and schedule else density
+        check_density(density)
+        wire_named(wire)
+        if collective == "hierarchical":
+            warnings.warn("SparseGradState(collective='hierarchical') is deprecated: use "
+                          "hierarchical=gx.Hierarchical(local_size) with the collective between nodes",
+                          DeprecationWarning, stacklevel=2)
+            collective = moved.get("inner_collective", "gtopk")
+            if collective not in HIERARCHICAL_INNER:
+                raise ValueError(f"inner_collective must be one of {HIERARCHICAL_INNER}, got {collective!r}")
+            hierarchical = Hierarchical(moved.get("local_size"))
+        if collective not in FLAT_COLLECTIVES:
+            raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+        compressor = _compressor(compressor, float(density), moved)
+        momentum = _momentum(momentum, moved)
+        if hierarchical is not None:
+            if not isinstance(hierarchical, Hierarchical):
+                raise TypeError(f"hierarchical must be a gx.Hierarchical or None, got {type(hierarchical).__name__}")
+            if collective not in HIERARCHICAL_INNER:
+                raise ValueError(f"hierarchical reduces with a sparse collective between nodes, one of "
+                                 f"{HIERARCHICAL_INNER}; got collective={collective!r}")
+            if (momentum is not None and momentum.momentum) or compressor.per_tensor:
+                raise ValueError("hierarchical selects from a node's sum: it supports neither momentum correction "
+                                 "(momentum > 0) nor per-tensor selection")
+        for name, value in (("start_iter", start_iter), ("min_compress_numel", min_compress_numel)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if error_feedback and collective != "dense" and start_iter < 2:
+            raise ValueError(f"start_iter must be >= 2 with error feedback (DDP rebuilds its buckets after the first "
+                             f"iteration, which would misplace the residuals), got {start_iter}")
+        # Configuration.
+        self.process_group = process_group
+        self.density = float(density)
+        self.density_schedule = schedule
+        self.compressor = compressor.kind
+        self.compressor_template = compressor
+        self.collective = collective
+        self.start_iter = start_iter
+        self.min_compress_numel = min_compress_numel
+        self.wire = wire
+        self.momentum_correction = momentum
+        self.hierarchical = hierarchical
+        self.error_feedback = bool(error_feedback)
+        self.stats_logging_frequency = _count("stats_logging_frequency", moved.get("stats_logging_frequency", 1000))
+        self.synchronous = bool(moved.get("synchronous", False))
+        # Residuals and the parts' states.
+        self.residual_store = ResidualStore()
+        self.residual_bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.velocity_store = ResidualStore()
+        self.loss_scaling = LossScaling()
+        self.oktopk_states: dict[int, OkTopkState] = {}
+        # Statistics and agreement.
+        self.iter = 0
+        self.bucket_stats: dict[int, BucketStats] = {}
+        self.agreed_plans: dict[int, Agreement] = {}
+        # Runtime: the compressor and collective of the current density, the worker (created at the first bucket),
+        # whether an iteration has begun.
+        self.compressor_now: Compressor = compressor
+        self.collective_now: Collective = collective_named(collective, compressor.backend)
+        self.thread: Optional[Worker] = None
+        self.iteration_open = False
+
+    # ----- the options of earlier versions, read from where they now live -----
+
+    @property
+    def momentum(self) -> float:
+        return self.momentum_correction.momentum if self.momentum_correction is not None else 0.0
+
+    @property
+    def masking_start_iter(self) -> int:
+        return self.momentum_correction.masking_start_iter if self.momentum_correction is not None else 0
+
+    @property
+    def clip_norm(self) -> Optional[float]:
+        return self.momentum_correction.clip_norm if self.momentum_correction is not None else None
+
+    @property
+    def per_tensor(self) -> bool:
+        return self.compressor_template.per_tensor
+
+    @property
+    def residuals(self) -> dict[int, torch.Tensor]:
+        return self.residual_store.residuals
+
+    @residuals.setter
+    def residuals(self, residuals: dict[int, torch.Tensor]) -> None:
+        self.residual_store.residuals = residuals
+
+    @property
+    def residual_scale(self) -> float:
+        return self.loss_scaling.scale
+
+    def attach_scaler(self, scaler) -> None:
+        """Let the hook follow a ``torch.amp.GradScaler`` (call before training; the scaler stays yours).
+
+        The gradients DDP hands the hook are multiplied by the loss scale, and the scale changes between steps.
+        The residuals are kept multiplied by the scale of the latest step (``residual_scale``): when a new step
+        brings another scale, they are rescaled first (exact: the scaler's factors are powers of two), so old
+        residual is never applied with another step's factor. When the scaler skips a step (an inf or NaN
+        gradient; recognised by its scale backing off at the next step, so call ``scaler.update()`` once per step
+        without ``new_scale``), everything the hook took out of the residuals in that step goes back into them:
+        nothing is lost. The finite gradients of compressed buckets of a skipped step stay in the residuals too
+        (as if the step had sent nothing); those of dense buckets are dropped with the step, as plain DDP does.
+        With momentum correction the velocity follows the same rule: a compressed bucket's keeps the skipped
+        step's update (whose increment stays in the residual) without the step's masking, a dense bucket's goes
+        back to before the step.
+        """
+        if not callable(getattr(scaler, "get_scale", None)) or not callable(getattr(scaler, "is_enabled", None)):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self.loss_scaling.scaler = scaler
+
+    def density_at(self, iteration: int) -> float:
+        """The density of ``iteration`` (the schedule's, else ``density``)."""
+        return density_at(self.density, self.density_schedule, iteration)
+
+    def use_density(self, density: float) -> None:
+        """The compressor and collective of ``density`` become the current ones."""
+        if self.compressor_now.density != density:
+            self.compressor_now = self.compressor_template.with_density(density)
+            self.collective_now = collective_named(self.collective, self.compressor_now.backend)
+
+    def worker(self) -> Worker:
+        """The worker that runs this state's buckets, started at the first bucket (again after a close)."""
+        if self.thread is None or self.thread.closed:
+            self.thread = Worker(group_rank_and_size(self.process_group)[0], "sparse_grad_hook")
+        return self.thread
+
+    # ----- pickling, checkpoints, statistics (each waits for the buckets in flight) -----
+
+    def wait(self) -> None:
+        """Wait until every bucket handed to the hook has finished."""
+        if self.thread is not None:
+            self.thread.drain()
+
+    def __getstate__(self):
+        """Everything but the process group (not picklable), the scaler, the communication thread and the
+        parameter identities of this process."""
+        self.wait()
+        if self.process_group is not None:
+            logger.warning("SparseGradState: the process group is not pickled; the unpickled state uses the default "
+                           "group unless its process_group is set again")
+        loss_scaling = LossScaling()
+        loss_scaling.scale = self.loss_scaling.scale
+        loss_scaling.taken = self.loss_scaling.taken
+        loss_scaling.velocities_before = self.loss_scaling.velocities_before
+        return dict(self.__dict__, process_group=None, loss_scaling=loss_scaling, thread=None, iteration_open=False)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def state_dict(self) -> dict:
+        """This rank's resumable state: ``{"iter", "residuals": {bucket_index: Tensor}, "residual_scale",
+        "layouts", "unclaimed", "velocities", "velocities_before", "oktopk", "taken"}`` (copies; "velocities": momentum
+        correction's, as a residual store's state; "taken" and "velocities_before": what the latest step applied
+        and the velocities before it, in case the scaler skipped it). Save one per rank, next to the model's and
+        the optimizer's (and the scaler's)."""
+        self.wait()
+        scaling = self.loss_scaling
+        return {"iter": self.iter, "residual_scale": scaling.scale, **self.residual_store.state_dict(),
+                "velocities": self.velocity_store.state_dict(),
+                "velocities_before": {index: v.clone() for index, v in scaling.velocities_before.items()},
+                "oktopk": {index: s.state_dict() for index, s in self.oktopk_states.items()},
+                "taken": {index: (None if indices is None else indices.clone(), values.detach().clone())
+                          for index, (indices, values) in scaling.taken.items()}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict`'s output. Load it before the DDP model's first backward of this process:
+        parameters are recognised by the order in which DDP's first buckets list them."""
+        missing = {"iter", "residuals"} - set(state_dict)
+        if missing:
+            raise KeyError(f"state_dict is missing {sorted(missing)} (expected SparseGradState.state_dict()'s keys)")
+        iteration = state_dict["iter"]
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise ValueError(f"state_dict['iter'] must be an int >= 0, got {iteration!r}")
+        self.wait()
+        self.iter = iteration
+        self.residual_store.load_state_dict(state_dict)
+        self.velocity_store.load_state_dict(state_dict.get("velocities", {"residuals": {}}))
+        scaling = self.loss_scaling
+        scaling.scale = float(state_dict.get("residual_scale", 1.0))
+        scaling.taken = {int(i): (indices, values.detach().clone())
+                         for i, (indices, values) in state_dict.get("taken", {}).items()}
+        scaling.velocities_before = {int(i): v.clone() for i, v in state_dict.get("velocities_before", {}).items()}
+        self.oktopk_states = {}
+        for i, saved in state_dict.get("oktopk", {}).items():
+            self.oktopk_states[int(i)] = OkTopkState()
+            self.oktopk_states[int(i)].load_state_dict(saved)
+        self.bucket_stats, self.residual_bounds, self.agreed_plans = {}, {}, {}
+
+    def stats(self) -> dict:
+        """The latest step's statistics: ``{"iter", "buckets": {index: {...}}, "total": {...}}``, each with
+        ``k`` and ``selected`` (elements, summed over buckets), ``bytes_sent`` and ``bytes_received`` (this
+        rank), and the host wall-clock seconds of the phases: ``select_seconds``, ``exchange_seconds``,
+        ``apply_seconds``."""
+        self.wait()
+        return self._stats_now()
+
+    def _stats_now(self) -> dict:
+        buckets = {}
+        for index, s in sorted(self.bucket_stats.items()):
+            selected = int(s.selected) if isinstance(s.selected, torch.Tensor) else s.selected
+            buckets[index] = {"path": s.path, "numel": s.numel, "k": s.k, "selected": selected,
+                              "bytes_sent": s.traffic.sent, "bytes_received": s.traffic.received,
+                              "select_seconds": s.select_seconds, "exchange_seconds": s.exchange_seconds,
+                              "apply_seconds": s.apply_seconds}
+        summed = ("numel", "k", "selected", "bytes_sent", "bytes_received", "select_seconds", "exchange_seconds",
+                  "apply_seconds")
+        total = {key: sum(b[key] for b in buckets.values()) for key in summed}
+        return {"iter": self.iter, "buckets": buckets, "total": total}
+
+
+def _compressor(compressor: Union[str, Compressor], density: float, moved: dict) -> Compressor:
+    """The compressor of the state at ``density`` (the earlier arguments ``compressor_kwargs``, ``random_seed``
+    and ``per_tensor`` folded in)."""
+    if isinstance(compressor, Compressor):
+        return compressor.with_density(density)
+    if compressor not in COMPRESSOR_KINDS:
+        raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS} or a gx.make_compressor(...), got "
+                         f"{compressor!r}")
+    kwargs = dict(moved.get("compressor_kwargs") or {})
+    if moved.get("per_tensor"):
+        kwargs["per_tensor"] = True
+    seed = _count("random_seed", moved.get("random_seed", 0))
+    if compressor == "randomk":  # the draws of a bucket: seed + iter * 2^20 + bucket index
+        kwargs["seed"] = kwargs.get("seed", 0) + seed
+    return make_compressor(compressor, density, **kwargs)
+
+
+def _momentum(momentum: Union[MomentumCorrection, float, None], moved: dict) -> Optional[MomentumCorrection]:
+    """The momentum correction of the state (the earlier arguments ``nesterov``, ``weight_decay``,
+    ``masking_start_iter`` and ``clip_norm`` folded in); None when it does nothing."""
+    parts = {name: moved[name] for name in ("nesterov", "weight_decay", "masking_start_iter", "clip_norm")
+             if name in moved}
+    if isinstance(momentum, MomentumCorrection):
+        if parts:
+            raise TypeError(f"pass {sorted(parts)} inside momentum=gx.MomentumCorrection(...)")
+        return momentum
+    if momentum is None:
+        momentum = 0.0
+    options = MomentumCorrection(momentum, **parts)
+    if not options.momentum and not options.weight_decay and options.clip_norm is None:
+        return None
+    return options
+
+
+def _count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value

@@ -55,6 +55,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def make_state(args: argparse.Namespace) -> Optional[gx.SparseGradState]:
+    """The hook's state for the command line's --collective (None: DDP's own allreduce)."""
+    if args.collective == "ddp":
+        return None
+    hierarchical = args.collective == "hierarchical"
+    state = gx.SparseGradState(density=args.density,
+                               collective=args.inner_collective if hierarchical else args.collective,
+                               hierarchical=gx.Hierarchical(args.local_size) if hierarchical else None)
+    state.stats_logging_frequency = 0
+    return state
+
+
 def make_model(width: int) -> nn.Module:
     torch.manual_seed(0)  # the same initial weights on every rank
     return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
@@ -106,9 +118,7 @@ def train(args: argparse.Namespace, comm_hook: Callable = gx.sparse_grad_hook,
         else torch.device("cpu")
     model = make_model(args.width).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    state = None if args.collective == "ddp" else gx.SparseGradState(
-        density=args.density, collective=args.collective, local_size=args.local_size,
-        inner_collective=args.inner_collective, stats_logging_frequency=0)
+    state = make_state(args)
     start = resume_step(args.checkpoint_dir, rank, device)
     if start:  # before DDP is built: the hook state must be loaded before the first backward
         checkpoint = torch.load(checkpoint_path(args.checkpoint_dir, start, rank), map_location=device)

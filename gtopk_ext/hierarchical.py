@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gtopk_ext.collectives import OkTopkState, Reduced, collective_named, group_rank_and_size
+from gtopk_ext.collectives import SPARSE_COLLECTIVES, OkTopkState, Reduced, collective_named, group_rank_and_size
 from gtopk_ext.collectives._transport import sparse_alltoallv
 from gtopk_ext.compressors import Compressor, tensor_shares
 from gtopk_ext.costs import Traffic, inner_result_slots, node_gather_bytes, ring_allgather_bytes
@@ -20,7 +20,7 @@ from gtopk_ext.message import SparseMessage, padding_message
 from gtopk_ext.reduction import is_finite, keep_unapplied
 from gtopk_ext.wire import Rounding, WireLike, wire_named
 
-HIERARCHICAL_INNER = ("gtopk", "allgather", "oktopk")
+HIERARCHICAL_INNER = SPARSE_COLLECTIVES
 
 
 # Per (process group name, local_size): (that group, this rank's node group, its cross-node group), created once

@@ -295,7 +295,7 @@ class SparseLocalSGD:
         signature = repr([(tuple(t.shape), str(t.dtype)) for t in [*self.params, *self.buffers]])
         agree({"params": len(self.params), "buffers": len(self.buffers), "numel": sum(p.numel() for p in self.params),
                "signature": zlib.crc32(signature.encode()), "sync_every": self.sync_every,
-               "wire": list(WIRES).index(self.wire)}, group, self._shards[0].device, "SparseLocalSGD")
+               "wire": wire_named(self.wire).code}, group, self._shards[0].device, "SparseLocalSGD")
 
     # ----- statistics and checkpoints -----
 
@@ -329,7 +329,7 @@ class SparseLocalSGD:
             raise ValueError(f"state_dict holds shards of {list(state_dict['numels'])} elements, this optimizer's "
                              f"parameters make {numels}: it was saved for another model")
         if "wire" in state_dict and state_dict["wire"] not in WIRES:
-            raise ValueError(f"state_dict['wire'] must be one of {WIRES}, got {state_dict['wire']!r}")
+            raise ValueError(f"state_dict['wire'] must be one of {tuple(WIRES)}, got {state_dict['wire']!r}")
         for name in ("local_step", "syncs"):
             value = state_dict[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

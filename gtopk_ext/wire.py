@@ -58,6 +58,7 @@ class Wire:
     slots are sent (they must ascend: :meth:`ascending`), and a corrupted payload is detected when decoded."""
 
     name = ""
+    code = 0  # in headers
     lossy = False
 
     def payload_size(self, k: int, numel: int, dtype: torch.dtype, head_words: int) -> int:
@@ -138,6 +139,7 @@ class PlainWire(Wire):
 
 class CompactWire(Wire):
     name = "compact"
+    code = 1
     lossy = True
 
     def payload_size(self, k, numel, dtype, head_words):

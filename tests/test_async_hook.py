@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gtopk_ext as gx
-from gtopk_ext import hooks
+from gtopk_ext.collectives import gtopk as gtopk_module
 from tests.distributed import run_distributed
 
 WORLD = 4
@@ -94,7 +94,7 @@ def check_failure_reaches_every_rank(rank: int) -> list[str]:
     the group's timeout is 300 s (the other ranks are waiting for rank 1 inside the exchange)."""
     group = dist.new_group(list(range(WORLD)), timeout=timedelta(seconds=300))
     if rank == 1:
-        real, calls = hooks.gtopk_allreduce, []
+        real, calls = gtopk_module.gtopk_allreduce, []
 
         def failing_exchange(*args, **kwargs):
             calls.append(None)
@@ -102,7 +102,7 @@ def check_failure_reaches_every_rank(rank: int) -> list[str]:
                 raise ConnectionError("injected: the link to the peer went down")
             return real(*args, **kwargs)
 
-        hooks.gtopk_allreduce = failing_exchange
+        gtopk_module.gtopk_allreduce = failing_exchange
     model = make_model(torch.float32)
     ddp = DDP(model, process_group=group, bucket_cap_mb=bucket_cap_mb(torch.float32))
     state = gx.SparseGradState(group, density=0.05, start_iter=3, min_compress_numel=256, stats_logging_frequency=0)

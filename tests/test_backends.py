@@ -77,9 +77,9 @@ def every_op_through_one_backend(rank: int, world_size: int) -> dict[str, dict[s
     for mode in ("accurate", "paper"):
         msg = gx.make_compressor("gaussiank", 0.01, mode=mode, backend="triton").compress(
             torch.randn(4000, generator=generator), residual)
-        gx.collectives.gtopk_allreduce(msg)[0].to_dense()
-        gx.collectives.sparse_allgather(msg)
-        gx.collectives.sparse_allgather(msg, wire="compact")
+        gx.collectives.gtopk_allreduce(msg, backend="triton")[0].to_dense(backend="triton")
+        gx.collectives.sparse_allgather(msg, backend="triton")
+        gx.collectives.sparse_allgather(msg, wire="compact", backend="triton")
         for collective in ("gtopk", "allgather"):
             state = gx.SparseGradState(density=0.01, collective=collective, min_compress_numel=0,
                                        compressor_kwargs={"mode": mode, "backend": backends.TRITON})

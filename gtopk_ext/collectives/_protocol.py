@@ -24,7 +24,7 @@ from gtopk_ext._worker import Disagreement
 from gtopk_ext.backends import Backend, BackendChoice, BackendLike
 from gtopk_ext.costs import Traffic, ring_allgather_bytes
 from gtopk_ext.message import SparseMessage
-from gtopk_ext.wire import WIRES, Rounding, Wire, WireLike, wire_named
+from gtopk_ext.wire import Rounding, Wire, WireLike, wire_named
 
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(FLOAT_DTYPES, start=1)}  # header codes of the op dtypes
 
@@ -112,7 +112,7 @@ def agree_on_message(msg: SparseMessage, flags: torch.Tensor | None, group: dist
         check_message(msg)
         check_flags(flags, msg.values.device)
         fields = {"valid": 1, "k": msg.k, "numel": msg.numel, "dtype": DTYPE_CODES[msg.values.dtype],
-                  "flags": int(flags is not None), "wire": list(WIRES).index(wire_named(wire).name),
+                  "flags": int(flags is not None), "wire": wire_named(wire).code,
                   **(extra() if extra is not None else {})}
         device, local_error = msg.values.device, None
     except Exception as error:  # noqa: BLE001 - raised below, once every rank knows
@@ -176,7 +176,7 @@ def agree(fields: dict[str, int], group: dist.ProcessGroup, device: torch.device
 def message_fields(numel: int, dtype: torch.dtype, sparse: bool, k: int, wire: Wire) -> dict[str, int]:
     """The header fields that fix a payload's size: what every rank must share before a message moves."""
     return {"numel": numel, "dtype": DTYPE_CODES[dtype], "sparse": int(sparse), "k": k,
-            "wire": list(WIRES).index(wire.name)}
+            "wire": wire.code}
 
 
 @dataclass

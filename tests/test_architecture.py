@@ -1,0 +1,152 @@
+"""The shape of the library, read from its source (no process group needed): layers that import only downwards,
+no import cycle (function-level imports included), error feedback completed in one module, the header agreement
+run by one module, one registry of collectives, and no module too large to read."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "gtopk_ext"
+
+# DESIGN.md's lines, bottom first: a module may import its own line and the lines below it.
+LAYERS = [
+    {"gtopk_ext._contract", "gtopk_ext._worker", "gtopk_ext.costs", "gtopk_ext.reference", "gtopk_ext._C"},
+    {"gtopk_ext.backends", "gtopk_ext.ops", "gtopk_ext.triton_kernels"},
+    {"gtopk_ext.message", "gtopk_ext.wire"},
+    {"gtopk_ext.compressors"},
+    {"gtopk_ext.collectives"},
+    {"gtopk_ext.reduction"},
+    {"gtopk_ext.hierarchical"},
+    {"gtopk_ext.ddp", "gtopk_ext.local_sgd", "gtopk_ext.averaging"},
+    {"gtopk_ext.hooks", "gtopk_ext.utils", "gtopk_ext"},
+]
+# What a front end may not call itself: error feedback is the reduction's, the collectives are reached through it.
+OPS_CALLS_ALLOWED = {"gtopk_ext.compressors", "gtopk_ext.message", "gtopk_ext.wire", "gtopk_ext.reduction",
+                     "gtopk_ext.collectives"}
+AGREEMENT = {"gather_headers", "require_same"}
+COLLECTIVE_FUNCTIONS = {"sparse_allgather", "gtopk_allreduce", "oktopk_allreduce"}
+MAX_LINES = 400
+
+
+def modules() -> dict[str, pathlib.Path]:
+    """Every module of the package by name; triton_kernels/ installs as gtopk_ext.triton_kernels."""
+    found = {}
+    for folder, prefix in ((PACKAGE, ("gtopk_ext",)), (ROOT / "triton_kernels", ("gtopk_ext", "triton_kernels"))):
+        for path in folder.rglob("*.py"):
+            if path.is_relative_to(PACKAGE / "triton_kernels"):  # a link to triton_kernels/ in some checkouts
+                continue
+            parts = prefix + path.relative_to(folder).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """The gtopk_ext modules ``name`` imports anywhere in its source (``from pkg import module`` counts as the
+    module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    edges = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            edges |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            for alias in node.names:
+                edges.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return {e for e in edges if e in known and e != name}
+
+
+def layer_of(name: str) -> int:
+    for level, members in enumerate(LAYERS):
+        if any(name == m or name.startswith(m + ".") for m in members if m != "gtopk_ext") or name in members:
+            return level
+    raise AssertionError(f"{name} is on none of the layers: add it to LAYERS (and to DESIGN.md)")
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports(name, path, set(found)) for name, path in found.items()}
+
+
+def calls(path: pathlib.Path) -> list[tuple[str, str]]:
+    """(object, attribute) or ("", function) of every call in the file."""
+    seen = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
+                seen.append((node.func.value.id, node.func.attr))
+            elif isinstance(node.func, ast.Name):
+                seen.append(("", node.func.id))
+    return seen
+
+
+def test_layers_import_only_downwards():
+    wrong = [f"{a} (line {layer_of(a)}) imports {b} (line {layer_of(b)})" for a, targets in graph().items()
+             for b in targets if layer_of(b) > layer_of(a)]
+    assert not wrong, wrong
+
+
+def test_no_import_cycle():
+    edges = graph()
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for target in sorted(edges[node]):
+            if state.get(target) == "open":
+                cycles.append(stack[stack.index(target):] + [target])
+            elif target not in state:
+                visit(target, stack + [target])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
+
+
+def test_error_feedback_and_collectives_are_reached_through_the_reduction():
+    """Only the layers below the reduction, and the reduction, call the ops (the compressor takes what it sends
+    out of the residual, the reduction puts back what was not applied); the front ends never call a collective's
+    function or the ops."""
+    wrong = []
+    for name, path in modules().items():
+        inside = any(name == m or name.startswith(m + ".") for m in OPS_CALLS_ALLOWED)
+        for obj, attr in calls(path):
+            if obj == "ops" and not inside and attr[0].islower():
+                wrong.append(f"{name} calls ops.{attr}")
+            if (attr in COLLECTIVE_FUNCTIONS and not name.startswith("gtopk_ext.collectives")):
+                wrong.append(f"{name} calls {attr}")
+    assert not wrong, wrong
+
+
+def test_only_the_protocol_runs_the_header_agreement():
+    wrong = [f"{name} calls {attr}" for name, path in modules().items() if name != "gtopk_ext.collectives._protocol"
+             for _, attr in calls(path) if attr in AGREEMENT]
+    assert not wrong, wrong
+
+
+def test_one_registry_of_collectives():
+    """Only the collectives package maps names to collectives: no other module lists the sparse collectives'
+    names."""
+    names = {"gtopk", "allgather", "oktopk"}
+    wrong = []
+    for name, path in modules().items():
+        if name.startswith("gtopk_ext.collectives"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+                items = node.keys if isinstance(node, ast.Dict) else node.elts
+                strings = {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+                if len(strings & names) >= 2:
+                    wrong.append(f"{name}:{node.lineno} lists {sorted(strings & names)}")
+    assert not wrong, wrong
+
+
+def test_no_module_too_large():
+    large = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not large, large

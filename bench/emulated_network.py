@@ -4,7 +4,7 @@ of that rate. Needs root, ``ip`` and ``tc`` (iproute2) with tbf; everything it c
 failure and on SIGINT/SIGTERM. The addresses (10.77.0.0/24) exist only inside these namespaces.
 
 ``run_ranks`` starts one process per rank (``python -m <module> --worker <config.json>``) inside the namespaces,
-or on loopback without a network: bench/netem_scaling.py and bench/wagma.py run their workers through it.
+or on loopback without a network: every benchmark's workers start through it (bench/harness/launch.py).
 ``run_torchrun`` starts one torchrun agent per emulated node instead (a namespace holds a node's ranks, which talk
 to each other over its loopback, unshaped); ``python -m bench.emulated_network torchrun ...`` runs a training
 script that way:

@@ -31,20 +31,17 @@ is removed on exit, on failure and on SIGINT/SIGTERM; ``--cleanup`` removes what
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.emulated_network import (Network, Networks, TxCounter, check_can_emulate, cleanup_stale, parse_rate,
-                                    rate_name, run_ranks)
+from bench.emulated_network import TxCounter, check_can_emulate, cleanup_stale, parse_rate, rate_name
 from bench.harness import cli, report
+from bench.harness.launch import run_group
 from bench.harness.traffic import METHODS, WIRES, bytes_per_rank, features
-
 
 
 @dataclass(frozen=True)
@@ -78,7 +75,7 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
     import gtopk_ext as gx
     from bench.harness.train import barrier_bytes, gathered, slowest
 
-    rate_bps = config["rate_bps"]
+    rate_bps = config["link_rate"]
     counter = TxCounter(config["ifname"])
     one_barrier = barrier_bytes(counter)  # each measurement is bracketed by barriers: not the exchange's traffic
 
@@ -203,18 +200,6 @@ def exchange_for(method: str, grad, msg, density: float | None, wire: str, node_
 
 # ------------------------------------------------------------------------------------------------- the driver
 
-def measure_group(world_size: int, rate_bps: int | None, network: Network | None, args: argparse.Namespace,
-              workdir: Path) -> list[dict]:
-    """Runs every configuration on one process group (inside the namespaces when there is a network) and returns
-    rank 0's rows."""
-    out = workdir / f"rows-p{world_size}-{rate_name(rate_bps)}.json"
-    config = {"args": {key: value for key, value in vars(args).items() if key not in ("json", "worker")},
-              "rate_bps": rate_bps, "out": str(out)}
-    run_ranks("bench.netem_scaling", world_size, network, config, workdir, f"p{world_size}-{rate_name(rate_bps)}",
-              args.group_timeout, ranks_per_host=args.local_size)
-    return json.loads(out.read_text())
-
-
 HEADER = (f"{'P':>2} {'L':>2} {'rate':>8} {'method':>12} {'wire':>7} {'n':>10} {'density':>7} {'k':>9} {'reps':>4} "
           f"{'ms/exch':>9} {'MB sent':>9} {'MB model':>9} {'sent/model':>10} {'select ms':>9}")
 
@@ -282,33 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"removed {len(removed)} namespace(s): {' '.join(removed) or '-'}")
         return 0
 
-    networks = Networks(args.prefix)
-    rates = [None] if args.loopback else args.rates
     rows: list[dict] = []
     started = time.perf_counter()
     print(HEADER, flush=True)
-    try:
-        with tempfile.TemporaryDirectory(prefix="netem_scaling_") as tmp:
-            for world_size in args.world_sizes:
-                network = None
-                if not args.loopback:
-                    try:
-                        network = networks.create(world_size // args.local_size)
-                    except RuntimeError as error:
-                        print(f"netem_scaling cannot run: could not create the namespaces: {error}", file=sys.stderr)
-                        return 2
-                for rate_bps in rates:
-                    if network:
-                        try:
-                            network.limit(rate_bps)
-                        except RuntimeError as error:
-                            print(f"netem_scaling cannot run: tc tbf failed (is the sch_tbf module available?): "
-                                  f"{error}", file=sys.stderr)
-                            return 2
-                    rows += measure_group(world_size, rate_bps, network, args, Path(tmp))
-                networks.close()
-    finally:
-        networks.close()
+    for world_size in args.world_sizes:
+        for rate_bps in [None] if args.loopback else args.rates:
+            rows += run_group("bench.netem_scaling", world_size, args, args.group_timeout, rate_bps=rate_bps,
+                              prefix=args.prefix, ranks_per_host=args.local_size, link_rate=rate_bps)
     elapsed = time.perf_counter() - started
     skipped = [row for row in rows if row["skipped"]]
     print(f"\n{len(rows) - len(skipped)} exchanges measured, {len(skipped)} skipped, in {elapsed:.0f} s")

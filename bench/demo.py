@@ -37,7 +37,6 @@ import math
 from itertools import accumulate
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -201,14 +200,8 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
         return overhead(rank, args)
     data = load_digits_split(seed=0)  # one fixed split for every run
     runs = planned_runs(args)
-    progress = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-
-        steps = args.epochs * (len(data[1]) // (world_size * args.batch_size))
-        # Redirected to a file, a bar redrawn every 0.1 s would flood it.
-        progress = tqdm(total=steps * len(runs), unit="step", dynamic_ncols=True,
-                        mininterval=0.2 if sys.stderr.isatty() else 20)
+    steps = args.epochs * (len(data[1]) // (world_size * args.batch_size))
+    progress = report.progress(steps * len(runs), rank, args, config)
     records = []
     for method, density, seed in runs:
         if progress is not None:

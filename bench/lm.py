@@ -268,13 +268,7 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
     train_files, val_files = split_files(corpus_files(root), args.val_percent)
     train, val = load_bytes(root, train_files), load_bytes(root, val_files)
     val_batches = windows(val, args.val_windows, args.seq_len + 1, torch.Generator().manual_seed(12345))
-    progress = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-
-        # Redirected to a file, a bar redrawn every 0.1 s would flood it.
-        progress = tqdm(total=args.steps * len(args.methods), unit="step", dynamic_ncols=True, file=sys.stderr,
-                        mininterval=0.5 if sys.stderr.isatty() else 30)
+    progress = report.progress(args.steps * len(args.methods), rank, args, config)
     records = []
     for name in args.methods:
         if progress is not None:

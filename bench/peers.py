@@ -163,13 +163,7 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
     """One rank: every seed's measurements."""
     data = load_digits_split()
     counter = TxCounter(config["ifname"])
-    progress = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-
-        # Its output is a log file that the driver streams: redrawn every 0.1 s it would flood a redirect.
-        progress = tqdm(total=len(args.seeds) * args.steps * len(args.methods), unit="step",
-                        mininterval=0.5 if config["tty"] else 30, file=sys.stdout)
+    progress = report.progress(len(args.seeds) * args.steps * len(args.methods), rank, args, config)
     runs = []
     for seed in args.seeds:
         runs.append(run_seed(seed, args, rank, world_size, data, counter, progress))
@@ -316,8 +310,7 @@ def main(argv: Optional[list] = None) -> int:
     network = network_name(rate)
     busy, ours, started = cpu_busy_seconds(), own_cpu_seconds(), time.perf_counter()
     load_before = os.getloadavg()
-    measured = run_group("bench.peers", args.world_size, args, args.timeout, rate_bps=rate, prefix=args.prefix,
-                         tty=sys.stdout.isatty())
+    measured = run_group("bench.peers", args.world_size, args, args.timeout, rate_bps=rate, prefix=args.prefix)
     wall = time.perf_counter() - started
     others = max(0.0, cpu_busy_seconds() - busy - (own_cpu_seconds() - ours))
     load = {"wall_seconds": wall, "cpus": os.cpu_count(), "other_processes_cores": others / wall,

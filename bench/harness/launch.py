@@ -5,6 +5,7 @@ rank 0's result back."""
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -16,8 +17,8 @@ def run_group(module: str, world_size: int, settings, timeout: float, *, rate_bp
               namespaces: bool = False, prefix: str = "gx", ranks_per_host: int = 1, **config):
     """Runs the ranks of ``module`` on loopback, or (``rate_bps`` given, or ``namespaces``) each host of
     ``ranks_per_host`` ranks in its own namespace behind a link of ``rate_bps`` (None: unshaped), the namespaces
-    named ``<prefix><pid>-...``. The worker gets ``config`` plus ``args`` (``settings``) and ``out``; returns what
-    rank 0 wrote (JSON)."""
+    named ``<prefix><pid>-...``. The worker gets ``config`` plus ``args`` (``settings``), ``out`` and ``tty``
+    (whether the driver's output is a terminal); returns what rank 0 wrote (JSON)."""
     namespaces = namespaces or rate_bps is not None
     if namespaces:
         cleanup_stale(prefix)
@@ -27,8 +28,8 @@ def run_group(module: str, world_size: int, settings, timeout: float, *, rate_bp
         with tempfile.TemporaryDirectory(prefix=f"{name}_") as tmp:
             network = networks.create(world_size // ranks_per_host, rate_bps) if namespaces else None
             out = Path(tmp) / "out.json"
-            run_ranks(module, world_size, network, {**config, "args": jsonable(settings), "out": str(out)},
-                      Path(tmp), name, timeout, ranks_per_host=ranks_per_host)
+            config = {**config, "args": jsonable(settings), "out": str(out), "tty": sys.stdout.isatty()}
+            run_ranks(module, world_size, network, config, Path(tmp), name, timeout, ranks_per_host=ranks_per_host)
             return json.loads(out.read_text())
     finally:
         networks.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 
 
@@ -40,3 +41,13 @@ def pyplot():
 def save(figure, path) -> None:
     figure.savefig(path, dpi=110)
     pyplot().close(figure)
+
+
+def progress(total: int, rank: int, args, config: dict):
+    """Rank 0's progress bar in steps (None elsewhere, or with ``args.no_progress``). Its output is a log file
+    that the driver streams: redrawn every 0.1 s it would flood a redirect of the driver's output."""
+    if rank != 0 or args.no_progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", mininterval=0.5 if config["tty"] else 30, file=sys.stdout)

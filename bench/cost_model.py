@@ -59,6 +59,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
+from bench.harness import report
 from bench.harness.traffic import METHODS, SPARSE_METHODS, WIRES, features
 from bench.harness.traffic import bytes_per_rank as bytes_per_rank  # part of the model: tests check it here
 
@@ -379,12 +380,7 @@ def plot_fit(axis, fit_result: Fit) -> None:
 def plot(fit_result: Fit, prediction: dict, args: argparse.Namespace, path: Path) -> None:
     """One level: efficiency against P at 1 and 10 Gbit/s for the first two densities (plain solid, compact
     dashed), and the fit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(2, 2, figsize=(12, 9))
+    figure, axes = report.pyplot().subplots(2, 2, figsize=(12, 9))
     panels = [(rate, density) for rate in PREDICT_RATES[:2] for density in args.densities[:2]][:3]
     for axis, (rate, density) in zip(axes.flat, panels):
         for method, d, wire in series([density]):
@@ -407,21 +403,15 @@ def plot(fit_result: Fit, prediction: dict, args: argparse.Namespace, path: Path
         axis.legend(fontsize=7)
     plot_fit(axes.flat[3], fit_result)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    report.save(figure, path)
 
 
 def plot_two_level(prediction: dict, args: argparse.Namespace, path: Path) -> None:
     """Two levels: efficiency against P for nodes of NODE_SIZE ranks, per intra-node link and node link rate, at
     the first density."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     density = args.densities[0]
     panels = [(intra, rate) for intra in INTRA_LINKS for rate in TWO_LEVEL_RATES[:2]]
-    figure, axes = plt.subplots(2, 2, figsize=(12, 9))
+    figure, axes = report.pyplot().subplots(2, 2, figsize=(12, 9))
     for axis, (intra, rate) in zip(axes.flat, panels):
         for method, d, wire in two_level_series([density]):
             name = label(method, d, wire)
@@ -441,8 +431,7 @@ def plot_two_level(prediction: dict, args: argparse.Namespace, path: Path) -> No
                     f"alpha {prediction['alpha'] * 1e6:.0f} us between nodes, per-element costs "
                     f"x{args.compute_scale:g}", fontsize=10)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    report.save(figure, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,21 +29,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import queue
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
+from bench.emulated_network import TxCounter, check_can_emulate
+from bench.harness import cli
+from bench.harness.launch import run_group
+from bench.harness.train import barrier_bytes
 from gtopk_ext.hooks import COLLECTIVES as HOOK_COLLECTIVES
-from gtopk_ext.utils import destroy_process_group
 
 COLLECTIVES = ("dense", "allgather", "gtopk", "oktopk")
 WARMUP = 2  # the hook's dense iterations (start_iter)
@@ -64,9 +62,6 @@ def runs(collectives: tuple[str, ...], wires: tuple[str, ...]) -> list[tuple[str
     return [(c, w) for c in collectives for w in (("plain",) if c == "dense" else wires)]
 
 
-BARRIER_PROBES = 20  # barriers whose bytes are measured, to take one off the counted steps
-
-
 def measure(rank: int, world_size: int, density: float, steps: int, hidden: tuple[int, int],
             collectives: tuple[str, ...], wires: tuple[str, ...], counter=None) -> dict:
     """Per (collective, wire): bytes from ``stats()`` per compressed step (median) and over all of them; with a
@@ -74,13 +69,7 @@ def measure(rank: int, world_size: int, density: float, steps: int, hidden: tupl
     import gtopk_ext as gx
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    barrier_bytes = 0.0
-    if counter is not None:
-        dist.barrier()
-        start = counter.read()
-        for _ in range(BARRIER_PROBES):
-            dist.barrier()
-        barrier_bytes = (counter.read() - start) / BARRIER_PROBES
+    one_barrier = 0.0 if counter is None else barrier_bytes(counter)
 
     results = {}
     for collective, wire in runs(collectives, wires):
@@ -108,7 +97,7 @@ def measure(rank: int, world_size: int, density: float, steps: int, hidden: tupl
                 seconds.append(time.perf_counter() - start)
         if counter is not None:
             dist.barrier()  # every rank's last step sent; the barrier's own bytes are taken off
-            interface_bytes = counter.read() - counted_from - barrier_bytes
+            interface_bytes = counter.read() - counted_from - one_barrier
         results[collective, wire] = {"parameters": sum(p.numel() for p in model.parameters()),
                                "buckets": len(state.stats()["buckets"]), "k": state.stats()["total"]["k"],
                                "bytes_sent": statistics.median(sent), "bytes_received": statistics.median(received),
@@ -166,73 +155,18 @@ def measure_exchanges(rank: int, world_size: int, density: float, steps: int, hi
                   "bytes_received": None, "seconds": None} for run in measured}
 
 
-def _worker(rank: int, world_size: int, init_file: str, measure_fn, args: tuple, results) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        results.put((rank, measure_fn(rank, world_size, *args)))
-    finally:
-        destroy_process_group()
-
-
-def run_on_gloo(measure_fn, world_size: int, *args, timeout: float = 900.0) -> list:
-    """``[measure_fn(rank, world_size, *args) for each rank]`` on P spawned Gloo processes; raises if one dies."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, measure_fn, args, results), daemon=True)
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        per_rank, deadline = {}, time.monotonic() + timeout
-        try:
-            while len(per_rank) < world_size:
-                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"a rank failed or {timeout}s passed (see its traceback above)")
-                try:
-                    rank, value = results.get(timeout=1.0)
-                    per_rank[rank] = value
-                except queue.Empty:
-                    pass
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-    return [per_rank[r] for r in range(world_size)]
-
-
-def counters_worker(config: dict) -> None:
-    """One rank inside its namespace (bench.emulated_network.run_ranks): the hook's bytes and the interface's."""
-    from bench.emulated_network import TxCounter, join_group
-
-    args, rank, world_size = join_group(config)
-    results = measure(rank, world_size, args.density, args.steps, tuple(args.hidden), tuple(config["collectives"]),
-                      tuple(args.wire), counter=TxCounter(config["ifname"]))
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, [[*key, value] for key, value in results.items()])
-    if rank == 0:
-        Path(config["out"]).write_text(json.dumps(gathered))
-    destroy_process_group()
-
-
-def run_in_namespaces(world_size: int, args: argparse.Namespace, collectives: tuple[str, ...]) -> list[dict]:
-    """``measure`` with interface counters on P ranks, each in its own namespace (one unshaped link each)."""
-    from bench.emulated_network import Networks, run_ranks
-
-    networks = Networks(args.prefix)
-    try:
-        network = networks.create(world_size)
-        with tempfile.TemporaryDirectory(prefix="bytes_per_step_") as tmp:
-            out = Path(tmp) / "results.json"
-            config = {"args": {key: value for key, value in vars(args).items() if key != "worker"},
-                      "collectives": list(collectives), "out": str(out)}
-            run_ranks("bench.bytes_per_step", world_size, network, config, Path(tmp), f"p{world_size}", 1800.0)
-            return [{(collective, wire): value for collective, wire, value in ranks}
-                    for ranks in json.loads(out.read_text())]
-    finally:
-        networks.close()
+def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> list:
+    """One rank: every rank's measurements (``measure`` with the interface's counter in a namespace, or
+    ``measure_exchanges``), as [collective, wire, result] lists."""
+    options = (rank, world_size, args.density, args.steps, tuple(args.hidden), tuple(config["collectives"]),
+               tuple(args.wire))
+    if args.exchange:
+        results = measure_exchanges(*options)
+    else:
+        results = measure(*options, counter=TxCounter(config["ifname"]) if config["ifname"] else None)
+    every = [None] * world_size
+    dist.all_gather_object(every, [[*key, value] for key, value in results.items()])
+    return every
 
 
 def main() -> None:
@@ -250,31 +184,25 @@ def main() -> None:
                         help="as root: ranks in network namespaces, stats() checked against the interfaces' tx_bytes")
     parser.add_argument("--prefix", default="gxbytes", help="name prefix of the namespaces --counters creates")
     parser.add_argument("--json", help="write the rows here")
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    cli.add_worker_arg(parser)
     args = parser.parse_args()
-    if args.worker:
-        counters_worker(json.loads(args.worker.read_text()))
+    if cli.ran_as_worker(args, run_worker):
         return
     if args.counters and args.exchange:
         parser.error("--counters measures the hook; leave out --exchange")
     if args.counters:
-        from bench.emulated_network import check_can_emulate
-
         reason = check_can_emulate()
         if reason:
             print(f"bytes_per_step --counters cannot run: {reason}", file=sys.stderr)
             sys.exit(2)
-    if args.exchange:
-        measure_fn, collectives = measure_exchanges, COLLECTIVES
-    else:  # the collectives the hook offers
-        measure_fn, collectives = measure, tuple(c for c in COLLECTIVES if c in HOOK_COLLECTIVES)
+    # the hook: the collectives it offers
+    collectives = COLLECTIVES if args.exchange else tuple(c for c in COLLECTIVES if c in HOOK_COLLECTIVES)
     rows = []
     for world_size in args.world_sizes:
-        if args.counters:
-            per_rank = run_in_namespaces(world_size, args, collectives)
-        else:
-            per_rank = run_on_gloo(measure_fn, world_size, args.density, args.steps, tuple(args.hidden), collectives,
-                                   tuple(args.wire))
+        # with --counters, each rank in its own namespace (one unshaped link each)
+        per_rank = [{(collective, wire): value for collective, wire, value in ranks}
+                    for ranks in run_group("bench.bytes_per_step", world_size, args, 1800.0, namespaces=args.counters,
+                                           prefix=args.prefix, collectives=list(collectives))]
         for collective, wire in runs(collectives, tuple(args.wire)):
             ranks = [r[collective, wire] for r in per_rank]
             rows.append({"world_size": world_size, "collective": collective, "wire": wire, "density": args.density,

@@ -33,27 +33,25 @@ against steps and against bytes sent) under ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import math
+from itertools import accumulate
 import os
-import platform
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import gtopk_ext as gx  # noqa: E402
-from bench.digits import MODELS, load_digits_split, make_model  # noqa: E402
-from gtopk_ext.utils import destroy_process_group  # noqa: E402
-from gtopk_ext.collectives import ring_allreduce_bytes  # noqa: E402
+import gtopk_ext as gx
+from bench.digits import MODELS, load_digits_split, make_model
+from bench.harness import cli, report
+from bench.harness.launch import run_group
+from bench.harness.methods import hook_state
+from bench.harness.train import epoch_batches, evaluate, reduced, slowest
+from gtopk_ext.collectives import ring_allreduce_bytes
 
 # method -> (compressor, collective, momentum correction) of the hook; None: DDP's own allreduce. With momentum
 # correction the hook applies --momentum and --weight-decay and the optimizer neither.
@@ -118,28 +116,10 @@ def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx
     moved = {"momentum": args.momentum, "weight_decay": args.weight_decay} if correction else {}
     if correction and args.masking == "after-warmup":  # momentum keeps its velocity through the warm-up
         moved["masking_start_iter"] = args.start_iter + args.warmup_steps
-    return gx.SparseGradState(density=density, compressor=compressor, collective=collective,
-                              start_iter=args.start_iter, min_compress_numel=args.min_compress_numel,
-                              density_schedule=gx.exponential_warmup(density, args.warmup_steps, args.warmup_density,
-                                                                     start_iter=args.start_iter),
-                              per_tensor=args.per_tensor, clip_norm=args.clip_norm, stats_logging_frequency=0,
-                              **moved)
-
-
-def batches_of_epoch(epoch: int, seed: int, n_train: int, rank: int, world_size: int, batch_size: int):
-    """This rank's index batches for one epoch: one shuffle shared by every rank (same seed), each global batch of
-    world_size * batch_size split by rank; the incomplete last batch is dropped."""
-    order = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    global_batch = world_size * batch_size
-    for start in range(0, n_train - global_batch + 1, global_batch):
-        yield order[start + rank * batch_size: start + (rank + 1) * batch_size]
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``model`` on (x, y)."""
-    logits = model(x)
-    return float((logits.argmax(1) == y).float().mean()), float(nn.functional.cross_entropy(logits, y))
+    return hook_state(density, compressor=compressor, collective=collective, start_iter=args.start_iter,
+                      warmup_steps=args.warmup_steps, warmup_density=args.warmup_density, warmup_from=args.start_iter,
+                      min_compress_numel=args.min_compress_numel, per_tensor=args.per_tensor,
+                      clip_norm=args.clip_norm, **moved)
 
 
 def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple, method: str, density: float,
@@ -159,7 +139,7 @@ def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple,
     evals = [(0, *evaluate(model, test_x, test_y))]
     dist.barrier()
     for epoch in range(args.epochs):
-        for index in batches_of_epoch(epoch, seed, len(train_y), rank, world_size, args.batch_size):
+        for index in epoch_batches(epoch, seed, len(train_y), rank, world_size, args.batch_size):
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.cross_entropy(ddp(train_x[index]), train_y[index])
@@ -182,17 +162,14 @@ def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple,
                 progress.set_postfix(loss=f"{statistics.fmean(losses[-10:]):.3f}", acc=f"{evals[-1][1]:.3f}")
         dist.barrier()  # the evaluation stays out of the next step's time
 
-    mean_losses = torch.tensor(losses, dtype=torch.float64)
-    dist.all_reduce(mean_losses)
-    mean_losses /= world_size
-    slowest = torch.tensor(step_seconds, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    mean_losses = reduced(losses) / world_size
+    slowest_seconds = slowest(step_seconds)
     evals_tensor = torch.tensor(evals if rank == 0 else [(0, 0.0, 0.0)] * (args.epochs + 1), dtype=torch.float64)
     dist.broadcast(evals_tensor, src=0)
     steps_per_epoch = len(losses) // args.epochs
     # Time and bytes per step at the target density: after both warm-ups, when the run is long enough.
     warmed_up = args.start_iter + args.warmup_steps
-    timed = slowest[warmed_up:] if len(slowest) > 2 * warmed_up else slowest[1:]
+    timed = slowest_seconds[warmed_up:] if len(slowest_seconds) > 2 * warmed_up else slowest_seconds[1:]
     steady_bytes = bytes_sent[warmed_up:] or bytes_sent
     return {
         "method": method, "density": density if is_sparse(method) else 1.0, "seed": seed, "recipe": args.recipe,
@@ -200,7 +177,7 @@ def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple,
         "collective": METHODS[method][1] if METHODS[method] else "ddp-allreduce",
         "train_loss": mean_losses.tolist(),
         "bytes_sent": bytes_sent,
-        "step_ms": (1e3 * slowest).tolist(),
+        "step_ms": (1e3 * slowest_seconds).tolist(),
         "eval": [{"step": int(s), "test_accuracy": a, "test_loss": loss} for s, a, loss in evals_tensor.tolist()],
         "final_test_accuracy": float(evals_tensor[-1, 1]),
         "final_train_loss": float(mean_losses[-steps_per_epoch:].mean()),
@@ -217,91 +194,61 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, float, int]]:
             for density in (args.densities if is_sparse(method) else [1.0])]
 
 
-def worker(rank: int, world_size: int, args: argparse.Namespace, init_file: str, result_file: str) -> None:
-    torch.set_num_threads(1)  # several processes share a few cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        data = load_digits_split(seed=0)  # one fixed split for every run
-        runs = planned_runs(args)
-        progress = None
-        if rank == 0 and not args.no_progress:
-            from tqdm import tqdm
-
-            steps = args.epochs * (len(data[1]) // (world_size * args.batch_size))
-            # Redirected to a file, a bar redrawn every 0.1 s would flood it.
-            progress = tqdm(total=steps * len(runs), unit="step", dynamic_ncols=True,
-                            mininterval=0.2 if sys.stderr.isatty() else 20)
-        records = []
-        for method, density, seed in runs:
-            if progress is not None:
-                progress.set_description(f"seed {seed} {method}" + (f" {density:g}" if is_sparse(method) else ""))
-            records.append(train_run(rank, world_size, args, data, method, density, seed, progress))
+def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> list[dict]:
+    """One rank: every run (or, with --overhead, the time per step only)."""
+    if args.overhead:
+        return overhead(rank, args)
+    data = load_digits_split(seed=0)  # one fixed split for every run
+    runs = planned_runs(args)
+    steps = args.epochs * (len(data[1]) // (world_size * args.batch_size))
+    progress = report.progress(steps * len(runs), rank, args, config)
+    records = []
+    for method, density, seed in runs:
         if progress is not None:
-            progress.close()
-        if rank == 0:
-            with open(result_file, "w") as f:
-                json.dump(records, f)
-    finally:
-        destroy_process_group()
+            progress.set_description(f"seed {seed} {method}" + (f" {density:g}" if is_sparse(method) else ""))
+        records.append(train_run(rank, world_size, args, data, method, density, seed, progress))
+    if progress is not None:
+        progress.close()
+    return records
 
 
-def overhead_worker(rank: int, world_size: int, args: argparse.Namespace, init_file: str, result_file: str) -> None:
+def overhead(rank: int, args: argparse.Namespace) -> list[dict]:
     """Time per step only (no evaluation): each method in turn, ``--overhead-repeats`` interleaved rounds of
     ``--overhead-steps`` steps after a warm-up; the slowest rank's median per round."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        train_x, train_y, _, _ = load_digits_split(seed=0)
-        configs = [(m, d) for m in args.methods for d in (args.densities if is_sparse(m) else [1.0])]
-        models = {}
-        for method, density in configs:
-            settings = run_args(args, method, density)
-            ddp = DistributedDataParallel(make_model(args.model, 0))
-            state = make_hook_state(method, density, settings)
-            if state is not None:
-                ddp.register_comm_hook(state, gx.sparse_grad_hook)
-            warmup = settings.start_iter + settings.warmup_steps + 3
-            models[(method, density)] = (ddp, make_optimizer(ddp, method, settings), warmup)
-        batches = torch.Generator().manual_seed(rank)
+    train_x, train_y, _, _ = load_digits_split(seed=0)
+    configs = [(m, d) for m in args.methods for d in (args.densities if is_sparse(m) else [1.0])]
+    models = {}
+    for method, density in configs:
+        settings = run_args(args, method, density)
+        ddp = DistributedDataParallel(make_model(args.model, 0))
+        state = make_hook_state(method, density, settings)
+        if state is not None:
+            ddp.register_comm_hook(state, gx.sparse_grad_hook)
+        warmup = settings.start_iter + settings.warmup_steps + 3
+        models[(method, density)] = (ddp, make_optimizer(ddp, method, settings), warmup)
+    batches = torch.Generator().manual_seed(rank)
 
-        def timed_steps(config, steps: int) -> list[float]:
-            ddp, optimizer, _ = models[config]
-            seconds = []
-            for _ in range(steps):
-                index = torch.randint(0, len(train_y), (args.batch_size,), generator=batches)
-                start = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                nn.functional.cross_entropy(ddp(train_x[index]), train_y[index]).backward()
-                optimizer.step()
-                seconds.append(time.perf_counter() - start)
-            return seconds
+    def timed_steps(config, steps: int) -> list[float]:
+        ddp, optimizer, _ = models[config]
+        seconds = []
+        for _ in range(steps):
+            index = torch.randint(0, len(train_y), (args.batch_size,), generator=batches)
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(ddp(train_x[index]), train_y[index]).backward()
+            optimizer.step()
+            seconds.append(time.perf_counter() - start)
+        return seconds
 
-        for config in configs:
-            timed_steps(config, models[config][2])
-        medians = {config: [] for config in configs}
-        for repeat in range(args.overhead_repeats):
-            shift = repeat % len(configs)
-            for config in configs[shift:] + configs[:shift]:  # interleaved, so drifts of a busy machine spread
-                dist.barrier()
-                slowest = torch.tensor(timed_steps(config, args.overhead_steps), dtype=torch.float64)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                medians[config].append(1e3 * float(slowest.median()))
-        if rank == 0:
-            with open(result_file, "w") as f:
-                json.dump([{"method": m, "density": d, "ms_per_step_rounds": ms} for (m, d), ms in medians.items()], f)
-    finally:
-        destroy_process_group()
-
-
-def spawn(target, args: argparse.Namespace) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = os.path.join(tmp, "records.json")
-        mp.spawn(target, args=(args.world_size, args, os.path.join(tmp, "rendezvous"), result_file),
-                 nprocs=args.world_size, join=True)
-        with open(result_file) as f:
-            return json.load(f)
+    for config in configs:
+        timed_steps(config, models[config][2])
+    medians = {config: [] for config in configs}
+    for repeat in range(args.overhead_repeats):
+        shift = repeat % len(configs)
+        for config in configs[shift:] + configs[:shift]:  # interleaved, so drifts of a busy machine spread
+            dist.barrier()
+            medians[config].append(1e3 * float(slowest(timed_steps(config, args.overhead_steps)).median()))
+    return [{"method": m, "density": d, "ms_per_step_rounds": ms} for (m, d), ms in medians.items()]
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -353,13 +300,9 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 
 def plot(records: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    fig, axes = report.pyplot().subplots(2, 2, figsize=(13, 8.5))
     import matplotlib.ticker
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
     colors = dict(zip(METHODS, ("black", "tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
                                 "tab:brown")))
     densities = sorted({r["density"] for r in records if r["density"] < 1.0}, reverse=True)
@@ -371,7 +314,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
         method, density = key
         label = method if density == 1.0 else f"{method} d={density:g}"
         style = dict(color=colors[method], linestyle=styles.get(density, "-"), linewidth=1.6 if density == 1.0 else 1.3)
-        cumulative_mb = [b / 1e6 for b in _cumsum(mean_curve(group, lambda r: r["bytes_sent"]))]
+        cumulative_mb = [b / 1e6 for b in accumulate(mean_curve(group, lambda r: r["bytes_sent"]))]
         loss = smooth(mean_curve(group, lambda r: r["train_loss"]), window)
         eval_steps = [e["step"] for e in group[0]["eval"]]
         accuracy = [100 * a for a in mean_curve(group, lambda r: [e["test_accuracy"] for e in r["eval"]])]
@@ -402,16 +345,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     fig.suptitle(title)
     fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.965), ncol=4, fontsize=9, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _cumsum(values: list[float]) -> list[float]:
-    out, total = [], 0.0
-    for v in values:
-        total += v
-        out.append(total)
-    return out
+    report.save(fig, path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -448,12 +382,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overhead-repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before failing")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cli.add_worker_arg(parser)
     args = parser.parse_args(argv)
     if args.recipe is not None:
         args = parse_with_preset(parser, argv, RECIPES[args.recipe])
-    for name in ("world_size", "epochs", "batch_size", "overhead_steps", "overhead_repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    cli.check_positive(parser, args, "world_size", "epochs", "batch_size", "overhead_steps", "overhead_repeats")
     if args.start_iter < 2:
         parser.error(f"--start-iter must be >= 2 (the hook's residuals need DDP's rebuilt buckets), got "
                      f"{args.start_iter}")
@@ -491,12 +424,15 @@ def parse_with_preset(parser: argparse.ArgumentParser, argv: list[str] | None, p
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if cli.ran_as_worker(args, run_worker, "timeout"):
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     setting = (f"{args.world_size} Gloo processes on {os.cpu_count()} CPU cores, digits, {args.model}, batch "
                f"{args.batch_size}/rank, lr {args.lr:g}, momentum {args.momentum:g}")
-    machine = {"torch": torch.__version__, "platform": platform.platform(), "cpus": os.cpu_count()}
+    # The ranks run on loopback for as long as it takes (--timeout bounds each collective).
+    measured = run_group("bench.demo", args.world_size, args, math.inf)
     if args.overhead:
-        rows = spawn(overhead_worker, args)
+        rows = measured
         baseline = next((statistics.median(r["ms_per_step_rounds"]) for r in rows if r["method"] == "dense"), None)
         print(f"time per step, {setting}; median of {args.overhead_repeats} interleaved rounds of "
               f"{args.overhead_steps} steps (each round: the slowest rank's median)")
@@ -508,12 +444,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{r['method']:<23}{r['density']:>8g}{r['ms_per_step']:>9.2f}"
                   f"{f'({min(ms):.2f}-{max(ms):.2f})':>16}{ratio:>9}")
         path = args.out / "overhead.json"
-        path.write_text(json.dumps({"settings": {k: str(v) if isinstance(v, Path) else v for k, v in
-                                                 vars(args).items()}, **machine, "rows": rows}, indent=1))
+        report.write_json(path, args, rows=rows)
         print(f"wrote {path}")
         return
 
-    records = spawn(worker, args)
+    records = measured
     rows = summarize(records)
     seeds = " ".join(map(str, args.seeds))
     print(f"{setting}; {args.epochs} epochs ({len(records[0]['train_loss'])} steps), seeds {seeds} (mean), "
@@ -522,9 +457,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{RECIPE_METHOD} at density {RECIPES[name]['densities'][0]:g}: " +
               ", ".join(f"{key}={value}" for key, value in values.items()))
     print_table(rows)
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    (args.out / "demo.json").write_text(json.dumps({"settings": settings, **machine, "table": rows,
-                                                    "runs": records}))
+    report.write_json(args.out / "demo.json", args, table=rows, runs=records)
     plot(records, args.out / "demo.png", f"{setting}; {args.epochs} epochs, mean of seeds {seeds}")
     print(f"wrote {args.out / 'demo.json'} and {args.out / 'demo.png'}")
 

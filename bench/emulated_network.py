@@ -3,11 +3,9 @@ through a veth pair whose both ends ``tc tbf`` limits to a rate, so a link behav
 of that rate. Needs root, ``ip`` and ``tc`` (iproute2) with tbf; everything it creates is removed on close, on
 failure and on SIGINT/SIGTERM. The addresses (10.77.0.0/24) exist only inside these namespaces.
 
-``run_ranks`` starts one process per rank (``python -m <module> --worker <config.json>``) inside the namespaces,
-or on loopback without a network: bench/netem_scaling.py and bench/wagma.py run their workers through it.
-``run_torchrun`` starts one torchrun agent per emulated node instead (a namespace holds a node's ranks, which talk
-to each other over its loopback, unshaped); ``python -m bench.emulated_network torchrun ...`` runs a training
-script that way:
+bench/harness/launch.py starts the ranks inside them: a benchmark's workers (``run_ranks``), or one torchrun agent
+per emulated node (``run_torchrun``: a namespace holds a node's ranks, which talk to each other over its loopback,
+unshaped); ``python -m bench.emulated_network torchrun ...`` runs a training script that way:
 
     python -m bench.emulated_network torchrun --nnodes 2 --nproc-per-node 2 --rate 1gbit -- \
         examples/train_ddp.py --collective hierarchical
@@ -17,29 +15,17 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 SUBNET = "10.77.0"  # private, and only ever assigned inside this module's own namespaces
 RANK_IFNAME = "eth0"
-GLOO_PORT = 29500  # each run has its own namespaces, hence its own port space
-RDZV_PORT = 29400  # torchrun's rendezvous store, on the first node
-# Workers restarted by torchrun get a fresh store per rendezvous round: the store the agents share by default keeps
-# the keys of the failed attempt, and a restarted worker can read a dead peer's address (Gloo: connection refused)
-# or the failure the sparse hook published there.
-RESTARTABLE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
 def parse_rate(text: str) -> int:
     """'1gbit', '100mbit', '250kbit' or a plain number of bits per second -> bits per second."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)(?:bit)?", text.strip().lower())
@@ -154,33 +140,6 @@ def network_name(rate_bps: int | None) -> str:
     return "loopback (no shaping)" if rate_bps is None else f"{rate_name(rate_bps)} links (namespaces, tbf)"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_all(procs: list[subprocess.Popen], logs: list, timeout: float) -> None:
-    """Waits for every rank, streaming rank 0's table; raises with the failing rank's log if one fails."""
-    deadline = time.monotonic() + timeout
-    shown = 0
-    while True:
-        logs[0].flush()
-        text = Path(logs[0].name).read_text()
-        print(text[shown:], end="", flush=True)
-        shown = len(text)
-        codes = [proc.poll() for proc in procs]
-        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
-            tail = Path(logs[failed[0]].name).read_text()[-3000:]
-            raise RuntimeError(f"rank {failed[0]} exited with status {codes[failed[0]]}:\n{tail}")
-        if all(code == 0 for code in codes):
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the group did not finish within --group-timeout {timeout:g} s")
-        time.sleep(0.5)
-
-
 class TxCounter:
     """Bytes sent on one interface of this process's network namespace (``None`` interface: not counted)."""
 
@@ -189,95 +148,6 @@ class TxCounter:
 
     def read(self) -> int:
         return int(self.path.read_text()) if self.path else 0
-
-
-def join_group(config: dict, timeout_arg: str | None = None) -> tuple[argparse.Namespace, int, int]:
-    """In a worker that ``run_ranks`` started: one intra-op thread (the ranks share the cores), then the run's Gloo
-    group, with the timeout in seconds that its args name ``timeout_arg`` (None: torch's default). Returns
-    ``(args, rank, world_size)``."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    args = argparse.Namespace(**config["args"])
-    rank, world_size = config["rank"], config["world_size"]
-    timeout = {} if timeout_arg is None else {"timeout": timedelta(seconds=getattr(args, timeout_arg))}
-    dist.init_process_group("gloo", init_method=f"tcp://{config['master_addr']}:{config['port']}", rank=rank,
-                            world_size=world_size, **timeout)
-    return args, rank, world_size
-
-
-def run_ranks(module: str, world_size: int, network: Network | None, config: dict, workdir: Path, name: str,
-              timeout: float, ranks_per_host: int = 1) -> None:
-    """Runs ``python -m <module> --worker <file>`` once per rank, where the file holds ``config`` plus ``rank``,
-    ``world_size``, ``master_addr``, ``port`` and ``ifname`` (the interface whose bytes a rank may count; None on
-    loopback). Rank r runs inside namespace r // ``ranks_per_host`` (ranks sharing one talk over its loopback)
-    with Gloo bound to its interface, or on 127.0.0.1 without a network. Streams rank 0's output; raises with a
-    failing rank's log. ``name`` tells this run's files apart."""
-    master = Network.address(0) if network else "127.0.0.1"
-    port = GLOO_PORT if network else free_port()
-    commands = []
-    for rank in range(world_size):
-        rank_config = {**config, "rank": rank, "world_size": world_size, "master_addr": master, "port": port,
-                       "ifname": RANK_IFNAME if network else None}
-        config_path = workdir / f"config-{name}-r{rank}.json"
-        config_path.write_text(json.dumps(rank_config))
-        commands.append([sys.executable, "-m", module, "--worker", str(config_path)])
-    run_on_hosts(commands, network, workdir, [f"{name}-r{rank}" for rank in range(world_size)], timeout,
-                 ranks_per_host=ranks_per_host)
-
-
-def run_on_hosts(commands: list[list[str]], network: Network | None, workdir: Path, names: list[str],
-                 timeout: float, env: dict[str, str] | None = None, ranks_per_host: int = 1) -> list[str]:
-    """Runs ``commands[i]`` inside host namespace i // ``ranks_per_host`` (on this machine's loopback without a
-    network) with Gloo bound to its interface, logging to ``log-<names[i]>.txt`` in ``workdir``. Streams the first
-    one's output; raises with a failing one's log; returns every log."""
-    procs, logs = [], []
-    try:
-        for host, (command, name) in enumerate(zip(commands, names)):
-            if network:
-                command = ["ip", "netns", "exec", network.rank_ns[host // ranks_per_host], *command]
-            host_env = dict(os.environ, GLOO_SOCKET_IFNAME=RANK_IFNAME if network else "lo", OMP_NUM_THREADS="1",
-                            **(env or {}))
-            log = open(workdir / f"log-{name}.txt", "w+")
-            logs.append(log)
-            procs.append(subprocess.Popen(command, cwd=ROOT, env=host_env, stdout=log, stderr=subprocess.STDOUT))
-        wait_all(procs, logs, timeout)
-        return [Path(log.name).read_text() for log in logs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
-
-
-def torchrun_command(script: list[str], nnodes: int, nproc_per_node: int, endpoint: str, is_host: bool,
-                     run_id: str, max_restarts: int, local_addr: str | None) -> list[str]:
-    """One node's torchrun agent for ``script`` (the script and its arguments), c10d rendezvous at ``endpoint``
-    (whose store the first node's agent hosts)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
-               str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-               "--rdzv-conf", f"is_host={int(is_host)}", "--max-restarts", str(max_restarts)]
-    if local_addr is not None:  # else torchrun advertises the machine's hostname, unknown inside a namespace
-        command += ["--local-addr", local_addr]
-    return [*command, *script]
-
-
-def run_torchrun(script: list[str], nnodes: int, nproc_per_node: int, network: Network | None, workdir: Path,
-                 name: str, timeout: float, max_restarts: int = 0, env: dict[str, str] | None = None) -> list[str]:
-    """Runs ``script`` under one torchrun agent per node, each inside the node's namespace with Gloo bound to its
-    interface, or all on loopback without a network; the agents find each other by c10d rendezvous. Streams the
-    first node's output; raises with a failing node's log; returns every node's log."""
-    master = Network.address(0) if network else "127.0.0.1"
-    port = RDZV_PORT if network else free_port()
-    commands = [torchrun_command(script, nnodes, nproc_per_node, f"{master}:{port}", node == 0, name, max_restarts,
-                                 Network.address(node) if network else None) for node in range(nnodes)]
-    return run_on_hosts(commands, network, workdir, [f"{name}-node{node}" for node in range(nnodes)], timeout,
-                        {**RESTARTABLE_ENV, **(env or {})})
 
 
 class Networks:
@@ -335,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
         before = node_tx_bytes(network) if network else []
         with tempfile.TemporaryDirectory() as workdir:
+            from bench.harness.launch import run_torchrun  # here: bench.harness.launch imports this module
+
             run_torchrun(script, args.nnodes, args.nproc_per_node, network, Path(workdir), f"run{os.getpid()}",
                          args.timeout, args.max_restarts)
         if network:

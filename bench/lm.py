@@ -1,10 +1,9 @@
 """A language model: a small decoder-only transformer trained on the Python standard library's own source files,
 with real DDP on ``--world-size`` Gloo processes on this machine's CPU, once per method, from the same initial
 weights on the same batches; on loopback, or with ``--rate`` each rank in its own network namespace behind an
-emulated link of that rate (bench/emulated_network.py, as bench/local_sgd.py runs it; needs root). Nothing is
-downloaded: the corpus is every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]`` (site-packages left out),
-read as bytes (a byte-level vocabulary of 256), so it differs between Python versions: the version is recorded in
-the output.
+emulated link of that rate (bench/emulated_network.py; needs root). Nothing is downloaded: the corpus is every
+``*.py`` file under ``sysconfig.get_paths()["stdlib"]`` (site-packages left out), read as bytes (a byte-level
+vocabulary of 256), so it differs between Python versions: the version is recorded in the output.
 
 The split is a function of each file's path relative to the standard library alone (``sha256(path) mod 100 <
 --val-percent``): the same files are held out on every machine with the same Python version, whatever the order
@@ -16,10 +15,10 @@ method between its exchanges: the mean of the replicas, formed by an allreduce t
 
 Methods (``--methods``):
 
-    ddp, fp16, powersgd-2      DDP's allreduce, ``fp16_compress_hook``, PowerSGD rank 2 (bench/peers.py's recipes)
+    ddp, fp16, powersgd-2      DDP's allreduce, ``fp16_compress_hook``, PowerSGD rank 2 (bench/harness/methods.py)
     gtopk-<d>                  gtopk_ext's hook, Gaussian-k + gTop-k at density d, momentum in the optimizer
     dgc-<d>                    the same with momentum correction (momentum 0.9 in the hook, the optimizer none) and
-                               Deep Gradient Compression's sparsity warm-up (bench/peers.py's recipe)
+                               Deep Gradient Compression's sparsity warm-up (the ``--dgc-*`` flags)
     dgc-pt-<d>                 dgc-<d> with per-tensor selection (each parameter its share of the bucket's k)
     sparse-<coll>-<d>-<H>      gx.SparseLocalSGD: H local steps of the same inner SGD, then a sparse pseudo-gradient
     sparse-<coll>-<d>-<H>-compact   the same on the compact wire (4 bytes a pair instead of 8)
@@ -42,7 +41,6 @@ finished); the table is printed and the curves plotted (``--plot``).
         sparse-gtopk-0.05-10-compact --json lm_100mbit.json --plot lm_100mbit.png      # as root
 """
 
-# No `from __future__ import annotations`: DDP checks the hooks' annotations against dist.GradBucket.
 import argparse
 import dataclasses
 import hashlib
@@ -57,17 +55,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.emulated_network import TxCounter, join_group, network_name, parse_rate, runs_on_loopback  # noqa: E402
-from bench.local_sgd import LocalExchange, load_consensus, parse_method, run_group  # noqa: E402
-from bench.peers import (RECIPES, START_ITER, Recipe, add_dgc_arguments, dgc_recipe, gtopk_ext_recipe,  # noqa: E402
-                         numel_of)
-from gtopk_ext.compressors import check_density  # noqa: E402
-from gtopk_ext.utils import destroy_process_group  # noqa: E402
+from bench.emulated_network import TxCounter, network_name
+from bench.harness import cli, report
+from bench.harness.launch import run_group
+from bench.harness.methods import START_ITER, add_dgc_arguments, label, method_name, numel_of
+from bench.harness.train import Trainer, load_consensus, reduced, slowest
 
 DEFAULT_METHODS = ("ddp", "fp16", "powersgd-2", "gtopk-0.01", "gtopk-0.001", "dgc-0.01", "dgc-0.001",
                    "sparse-gtopk-0.05-10", "dgc-pt-0.001", "diloco-10")
@@ -190,85 +184,14 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
-# ----------------------------------------------------------------------------------------------------- methods
-
-def hook_recipe(name: str) -> Optional[Recipe]:
-    """The DDP recipe of a method name, or None for a local-SGD method."""
-    if name in ("ddp", "fp16", "powersgd-2") or name.startswith("gtopk-"):
-        return RECIPES[name] if name in RECIPES else gtopk_ext_recipe(
-            f"Gaussian-k + gtopk, d={float(name.split('-')[1]):g}", density=float(name.split("-")[1]))
-    if name.startswith("dgc-pt-"):
-        return dgc_recipe(float(name[len("dgc-pt-"):]), per_tensor=True)
-    if name.startswith("dgc-"):
-        return dgc_recipe(float(name[len("dgc-"):]))
-    return None
-
-
-def check_method(text: str) -> str:
-    try:
-        if text.startswith(("gtopk-", "dgc-")):
-            check_density(float(text.rsplit("-", 1)[1]))
-        if hook_recipe(text) is None and parse_method(text).kind not in ("sparse", "diloco", "postlocal"):
-            raise ValueError("not a method of this benchmark")
-    except (ValueError, IndexError, argparse.ArgumentTypeError) as error:
-        raise argparse.ArgumentTypeError(f"bad method {text!r} ({error}): expected ddp, fp16, powersgd-2, gtopk-<d>, "
-                                         f"dgc-<d>, dgc-pt-<d>, sparse-<collective>-<d>-<H>[-compact], diloco-<H> "
-                                         f"or postlocal-<H>") from error
-    return text
-
-
-def method_label(name: str) -> str:
-    recipe = hook_recipe(name)
-    return recipe.label if recipe is not None else parse_method(name).label
-
-
 # ------------------------------------------------------------------------------------------------- worker side
 
-class Trainer:
-    """One method on this rank: the model (DDP with a hook, or a replica under a local method), the optimizer, and
-    the bytes this rank sent so far by the method's own count."""
-
-    def __init__(self, name: str, config: ModelConfig, args: argparse.Namespace, world_size: int):
-        self.model = TransformerLM(config, args.seed)  # the same initial weights for every method and rank
-        self.recipe, self.local, self.sent = hook_recipe(name), None, 0
-        self.trained, momentum = self.model, args.momentum
-        if self.recipe is not None:
-            # PowerSGD's one bucket: a cap above the model's size (see bench/peers.py).
-            cap_mb = numel_of(self.model) * 4 / 2**20 + 1 if self.recipe.one_bucket else args.bucket_cap_mb
-            self.trained = DistributedDataParallel(self.model, bucket_cap_mb=cap_mb)
-            self.accounting = self.recipe.attach(self.trained, world_size, args)
-            momentum = 0.0 if self.recipe.momentum_in_hook else args.momentum
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=momentum)
-        if self.recipe is None:
-            self.local = LocalExchange(parse_method(name), self.model, self.optimizer, args, world_size)
-            self.optimizer = self.local.optimizer
-        self.sparse_hook = name.startswith(("gtopk-", "dgc-"))  # gtopk_ext's hook: count what it updates
-        self.groups = [parameter_group(n) for n, _ in self.model.named_parameters()]
-
-    def step(self, batch: torch.Tensor) -> float:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = lm_loss(self.trained, batch)
-        loss.backward()
-        self.optimizer.step()
-        if self.local is not None:
-            self.local.after_step()
-        else:
-            self.sent += self.accounting.bytes_sent()
-        return float(loss.detach())
-
-    def updated_per_group(self) -> dict[str, int]:
-        """Elements of each group that the last step's reduced gradient touched (its nonzeros)."""
-        counts = dict.fromkeys(GROUPS, 0)
-        for group, p in zip(self.groups, self.model.parameters()):
-            counts[group] += int(torch.count_nonzero(p.grad))
-        return counts
-
-    def bytes_sent(self) -> int:
-        return self.local.bytes_sent() if self.local is not None else self.sent
-
-    def synced(self) -> bool:
-        """Whether the replicas are one model now (DDP: always; a local method: right after an exchange)."""
-        return self.local is None or self.local.synced()
+def updated_per_group(model: nn.Module, groups: list[str]) -> dict[str, int]:
+    """Elements of each group that the last step's reduced gradient touched (its nonzeros)."""
+    counts = dict.fromkeys(GROUPS, 0)
+    for group, p in zip(groups, model.parameters()):
+        counts[group] += int(torch.count_nonzero(p.grad))
+    return counts
 
 
 @torch.no_grad()
@@ -280,27 +203,23 @@ def validation_loss(model: nn.Module, val_batches: torch.Tensor, rank: int, worl
         total[0] += float(lm_loss(model, batch)) * len(batch)
         total[1] += len(batch)
     model.train()
-    dist.all_reduce(total)
+    total = reduced(total.tolist())
     return float(total[0] / total[1])
-
-
-def slowest(seconds: float) -> float:
-    """The largest of the ranks' ``seconds``."""
-    values = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return float(values)
 
 
 def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, train: torch.Tensor,
                val_batches: torch.Tensor, tx: TxCounter, progress) -> dict:
     config = model_config(args)
-    trainer = Trainer(name, config, args, world_size)
+    # the same initial weights for every method and rank
+    trainer = Trainer(name, TransformerLM(config, args.seed), args, world_size)
     evaluation = TransformerLM(config, args.seed) if trainer.local is not None else None  # the replicas' mean
+    groups = [parameter_group(n) for n, _ in trainer.model.named_parameters()]
+    sparse_hook = name.startswith(("gtopk-", "dgc-"))  # gtopk_ext's hook: count what it updates
 
     def point(step: int, seconds: float, tx_bytes: int) -> dict:
         shared = trainer.model if trainer.synced() else load_consensus(trainer.model, evaluation, world_size)
         return {"step": step, "val_loss": validation_loss(shared, val_batches, rank, world_size),
-                "seconds": slowest(seconds), "bytes_sent": trainer.bytes_sent(), "tx_bytes": tx_bytes}
+                "seconds": float(slowest([seconds])), "bytes_sent": trainer.bytes_sent(), "tx_bytes": tx_bytes}
 
     curve = [point(0, 0.0, 0)]
     losses, seconds, tx_bytes, selections = [], 0.0, 0, []
@@ -310,25 +229,25 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
         batch = windows(train, world_size * args.batch_size, config.seq_len + 1, generator)
         before, start = tx.read(), time.perf_counter()
-        losses.append(trainer.step(batch[rank * args.batch_size:(rank + 1) * args.batch_size]))
-        if step == args.steps and trainer.local is not None:
-            trainer.local.finish()  # every method ends with one model
+        rows = batch[rank * args.batch_size:(rank + 1) * args.batch_size]
+        losses.append(trainer.step(lambda model: lm_loss(model, rows)))
+        if step == args.steps:
+            trainer.finish()
         seconds += time.perf_counter() - start
         tx_bytes += tx.read() - before
-        if trainer.sparse_hook and step > warmed_up:
-            selections.append(trainer.updated_per_group())
+        if sparse_hook and step > warmed_up:
+            selections.append(updated_per_group(trainer.model, groups))
         if step % args.eval_every == 0 or step == args.steps:
             curve.append(point(step, seconds, tx_bytes))
         if progress is not None:
             progress.set_postfix(loss=f"{losses[-1]:.3f}", val=f"{curve[-1]['val_loss']:.3f}", refresh=False)
             progress.update()
-    mean_losses = torch.tensor(losses, dtype=torch.float64)
-    dist.all_reduce(mean_losses)
+    mean_losses = reduced(losses)
     numels = dict.fromkeys(GROUPS, 0)
-    for group, p in zip(trainer.groups, trainer.model.parameters()):
+    for group, p in zip(groups, trainer.model.parameters()):
         numels[group] += p.numel()
     final = curve[-1]
-    record = {"method": name, "label": method_label(name), "curve": curve,
+    record = {"method": name, "label": label(name), "curve": curve,
               "train_loss": (mean_losses / world_size).tolist(), "seconds": final["seconds"],
               "final_val_loss": final["val_loss"], "bytes_sent": final["bytes_sent"], "tx_bytes": final["tx_bytes"],
               "group_numel": numels, "load_average": os.getloadavg()}  # the machine's load while it ran
@@ -341,40 +260,30 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(seq_len=args.seq_len, d_model=args.d_model, layers=args.layers, heads=args.heads)
 
 
-def run_worker(config: dict) -> None:
-    """One rank (started by bench.local_sgd.run_group): every method in turn; rank 0 writes the records."""
-    args, rank, world_size = join_group(config, "timeout")  # one intra-op thread: the ranks share a few cores
+def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> None:
+    """One rank: every method in turn; rank 0 writes the records after each."""
     args.json = Path(args.json) if args.json else None
-    result_file, tx = config["out"], TxCounter(config["ifname"])
-    try:
-        root = stdlib_root()
-        train_files, val_files = split_files(corpus_files(root), args.val_percent)
-        train, val = load_bytes(root, train_files), load_bytes(root, val_files)
-        val_batches = windows(val, args.val_windows, args.seq_len + 1, torch.Generator().manual_seed(12345))
-        progress = None
-        if rank == 0 and not args.no_progress:
-            from tqdm import tqdm
-
-            # Redirected to a file, a bar redrawn every 0.1 s would flood it.
-            progress = tqdm(total=args.steps * len(args.methods), unit="step", dynamic_ncols=True, file=sys.stderr,
-                            mininterval=0.5 if sys.stderr.isatty() else 30)
-        records = []
-        for name in args.methods:
-            if progress is not None:
-                progress.set_description(name)
-            records.append(run_method(name, rank, world_size, args, train, val_batches, tx, progress))
-            if rank == 0:  # after every method: a run cut short keeps what finished
-                Path(result_file).write_text(json.dumps({
-                    "corpus": {"files": len(train_files) + len(val_files), "train_files": len(train_files),
-                               "val_files": len(val_files), "train_bytes": len(train), "val_bytes": len(val),
-                               "val_file_list": val_files},
-                    "records": records}))
-                if args.json:
-                    write_report(args, json.loads(Path(result_file).read_text()))
+    tx = TxCounter(config["ifname"])
+    root = stdlib_root()
+    train_files, val_files = split_files(corpus_files(root), args.val_percent)
+    train, val = load_bytes(root, train_files), load_bytes(root, val_files)
+    val_batches = windows(val, args.val_windows, args.seq_len + 1, torch.Generator().manual_seed(12345))
+    progress = report.progress(args.steps * len(args.methods), rank, args, config)
+    records = []
+    for name in args.methods:
         if progress is not None:
-            progress.close()
-    finally:
-        destroy_process_group()
+            progress.set_description(name)
+        records.append(run_method(name, rank, world_size, args, train, val_batches, tx, progress))
+        if rank == 0:  # after every method: a run cut short keeps what finished
+            measured = {"corpus": {"files": len(train_files) + len(val_files), "train_files": len(train_files),
+                                   "val_files": len(val_files), "train_bytes": len(train), "val_bytes": len(val),
+                                   "val_file_list": val_files},
+                        "records": records}
+            Path(config["out"]).write_text(json.dumps(measured))
+            if args.json:
+                write_report(args, measured)
+    if progress is not None:
+        progress.close()
 
 
 # ------------------------------------------------------------------------------------------------- driver side
@@ -417,12 +326,7 @@ def setting(args: argparse.Namespace, parameters: int, corpus: dict) -> str:
 
 def plot(records: list[dict], path: Path, title: str) -> None:
     """Validation loss against steps, training seconds and MB sent per rank, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_step, by_time, by_bytes) = plt.subplots(1, 3, figsize=(17, 5.5))
+    fig, (by_step, by_time, by_bytes) = report.pyplot().subplots(1, 3, figsize=(17, 5.5))
     for index, record in enumerate(records):
         style = {"color": "black", "linewidth": 2} if record["method"] == "ddp" else {"color": f"C{index % 10}"}
         curve = record["curve"]
@@ -440,26 +344,24 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     fig.suptitle(title, fontsize=8, wrap=True)
     fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=3, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.86))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save(fig, path)
 
 
 def write_report(args: argparse.Namespace, measured: dict) -> list[dict]:
     """The JSON report of what ``measured`` holds; returns its table's rows."""
     rows = summarize(measured["records"])
     parameters = numel_of(TransformerLM(model_config(args)))
-    args.json.write_text(json.dumps({
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "setting": setting(args, parameters, measured["corpus"]), "parameters": parameters,
-        "python": platform.python_version(), "torch": torch.__version__, "machine": platform.platform(),
-        "corpus": measured["corpus"], "table": rows, "runs": measured["records"]}, indent=1))
+    # the corpus is this Python's standard library
+    report.write_json(args.json, args, setting=setting(args, parameters, measured["corpus"]), parameters=parameters,
+                      python=platform.python_version(), corpus=measured["corpus"], table=rows,
+                      runs=measured["records"])
     return rows
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--methods", nargs="+", type=check_method, default=list(DEFAULT_METHODS))
+    parser.add_argument("--methods", nargs="+", type=method_name, default=list(DEFAULT_METHODS))
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=600, help="steps of every method")
     parser.add_argument("--eval-every", type=int, default=50, help="a multiple of every local method's H")
@@ -477,25 +379,17 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--val-percent", type=float, default=5.0, help="share of the files held out")
     parser.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len bytes")
     parser.add_argument("--seed", type=int, default=0, help="initial weights and batches")
-    parser.add_argument("--rate", type=parse_rate, default=None,
-                        help="every rank in its own network namespace behind a link of this rate, e.g. 100mbit "
-                             "(needs root; default: loopback, no shaping)")
-    parser.add_argument("--prefix", default="gxlm", help="name prefix of the namespaces a --rate run creates")
-    parser.add_argument("--timeout", type=float, default=4 * 3600.0, help="Gloo's timeout and the whole run's, seconds")
+    cli.add_network_args(parser, prefix="gxlm", rate=None, timeout=4 * 3600.0,
+                         timeout_help="Gloo's timeout and the whole run's, seconds")
     parser.add_argument("--json", type=Path, help="settings, corpus, curves and table (rewritten after each method)")
     parser.add_argument("--plot", type=Path, help="validation loss against steps, seconds and bytes (PNG)")
     parser.add_argument("--merge", type=Path, nargs="+",
                         help="run nothing: the table, --json and --plot of these reports' methods together (reports "
                              "of one configuration, written by parts of --methods)")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        return args
-    for name in ("world_size", "steps", "eval_every", "batch_size", "seq_len", "d_model", "layers", "heads",
-                 "val_windows"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    cli.check_positive(parser, args, "world_size", "steps", "eval_every", "batch_size", "seq_len", "d_model", "layers",
+                       "heads", "val_windows")
     if args.d_model % args.heads:
         parser.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
     if not 0 < args.val_percent < 100:
@@ -506,18 +400,15 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list] = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        run_worker(json.loads(args.worker.read_text()))
+    if cli.ran_as_worker(args, run_worker, "timeout"):
         return 0
     if args.merge:
         args, measured = merged(args)
-        return report(args, measured)
-    if args.rate is not None and runs_on_loopback("bench.lm", loopback=False):
-        args.rate = None
-    worker_args = {key: str(value.resolve()) if isinstance(value, Path) else value
-                   for key, value in vars(args).items() if key not in ("worker", "plot")}
-    measured = run_group("bench.lm", args.world_size, args.rate, args.prefix, worker_args, args.timeout)
-    return report(args, measured)
+        return present(args, measured)
+    args.rate = cli.link_rate("bench.lm", args)
+    args.json = args.json.resolve() if args.json else None  # the ranks run in the repository's root
+    measured = run_group("bench.lm", args.world_size, args, args.timeout, rate_bps=args.rate, prefix=args.prefix)
+    return present(args, measured)
 
 
 # What makes two reports one experiment (--merge): everything but the methods and how they were run.
@@ -543,7 +434,7 @@ def merged(args: argparse.Namespace) -> tuple[argparse.Namespace, dict]:
     return settings, {"records": records, "corpus": reports[0]["corpus"]}
 
 
-def report(args: argparse.Namespace, measured: dict) -> int:
+def present(args: argparse.Namespace, measured: dict) -> int:
     """Prints the table; writes --json and --plot."""
     records, corpus = measured["records"], measured["corpus"]
     parameters = numel_of(TransformerLM(model_config(args)))

@@ -31,28 +31,17 @@ is removed on exit, on failure and on SIGINT/SIGTERM; ``--cleanup`` removes what
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.cost_model import bytes_per_rank, features
-from bench.emulated_network import (Network, Networks, TxCounter, check_can_emulate, cleanup_stale, parse_rate,
-                                    join_group, rate_name, run_ranks)
-
-METHODS = ("dense", "allgather", "gtopk", "oktopk", "hierarchical")
-WIRES = ("plain", "compact")
-BARRIER_PROBES = 20  # barriers timed to subtract their bytes from each measurement
-
-
-def density_k(density: float, numel: int) -> int:
-    from gtopk_ext.compressors import k_for_density  # the compressor's own k
-    return k_for_density(density, numel)
+from bench.emulated_network import TxCounter, check_can_emulate, cleanup_stale, parse_rate, rate_name
+from bench.harness import cli, report
+from bench.harness.launch import run_group
+from bench.harness.traffic import METHODS, WIRES, bytes_per_rank, features
 
 
 @dataclass(frozen=True)
@@ -78,34 +67,17 @@ def plan_exchange(model_bytes: float, rate_bps: int | None, args: argparse.Names
 
 # ----------------------------------------------------------------------------------------------- worker side
 
-def run_worker(config: dict) -> None:
-    """One rank: joins the Gloo group, measures every configuration, rank 0 writes the rows."""
+def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> list[dict]:
+    """One rank: measures every configuration."""
     import torch
     import torch.distributed as dist
 
     import gtopk_ext as gx
-    from gtopk_ext.utils import destroy_process_group
+    from bench.harness.train import barrier_bytes, gathered, slowest
 
-    args, rank, world_size = join_group(config, "group_timeout")
-    rate_bps = config["rate_bps"]
+    rate_bps = config["link_rate"]
     counter = TxCounter(config["ifname"])
-
-    def all_max(values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor.tolist()
-
-    def per_rank(value: float) -> list[float]:
-        gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size)]
-        dist.all_gather(gathered, torch.tensor([value], dtype=torch.float64))
-        return [g.item() for g in gathered]
-
-    # Bytes of one barrier (each measurement is bracketed by barriers whose traffic is not the exchange's).
-    dist.barrier()
-    start = counter.read()
-    for _ in range(BARRIER_PROBES):
-        dist.barrier()
-    barrier_bytes = (counter.read() - start) / BARRIER_PROBES
+    one_barrier = barrier_bytes(counter)  # each measurement is bracketed by barriers: not the exchange's traffic
 
     def measure(exchange, repeats: int) -> dict:
         times = []
@@ -117,10 +89,10 @@ def run_worker(config: dict) -> None:
             exchange()
             times.append(time.perf_counter() - start_time)
         dist.barrier()
-        sent = (counter.read() - start_bytes - (repeats + 1) * barrier_bytes) / repeats
-        slowest = all_max(times)
-        sent_per_rank = per_rank(sent)
-        return {"time_s": statistics.median(slowest), "times_s": slowest,
+        sent = (counter.read() - start_bytes - (repeats + 1) * one_barrier) / repeats
+        slowest_times = slowest(times).tolist()
+        sent_per_rank = gathered(sent)
+        return {"time_s": statistics.median(slowest_times), "times_s": slowest_times,
                 "tx_bytes": statistics.mean(sent_per_rank) if config["ifname"] else None,
                 "tx_bytes_per_rank": sent_per_rank if config["ifname"] else None}
 
@@ -152,7 +124,7 @@ def run_worker(config: dict) -> None:
                     start_time = time.perf_counter()
                     messages[density] = compressor.compress(grad)
                     elapsed = time.perf_counter() - start_time
-            select_s[density] = per_rank(elapsed)
+            select_s[density] = gathered(elapsed)
         for method, density, wire, group_size in configurations(args, world_size):
             k = numel if density is None else messages[density].k
             model_bytes = link_bytes(method, numel, k, group_size, wire, local)
@@ -171,10 +143,7 @@ def run_worker(config: dict) -> None:
             if rank == 0:
                 print(format_row(row), flush=True)
         del grad, messages
-    if rank == 0:
-        Path(config["out"]).write_text(json.dumps(rows))
-    dist.barrier()
-    destroy_process_group()
+    return rows
 
 
 def configurations(args: argparse.Namespace, world_size: int) -> list[tuple[str, float | None, str, int]]:
@@ -231,18 +200,6 @@ def exchange_for(method: str, grad, msg, density: float | None, wire: str, node_
 
 # ------------------------------------------------------------------------------------------------- the driver
 
-def run_group(world_size: int, rate_bps: int | None, network: Network | None, args: argparse.Namespace,
-              workdir: Path) -> list[dict]:
-    """Runs every configuration on one process group (inside the namespaces when there is a network) and returns
-    rank 0's rows."""
-    out = workdir / f"rows-p{world_size}-{rate_name(rate_bps)}.json"
-    config = {"args": {key: value for key, value in vars(args).items() if key not in ("json", "worker")},
-              "rate_bps": rate_bps, "out": str(out)}
-    run_ranks("bench.netem_scaling", world_size, network, config, workdir, f"p{world_size}-{rate_name(rate_bps)}",
-              args.group_timeout, ranks_per_host=args.local_size)
-    return json.loads(out.read_text())
-
-
 HEADER = (f"{'P':>2} {'L':>2} {'rate':>8} {'method':>12} {'wire':>7} {'n':>10} {'density':>7} {'k':>9} {'reps':>4} "
           f"{'ms/exch':>9} {'MB sent':>9} {'MB model':>9} {'sent/model':>10} {'select ms':>9}")
 
@@ -288,11 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cleanup", action="store_true",
                         help="only delete namespaces left by killed runs (this prefix, process gone), then exit")
     parser.add_argument("--json", type=Path, help="write the rows here")
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    cli.add_worker_arg(parser)
     args = parser.parse_args(argv)
-
-    if args.worker:
-        run_worker(json.loads(args.worker.read_text()))
+    if cli.ran_as_worker(args, run_worker, "group_timeout"):
         return 0
     problems = [f"--world-sizes must be >= 2 and multiples of --local-size {args.local_size}, got {p}"
                 for p in args.world_sizes if p < 2 or args.local_size < 1 or p % args.local_size]
@@ -312,46 +267,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"removed {len(removed)} namespace(s): {' '.join(removed) or '-'}")
         return 0
 
-    networks = Networks(args.prefix)
-    rates = [None] if args.loopback else args.rates
     rows: list[dict] = []
     started = time.perf_counter()
     print(HEADER, flush=True)
-    try:
-        with tempfile.TemporaryDirectory(prefix="netem_scaling_") as tmp:
-            for world_size in args.world_sizes:
-                network = None
-                if not args.loopback:
-                    try:
-                        network = networks.create(world_size // args.local_size)
-                    except RuntimeError as error:
-                        print(f"netem_scaling cannot run: could not create the namespaces: {error}", file=sys.stderr)
-                        return 2
-                for rate_bps in rates:
-                    if network:
-                        try:
-                            network.limit(rate_bps)
-                        except RuntimeError as error:
-                            print(f"netem_scaling cannot run: tc tbf failed (is the sch_tbf module available?): "
-                                  f"{error}", file=sys.stderr)
-                            return 2
-                    rows += run_group(world_size, rate_bps, network, args, Path(tmp))
-                networks.close()
-    finally:
-        networks.close()
+    for world_size in args.world_sizes:
+        for rate_bps in [None] if args.loopback else args.rates:
+            rows += run_group("bench.netem_scaling", world_size, args, args.group_timeout, rate_bps=rate_bps,
+                              prefix=args.prefix, ranks_per_host=args.local_size, link_rate=rate_bps)
     elapsed = time.perf_counter() - started
     skipped = [row for row in rows if row["skipped"]]
     print(f"\n{len(rows) - len(skipped)} exchanges measured, {len(skipped)} skipped, in {elapsed:.0f} s")
     for row in skipped:
         print(f"  skipped: P={row['world_size']} {row['rate']} {row['method']} n={row['numel']}: {row['skipped']}")
     if args.json:
-        report = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                              "python": platform.python_version()},
-                  "config": {key: value for key, value in vars(args).items() if key not in ("worker", "json")},
-                  "network": "loopback (no shaping)" if args.loopback else
-                  "one namespace per rank, veth to a bridge, tbf on both ends of every link",
-                  "elapsed_s": elapsed, "rows": rows}
-        args.json.write_text(json.dumps(report, indent=1, default=str))
+        report.write_json(args.json, args, network="loopback (no shaping)" if args.loopback else
+                          "one namespace per rank, veth to a bridge, tbf on both ends of every link",
+                          elapsed_s=elapsed, rows=rows)
         print(f"wrote {args.json}")
     return 0
 

@@ -38,215 +38,37 @@ data. Its accuracy is that of rank 0's replica trained alone; its step time is t
         --methods gtopk-0.01 gtopk-0.01-sync --steps 20                    # what the hook's overlap is worth
 """
 
-# No `from __future__ import annotations`: DDP checks the hooks' annotations against dist.GradBucket.
 import argparse
 import gc
 import hashlib
-import json
 import math
 import os
-import platform
 import resource
 import statistics
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import gtopk_ext as gx  # noqa: E402
-from bench.digits import load_digits_split, make_model  # noqa: E402
-from bench.emulated_network import (Networks, TxCounter, cleanup_stale, network_name, parse_rate,  # noqa: E402
-                                    join_group, run_ranks, runs_on_loopback)
-from bench.gradients import wide_mlp  # noqa: E402
-from gtopk_ext.utils import destroy_process_group  # noqa: E402
+from bench.digits import load_digits_split, make_model
+from bench.emulated_network import TxCounter, network_name
+from bench.harness.gradients import wide_mlp
+from bench.harness import cli, report
+from bench.harness.launch import run_group
+from bench.harness.methods import START_ITER, add_dgc_arguments, label, numel_of
+from bench.harness.train import Trainer, epoch_batches, evaluate, gathered
 
-START_ITER = 2  # dense iterations of every compressing hook (PowerSGD and gtopk_ext need at least 2)
-DGC_WARMUP_ITERS = 20  # the dgc methods' sparsity warm-up by default (from DGC_WARMUP_START to theirs)
-DGC_WARMUP_START = 0.25  # DGC's
 WARMUP_STEPS = START_ITER + 1  # steps left out of the timing and byte statistics
 MODELS = ("cnn", "mlp", "deep")
 DEEP_LAYERS = 8  # --model deep: this many equal hidden layers, so that many buckets overlap the backward
-
-
-def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring allreduce (reduce-scatter + allgather) of ``nbytes``."""
-    return 2 * (world_size - 1) * nbytes // world_size
-
-
-# ---------------------------------------------------------------------------------------------------- methods
-
-class Accounting:
-    """A method's own count of what it sent: ``bytes_sent()`` after a step gives this rank's bytes in that step;
-    ``buckets()`` the number of buckets its hook saw (None when the hook does not say)."""
-
-    def bytes_sent(self) -> int:
-        raise NotImplementedError
-
-    def buckets(self) -> Optional[int]:
-        return None
-
-
-class DenseAccounting(Accounting):
-    """Hooks that allreduce every element (DDP's own, fp16/bf16 compression): the model's size on the wire."""
-
-    def __init__(self, numel: int, wire_bytes: int, world_size: int):
-        self.per_step = ring_allreduce_bytes(numel * wire_bytes, world_size)
-
-    def bytes_sent(self) -> int:
-        return self.per_step
-
-
-class PowerSGDAccounting(Accounting):
-    """PowerSGD counts the elements it allreduces (P, Q and the uncompressed tensors) as it goes; a step that adds
-    none ran its dense warm-up."""
-
-    def __init__(self, state: powerSGD_hook.PowerSGDState, numel: int, world_size: int):
-        self.state, self.world_size, self.counted = state, world_size, 0
-        self.dense = ring_allreduce_bytes(numel * 4, world_size)
-
-    def bytes_sent(self) -> int:
-        total = self.state.total_numel_after_compression
-        numel, self.counted = total - self.counted, total
-        return ring_allreduce_bytes(numel * 4, self.world_size) if numel else self.dense
-
-    def buckets(self) -> Optional[int]:
-        return len(self.state.error_dict)
-
-
-class GtopkExtAccounting(Accounting):
-    def __init__(self, state: gx.SparseGradState):
-        self.state = state
-
-    def bytes_sent(self) -> int:
-        return self.state.stats()["total"]["bytes_sent"]
-
-    def buckets(self) -> Optional[int]:
-        return len(self.state.stats()["buckets"])
-
-
-class NoAccounting(Accounting):
-    def bytes_sent(self) -> int:
-        return 0
-
-
-def no_communication_hook(world_size: int, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The compute floor: the bucket divided by the world size, as every averaging hook does, and nothing sent."""
-    future = torch.futures.Future()
-    future.set_result(bucket.buffer().div_(world_size))
-    return future
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """One method: ``attach(ddp_model, world_size, args)`` registers its hook (or none) and returns its accounting;
-    ``one_bucket``: the DDP model is built with a single bucket; ``momentum_in_hook``: the hook applies the momentum
-    (momentum correction), so the optimizer runs without it."""
-
-    label: str
-    attach: Callable[[DistributedDataParallel, int, argparse.Namespace], Accounting]
-    one_bucket: bool = False
-    momentum_in_hook: bool = False
-
-
-def numel_of(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def allreduce_recipe(label: str, hook=None, wire_bytes: int = 4) -> Recipe:
-    def attach(ddp, world_size, args):
-        if hook is not None:
-            ddp.register_comm_hook(None, hook)
-        return DenseAccounting(numel_of(ddp), wire_bytes, world_size)
-    return Recipe(label, attach)
-
-
-def powersgd_recipe(rank: int) -> Recipe:
-    def attach(ddp, world_size, args):
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                            start_powerSGD_iter=START_ITER)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return PowerSGDAccounting(state, numel_of(ddp), world_size)
-    return Recipe(f"PowerSGD rank {rank} (one bucket)", attach, one_bucket=True)
-
-
-def gtopk_ext_recipe(label: str, **state_kwargs) -> Recipe:
-    """gtopk_ext's hook with ``SparseGradState(**state_kwargs)`` and the shared dense warm-up."""
-    def attach(ddp, world_size, args):
-        state = gx.SparseGradState(start_iter=START_ITER, stats_logging_frequency=0, **state_kwargs)
-        ddp.register_comm_hook(state, gx.sparse_grad_hook)
-        return GtopkExtAccounting(state)
-    return Recipe(label, attach)
-
-
-def dgc_recipe(density: float, per_tensor: bool = False) -> Recipe:
-    """gtopk_ext with Deep Gradient Compression's momentum correction (the optimizer's momentum moves into the
-    hook) and its exponential sparsity warm-up from ``--dgc-warmup-start`` over the first ``--dgc-warmup``
-    iterations, with momentum factor masking after the warm-up (during it most elements are sent nearly every
-    step: masking would train them without momentum; bench.demo measured it); ``per_tensor`` (or
-    ``--dgc-per-tensor``): each parameter selects its share of k. The other levers are the ``--dgc-*`` options
-    (:func:`add_dgc_arguments`)."""
-    def attach(ddp, world_size, args):
-        dense_below = args.dgc_min_compress_numel
-        optional = {} if dense_below is None else {"min_compress_numel": dense_below}  # None: the hook's default
-        schedule = gx.exponential_warmup(density, args.dgc_warmup, start_density=args.dgc_warmup_start)
-        state = gx.SparseGradState(
-            start_iter=args.dgc_dense_steps, stats_logging_frequency=0, density=density, momentum=args.momentum,
-            nesterov=args.dgc_nesterov, clip_norm=args.dgc_clip_norm, per_tensor=per_tensor or args.dgc_per_tensor,
-            density_schedule=schedule, masking_start_iter=args.dgc_warmup, **optional)
-        ddp.register_comm_hook(state, gx.sparse_grad_hook)
-        return GtopkExtAccounting(state)
-    label = f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up" + (" + per-tensor" * per_tensor)
-    return Recipe(label, attach, momentum_in_hook=True)
-
-
-def add_dgc_arguments(parser: argparse.ArgumentParser) -> None:
-    """The levers of :func:`dgc_recipe` (bench.peers and bench.lm): the defaults are the recipe."""
-    parser.add_argument("--dgc-warmup", type=int, default=DGC_WARMUP_ITERS,
-                        help="iterations of the dgc methods' sparsity warm-up (masking starts after it)")
-    parser.add_argument("--dgc-warmup-start", type=float, default=DGC_WARMUP_START,
-                        help="the density the warm-up starts from (falling geometrically to the method's)")
-    parser.add_argument("--dgc-dense-steps", type=int, default=START_ITER,
-                        help="dense allreduce steps (at least 2), the warm-up's first iterations included")
-    parser.add_argument("--dgc-per-tensor", action="store_true",
-                        help="each parameter of a bucket selects its share of k")
-    parser.add_argument("--dgc-nesterov", action="store_true", help="Nesterov momentum correction")
-    parser.add_argument("--dgc-clip-norm", type=float, default=None,
-                        help="local gradient clipping: each bucket's norm at most this / sqrt(P)")
-    parser.add_argument("--dgc-min-compress-numel", type=int, default=None,
-                        help="buckets of fewer elements go dense (default: the hook's)")
-
-
-def floor_recipe() -> Recipe:
-    def attach(ddp, world_size, args):
-        ddp.register_comm_hook(world_size, no_communication_hook)
-        return NoAccounting()
-    return Recipe("no communication (compute floor)", attach)
-
-
-# The methods by name; a new recipe (the best gtopk_ext settings of the day) is one more entry.
-RECIPES: dict[str, Recipe] = {
-    "ddp": allreduce_recipe("DDP allreduce"),
-    "fp16": allreduce_recipe("fp16_compress_hook", default_hooks.fp16_compress_hook, wire_bytes=2),
-    "bf16": allreduce_recipe("bf16_compress_hook", default_hooks.bf16_compress_hook, wire_bytes=2),
-    **{f"powersgd-{rank}": powersgd_recipe(rank) for rank in (1, 2, 4)},
-    **{f"{collective}-{density:g}": gtopk_ext_recipe(f"Gaussian-k + {collective}, d={density:g}",
-                                                     density=density, collective=collective)
-       for collective in ("gtopk", "allgather", "oktopk") for density in (0.01, 0.001)},
-    **{f"dgc-{density:g}": dgc_recipe(density) for density in (0.01, 0.001)},
-    **{f"gtopk-{density:g}-sync": gtopk_ext_recipe(f"Gaussian-k + gtopk, d={density:g}, each bucket finished in "
-                                                   f"the hook call", density=density, synchronous=True)
-       for density in (0.01, 0.001)},
-    "floor": floor_recipe(),
-}
+# The methods (bench/harness/methods.py); a new recipe (the best gtopk_ext settings of the day) is one more name.
+METHODS = ("ddp", "fp16", "bf16", "powersgd-1", "powersgd-2", "powersgd-4",
+           *(f"{collective}-{d:g}" for collective in ("gtopk", "allgather", "oktopk") for d in (0.01, 0.001)),
+           "dgc-0.01", "dgc-0.001", "gtopk-0.01-sync", "gtopk-0.001-sync", "floor")
 
 
 # ------------------------------------------------------------------------------------------------ worker side
@@ -264,52 +86,37 @@ def build_model(args: argparse.Namespace, seed: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
-class Contestant:
-    """One method's DDP model, optimizer and accounting, and what its steps measured on this rank."""
+class Contestant(Trainer):
+    """One method's Trainer, and what its steps measured on this rank."""
 
-    def __init__(self, recipe: Recipe, args: argparse.Namespace, seed: int, world_size: int):
-        model = build_model(args, seed)  # the same initial weights for every method
-        # One bucket: a cap above the model's size (DDP's first bucket then has that cap too).
-        cap_mb = numel_of(model) * 4 / 2**20 + 1 if recipe.one_bucket else args.bucket_cap_mb
-        self.ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
-        self.accounting = recipe.attach(self.ddp, world_size, args)
-        in_optimizer = not recipe.momentum_in_hook
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=args.lr,
-                                         momentum=args.momentum if in_optimizer else 0.0,
-                                         nesterov=args.nesterov and in_optimizer)
+    def __init__(self, name: str, args: argparse.Namespace, seed: int, world_size: int):
+        super().__init__(name, build_model(args, seed), args, world_size)  # the same initial weights for every method
         self.seconds, self.cpu_seconds, self.tx_bytes, self.own_bytes = [], [], [], []
         self.evals: list[tuple[int, float]] = []
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, counter: TxCounter) -> None:
+    def timed_step(self, x: torch.Tensor, y: torch.Tensor, counter: TxCounter) -> None:
         dist.barrier()  # every rank starts the step together: the slowest rank's time is the step's
-        tx, cpu, start = counter.read(), time.process_time(), time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(self.ddp(x), y).backward()
-        self.optimizer.step()
+        tx, cpu, sent, start = counter.read(), time.process_time(), self.sent, time.perf_counter()
+        self.step(lambda model: nn.functional.cross_entropy(model(x), y))
         self.seconds.append(time.perf_counter() - start)
         self.cpu_seconds.append(time.process_time() - cpu)
         self.tx_bytes.append(counter.read() - tx)
-        self.own_bytes.append(self.accounting.bytes_sent())
+        self.own_bytes.append(self.sent - sent)
 
-    @torch.no_grad()
     def evaluate(self, step: int, test_x: torch.Tensor, test_y: torch.Tensor) -> None:
-        accuracy = (self.ddp.module(test_x).argmax(1) == test_y).float().mean()
-        self.evals.append((step, float(accuracy)))
+        self.evals.append((step, evaluate(self.model, test_x, test_y)[0]))
 
 
 def step_batches(seed: int, steps: int, n_train: int, rank: int, world_size: int, batch_size: int):
-    """This rank's index batch of every step: each global batch of world_size * batch_size drawn from one shuffle
-    per epoch shared by every rank (same seed), split by rank; the same for every method."""
-    global_batch = world_size * batch_size
-    per_epoch = n_train // global_batch
+    """This rank's index batch of every step: epoch_batches of as many epochs as it takes; the same for every
+    method."""
+    per_epoch = n_train // (world_size * batch_size)
     if per_epoch < 1:
         raise ValueError(f"--batch-size {batch_size} x --world-size {world_size} exceeds the {n_train} training "
                          f"images")
     batches = []
     for epoch in range(-(-steps // per_epoch)):
-        order = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        batches += [order[start + rank * batch_size: start + (rank + 1) * batch_size]
-                    for start in range(0, per_epoch * global_batch, global_batch)]
+        batches += epoch_batches(epoch, seed, n_train, rank, world_size, batch_size)
     return batches[:steps]
 
 
@@ -317,7 +124,7 @@ def run_seed(seed: int, args: argparse.Namespace, rank: int, world_size: int, da
              progress) -> dict:
     """Every method for ``args.steps`` interleaved steps; rank 0 gets every rank's measurements."""
     train_x, train_y, test_x, test_y = data
-    contestants = {name: Contestant(RECIPES[name], args, seed, world_size) for name in args.methods}
+    contestants = {name: Contestant(name, args, seed, world_size) for name in args.methods}
     batches = step_batches(seed, args.steps, len(train_y), rank, world_size, args.batch_size)
     if rank == 0:
         for contestant in contestants.values():
@@ -328,7 +135,7 @@ def run_seed(seed: int, args: argparse.Namespace, rank: int, world_size: int, da
         for name in names[shift:] + names[:shift]:  # a rotating order: no method always runs first
             if progress is not None:
                 progress.set_description(f"seed {seed} step {step} {name}", refresh=False)
-            contestants[name].step(train_x[index], train_y[index], counter)
+            contestants[name].timed_step(train_x[index], train_y[index], counter)
             if progress is not None:
                 progress.update()
         if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
@@ -336,14 +143,11 @@ def run_seed(seed: int, args: argparse.Namespace, rank: int, world_size: int, da
                 contestant.evaluate(step, test_x, test_y)
     results = {}
     for name, contestant in contestants.items():
-        mine = torch.tensor([contestant.seconds, contestant.cpu_seconds, contestant.tx_bytes, contestant.own_bytes],
-                            dtype=torch.float64)
-        gathered = [torch.empty_like(mine) for _ in range(world_size)]
-        dist.all_gather(gathered, mine)
-        seconds, cpu, tx, own = torch.stack(gathered).transpose(0, 1).tolist()  # each [rank][step]
+        per_rank = gathered([contestant.seconds, contestant.cpu_seconds, contestant.tx_bytes, contestant.own_bytes])
+        seconds, cpu, tx, own = (list(measured) for measured in zip(*per_rank))  # each [rank][step]
         results[name] = {"seconds": seconds, "cpu_seconds": cpu, "tx_bytes": tx if counter.path else None,
                          "own_bytes": own, "buckets": contestant.accounting.buckets(), "evals": contestant.evals,
-                         "digest": parameters_digest(contestant.ddp.module)}
+                         "digest": parameters_digest(contestant.model)}
     return results
 
 
@@ -355,29 +159,18 @@ def parameters_digest(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def run_worker(config: dict) -> None:
-    """One rank (started by emulated_network.run_ranks); rank 0 writes every seed's measurements."""
-    args, rank, world_size = join_group(config, "timeout")
-    try:
-        data = load_digits_split()
-        counter = TxCounter(config["ifname"])
-        progress = None
-        if rank == 0 and not args.no_progress:
-            from tqdm import tqdm
-
-            # Its output is a log file that the driver streams: redrawn every 0.1 s it would flood a redirect.
-            progress = tqdm(total=len(args.seeds) * args.steps * len(args.methods), unit="step",
-                            mininterval=0.5 if config["tty"] else 30, file=sys.stdout)
-        runs = []
-        for seed in args.seeds:
-            runs.append(run_seed(seed, args, rank, world_size, data, counter, progress))
-            gc.collect()  # DDP models sit in reference cycles: free one seed's models before the next seed's
-        if progress is not None:
-            progress.close()
-        if rank == 0:
-            Path(config["out"]).write_text(json.dumps({"parameters": numel_of(build_model(args, 0)), "runs": runs}))
-    finally:
-        destroy_process_group()
+def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> dict:
+    """One rank: every seed's measurements."""
+    data = load_digits_split()
+    counter = TxCounter(config["ifname"])
+    progress = report.progress(len(args.seeds) * args.steps * len(args.methods), rank, args, config)
+    runs = []
+    for seed in args.seeds:
+        runs.append(run_seed(seed, args, rank, world_size, data, counter, progress))
+        gc.collect()  # DDP models sit in reference cycles: free one seed's models before the next seed's
+    if progress is not None:
+        progress.close()
+    return {"parameters": numel_of(build_model(args, 0)), "runs": runs}
 
 
 # ------------------------------------------------------------------------------------------------ driver side
@@ -410,7 +203,7 @@ def summarize(name: str, runs: list[dict], args: argparse.Namespace) -> dict:
     reached = [next((point for point in curve if point["accuracy"] >= args.target), None) for curve in curves]
     all_reached = all(point is not None for point in reached)
     return {
-        "method": name, "label": RECIPES[name].label, "ms_per_step": 1e3 * median, "ms_per_step_p25": 1e3 * low,
+        "method": name, "label": label(name), "ms_per_step": 1e3 * median, "ms_per_step_p25": 1e3 * low,
         "ms_per_step_p75": 1e3 * high, "cpu_ms_per_step": 1e3 * statistics.median(cpu),
         "tx_mb_per_step": statistics.fmean(tx) / 1e6 if tx else None,
         "own_mb_per_step": statistics.fmean(own) / 1e6, "buckets": runs[0]["buckets"],
@@ -454,12 +247,7 @@ def markdown_table(rows: list[dict], args: argparse.Namespace) -> str:
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
     """Test accuracy against training seconds, one line per method (means over seeds)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, ax = report.pyplot().subplots(figsize=(9, 5.5))
     for row in rows:
         points = list(zip(*row["curves"]))  # per eval: one point per seed
         style = {"color": "black", "linestyle": "--"} if row["method"] == "floor" else {}
@@ -472,14 +260,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save(fig, path)
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--methods", nargs="+", choices=list(RECIPES), default=list(RECIPES))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--model", choices=MODELS, default="cnn",
                         help="cnn: the demo's CNN (0.6M parameters); mlp: 64-h-h-10 with about --mlp-params; "
                              f"deep: {DEEP_LAYERS} equal hidden layers with about --mlp-params")
@@ -488,9 +275,6 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="DDP's bucket cap of every method but PowerSGD (default: DDP's own, 25)")
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--rate", type=parse_rate, default=parse_rate("1gbit"),
-                        help="every rank in its own network namespace behind a link of this rate (needs root)")
-    parser.add_argument("--loopback", action="store_true", help="plain processes on 127.0.0.1, no shaping")
     parser.add_argument("--steps", type=int, default=100, help="steps of every method per seed")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--target", type=float, default=0.9, help="test accuracy whose steps and seconds to report")
@@ -502,18 +286,12 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--nesterov", action="store_true",
                         help="Nesterov momentum in the optimizer (the dgc methods': --dgc-nesterov, in the hook)")
     add_dgc_arguments(parser)
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the whole job may take")
-    parser.add_argument("--prefix", default="gxpeers", help="name prefix of the namespaces this run creates")
+    cli.add_network_args(parser, prefix="gxpeers")
     parser.add_argument("--json", type=Path, help="write the settings, the load, every measurement and the table")
     parser.add_argument("--plot", type=Path, default=Path("peers.png"), help="accuracy against training seconds")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        return args
-    for name in ("world_size", "steps", "eval_every", "batch_size", "mlp_params"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    cli.check_positive(parser, args, "world_size", "steps", "eval_every", "batch_size", "mlp_params")
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps left out of the statistics, got "
                      f"{args.steps}")
@@ -526,30 +304,15 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list] = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        run_worker(json.loads(args.worker.read_text()))
+    if cli.ran_as_worker(args, run_worker, "timeout"):
         return 0
-    args.loopback = runs_on_loopback("peers", args.loopback)
-    network = network_name(None if args.loopback else args.rate)
-    networks = Networks(args.prefix)
-    if not args.loopback:
-        cleanup_stale(args.prefix)
-    try:
-        with tempfile.TemporaryDirectory(prefix="peers_") as tmp:
-            links = None if args.loopback else networks.create(args.world_size, args.rate)
-            out = Path(tmp) / "runs.json"
-            worker_args = {key: str(value) if isinstance(value, Path) else value
-                           for key, value in vars(args).items() if key != "worker"}
-            busy, ours, started = cpu_busy_seconds(), own_cpu_seconds(), time.perf_counter()
-            load_before = os.getloadavg()
-            run_ranks("bench.peers", args.world_size, links,
-                      {"args": worker_args, "out": str(out), "tty": sys.stdout.isatty()}, Path(tmp), "peers",
-                      args.timeout)
-            wall = time.perf_counter() - started
-            others = max(0.0, cpu_busy_seconds() - busy - (own_cpu_seconds() - ours))
-            measured = json.loads(out.read_text())
-    finally:
-        networks.close()
+    rate = cli.link_rate("peers", args)
+    network = network_name(rate)
+    busy, ours, started = cpu_busy_seconds(), own_cpu_seconds(), time.perf_counter()
+    load_before = os.getloadavg()
+    measured = run_group("bench.peers", args.world_size, args, args.timeout, rate_bps=rate, prefix=args.prefix)
+    wall = time.perf_counter() - started
+    others = max(0.0, cpu_busy_seconds() - busy - (own_cpu_seconds() - ours))
     load = {"wall_seconds": wall, "cpus": os.cpu_count(), "other_processes_cores": others / wall,
             "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
     runs = measured["runs"]
@@ -567,10 +330,8 @@ def main(argv: Optional[list] = None) -> int:
     plot(rows, args.plot, setting)
     print(f"\nwrote {args.plot}")
     if args.json:
-        args.json.write_text(json.dumps({
-            "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
-            "network": network, "torch": torch.__version__, "machine": platform.platform(), "load": load,
-            "warmup_steps": WARMUP_STEPS, "parameters": measured["parameters"], "table": rows, "runs": runs}, indent=1))
+        report.write_json(args.json, args, network=network, load=load, warmup_steps=WARMUP_STEPS,
+                          parameters=measured["parameters"], table=rows, runs=runs)
         print(f"wrote {args.json}")
     return 0
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.selection import topk_step
+from bench.harness.selection import topk_step
 from gtopk_ext import ops
 from gtopk_ext.compressors import k_for_density
 

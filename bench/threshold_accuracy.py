@@ -22,8 +22,8 @@ import statistics
 
 import torch
 
-from bench.gradients import SYNTHETIC, captured_gradients, synthetic_gradient, wide_mlp
-from bench.selection import time_methods
+from bench.harness.gradients import SYNTHETIC, captured_gradients, synthetic_gradient, wide_mlp
+from bench.harness.selection import time_methods
 from gtopk_ext.compressors import make_compressor
 
 MODES = {"paper": ("gaussiank", {"mode": "paper"}), "accurate": ("gaussiank", {"mode": "accurate"}),

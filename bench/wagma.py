@@ -23,25 +23,19 @@ drift apart without them). Methods run interleaved, ``--repeats`` times; the tab
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import gtopk_ext as gx  # noqa: E402
-from bench.digits import MODELS, load_digits_split, make_model  # noqa: E402
-from bench.emulated_network import (Networks, join_group, network_name, parse_rate, run_ranks,  # noqa: E402
-                                    runs_on_loopback)
-from gtopk_ext.utils import destroy_process_group  # noqa: E402
+import gtopk_ext as gx
+from bench.digits import MODELS, load_digits_split, make_model
+from bench.emulated_network import network_name
+from bench.harness import cli, report
+from bench.harness.launch import run_group
+from bench.harness.train import evaluate, load_consensus, slowest
 
 METHODS = ("ddp", "group-sync", "group-wait-avoiding", "no-group")
 SCENARIOS = ("random", "straggler")
@@ -91,8 +85,7 @@ def run_method(method: str, scenario: str, rank: int, world_size: int, args: arg
             averager.average_parameters(model.parameters())
     if averager is not None:
         averager.finish(model.parameters())
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    elapsed = slowest(time.perf_counter() - start)
     spread = None
     if before_global:
         mine = torch.stack(before_global)
@@ -100,29 +93,21 @@ def run_method(method: str, scenario: str, rank: int, world_size: int, args: arg
         dist.all_gather(rows, mine)
         weights = torch.stack(rows)  # [rank, global step, element]
         spread = float((weights - weights.mean(0)).square().mean((0, 2)).sqrt().mean())
-    with torch.no_grad():  # evaluate the consensus (global average) model; DDP's replicas are equal already
-        for p in model.parameters():
-            dist.all_reduce(p)
-            p.div_(world_size)
-        accuracy = float((model(test_x).argmax(1) == test_y).float().mean())
+    # the consensus (global average) model; DDP's replicas are equal already
+    accuracy = evaluate(load_consensus(model, model, world_size), test_x, test_y)[0]
     return {"steps_per_s": args.steps / float(elapsed), "accuracy": accuracy, "spread": spread}
 
 
-def run_worker(config: dict) -> None:
-    """One rank (started by emulated_network.run_ranks): every method, interleaved; rank 0 writes the runs."""
-    args, rank, world_size = join_group(config)
-    try:
-        data = load_digits_split()
-        runs = {scenario: {method: [] for method in args.methods} for scenario in args.scenarios}
-        for repeat in range(args.repeats):
-            for scenario in args.scenarios:
-                shift = repeat % len(args.methods)
-                for method in args.methods[shift:] + args.methods[:shift]:  # interleaved, starting elsewhere
-                    runs[scenario][method].append(run_method(method, scenario, rank, world_size, args, data, repeat))
-        if rank == 0:
-            Path(config["out"]).write_text(json.dumps(runs))
-    finally:
-        destroy_process_group()
+def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> dict:
+    """One rank: every method, interleaved."""
+    data = load_digits_split()
+    runs = {scenario: {method: [] for method in args.methods} for scenario in args.scenarios}
+    for repeat in range(args.repeats):
+        for scenario in args.scenarios:
+            shift = repeat % len(args.methods)
+            for method in args.methods[shift:] + args.methods[:shift]:  # interleaved, starting elsewhere
+                runs[scenario][method].append(run_method(method, scenario, rank, world_size, args, data, repeat))
+    return runs
 
 
 def summarize(runs: dict[str, list[dict]]) -> list[dict]:
@@ -149,12 +134,7 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
 
 def plot(tables: dict[str, list[dict]], path: str, title: str) -> None:
     """Throughput and accuracy per method, one group of bars per scenario."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = report.pyplot().subplots(1, 2, figsize=(10, 3.8))
     scenarios = list(tables)
     methods = [row["method"] for row in tables[scenarios[0]]]
     width = 0.8 / len(methods)
@@ -172,7 +152,7 @@ def plot(tables: dict[str, list[dict]], path: str, title: str) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    report.save(fig, path)
 
 
 def main() -> None:
@@ -195,17 +175,11 @@ def main() -> None:
     parser.add_argument("--sleep-ms", type=float, default=40.0, help="straggler: its extra time per step")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
-    parser.add_argument("--rate", type=parse_rate, default=parse_rate("1gbit"),
-                        help="every rank in its own network namespace behind a link of this rate (needs root)")
-    parser.add_argument("--loopback", action="store_true", help="plain processes on 127.0.0.1, no shaping")
-    parser.add_argument("--prefix", default="gxwagma", help="name prefix of the namespaces this run creates")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the whole job may take")
+    cli.add_network_args(parser, prefix="gxwagma")
     parser.add_argument("--json", default=None, help="write the settings, every run and the tables here")
     parser.add_argument("--plot", default=None, help="write a PNG of throughput and accuracy here (matplotlib)")
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        run_worker(json.loads(args.worker.read_text()))
+    if cli.ran_as_worker(args, run_worker):
         return
     for name, choices in (("methods", METHODS), ("scenarios", SCENARIOS)):
         chosen = getattr(args, name).split(",")
@@ -222,19 +196,9 @@ def main() -> None:
     if not 0 <= args.delay_probability <= 1 or not 0 <= args.delay_ms[0] <= args.delay_ms[1]:
         parser.error("--delay-probability must be in [0, 1] and --delay-ms LOW HIGH with 0 <= LOW <= HIGH")
 
-    args.loopback = runs_on_loopback("wagma", args.loopback)
-    links = network_name(None if args.loopback else args.rate)
-    networks = Networks(args.prefix)
-    try:
-        with tempfile.TemporaryDirectory(prefix="wagma_") as tmp:
-            network = None if args.loopback else networks.create(args.world_size, args.rate)
-            out = Path(tmp) / "runs.json"
-            worker_args = {key: value for key, value in vars(args).items() if key != "worker"}
-            run_ranks("bench.wagma", args.world_size, network, {"args": worker_args, "out": str(out)}, Path(tmp),
-                      "wagma", args.timeout)
-            runs = json.loads(out.read_text())
-    finally:
-        networks.close()
+    rate = cli.link_rate("wagma", args)
+    links = network_name(rate)
+    runs = run_group("bench.wagma", args.world_size, args, args.timeout, rate_bps=rate, prefix=args.prefix)
     tables = {scenario: summarize(scenario_runs) for scenario, scenario_runs in runs.items()}
     title = (f"{args.world_size} Gloo processes on {links}, digits, {args.model}, batch {args.batch_size}/rank, "
              f"{args.steps} steps, group size {args.group_size}, global period {args.global_period}, "
@@ -255,9 +219,7 @@ def main() -> None:
             print(f"{row['method']:<22}{row['steps_per_s']:>9.2f}{low_high:>14}{versus[0]:>8}{versus[1]:>14}"
                   f"{row['accuracy']:>10.3f}{versus[2]:>20}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "torch": torch.__version__, "machine": platform.platform(),
-                       "cpus": os.cpu_count(), "runs": runs, "tables": tables}, f, indent=2)
+        report.write_json(args.json, args, runs=runs, tables=tables)
     if args.plot:
         plot(tables, args.plot, title)
 

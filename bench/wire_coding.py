@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from bench.gradients import captured_gradients, synthetic_gradient, wide_mlp
+from bench.harness.gradients import captured_gradients, synthetic_gradient, wide_mlp
 from gtopk_ext import ops, wire
 
 

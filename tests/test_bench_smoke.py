@@ -121,12 +121,12 @@ def test_peers_benchmark(tmp_path, network):
 def peers_contestants(rank: int, world_size: int, argvs: list) -> list[dict]:
     """Under each of the options ``argvs``: the SparseGradState that bench.peers' ``dgc-0.001`` recipe attaches
     and the optimizers of it and of ``ddp``."""
-    from bench.peers import RECIPES, Contestant, parse_args
+    from bench.peers import Contestant, parse_args
 
     described = []
     for argv in argvs:
         args = parse_args(["--model", "mlp", "--mlp-params", "20000", *argv])
-        dgc, ddp = (Contestant(RECIPES[name], args, 0, world_size) for name in ("dgc-0.001", "ddp"))
+        dgc, ddp = (Contestant(name, args, 0, world_size) for name in ("dgc-0.001", "ddp"))
         state = dgc.accounting.state
         described.append({
             **{name: getattr(state, name) for name in ("start_iter", "momentum", "nesterov", "clip_norm", "per_tensor",
@@ -179,3 +179,43 @@ def test_bytes_per_step_exchange_benchmark(tmp_path):
     # Mean over the 2 ranks: at most k pairs to the other region, half of at most 1.25k kept sums back, the
     # counts and (the median of 2 steps) half of the first step's histograms.
     assert 8 * k // 4 < oktopk["sent_mean"] <= 8 * (k + 5 * k // 8) + 2500
+
+
+def test_bytes_per_step_hook_benchmark(tmp_path):
+    """Through the hook: its own counters, every collective it offers."""
+    out = tmp_path / "bytes.json"
+    run_bench("bytes_per_step", "--world-sizes", "2", "--steps", "2", "--hidden", "64", "32", "--density", "0.05",
+              "--json", str(out))
+    rows = json.loads(out.read_text())
+    assert [r["collective"] for r in rows] == ["dense", "allgather", "gtopk", "oktopk"]
+    assert all(r["level"] == "hook" and r["sent_mean"] > 0 and r["seconds_median"] > 0 for r in rows)
+    assert rows[0]["sent_mean"] == 4 * rows[0]["parameters"]  # ring allreduce on 2 ranks: the buffer once
+
+
+def test_demo_overhead(tmp_path):
+    run_bench("demo", "--overhead", "--world-size", "2", "--methods", "dense", "gaussiank-gtopk", "--densities",
+              "0.01", "--model", "mlp", "--warmup-steps", "2", "--overhead-steps", "2", "--overhead-repeats", "2",
+              "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "overhead.json").read_text())["rows"]
+    assert [(r["method"], r["density"]) for r in rows] == [("dense", 1.0), ("gaussiank-gtopk", 0.01)]
+    assert all(len(r["ms_per_step_rounds"]) == 2 and r["ms_per_step"] > 0 for r in rows)
+
+
+def test_wire_coding_benchmark(tmp_path):
+    out = tmp_path / "wire.json"
+    run_bench("wire_coding", "--densities", "0.05", "--json", str(out))
+    rows = json.loads(out.read_text())
+    assert [r["gradient"] for r in rows] == ["cnn step 0", "cnn step 100", "mlp 3M step 20", "gaussian 1M",
+                                             "student_t3 1M"]
+    for row in rows:  # the compact wire's 16-bit lows and page table: about 2 bytes an index
+        assert 2 <= row["wire (lows + pages)"] < 2.1 and row["gap entropy"] <= row["varint gaps"]
+
+
+def test_torchrun_on_emulated_nodes_cli():
+    """python -m bench.emulated_network torchrun, on loopback: one agent per node."""
+    result = subprocess.run([sys.executable, "-m", "bench.emulated_network", "torchrun", "--loopback", "--nnodes", "2",
+                             "--nproc-per-node", "1", "--timeout", "300", "--", "examples/train_ddp.py", "--steps", "4",
+                             "--width", "16", "--log-every", "0"],
+                            cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 nodes x 1 ranks over loopback" in result.stdout

@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gtopk_ext as gx
-from bench.gradients import SYNTHETIC, synthetic_gradient
 from gtopk_ext import ops, reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -45,10 +44,23 @@ def backend(request) -> str:
     return request.param
 
 
+# Shapes a selection threshold must cope with: light and heavy tails, a few spikes that inflate the deviation the
+# Gaussian threshold relies on, and magnitudes whose spread is small next to their size.
+SYNTHETIC = ("gaussian", "laplace", "student_t3", "spiky", "offset")
+
+
 def make_values(kind: str, n: int, generator: torch.Generator) -> torch.Tensor:
-    """The benchmark's distributions (bench/gradients.py) and the edge cases of the kernels."""
-    if kind in SYNTHETIC:
-        return synthetic_gradient(kind, n, generator)
+    """Gradient-like distributions (SYNTHETIC) and the edge cases of the kernels."""
+    if kind == "gaussian":
+        return torch.randn(n, generator=generator)
+    if kind == "laplace":  # the difference of two standard exponentials
+        return torch.empty(n).exponential_(generator=generator) - torch.empty(n).exponential_(generator=generator)
+    if kind == "student_t3":  # N(0, 1) over the root of an independent chi-squared(3) / 3
+        return torch.randn(n, generator=generator) / torch.randn(n, 3, generator=generator).square().mean(1).sqrt()
+    if kind == "spiky":  # 1% of the elements 50x larger
+        return torch.randn(n, generator=generator) * torch.where(torch.rand(n, generator=generator) < 0.01, 50.0, 1.0)
+    if kind == "offset":
+        return torch.randn(n, generator=generator) + 30
     if kind == "all_equal":
         return torch.full((n,), -0.75)
     if kind == "all_zero":

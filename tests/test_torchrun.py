@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from bench.emulated_network import run_torchrun
+from bench.harness.launch import run_torchrun
 
 NNODES, NPROC_PER_NODE = 2, 2
 STEPS, CHECKPOINT_EVERY, KILL_RANK, KILL_STEP = 24, 8, 3, 13

@@ -1,0 +1,50 @@
+"""The flags the benchmarks share and the ``--worker`` re-entry of a launched rank."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench.emulated_network import parse_rate, runs_on_loopback
+from bench.harness.launch import as_rank
+
+
+def add_network_args(parser: argparse.ArgumentParser, prefix: str, rate: str | None = "1gbit",
+                     timeout: float = 1800.0, timeout_help: str = "seconds the whole job may take") -> None:
+    """--rate, --loopback (not when ``rate`` is None: loopback is then the default), --prefix, --timeout and the
+    hidden --worker."""
+    if rate is None:
+        parser.add_argument("--rate", type=parse_rate, default=None,
+                            help="every rank in its own network namespace behind a link of this rate, e.g. 100mbit "
+                                 "(needs root; default: loopback, no shaping)")
+    else:
+        parser.add_argument("--rate", type=parse_rate, default=parse_rate(rate),
+                            help="every rank in its own network namespace behind a link of this rate (needs root)")
+        parser.add_argument("--loopback", action="store_true", help="plain processes on 127.0.0.1, no shaping")
+    parser.add_argument("--prefix", default=prefix, help="name prefix of the namespaces this run creates")
+    parser.add_argument("--timeout", type=float, default=timeout, help=timeout_help)
+    add_worker_arg(parser)
+
+
+def add_worker_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+
+
+def link_rate(program: str, args: argparse.Namespace) -> int | None:
+    """The rate of the links to run on, or None for loopback (asked for, or no emulated network here)."""
+    asked = getattr(args, "loopback", False) or args.rate is None
+    return None if runs_on_loopback(program, asked) else args.rate
+
+
+def ran_as_worker(args: argparse.Namespace, work, timeout_arg: str | None = None) -> bool:
+    """With --worker: runs this rank's ``work`` (launch.as_rank) and says so."""
+    if args.worker:
+        as_rank(json.loads(args.worker.read_text()), work, timeout_arg)
+    return bool(args.worker)
+
+
+def check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -1,0 +1,319 @@
+"""The methods the training benchmarks compare, by name, and the one way each builds gtopk_ext's hook state.
+
+DDP hooks (``recipe``): ``ddp``, ``fp16``, ``bf16``, ``powersgd-<rank>``, ``floor`` (no communication: the compute
+floor), ``<collective>-<d>`` (gtopk_ext's hook, Gaussian-k at density d; ``hook-<collective>-<d>`` is the same),
+``gtopk-<d>-sync`` (each bucket finished inside the hook call), ``dgc-<d>`` and ``dgc-pt-<d>`` (momentum
+correction and Deep Gradient Compression's warm-up, per-tensor selection for the latter; the ``--dgc-*`` flags).
+Local methods (``parse_local``, run by ``LocalExchange``): ``postlocal-<H>`` (PyTorch's local SGD), ``diloco-<H>``
+(SparseLocalSGD, density 1, dense), ``sparse-<collective>-<d>-<H>[-compact]`` (SparseLocalSGD).
+"""
+
+# No `from __future__ import annotations`: DDP checks the hooks' annotations against dist.GradBucket.
+import argparse
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.algorithms.model_averaging.utils import average_parameters
+from torch.distributed.optim import PostLocalSGDOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+import gtopk_ext as gx
+from gtopk_ext.collectives import ring_allreduce_bytes
+
+START_ITER = 2  # dense iterations of every compressing hook (PowerSGD and gtopk_ext need at least 2)
+SPARSE_COLLECTIVES = ("gtopk", "allgather", "oktopk")
+
+
+def numel_of(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def density_of(text: str) -> float:
+    density = float(text)
+    gx.compressors.check_density(density)
+    return density
+
+
+def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: int = 0, warmup_density: float = 0.25,
+               warmup_from: int = 0, **options) -> gx.SparseGradState:
+    """gtopk_ext's hook state: density ``density`` after ``warmup_steps`` iterations of density decaying
+    geometrically from ``warmup_density`` (DGC's schedule) that start at iteration ``warmup_from``; ``options``:
+    the other SparseGradState arguments (momentum correction's among them)."""
+    if warmup_steps:
+        options["density_schedule"] = gx.exponential_warmup(density, warmup_steps, warmup_density,
+                                                            start_iter=warmup_from)
+    return gx.SparseGradState(density=density, start_iter=start_iter, stats_logging_frequency=0, **options)
+
+
+# ------------------------------------------------------------------------------------------ what a method sent
+
+class Accounting:
+    """A method's own count of what it sent: ``bytes_sent()`` after a step gives this rank's bytes in that step;
+    ``buckets()`` the number of buckets its hook saw (None when the hook does not say)."""
+
+    def bytes_sent(self) -> int:
+        return 0
+
+    def buckets(self) -> Optional[int]:
+        return None
+
+
+class DenseAccounting(Accounting):
+    """Hooks that allreduce every element (DDP's own, fp16/bf16 compression): the model's size on the wire."""
+
+    def __init__(self, numel: int, wire_bytes: int, world_size: int):
+        self.per_step = ring_allreduce_bytes(numel * wire_bytes, world_size)
+
+    def bytes_sent(self) -> int:
+        return self.per_step
+
+
+class PowerSGDAccounting(Accounting):
+    """PowerSGD counts the elements it allreduces (P, Q and the uncompressed tensors) as it goes; a step that adds
+    none ran its dense warm-up."""
+
+    def __init__(self, state: powerSGD_hook.PowerSGDState, numel: int, world_size: int):
+        self.state, self.world_size, self.counted = state, world_size, 0
+        self.dense = ring_allreduce_bytes(numel * 4, world_size)
+
+    def bytes_sent(self) -> int:
+        total = self.state.total_numel_after_compression
+        numel, self.counted = total - self.counted, total
+        return ring_allreduce_bytes(numel * 4, self.world_size) if numel else self.dense
+
+    def buckets(self) -> Optional[int]:
+        return len(self.state.error_dict)
+
+
+class GtopkExtAccounting(Accounting):
+    def __init__(self, state: gx.SparseGradState):
+        self.state = state
+
+    def bytes_sent(self) -> int:
+        return self.state.stats()["total"]["bytes_sent"]
+
+    def buckets(self) -> Optional[int]:
+        return len(self.state.stats()["buckets"])
+
+
+# ------------------------------------------------------------------------------------------------- DDP hooks
+
+@dataclass(frozen=True)
+class Recipe:
+    """One DDP method: ``attach(ddp_model, world_size, args)`` registers its hook (or none) and returns its
+    accounting; ``one_bucket``: the DDP model is built with a single bucket; ``momentum_in_hook``: the hook applies
+    the momentum (momentum correction), so the optimizer runs without it."""
+
+    label: str
+    attach: Callable[[DistributedDataParallel, int, argparse.Namespace], Accounting]
+    one_bucket: bool = False
+    momentum_in_hook: bool = False
+
+
+def allreduce_recipe(label: str, hook=None, wire_bytes: int = 4) -> Recipe:
+    def attach(ddp, world_size, args):
+        if hook is not None:
+            ddp.register_comm_hook(None, hook)
+        return DenseAccounting(numel_of(ddp), wire_bytes, world_size)
+    return Recipe(label, attach)
+
+
+def powersgd_recipe(rank: int) -> Recipe:
+    """PowerSGD with one bucket: with several on Gloo, its hook's future callbacks allreduce P and Q on Gloo's
+    threads while the autograd thread issues the next bucket's allreduce, so ranks issue their collectives in
+    different orders (bench/peers.py's docstring)."""
+    def attach(ddp, world_size, args):
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                            start_powerSGD_iter=START_ITER)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return PowerSGDAccounting(state, numel_of(ddp), world_size)
+    return Recipe(f"PowerSGD rank {rank} (one bucket)", attach, one_bucket=True)
+
+
+def gtopk_ext_recipe(label: str, **state_options) -> Recipe:
+    """gtopk_ext's hook with ``hook_state(**state_options)``."""
+    def attach(ddp, world_size, args):
+        state = hook_state(**state_options)
+        ddp.register_comm_hook(state, gx.sparse_grad_hook)
+        return GtopkExtAccounting(state)
+    return Recipe(label, attach)
+
+
+def dgc_recipe(density: float, per_tensor: bool = False) -> Recipe:
+    """gtopk_ext with Deep Gradient Compression's momentum correction (the optimizer's momentum moves into the
+    hook) and its exponential sparsity warm-up from ``--dgc-warmup-start`` over the first ``--dgc-warmup``
+    iterations, with momentum factor masking after the warm-up (during it most elements are sent nearly every
+    step: masking would train them without momentum; bench.demo measured it); ``per_tensor`` (or
+    ``--dgc-per-tensor``): each parameter selects its share of k. The other levers are the ``--dgc-*`` options
+    (:func:`add_dgc_arguments`)."""
+    def min_compress_numel(args):  # None: the hook's default
+        return {} if args.dgc_min_compress_numel is None else {"min_compress_numel": args.dgc_min_compress_numel}
+
+    def attach(ddp, world_size, args):
+        state = hook_state(density, start_iter=args.dgc_dense_steps, warmup_steps=args.dgc_warmup,
+                           warmup_density=args.dgc_warmup_start, momentum=args.momentum, nesterov=args.dgc_nesterov,
+                           clip_norm=args.dgc_clip_norm, per_tensor=per_tensor or args.dgc_per_tensor,
+                           masking_start_iter=args.dgc_warmup, **min_compress_numel(args))
+        ddp.register_comm_hook(state, gx.sparse_grad_hook)
+        return GtopkExtAccounting(state)
+    label = f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up" + (" + per-tensor" * per_tensor)
+    return Recipe(label, attach, momentum_in_hook=True)
+
+
+def add_dgc_arguments(parser: argparse.ArgumentParser) -> None:
+    """The levers of :func:`dgc_recipe`: the defaults are the recipe."""
+    parser.add_argument("--dgc-warmup", type=int, default=20,
+                        help="iterations of the dgc methods' sparsity warm-up (masking starts after it)")
+    parser.add_argument("--dgc-warmup-start", type=float, default=0.25,
+                        help="the density the warm-up starts from (falling geometrically to the method's)")
+    parser.add_argument("--dgc-dense-steps", type=int, default=START_ITER,
+                        help="dense allreduce steps (at least 2), the warm-up's first iterations included")
+    parser.add_argument("--dgc-per-tensor", action="store_true",
+                        help="each parameter of a bucket selects its share of k")
+    parser.add_argument("--dgc-nesterov", action="store_true", help="Nesterov momentum correction")
+    parser.add_argument("--dgc-clip-norm", type=float, default=None,
+                        help="local gradient clipping: each bucket's norm at most this / sqrt(P)")
+    parser.add_argument("--dgc-min-compress-numel", type=int, default=None,
+                        help="buckets of fewer elements go dense (default: the hook's)")
+
+
+def no_communication_hook(world_size: int, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The compute floor: the bucket divided by the world size, as every averaging hook does, and nothing sent."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer().div_(world_size))
+    return future
+
+
+def floor_recipe() -> Recipe:
+    def attach(ddp, world_size, args):
+        ddp.register_comm_hook(world_size, no_communication_hook)
+        return Accounting()
+    return Recipe("no communication (compute floor)", attach)
+
+
+def recipe(name: str) -> Optional[Recipe]:
+    """The DDP method of a name, None for a local method's; ValueError for no method."""
+    fixed = {"ddp": lambda: allreduce_recipe("DDP allreduce"),
+             "fp16": lambda: allreduce_recipe("fp16_compress_hook", default_hooks.fp16_compress_hook, 2),
+             "bf16": lambda: allreduce_recipe("bf16_compress_hook", default_hooks.bf16_compress_hook, 2),
+             "floor": floor_recipe}
+    if name in fixed:
+        return fixed[name]()
+    parts = name.removeprefix("hook-").split("-")
+    if parts[0] == "powersgd" and len(parts) == 2:
+        return powersgd_recipe(int(parts[1]))
+    if parts[0] == "dgc" and parts[1:-1] in ([], ["pt"]):
+        return dgc_recipe(density_of(parts[-1]), per_tensor=len(parts) == 3)
+    if parts[0] in SPARSE_COLLECTIVES and parts[2:] in ([], ["sync"]):
+        collective, density = parts[0], density_of(parts[1])
+        if parts[2:]:
+            return gtopk_ext_recipe(f"Gaussian-k + {collective}, d={density:g}, each bucket finished in the hook "
+                                    f"call", density=density, collective=collective, synchronous=True)
+        return gtopk_ext_recipe(f"Gaussian-k + {collective}, d={density:g}", density=density, collective=collective)
+    parse_local(name)
+    return None
+
+
+def method_name(text: str) -> str:
+    """An argparse type: a method name that :func:`recipe` or :func:`parse_local` knows."""
+    try:
+        recipe(text)
+    except (ValueError, IndexError) as error:
+        raise argparse.ArgumentTypeError(f"bad method {text!r} ({error}): expected ddp, fp16, bf16, powersgd-<rank>, "
+                                         f"floor, <collective>-<d>[-sync], dgc-<d>, dgc-pt-<d>, postlocal-<H>, "
+                                         f"diloco-<H> or sparse-<collective>-<d>-<H>[-compact]") from error
+    return text
+
+
+def label(name: str) -> str:
+    found = recipe(name)
+    return found.label if found is not None else parse_local(name).label
+
+
+# --------------------------------------------------------------------------------------------- local methods
+
+@dataclass(frozen=True)
+class LocalMethod:
+    """A local method: ``kind`` "postlocal", "diloco" or "sparse", exchanging every ``period`` (H) steps."""
+
+    name: str
+    kind: str
+    period: int
+    collective: str = "dense"
+    density: float = 1.0
+    wire: str = "plain"
+
+    @property
+    def label(self) -> str:
+        if self.kind == "postlocal":
+            return f"PyTorch PostLocalSGD, H={self.period}"
+        if self.kind == "diloco":
+            return f"DiLoCo (dense), H={self.period}"
+        compact = ", compact wire" if self.wire == "compact" else ""
+        return f"SparseLocalSGD {self.collective} d={self.density:g}, H={self.period}{compact}"
+
+
+def parse_local(text: str) -> LocalMethod:
+    parts = text.split("-")
+    if parts[0] in ("postlocal", "diloco") and len(parts) == 2:
+        return LocalMethod(text, parts[0], int(parts[1]))
+    if parts[0] == "sparse" and parts[4:] in ([], ["compact"]) and len(parts) >= 4:
+        return LocalMethod(text, "sparse", int(parts[3]), parts[1], density_of(parts[2]),
+                           "compact" if parts[4:] else "plain")
+    raise ValueError("not a method of these benchmarks")
+
+
+class LocalExchange:
+    """A local method's exchange around its inner optimizer: PyTorch's local SGD (``PostLocalSGDOptimizer`` with
+    ``PeriodicModelAverager``: the weights averaged every H steps, from the first), DiLoCo or SparseLocalSGD (a
+    sync after every H-th step), and the bytes this rank sent so far (a ring allreduce of the model per average;
+    SparseLocalSGD's own count). Use :attr:`optimizer` as the inner optimizer and call :meth:`after_step` after
+    each of its steps."""
+
+    def __init__(self, method: LocalMethod, model: torch.nn.Module, inner: torch.optim.Optimizer,
+                 args: argparse.Namespace, world_size: int):
+        self.method, self.model, self.world_size = method, model, world_size
+        self.model_bytes = 4 * numel_of(model)
+        self.outer, self.counted, self.steps, self.finished = None, 0, 0, False
+        if method.kind == "postlocal":
+            self.optimizer = PostLocalSGDOptimizer(optim=inner, averager=PeriodicModelAverager(period=method.period,
+                                                                                               warmup_steps=0))
+        else:
+            self.optimizer = inner
+            self.outer = gx.SparseLocalSGD(model.parameters(), sync_every=method.period, density=method.density,
+                                           collective=method.collective, outer_lr=args.outer_lr,
+                                           outer_momentum=args.outer_momentum, nesterov=args.outer_momentum > 0,
+                                           wire=method.wire)
+
+    def after_step(self) -> None:
+        self.steps += 1
+        if self.outer is not None:
+            self.outer.step()
+        elif self.synced():
+            self.counted += ring_allreduce_bytes(self.model_bytes, self.world_size)
+
+    def synced(self) -> bool:
+        """Whether the replicas are one model now (right after an average or a sync, or :meth:`finish`)."""
+        if self.finished:
+            return True
+        if self.outer is not None:
+            return self.steps % self.method.period == 0
+        return (self.steps - 1) % self.method.period == 0
+
+    def finish(self) -> None:
+        """Exchanges once more when the last step was not an exchange: every method ends with one model."""
+        if self.synced():
+            return
+        if self.outer is not None:
+            self.outer.sync()
+        else:
+            average_parameters(self.model.parameters(), dist.group.WORLD)
+            self.counted += ring_allreduce_bytes(self.model_bytes, self.world_size)
+        self.finished = True
+
+    def bytes_sent(self) -> int:
+        return self.outer.stats()["bytes_sent"] if self.outer is not None else self.counted

@@ -1,0 +1,53 @@
+"""What a benchmark writes: a JSON record with the machine it ran on, and matplotlib set up for files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+
+def machine() -> dict:
+    import torch
+
+    return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+            "cpus": os.cpu_count()}
+
+
+def jsonable(settings) -> dict:
+    """An argparse namespace (or dict) as JSON can hold it: paths as strings."""
+    items = settings.items() if isinstance(settings, dict) else vars(settings).items()
+    return {key: str(value) if isinstance(value, Path) else value for key, value in items}
+
+
+def write_json(path, settings, **record) -> None:
+    """``record`` with the settings it ran with and the machine, at ``path``."""
+    Path(path).write_text(json.dumps({"settings": jsonable(settings), "machine": machine(), **record}, indent=1,
+                                     default=str))
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files only (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(figure, path) -> None:
+    figure.savefig(path, dpi=110)
+    pyplot().close(figure)
+
+
+def progress(total: int, rank: int, args, config: dict):
+    """Rank 0's progress bar in steps (None elsewhere, or with ``args.no_progress``). Its output is a log file
+    that the driver streams: redrawn every 0.1 s it would flood a redirect of the driver's output."""
+    if rank != 0 or args.no_progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", mininterval=0.5 if config["tty"] else 30, file=sys.stdout)

@@ -1,0 +1,117 @@
+"""The pieces of the benchmarks' training loops: one method's model and optimizer on this rank (``Trainer``), the
+batches, the evaluation, and the reductions over ranks that the measurements take."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from bench.harness.methods import LocalExchange, numel_of, parse_local, recipe
+
+
+class Trainer:
+    """One method on this rank: ``model`` under DDP with the method's hook, or a replica under a local method
+    (bench.harness.methods); SGD with ``args.lr``, ``args.momentum`` (none where the hook applies it) and
+    ``args.nesterov`` if there is one; and the bytes this rank sent so far by the method's own count."""
+
+    def __init__(self, name: str, model: nn.Module, args: argparse.Namespace, world_size: int):
+        self.model, self.trained, self.local, self.sent = model, model, None, 0
+        self.recipe = recipe(name)
+        in_optimizer = True
+        if self.recipe is not None:
+            # One bucket: a cap above the model's size (DDP's first bucket then has that cap too).
+            cap_mb = numel_of(model) * 4 / 2**20 + 1 if self.recipe.one_bucket else getattr(args, "bucket_cap_mb", None)
+            self.trained = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
+            self.accounting = self.recipe.attach(self.trained, world_size, args)
+            in_optimizer = not self.recipe.momentum_in_hook
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=args.lr,
+                                         momentum=args.momentum if in_optimizer else 0.0,
+                                         nesterov=getattr(args, "nesterov", False) and in_optimizer)
+        if self.recipe is None:
+            self.local = LocalExchange(parse_local(name), model, self.optimizer, args, world_size)
+            self.optimizer = self.local.optimizer
+
+    def step(self, loss_of) -> float:
+        """One step on ``loss_of(trained_model)``; returns the loss."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(self.trained)
+        loss.backward()
+        self.optimizer.step()
+        if self.local is not None:
+            self.local.after_step()
+        else:
+            self.sent += self.accounting.bytes_sent()
+        return float(loss.detach())
+
+    def finish(self) -> None:
+        """Every method ends with one model: a local method exchanges once more if its last step did not."""
+        if self.local is not None:
+            self.local.finish()
+
+    def bytes_sent(self) -> int:
+        return self.local.bytes_sent() if self.local is not None else self.sent
+
+    def synced(self) -> bool:
+        """Whether the replicas are one model now (DDP: always; a local method: right after an exchange)."""
+        return self.local is None or self.local.synced()
+
+
+def epoch_batches(epoch: int, seed: int, n_train: int, rank: int, world_size: int, batch_size: int) -> list:
+    """This rank's index batches for one epoch: one shuffle shared by every rank (same seed), each global batch of
+    world_size * batch_size split by rank; the incomplete last batch is dropped."""
+    order = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    global_batch = world_size * batch_size
+    return [order[start + rank * batch_size: start + (rank + 1) * batch_size]
+            for start in range(0, n_train - global_batch + 1, global_batch)]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``model`` on (x, y)."""
+    logits = model(x)
+    return float((logits.argmax(1) == y).float().mean()), float(nn.functional.cross_entropy(logits, y))
+
+
+@torch.no_grad()
+def load_consensus(model: nn.Module, evaluation: nn.Module, world_size: int) -> nn.Module:
+    """``evaluation`` (a model of the same shape) set to the mean of the replicas of ``model`` (an allreduce that
+    the byte counts leave out)."""
+    mean = parameters_to_vector(model.parameters()).detach().clone()
+    dist.all_reduce(mean)
+    vector_to_parameters(mean.div_(world_size), evaluation.parameters())
+    return evaluation
+
+
+def reduced(values, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``values`` (a number or a list) reduced over the ranks, as float64."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def slowest(values) -> torch.Tensor:
+    """The ranks' largest of each of ``values``."""
+    return reduced(values, dist.ReduceOp.MAX)
+
+
+def gathered(values) -> list:
+    """Every rank's ``values`` (a list of numbers or of lists of numbers), in rank order."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
+def barrier_bytes(counter, probes: int = 20) -> float:
+    """Bytes one barrier puts on this rank's link (``counter``: an emulated_network.TxCounter), to take the barriers
+    that bracket a measurement off it."""
+    dist.barrier()
+    start = counter.read()
+    for _ in range(probes):
+        dist.barrier()
+    return (counter.read() - start) / probes

@@ -41,7 +41,7 @@ from bench.emulated_network import TxCounter, check_can_emulate
 from bench.harness import cli
 from bench.harness.launch import run_group
 from bench.harness.train import barrier_bytes
-from gtopk_ext.hooks import COLLECTIVES as HOOK_COLLECTIVES
+from gtopk_ext.ddp import COLLECTIVES as HOOK_COLLECTIVES
 
 COLLECTIVES = ("dense", "allgather", "gtopk", "oktopk")
 WARMUP = 2  # the hook's dense iterations (start_iter)
@@ -75,8 +75,8 @@ def measure(rank: int, world_size: int, density: float, steps: int, hidden: tupl
     for collective, wire in runs(collectives, wires):
         model = make_model(hidden)
         ddp = DDP(model)
-        state = gx.SparseGradState(density=density, collective=collective, start_iter=WARMUP,
-                                   stats_logging_frequency=0, wire=wire)
+        state = gx.SparseGradState(density=density, collective=collective, start_iter=WARMUP, wire=wire)
+        state.stats_logging_frequency = 0
         ddp.register_comm_hook(state, gx.sparse_grad_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         generator = torch.Generator().manual_seed(rank)
@@ -132,17 +132,11 @@ def measure_exchanges(rank: int, world_size: int, density: float, steps: int, hi
             if collective == "dense":
                 sent[run].append(ring_allreduce_bytes(4 * numel, world_size))
                 continue
-            traffic, residual, rounding = Traffic(), residuals[run], gx.wire.Rounding()
-            msg = compressor.compress(grad, residual)
-            options = dict(check=False, traffic=traffic, wire=wire, rounding=rounding)
-            if collective == "allgather":
-                gx.collectives.sparse_allgather(msg, **options)
-            else:
-                reduce = gx.collectives.gtopk_allreduce if collective == "gtopk" else gx.collectives.oktopk_allreduce
-                kwargs = {"state": oktopk_states[run]} if collective == "oktopk" else {}
-                _, applied = reduce(msg, **options, **kwargs)
-                gx.ops.scatter_add_(residual, msg.indices, msg.values * ~applied)  # not applied: kept
-            rounding.add_to(residual)
+            traffic, residual = Traffic(), residuals[run]
+            collective_now = gx.collectives.collective_named(collective)
+            gx.reduction.reduce(grad, residual, lambda: compressor.compress(grad, residual), collective_now,
+                                dist.group.WORLD, k=compressor.k_for(numel), wire=gx.wire.wire_named(wire),
+                                backend=None, traffic=traffic, state=oktopk_states[run], out=torch.empty_like(grad))
             sent[run].append(traffic.sent)
         dist.all_reduce(grad)  # the model follows the dense average, the same for every collective
         offset = 0

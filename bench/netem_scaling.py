@@ -109,8 +109,8 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
         gx.collectives.oktopk_allreduce(warm_msg, wire=wire)
     node_group = None
     if local > 1:
-        gx.collectives.hierarchical_allreduce(warm, None, warm_compressor, warm_msg.k, local)
-        node_group = gx.collectives.node_groups(dist.group.WORLD, local)[0]
+        gx.hierarchical.hierarchical_allreduce(warm, None, warm_compressor, warm_msg.k, local)
+        node_group = gx.hierarchical.node_groups(dist.group.WORLD, local)[0]
 
     rows = []
     for numel in args.sizes:

@@ -25,7 +25,7 @@ import gtopk_ext as gx
 from gtopk_ext.collectives import ring_allreduce_bytes
 
 START_ITER = 2  # dense iterations of every compressing hook (PowerSGD and gtopk_ext need at least 2)
-SPARSE_COLLECTIVES = ("gtopk", "allgather", "oktopk")
+SPARSE_COLLECTIVES = gx.collectives.SPARSE_COLLECTIVES
 
 
 def numel_of(model: torch.nn.Module) -> int:
@@ -39,14 +39,23 @@ def density_of(text: str) -> float:
 
 
 def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: int = 0, warmup_density: float = 0.25,
-               warmup_from: int = 0, **options) -> gx.SparseGradState:
+               warmup_from: int = 0, compressor: str = "gaussiank", per_tensor: bool = False, momentum: float = 0.0,
+               nesterov: bool = False, weight_decay: float = 0.0, masking_start_iter: int = 0,
+               clip_norm: float | None = None, **options) -> gx.SparseGradState:
     """gtopk_ext's hook state: density ``density`` after ``warmup_steps`` iterations of density decaying
-    geometrically from ``warmup_density`` (DGC's schedule) that start at iteration ``warmup_from``; ``options``:
-    the other SparseGradState arguments (momentum correction's among them)."""
-    if warmup_steps:
-        options["density_schedule"] = gx.exponential_warmup(density, warmup_steps, warmup_density,
-                                                            start_iter=warmup_from)
-    return gx.SparseGradState(density=density, start_iter=start_iter, stats_logging_frequency=0, **options)
+    geometrically from ``warmup_density`` (DGC's schedule) that start at iteration ``warmup_from``; momentum
+    correction with ``momentum`` (and its options) or local clipping at ``clip_norm``; ``options``: the other
+    SparseGradState arguments."""
+    schedule = (gx.exponential_warmup(density, warmup_steps, warmup_density, start_iter=warmup_from)
+                if warmup_steps else density)
+    correction = (gx.MomentumCorrection(momentum, nesterov=nesterov, weight_decay=weight_decay,
+                                        masking_start_iter=masking_start_iter, clip_norm=clip_norm)
+                  if momentum or clip_norm is not None else None)
+    state = gx.SparseGradState(density=schedule, compressor=gx.make_compressor(compressor, density,
+                                                                               per_tensor=per_tensor),
+                               start_iter=start_iter, momentum=correction, **options)
+    state.stats_logging_frequency = 0
+    return state
 
 
 # ------------------------------------------------------------------------------------------ what a method sent

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from gtopk_ext._contract import wire_num_pages
-from gtopk_ext.collectives import inner_result_slots, node_gather_bytes
+from gtopk_ext.costs import inner_result_slots, node_gather_bytes
 
 METHODS = ("dense", "allgather", "gtopk", "oktopk", "hierarchical")
 SPARSE_METHODS = ("allgather", "gtopk", "oktopk")

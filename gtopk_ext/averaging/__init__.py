@@ -16,8 +16,9 @@ evaluating the averaged model).
   sums them (as torch's averagers do): float16 weights of 30000 on 4 ranks would sum to inf.
 
 Wait avoidance (``wait_avoiding=True``), as in the paper: a straggler delays nobody between global averages.
-Gloo and NCCL collectives start only when every member calls them, so each rank has a communication thread that
-takes part in every group allreduce on the rank's behalf, with the rank's *published* weights p:
+Gloo and NCCL collectives start only when every member calls them, so each rank has a communication thread (the
+background worker of :mod:`gtopk_ext._worker`, as the DDP hook's) that takes part in every group allreduce on the
+rank's behalf, with the rank's *published* weights p:
 
 - ``average_parameters`` at step t applies the corrections that arrived since its last call, publishes the
   weights (a copy) and returns at once: the training loop never waits for a group round.
@@ -44,8 +45,8 @@ parameters.
 ranks check that they all stopped at the same step (a clear error otherwise), and each rank applies its last
 corrections; it returns once every rank has called it. ``state_dict()`` does the same wait (it is collective in
 wait-avoiding mode) and saves the corrections not yet applied, so a checkpoint of (weights, state_dict) loses
-nothing. An error on one rank (bad parameters, a failed collective, a timeout) is sent to every rank: each
-raises it from its next call of the averager.
+nothing. An error on one rank (bad parameters, a failed collective, a timeout) reaches every rank through the
+worker: each raises it from its next call of the averager.
 
 Requirements: constructing the averager is collective over the default process group, like ``dist.new_group``:
 every rank of the default group constructs it (with the same arguments, in the same order relative to other

@@ -1,7 +1,8 @@
 """One background worker per state: runs jobs in order on a thread of its own, publishes a failure to the other
 ranks and fails their waiting jobs with it, and closes before the interpreter finalizes.
 
-Used by the DDP hook (one worker per :class:`gtopk_ext.SparseGradState`)."""
+Used by the DDP hook (one worker per :class:`gtopk_ext.SparseGradState`, a job per bucket) and by WAGMA's
+wait-avoiding rounds (a worker per run of rounds, one job running them all)."""
 
 from __future__ import annotations
 
@@ -41,13 +42,20 @@ class Worker:
     collectives of its own on the autograd thread (the used-parameter map with ``find_unused_parameters=True``),
     and Gloo pairs collectives by the order in which each rank issued them.
 
-    A failure on one rank is published in the group's store; a rank whose buckets wait finds it within
-    ``_FAILURE_POLL_SECONDS`` and fails them with the same exception type, instead of waiting for the peer until
-    the group's timeout. The state is unusable after that (its exchanges were left half done)."""
+    A failure on one rank is published in the group's store (the first one published stands, on every rank); a
+    rank whose jobs wait finds it within ``_FAILURE_POLL_SECONDS`` and fails them with the same exception type,
+    instead of waiting for the peer until the group's timeout. The state is unusable after that (its exchanges were
+    left half done).
 
-    def __init__(self, group: dist.ProcessGroup, name: str = "sparse_grad_hook"):
+    A job may run long and wait for peers on a condition of its own (WAGMA's: a whole run of rounds): ``wake`` is
+    called, with none of the worker's locks held, when the worker fails or starts closing, so that such a job (or
+    a thread beside it) looks again at ``failure`` and ``closed``."""
+
+    def __init__(self, group: dist.ProcessGroup, name: str = "sparse_grad_hook",
+                 wake: Optional[Callable[[], None]] = None):
         self.group = group
         self.name = name
+        self._wake = wake
         self.rank = dist.get_rank(group)
         self.failure: Optional[BaseException] = None
         self.closed = False
@@ -66,7 +74,7 @@ class Worker:
         _open_threads.add(self)
 
     def close(self, timeout: float = _CLOSE_SECONDS) -> None:
-        """End both threads once the buckets handed over have finished, and let go of the group. A daemon thread
+        """End both threads once the jobs handed over have finished, and let go of the group. A daemon thread
         still inside a torch call when the interpreter finalizes aborts the process ("terminate called without an
         active exception"), so this runs before that: at exit, and from :func:`gtopk_ext.destroy_process_group`."""
         if self.closed:
@@ -75,11 +83,13 @@ class Worker:
         _open_threads.discard(self)
         self._closing.set()
         self._busy.set()  # wakes the watcher
+        if self._wake is not None:
+            self._wake()
         self._jobs.put(None)
         for thread in (self._worker, self._watcher):
             if thread is not threading.current_thread():
                 thread.join(timeout)
-        if not self._worker.is_alive():  # else its buckets still need them
+        if not self._worker.is_alive():  # else its jobs still need them
             self.group = self._store = None
 
     def submit(self, job: Callable[[torch.futures.Future], None],
@@ -98,13 +108,13 @@ class Worker:
         return result
 
     def drain(self) -> None:
-        """Wait until every bucket handed over has finished (successfully or not)."""
+        """Wait until every job handed over has finished (successfully or not)."""
         if self.closed or threading.current_thread() is self._worker:
             return
         finished = self.submit(complete)
         try:
             finished.wait()
-        except BaseException:  # noqa: BLE001 - a failure reaches the caller through its buckets' futures
+        except BaseException:  # noqa: BLE001 - a failure reaches the caller through its jobs' futures
             pass
 
     def _done(self, result: torch.futures.Future) -> None:
@@ -128,26 +138,33 @@ class Worker:
                 self.fail(error)
 
     def fail(self, error: BaseException) -> None:
-        """This rank failed: tell the others, and fail every bucket still waiting here. A failure another rank
-        published first is the cause (this one may only be its echo, such as a connection that rank closed)."""
-        if self.failure is None:
-            try:
-                self.failure = self._published_failure()
-                if self.failure is None:
+        """This rank failed: tell the others, and fail every job still waiting here. A failure another rank
+        published first is the cause (this one may only be its echo, such as a connection that rank closed).
+        ``failure`` is set only once it is in the store: a peer told of it by other means finds it there."""
+        with self._lock:  # one failure per rank, also when two threads fail at once
+            if self.failure is None:
+                record = f"{type(error).__name__}\n{self.rank}\n{error}"
+                try:  # the first failure published stays, on every rank alike
+                    stored = self._store.compare_set(self._key, "", record).decode()
+                    self.failure = error if stored == record else self._decode(stored)
+                except Exception:  # noqa: BLE001 - the store itself is gone: the group's timeout is all that is left
+                    logger.exception("%s: could not publish the failure of rank %d", self.name, self.rank)
                     self.failure = error
-                    self._store.set(self._key, f"{type(error).__name__}\n{self.rank}\n{error}")
-            except Exception:  # noqa: BLE001 - the store itself is gone: the group's timeout is all that is left
-                logger.exception("%s: could not publish the failure of rank %d", self.name, self.rank)
-                self.failure = self.failure or error
-        self._fail_pending()
+        self._stopped()
 
     def _published_failure(self) -> Optional[BaseException]:
-        if not self._store.check([self._key]):
-            return None
-        type_name, rank, message = self._store.get(self._key).decode().split("\n", 2)
+        return self._decode(self._store.get(self._key).decode()) if self._store.check([self._key]) else None
+
+    def _decode(self, record: str) -> BaseException:
+        type_name, rank, message = record.split("\n", 2)
         kind = getattr(builtins, type_name, None)
         kind = kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError
-        return kind(f"{self.name}: rank {rank} failed: {message}")
+        return kind(f"{self.name}: rank {rank} stopped after an error: {message}")
+
+    def _stopped(self) -> None:
+        self._fail_pending()
+        if self._wake is not None:
+            self._wake()
 
     def _fail_pending(self) -> None:
         with self._lock:
@@ -157,7 +174,7 @@ class Worker:
             fail(result, self.failure)
 
     def _watch(self) -> None:
-        """While buckets wait, look for a failure another rank published."""
+        """While jobs wait, look for a failure another rank published."""
         while self.failure is None:
             self._busy.wait()
             if self._closing.wait(_FAILURE_POLL_SECONDS):
@@ -166,9 +183,10 @@ class Worker:
                 published = self._published_failure() if self._busy.is_set() else None
             except Exception:  # noqa: BLE001 - the group is being torn down
                 return
-            if published is not None and self.failure is None:
-                self.failure = published
-                self._fail_pending()
+            if published is not None:
+                with self._lock:
+                    self.failure = self.failure or published
+                self._stopped()
 
 
 @atexit.register

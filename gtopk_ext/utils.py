@@ -10,9 +10,10 @@ from gtopk_ext import _worker, hierarchical
 
 
 def destroy_process_group() -> None:
-    """``dist.destroy_process_group()`` after closing the hooks' communication threads, letting go of the
-    hierarchical collective's node groups and freeing the objects that still hold a group (DDP models sit in
-    reference cycles), so that the groups and their worker threads end while the interpreter is fully alive.
+    """``dist.destroy_process_group()`` after closing the background workers (the DDP hooks', WAGMA's rounds),
+    letting go of the hierarchical collective's node groups and freeing the objects that still hold a group (DDP
+    models sit in reference cycles), so that the groups and their worker threads end while the interpreter is fully
+    alive.
 
     Left to the interpreter's exit, a thread that is inside a torch call (a Gloo worker dropping a finished work,
     a hook thread waiting for a peer) takes the GIL during finalization, which ends the thread by unwinding a

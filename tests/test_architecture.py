@@ -23,8 +23,8 @@ LAYERS = [
     {"gtopk_ext.hooks", "gtopk_ext.utils", "gtopk_ext"},
 ]
 # What a front end may not call itself: error feedback is the reduction's, the collectives are reached through it.
-OPS_CALLS_ALLOWED = {"gtopk_ext.compressors", "gtopk_ext.message", "gtopk_ext.wire", "gtopk_ext.reduction",
-                     "gtopk_ext.collectives"}
+OPS_CALLS_ALLOWED = {"gtopk_ext.triton_kernels", "gtopk_ext.compressors", "gtopk_ext.message", "gtopk_ext.wire",
+                     "gtopk_ext.reduction", "gtopk_ext.collectives"}
 AGREEMENT = {"gather_headers", "require_same"}
 COLLECTIVE_FUNCTIONS = {"sparse_allgather", "gtopk_allreduce", "oktopk_allreduce"}
 MAX_LINES = 400
@@ -47,7 +47,7 @@ def imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
     module)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     edges = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             edges |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -58,6 +58,18 @@ def imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
             for alias in node.names:
                 edges.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
     return {e for e in edges if e in known and e != name}
+
+
+def runtime_nodes(tree: ast.AST):
+    """Every node that runs: all but the bodies of ``if TYPE_CHECKING:`` (imports for annotations only)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
 
 
 def layer_of(name: str) -> int:

@@ -205,6 +205,14 @@ class SparseGradState:
         return self.momentum_correction.momentum if self.momentum_correction is not None else 0.0
 
     @property
+    def nesterov(self) -> bool:
+        return self.momentum_correction is not None and self.momentum_correction.nesterov
+
+    @property
+    def weight_decay(self) -> float:
+        return self.momentum_correction.weight_decay if self.momentum_correction is not None else 0.0
+
+    @property
     def masking_start_iter(self) -> int:
         return self.momentum_correction.masking_start_iter if self.momentum_correction is not None else 0
 

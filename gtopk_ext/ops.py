@@ -9,9 +9,8 @@ of the kernels.
 
 from __future__ import annotations
 
-from statistics import NormalDist
-
 import functools
+from statistics import NormalDist
 
 import torch
 

@@ -23,27 +23,10 @@ from typing import Union
 
 import torch
 
+from gtopk_ext import torch_kernels
 from gtopk_ext._contract import FLOAT_DTYPES
 
 BACKEND_NAMES = ("auto", "cpu", "cuda", "triton")
-
-
-def merge_topk_with_torch(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch.Tensor,
-                          values_b: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """merge_topk (csrc/ops.cpp) with torch's unique and sort, on any device (what runs on GPUs)."""
-    union, inverse = torch.unique(torch.cat([indices_a, indices_b]), sorted=True, return_inverse=True)
-    sums = torch.zeros(union.numel(), dtype=torch.float32, device=union.device)
-    sums.index_add_(0, inverse, torch.cat([values_a, values_b]).float())
-    union_size = union.numel()
-    if union_size > k:
-        # A stable sort keeps equal magnitudes in index order, so the lower index wins a tie.
-        keep = torch.sort(sums.abs(), descending=True, stable=True).indices[:k].sort().values
-        union, sums = union[keep], sums[keep]
-    indices = torch.zeros(k, dtype=torch.int32, device=union.device)
-    values = torch.zeros(k, dtype=values_a.dtype, device=union.device)
-    indices[:union.numel()] = union
-    values[:union.numel()] = sums.to(values_a.dtype)
-    return indices, values, torch.tensor([union_size], dtype=torch.int32, device=union.device)
 
 
 class Backend:
@@ -54,7 +37,7 @@ class Backend:
     ops = ("gaussian_threshold", "compact", "gaussian_select", "merge_topk", "scatter_add", "residual_update",
            "wire_encode", "wire_decode")
 
-    # merge_topk by merge_topk_with_torch rather than by a kernel of this backend.
+    # merge_topk by gtopk_ext.torch_kernels rather than by a kernel of this backend.
     merges_with_torch = False
 
     def __init__(self):
@@ -74,15 +57,14 @@ class Backend:
         raise NotImplementedError
 
     def _kernels(self):
-        """The namespace whose attributes are the ops, called positionally with the C++ schema's arguments."""
+        """The namespace whose attributes are the ops, called with the C++ schema's arguments."""
         raise NotImplementedError
 
-    def run(self, op: str, *args):
-        """``op(*args)`` on this backend's kernels."""
+    def run(self, op: str, *args, **kwargs):
+        """``op(*args, **kwargs)`` on this backend's kernels."""
         self.calls[op] += 1
-        if op == "merge_topk" and self.merges_with_torch:
-            return merge_topk_with_torch(*args)
-        return getattr(self._kernels(), op)(*args)
+        kernels = torch_kernels if op == "merge_topk" and self.merges_with_torch else self._kernels()
+        return getattr(kernels, op)(*args, **kwargs)
 
     def __reduce__(self):
         return backend_named, (self.name,)  # one object per backend, also across pickling
@@ -153,7 +135,7 @@ class TorchBackend(Backend):
         return []
 
     def _kernels(self):
-        return None
+        return torch_kernels
 
 
 CPU = CppCpuBackend()

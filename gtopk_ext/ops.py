@@ -1,26 +1,25 @@
-"""Typed wrappers over the gtopk_ext ops, and their fake kernels.
+"""Typed wrappers over the gtopk_ext ops.
 
 Every wrapper takes ``backend=None``: a name (``"auto"``, ``"cpu"``, ``"cuda"``, ``"triton"``) or a
 :class:`gtopk_ext.backends.Backend` object; ``None`` reads ``$GTOPK_EXT_BACKEND`` (default ``"auto"``). See
-gtopk_ext/backends.py. Each op's contract (C++ schema, argument checks, layout, outputs) is in csrc/ops.cpp and
-gtopk_ext/_contract.py; the fakes registered here are the contract's, so ``torch.compile`` traces the C++ ops
-and bad arguments fail at trace time with the C++ message.
+gtopk_ext/backends.py. Each op's contract (schema, argument checks, outputs' shapes) is in csrc/ops.cpp; its Meta
+kernel is the fake kernel that ``torch.compile`` traces with, so bad arguments fail at trace time with the message
+of the kernels.
 """
 
 from __future__ import annotations
 
+import functools
 from statistics import NormalDist
 
 import torch
 
-from gtopk_ext import backends
-from gtopk_ext._contract import (NUM_STATS, OPS, STAT_GAUSSIAN_THRESHOLD, STAT_MAX_ABS,  # noqa: F401  (re-exported)
+from gtopk_ext import _contract, backends
+from gtopk_ext._contract import (NUM_STATS, STAT_GAUSSIAN_THRESHOLD, STAT_MAX_ABS,  # noqa: F401  (re-exported)
                                  STAT_MEAN, STAT_STD, STAT_THRESHOLD)
 from gtopk_ext.backends import BACKEND_NAMES as BACKENDS  # noqa: F401  (re-exported)
-from gtopk_ext.backends import Backend, BackendLike, merge_topk_with_torch  # noqa: F401  (re-exported)
-
-for _op in OPS.values():
-    torch.library.register_fake(f"gtopk_ext::{_op.name}")(_op.fake)
+from gtopk_ext.backends import Backend, BackendLike  # noqa: F401  (re-exported)
+from gtopk_ext.torch_kernels import merge_topk as merge_topk_with_torch  # noqa: F401  (re-exported)
 
 
 def z_for_density(density: float) -> float:
@@ -40,9 +39,20 @@ def _kernels(device: torch.device, backend: BackendLike):
     return backends.choose(device, backend)._kernels()
 
 
-def _run(op: str, backend: BackendLike, *args):
-    device = args[OPS[op].device_arg].device
-    return backends.choose(device, backend, op=op).run(op, *args)
+@functools.cache
+def _number_types(op: str) -> dict[str, type]:
+    """The float and int arguments of op's schema, by name."""
+    python_types = {torch.FloatType: float, torch.IntType: int}
+    return {a.name: python_types[type(a.type)] for a in _contract.schema(op).arguments if type(a.type) in python_types}
+
+
+def _run(op: str, backend: BackendLike, **arguments):
+    """``op`` with its schema's arguments by name (numbers converted to the schema's types) on the backend chosen
+    for the device of its tensors (a kernel rejects tensors on several devices)."""
+    for name, python_type in _number_types(op).items():
+        arguments[name] = python_type(arguments[name])
+    device = next(value.device for value in arguments.values() if isinstance(value, torch.Tensor))
+    return backends.choose(device, backend, op=op).run(op, **arguments)
 
 
 def _raise_on_invalid(invalid: torch.Tensor, op: str, numel: int) -> None:
@@ -60,7 +70,7 @@ def gaussian_threshold(grad: torch.Tensor, residual: torch.Tensor | None = None,
     to select with: when ``k > 0`` the one that a log-scale histogram of |acc| says keeps about ``k`` elements,
     else the Gaussian one. No host sync.
     """
-    return _run("gaussian_threshold", backend, grad, residual, float(z), int(k))
+    return _run("gaussian_threshold", backend, grad=grad, residual=residual, z=z, k=k)
 
 
 def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int, *,
@@ -72,7 +82,7 @@ def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int, *,
     ``capacity`` pass, the ones at or above the upper edge of the threshold's histogram bin (2.2% above it) are
     kept first and the rest of the slots go to the others in index order, so no large element is dropped.
     """
-    return _run("compact", backend, acc, threshold, int(capacity))
+    return _run("compact", backend, acc=acc, threshold=threshold, capacity=capacity)
 
 
 def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None = None, *, z: float, k: int, capacity: int,
@@ -80,12 +90,8 @@ def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None = None, *,
     """:func:`gaussian_threshold` with ``k >= 1``, its threshold refined inside its histogram bin (moved to the
     lower edge of the 32-float sub-bin holding the k-th largest |acc|), then :func:`compact` of acc at it, in one
     call: returns ``(values, indices, count, stats)``, ``stats[STAT_THRESHOLD]`` being the refined threshold.
-
-    The C++ CPU kernel records, in its statistics pass, the elements above its running histogram floor (a
-    superset of the selection) and refines and selects from those while they fit (about density < 0.01), else
-    reads acc again. CUDA and Triton run the threshold, a counting pass with one finishing block, and compact.
     """
-    return _run("gaussian_select", backend, grad, residual, float(z), int(k), int(capacity))
+    return _run("gaussian_select", backend, grad=grad, residual=residual, z=z, k=k, capacity=capacity)
 
 
 def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch.Tensor, values_b: torch.Tensor,
@@ -95,10 +101,10 @@ def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch
     padded with (0, 0) to k slots. Padding slots (index 0, value 0) join index 0's sum, where they add nothing.
 
     Returns ``(indices int32[k], values[k] in values_a's dtype, union_size int32[1])``. Deterministic: partners
-    that pass the same two sets in the same order get bitwise the same result. On the CPU a C++ kernel (a linear
-    merge of the ascending sets and a selection of the k-th best); on other devices torch's unique and sort.
+    that pass the same two sets in the same order get bitwise the same result.
     """
-    return _run("merge_topk", backend, indices_a, values_a, indices_b, values_b, int(k))
+    return _run("merge_topk", backend, indices_a=indices_a, values_a=values_a, indices_b=indices_b,
+                values_b=values_b, k=k)
 
 
 def scatter_add_(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, backend: BackendLike = None,
@@ -108,7 +114,7 @@ def scatter_add_(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tenso
     Indices outside ``[0, dense.numel())`` are never written; with ``check`` they raise ValueError (one host
     sync), else their number is lost. Use ``torch.ops.gtopk_ext.scatter_add`` to get it as a tensor.
     """
-    invalid = _run("scatter_add", backend, dense, indices, values)
+    invalid = _run("scatter_add", backend, dense=dense, indices=indices, values=values)
     if check:
         _raise_on_invalid(invalid, "scatter_add", dense.numel())
     return dense
@@ -121,7 +127,7 @@ def residual_update_(residual: torch.Tensor, indices: torch.Tensor, values: torc
     With values taken from ``compact`` of this residual, the sent entries become exactly zero. Index rules as in
     :func:`scatter_add_`.
     """
-    invalid = _run("residual_update", backend, residual, indices, values)
+    invalid = _run("residual_update", backend, residual=residual, indices=indices, values=values)
     if check:
         _raise_on_invalid(invalid, "residual_update", residual.numel())
     return residual
@@ -136,7 +142,7 @@ def wire_encode(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor
     one pattern), the int16 low 16 bits of each index, and ``pages`` (int32, one entry per 65536 elements plus
     one: how many slots have a smaller index than the page's first) from which the high bits follow. 4 bytes per
     slot and 4 per 65536 elements of the tensor; slots past the count are (0, 0). No host sync on GPUs."""
-    return _run("wire_encode", backend, indices, values, count, int(numel))
+    return _run("wire_encode", backend, indices=indices, values=values, count=count, numel=numel)
 
 
 def wire_decode(halves: torch.Tensor, low: torch.Tensor, pages: torch.Tensor, shift: torch.Tensor,
@@ -146,4 +152,5 @@ def wire_decode(halves: torch.Tensor, low: torch.Tensor, pages: torch.Tensor, sh
     exactly ``float(half) * 2^-shift``. ``invalid`` counts the signs of a corrupted message (a shift out of range,
     a page table that does not ascend from 0 to the count, indices that do not ascend or reach ``numel``); the
     slots concerned come out as (0, 0), so nothing is written out of bounds downstream."""
-    return _run("wire_decode", backend, halves, low, pages, shift, count, int(numel))
+    return _run("wire_decode", backend, halves=halves, low=low, pages=pages, shift=shift, count=count,
+                numel=numel)

@@ -26,7 +26,7 @@ def histogram(acc: torch.Tensor) -> torch.Tensor:
 
 
 def threshold_from_histogram(counts: torch.Tensor, k: int, max_abs: float) -> float:
-    """The bin where the count from the top reaches k, interpolated linearly; see csrc/common.h."""
+    """The bin where the count from the top reaches k, interpolated linearly; see csrc/histogram.h."""
     from_top = counts.flip(0).cumsum(0).flip(0)  # from_top[b] = elements in bins >= b
     reaching = torch.nonzero(from_top >= k).flatten()
     if reaching.numel() == 0:
@@ -99,7 +99,7 @@ def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int):
 
 def refined_threshold(acc: torch.Tensor, threshold: float, k: int) -> float:
     """Within the threshold's histogram bin, the lower edge of the sub-bin (32 float patterns) holding the k-th
-    largest |acc| (csrc/common.h fine_threshold): by sorting that bin's magnitudes rather than counting."""
+    largest |acc| (csrc/histogram.h fine_threshold): by sorting that bin's magnitudes rather than counting."""
     if not 0.0 < threshold < float("inf"):
         return threshold
     bits = acc.detach().float().abs().flatten()
@@ -188,7 +188,7 @@ def _wire_value(half_bits: int, shift: int) -> np.float32:
 
 
 def wire_encode(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor, numel: int):
-    """The compact wire's encoding of the used slots (csrc/common.h), slot by slot."""
+    """The compact wire's encoding of the used slots (csrc/wire_format.h), slot by slot."""
     k = values.numel()
     used = min(max(int(count.flatten()[0]), 0), k)
     vals = [np.float32(v) for v in values.float().tolist()[:used]]

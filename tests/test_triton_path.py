@@ -260,18 +260,22 @@ def merge_bad_calls():
 
 
 def test_fake_kernels_check_with_the_cpp_message():
-    """The fake kernels of every C++ op (the contract's checks, which the Triton ops use too) reject what the
-    C++ kernels reject, with the same message."""
-    from gtopk_ext._contract import OPS
+    """Every C++ op on fake tensors (what torch.compile traces: its Meta kernel) rejects what its CPU kernel
+    rejects, with the same message; so do the checks that the Triton ops and the torch merge run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gtopk_ext import _contract
 
     calls = bad_calls(torch.device("cpu")) + merge_bad_calls() + [(name, args) for name, args, _ in bad_wire_calls()]
-    assert {name for name, _ in calls} == set(OPS)
+    assert {name for name, _ in calls} == set(_contract.op_names())
     for op_name, args in calls:
         with pytest.raises(RuntimeError) as cpp_error:
             getattr(CPP, op_name)(*args)
-        with pytest.raises(RuntimeError) as fake_error:
-            OPS[op_name].fake(*args)
-        assert str(fake_error.value) == str(cpp_error.value), op_name
+        with pytest.raises(RuntimeError) as checks_error:
+            _contract.check_args(op_name, *args)
+        with FakeTensorMode() as mode, pytest.raises(RuntimeError) as fake_error:
+            getattr(CPP, op_name)(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        assert str(fake_error.value) == str(cpp_error.value) == str(checks_error.value), op_name
 
 
 def test_bad_input_gets_the_cpp_message():
@@ -461,7 +465,7 @@ def test_triton_schemas_are_the_cpp_ones():
     names, defaults), and every C++ op with a Triton kernel has its Triton op."""
     from gtopk_ext import _contract
 
-    assert sorted(triton_kernels.ops.REGISTERED) == sorted(set(_contract.OPS) - {"merge_topk"})
+    assert sorted(triton_kernels.ops.REGISTERED) == sorted(set(_contract.op_names()) - {"merge_topk"})
     for name in triton_kernels.ops.REGISTERED:
         cpp = str(getattr(torch.ops.gtopk_ext, name).default._schema)
         tri = str(getattr(torch.ops.gtopk_ext_triton, name).default._schema)

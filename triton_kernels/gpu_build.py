@@ -21,7 +21,7 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
 import gtopk_ext  # noqa: F401  (the C++ ops, which gtopk_ext.ops' fake kernels refer to)
-from gtopk_ext._contract import wire_num_pages
+from gtopk_ext._contract import STAT_THRESHOLD, wire_num_pages
 
 from . import ops
 
@@ -92,18 +92,20 @@ def compile_launch(launch: Launch, target: GPUTarget):
 
 
 def compress_step(grad: torch.Tensor, residual: torch.Tensor | None, k: int) -> tuple[torch.Tensor, ...]:
-    """Every op once: statistics, compaction, the residual update and a scatter-add of the message."""
+    """A compression step in four ops: statistics, compaction, the residual update and a scatter-add of the
+    message."""
     acc = residual if residual is not None else grad
     stats = ops.gaussian_threshold(grad, residual, 2.5, k)
-    values, indices, count = ops.compact(acc, stats[4:], max(1, k))
+    values, indices, count = ops.compact(acc, stats[STAT_THRESHOLD:], max(1, k))
     ops.residual_update(acc, indices, values)
     ops.scatter_add(acc, indices, values)
     return values, indices, count
 
 
-def op_calls(dtype: torch.dtype, numel: int) -> dict[str, list[tuple]]:
-    """Example arguments of every Triton op on CUDA tensors of ``dtype`` (under a FakeTensorMode): with and
-    without residual and histogram, ``numel`` elements (1: a size Triton turns into a constant)."""
+def op_calls(dtype: torch.dtype, numel: int) -> dict[str, list[dict]]:
+    """Example arguments of every Triton op by the schema's names, on CUDA tensors of ``dtype`` (under a
+    FakeTensorMode): with and without residual and histogram, ``numel`` elements (1: a size Triton turns into a
+    constant)."""
     def tensor(n=numel, dtype=dtype):
         return torch.empty(n, device="cuda", dtype=dtype)
 
@@ -114,15 +116,17 @@ def op_calls(dtype: torch.dtype, numel: int) -> dict[str, list[tuple]]:
     halves, low = tensor(indices.numel(), torch.float16), torch.zeros_like(indices, dtype=torch.int16)
     pages = torch.zeros(wire_num_pages(numel) + 1, device="cuda", dtype=torch.int32)
     shift = torch.zeros(1, device="cuda", dtype=torch.int32)
+    k = max(1, numel // 250)
     return {
-        "gaussian_threshold": [(tensor(), tensor(), 2.5, max(1, numel // 250)), (tensor(), None, 2.5, 0)],
-        "compact": [(tensor(), threshold, max(1, numel // 250))],
-        "gaussian_select": [(tensor(), tensor(), 2.5, max(1, numel // 250), max(1, numel // 250)),
-                            (tensor(), None, 2.5, 1, 1)],
-        "scatter_add": [(tensor(), indices, values)],
-        "residual_update": [(tensor(), indices, values)],
-        "wire_encode": [(indices, values, count, numel)],
-        "wire_decode": [(halves, low, pages, shift, count, numel)],
+        "gaussian_threshold": [dict(grad=tensor(), residual=tensor(), z=2.5, k=k),
+                               dict(grad=tensor(), residual=None, z=2.5, k=0)],
+        "compact": [dict(acc=tensor(), threshold=threshold, capacity=k)],
+        "gaussian_select": [dict(grad=tensor(), residual=tensor(), z=2.5, k=k, capacity=k),
+                            dict(grad=tensor(), residual=None, z=2.5, k=1, capacity=1)],
+        "scatter_add": [dict(dense=tensor(), indices=indices, values=values)],
+        "residual_update": [dict(residual=tensor(), indices=indices, values=values)],
+        "wire_encode": [dict(indices=indices, values=values, count=count, numel=numel)],
+        "wire_decode": [dict(halves=halves, low=low, pages=pages, shift=shift, count=count, numel=numel)],
     }
 
 
@@ -139,14 +143,13 @@ def all_launches() -> list[Launch]:
                     raise RuntimeError(f"gpu_build: no example call of the Triton ops {sorted(missing)}")
                 for name in ops.REGISTERED:
                     op = getattr(torch.ops.gtopk_ext_triton, name)
-                    for args in calls[name]:
-                        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+                    for arguments in calls[name]:
+                        tensor_names = [key for key, value in arguments.items() if isinstance(value, torch.Tensor)]
 
-                        def call(*tensors, args=args, op=op):
-                            it = iter(tensors)
-                            return op(*(next(it) if isinstance(a, torch.Tensor) else a for a in args))
+                        def call(*tensors, arguments=arguments, tensor_names=tensor_names, op=op):
+                            return op(**{**arguments, **dict(zip(tensor_names, tensors))})
 
-                        launches.update(dict.fromkeys(traced_launches(call, *inputs)))
+                        launches.update(dict.fromkeys(traced_launches(call, *(arguments[n] for n in tensor_names))))
     return list(launches)
 
 

@@ -1,4 +1,4 @@
-"""The Triton kernels behind gtopk_ext.triton_kernels.ops (semantics: csrc/ops.cpp; shared rules: csrc/common.h).
+"""The Triton kernels behind gtopk_ext.triton_kernels.ops (semantics: csrc/ops.cpp; shared rules: csrc/*.h).
 
 Tuning (one config per kernel: a multi-config autotune cannot run without a GPU). The passes over the data are
 memory-bound, so a block of 4096 elements with 4 warps gives each thread 32 elements (eight 16-byte loads of
@@ -14,7 +14,7 @@ import triton.language as tl
 
 from gtopk_ext import _contract
 
-# Slots of the statistics tensor (gtopk_ext/_contract.py, csrc/common.h), as constants of the kernels.
+# Slots of the statistics tensor (gtopk_ext/_contract.py, csrc/layout.h), as constants of the kernels.
 STAT_MEAN = tl.constexpr(_contract.STAT_MEAN)
 STAT_STD = tl.constexpr(_contract.STAT_STD)
 STAT_MAX_ABS = tl.constexpr(_contract.STAT_MAX_ABS)
@@ -102,7 +102,7 @@ def finish_stats_kernel(shift_ptr, partial_sum_ptr, partial_sum_sq_ptr, partial_
                         HIST_COPIES: tl.constexpr, HIST_BINS: tl.constexpr, HIST_SHIFT: tl.constexpr,
                         HIST_INF_KEY: tl.constexpr, PARTIAL_BLOCK: tl.constexpr):
     """One program: merges the partials into the float32 stats (mean, std, max|acc|, Gaussian threshold,
-    threshold) with the arithmetic of csrc/cpu/threshold.cpp and csrc/common.h threshold_from_histogram."""
+    threshold) with the arithmetic of csrc/cpu/threshold.cpp and csrc/histogram.h threshold_from_histogram."""
     lanes = tl.arange(0, PARTIAL_BLOCK)
     sum_lanes = tl.zeros([PARTIAL_BLOCK], dtype=tl.float64)
     sum_sq_lanes = tl.zeros([PARTIAL_BLOCK], dtype=tl.float64)
@@ -144,7 +144,7 @@ def finish_stats_kernel(shift_ptr, partial_sum_ptr, partial_sum_sq_ptr, partial_
         hi = ((crossing + 1) << HIST_SHIFT).to(tl.float32, bitcast=True).to(tl.float64)
         needed = (k - above).to(tl.float64)
         safe_in_bin = tl.where(in_bin > 0, in_bin, 1).to(tl.float64)
-        # Same operations in the same order as csrc/common.h, all in fp64, one rounding to fp32 at the end.
+        # Same operations in the same order as csrc/histogram.h, all in fp64, one rounding to fp32 at the end.
         threshold = (hi - (hi - lo) * needed / safe_in_bin).to(tl.float32)
         max_key = max_abs.to(tl.int32, bitcast=True) >> HIST_SHIFT
         threshold = tl.where((crossing == max_key) & (threshold > max_abs), max_abs, threshold)
@@ -157,7 +157,7 @@ def finish_stats_kernel(shift_ptr, partial_sum_ptr, partial_sum_sq_ptr, partial_
 
 @triton.jit
 def refinable_bin(threshold, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr):
-    """The histogram bin of a threshold that gaussian_select refines (csrc/common.h refinable: positive and
+    """The histogram bin of a threshold that gaussian_select refines (csrc/histogram.h refinable: positive and
     finite), else 1 << 30, a bin above every key."""
     bin = threshold.to(tl.int32, bitcast=True) >> HIST_SHIFT
     return tl.where((threshold > 0.0) & (bin < HIST_INF_KEY), bin, 1 << 30)
@@ -166,7 +166,7 @@ def refinable_bin(threshold, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexp
 @triton.jit
 def fine_count_kernel(acc_ptr, stats_ptr, fine_ptr, n, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr,
                       FINE_SHIFT: tl.constexpr, FINE_BINS: tl.constexpr, BLOCK: tl.constexpr):
-    """gaussian_select's second level (csrc/common.h fine_threshold) for one block: adds the count of |acc| above
+    """gaussian_select's second level (csrc/histogram.h fine_threshold) for one block: adds the count of |acc| above
     the threshold's histogram bin into fine_ptr[FINE_BINS] and those in it by sub-bin into fine_ptr[sub-bin]."""
     bin = refinable_bin(tl.load(stats_ptr + STAT_THRESHOLD), HIST_SHIFT, HIST_INF_KEY)  # not refinable: nothing counted
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -184,7 +184,7 @@ def fine_count_kernel(acc_ptr, stats_ptr, fine_ptr, n, HIST_SHIFT: tl.constexpr,
 def fine_finish_kernel(stats_ptr, fine_ptr, k, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr,
                        FINE_SHIFT: tl.constexpr, FINE_BINS: tl.constexpr):
     """One program: stats[STAT_THRESHOLD] becomes the refined threshold, the lower edge of the highest sub-bin at
-    which the count from the top reaches k (csrc/common.h sub_bin_reaching)."""
+    which the count from the top reaches k (csrc/histogram.h sub_bin_reaching)."""
     threshold = tl.load(stats_ptr + STAT_THRESHOLD)
     bin = refinable_bin(threshold, HIST_SHIFT, HIST_INF_KEY)
     sub_bins = tl.arange(0, FINE_BINS)
@@ -199,7 +199,7 @@ def fine_finish_kernel(stats_ptr, fine_ptr, k, HIST_SHIFT: tl.constexpr, HIST_IN
 @triton.jit
 def candidates(acc_ptr, threshold_ptr, offsets, n, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr):
     """(acc, sure, boundary) of a block: boundary elements have threshold <= |acc| < the upper edge of the
-    threshold's histogram bin, sure ones |acc| >= that edge (csrc/common.h sure_threshold). NaN is neither."""
+    threshold's histogram bin, sure ones |acc| >= that edge (csrc/histogram.h sure_threshold). NaN is neither."""
     threshold = tl.load(threshold_ptr)
     key = threshold.to(tl.uint32, bitcast=True) >> HIST_SHIFT  # as unsigned as in C++: -0.0 gets a high key
     upper_edge = ((key + 1) << HIST_SHIFT).to(tl.float32, bitcast=True)
@@ -321,7 +321,7 @@ def apply_run_sums_kernel(dense_ptr, sorted_indices_ptr, piece_sums_ptr, invalid
     tl.store(dense_ptr + index, round_to_dtype(total, dense.dtype), mask=run_start)
 
 
-# --- the compact wire (csrc/common.h) --------------------------------------------------------------------------
+# --- the compact wire (csrc/wire_format.h) --------------------------------------------------------------------------
 
 @triton.jit
 def wire_used(count_ptr, k):
@@ -403,7 +403,7 @@ def wire_page_of(pages_ptr, num_pages, slots, live):
 
 @triton.jit
 def wire_check_pages_kernel(pages_ptr, count_ptr, invalid_ptr, num_pages, k, BLOCK: tl.constexpr):
-    """Adds to invalid[0] the page-table entries that no encoding makes (csrc/common.h wire_page_is_bad)."""
+    """Adds to invalid[0] the page-table entries that no encoding makes (csrc/wire_format.h wire_page_is_bad)."""
     pages = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = pages <= num_pages
     used = wire_used(count_ptr, k)

@@ -1,10 +1,10 @@
 """The Triton kernels as torch ops ``torch.ops.gtopk_ext_triton.*``, traceable by ``torch.compile``.
 
-Each op takes its schema from the C++ op of the same name (``torch.ops.gtopk_ext.*``, csrc/ops.cpp) and its
-argument checks and fake kernel from gtopk_ext/_contract.py, so both namespaces have one contract; the namespace
-is its own because the CUDA dispatch key belongs to the CUDA kernels. ``gtopk_ext.backends.TRITON`` calls them
-positionally. They run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` was set before triton was
-imported. None of them synchronises with the host.
+Each op takes its schema, its argument checks and its outputs' shapes from the C++ op of the same name
+(``torch.ops.gtopk_ext.*``, csrc/ops.cpp: the schema and the Meta kernel), so both namespaces have one contract;
+the namespace is its own because the CUDA dispatch key belongs to the CUDA kernels. They run on CUDA tensors, or on
+CPU tensors when ``TRITON_INTERPRET=1`` was set before triton was imported. None of them synchronises with the
+host.
 """
 
 from __future__ import annotations
@@ -17,23 +17,20 @@ from torch.library import triton_op, wrap_triton
 
 import gtopk_ext  # noqa: F401  (registers the C++ schemas that these ops take)
 from gtopk_ext import _contract
-from gtopk_ext._contract import (FINE_BINS, FINE_SHIFT, HIST_BINS, HIST_INF_KEY, HIST_SHIFT, NUM_STATS, OPS,
+from gtopk_ext._contract import (FINE_BINS, FINE_SHIFT, HIST_BINS, HIST_INF_KEY, HIST_SHIFT, NUM_STATS,
                                  STAT_THRESHOLD)
 
 from . import kernels
 
-def _check_triton_device(t: torch.Tensor, op: str, name: str) -> None:
-    # Triton cannot read CPU memory on a GPU; the interpreter runs on any tensor.
-    if not (t.device.type == "cuda" or triton.knobs.runtime.interpret):
-        raise RuntimeError(f"{op}: {name} must be a CUDA tensor for the Triton kernels (CPU tensors need "
-                           f"TRITON_INTERPRET=1 set before triton is imported), got {t.device}")
-
-
 def _checked(name: str, *args) -> None:
-    """The contract's checks of op ``name``, then the Triton device rule on the tensor that places the op."""
-    contract = OPS[name]
-    contract.check(*args)
-    _check_triton_device(args[contract.device_arg], name, contract.schema.arguments[contract.device_arg].name)
+    """The checks of op ``name`` (the C++ op's Meta kernel), then the Triton device rule on its first tensor (the
+    checks put every tensor on one device): Triton cannot read CPU memory on a GPU; the interpreter runs on any."""
+    _contract.check_args(name, *args)
+    index, tensor = next((i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+    if not (tensor.device.type == "cuda" or triton.knobs.runtime.interpret):
+        raise RuntimeError(f"{name}: {_contract.schema(name).arguments[index].name} must be a CUDA tensor for the "
+                           "Triton kernels (CPU tensors need TRITON_INTERPRET=1 set before triton is imported), got "
+                           f"{tensor.device}")
 
 
 # --- the ops -------------------------------------------------------------------------------------------------
@@ -48,14 +45,13 @@ def _register(name: str):
     On a GPU: a triton_op, whose body (check, allocations, wrap_triton launches) is also its fake kernel and is
     traced by torch.compile, so Inductor sees the kernels. Under the interpreter wrap_triton hands back the raw
     kernel, which tracing would run on fake tensors (or drop from the graph): there the op is an opaque
-    custom_op with the contract's fake kernel, which checks the arguments and allocates the outputs."""
-    contract = OPS[name]
+    custom_op whose fake kernel is the C++ op's (its Meta kernel, which checks the arguments and allocates the
+    outputs)."""
     qualified_name = f"gtopk_ext_triton::{name}"
-    options = dict(mutates_args=contract.mutated_args(), schema=contract.schema_string())
+    options = dict(mutates_args=_contract.mutated_args(name), schema=_contract.schema_string(name))
 
-    def fake(*args):
-        _checked(name, *args)
-        return contract.outputs(*args)
+    def fake(*args, **kwargs):
+        return getattr(torch.ops.gtopk_ext, name)(*args, **kwargs)
 
     def register(fn: Callable):
         REGISTERED.append(name)
@@ -86,7 +82,7 @@ def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int) -> tuple[
                                                                               torch.Tensor]:
     """(values[capacity], int32 indices[capacity], int32 count[1]) of the elements with |acc| >= threshold[0],
     indices ascending, count before truncation, padding (index 0, value 0); on overflow the sure candidates
-    (csrc/common.h sure_threshold) first. Counts per block, scans the counts on the device, then each block
+    (csrc/histogram.h sure_threshold) first. Counts per block, scans the counts on the device, then each block
     with candidates to keep writes them at their slots."""
     _checked("compact", acc, threshold, capacity)
     return _launch_compact(acc, threshold, capacity)

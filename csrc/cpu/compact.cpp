@@ -8,7 +8,8 @@ namespace {
 // order, so indices come out ascending.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cpu(const at::Tensor& acc, const at::Tensor& threshold,
                                                            int64_t capacity) {
-  check_compact_args(acc, threshold, capacity);
+  static const OpChecks<decltype(compact_cpu)> checks("gtopk_ext::compact");
+  checks(acc, threshold, capacity);
   const at::Tensor acc_contig = acc.contiguous();
   const int64_t n = acc.numel();
   const float thr = threshold.item<float>();

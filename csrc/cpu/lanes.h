@@ -7,7 +7,8 @@
 #include <cstring>
 #include <type_traits>
 
-#include "../common.h"
+#include "../dispatch.h"
+#include "../histogram.h"
 
 namespace gtopk_ext::cpu {
 namespace {

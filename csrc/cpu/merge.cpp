@@ -8,7 +8,8 @@
 #include <numeric>
 #include <vector>
 
-#include "../common.h"
+#include "../dispatch.h"
+#include "../histogram.h"
 
 namespace gtopk_ext::cpu {
 namespace {
@@ -94,7 +95,7 @@ inline uint64_t merge_rank_key(float sum, int32_t index) {
   return (static_cast<uint64_t>(0x7FFFFFFFu - magnitude) << 32) | (static_cast<uint32_t>(index) ^ 0x80000000u);
 }
 
-// The histogram bin of a union entry's sum (common.h), NaN in the top bin: higher bins rank better.
+// The histogram bin of a union entry's sum (histogram.h), NaN in the top bin: higher bins rank better.
 inline int merge_rank_bin(float sum) { return std::isnan(sum) ? kHistBins - 1 : hist_key(std::fabs(sum)); }
 
 // Whether each union entry is among the k best (merge_rank_key order), for a union of more than k entries. As for
@@ -124,7 +125,8 @@ std::vector<uint8_t> best_k(const Union& merged, int64_t k) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_topk_cpu(const at::Tensor& indices_a, const at::Tensor& values_a,
                                                               const at::Tensor& indices_b, const at::Tensor& values_b,
                                                               int64_t k) {
-  check_merge_args(indices_a, values_a, indices_b, values_b, k);
+  static const OpChecks<decltype(merge_topk_cpu)> checks("gtopk_ext::merge_topk");
+  checks(indices_a, values_a, indices_b, values_b, k);
   const at::Tensor ia = indices_a.contiguous(), ib = indices_b.contiguous();
   const at::Tensor va = values_a.contiguous(), vb = values_b.contiguous();
   at::Tensor indices = at::zeros({k}, ia.options());

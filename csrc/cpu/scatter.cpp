@@ -2,15 +2,14 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include "../common.h"
+#include "../dispatch.h"
 
 namespace gtopk_ext::cpu {
 namespace {
 
 // dense[indices[j]] += sign * values[j], skipping (and counting) indices outside [0, numel).
-at::Tensor signed_scatter_cpu(const at::Tensor& dense, const at::Tensor& indices, const at::Tensor& values, float sign,
-                              const char* op, const char* dense_name) {
-  check_scatter_args(dense, indices, values, op, dense_name);
+at::Tensor signed_scatter_cpu(const at::Tensor& dense, const at::Tensor& indices, const at::Tensor& values,
+                              float sign) {
   const at::Tensor indices_contig = indices.contiguous();
   const at::Tensor values_contig = values.contiguous();
   const int64_t n = dense.numel();
@@ -36,11 +35,15 @@ at::Tensor signed_scatter_cpu(const at::Tensor& dense, const at::Tensor& indices
 }
 
 at::Tensor scatter_add_cpu(const at::Tensor& dense, const at::Tensor& indices, const at::Tensor& values) {
-  return signed_scatter_cpu(dense, indices, values, 1.0f, "scatter_add", "dense");
+  static const OpChecks<decltype(scatter_add_cpu)> checks("gtopk_ext::scatter_add");
+  checks(dense, indices, values);
+  return signed_scatter_cpu(dense, indices, values, 1.0f);
 }
 
 at::Tensor residual_update_cpu(const at::Tensor& residual, const at::Tensor& indices, const at::Tensor& values) {
-  return signed_scatter_cpu(residual, indices, values, -1.0f, "residual_update", "residual");
+  static const OpChecks<decltype(residual_update_cpu)> checks("gtopk_ext::residual_update");
+  checks(residual, indices, values);
+  return signed_scatter_cpu(residual, indices, values, -1.0f);
 }
 
 }  // namespace

@@ -5,7 +5,7 @@
 namespace gtopk_ext::cpu {
 namespace {
 
-// The counts of fine_threshold (common.h) for `bin`: the elements above it, and those in it by sub-bin.
+// The counts of fine_threshold (histogram.h) for `bin`: the elements above it, and those in it by sub-bin.
 struct FineCounts {
   int64_t above = 0;
   std::vector<int32_t> counts = std::vector<int32_t>(kFineBins, 0);
@@ -55,7 +55,8 @@ float refine_threshold(float thr, int64_t k, const std::vector<RangeCandidates>&
 // candidates that the statistics pass recorded suffice (a range whose candidates overflowed reads acc again).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_cpu(
     const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity) {
-  check_gaussian_select_args(grad, residual, z, k, capacity);
+  static const OpChecks<decltype(gaussian_select_cpu)> checks("gtopk_ext::gaussian_select");
+  checks(grad, residual, z, k, capacity);
   const at::Tensor grad_contig = grad.contiguous();
   std::vector<RangeCandidates> candidates;
   at::Tensor stats = statistics_pass(grad_contig, residual, z, k, &candidates);

@@ -106,7 +106,7 @@ void select_candidates(const RangeCandidates& candidates, const scalar_t* acc, f
 }
 
 // Writes the ranges' selections (in index order) into values and indices, zero-filled with capacity slots: when
-// more than capacity were selected, the sure ones first (see sure_threshold in common.h), then boundary ones in
+// more than capacity were selected, the sure ones first (see sure_threshold in histogram.h), then boundary ones in
 // index order. Returns how many were selected before that cut.
 template <typename scalar_t>
 int64_t write_selection(const std::vector<RangeSelection>& ranges, const scalar_t* acc, int64_t capacity,

@@ -148,7 +148,8 @@ namespace {
 
 at::Tensor gaussian_threshold_cpu(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z,
                                   int64_t k) {
-  check_gaussian_threshold_args(grad, residual, z, k);
+  static const OpChecks<decltype(gaussian_threshold_cpu)> checks("gtopk_ext::gaussian_threshold");
+  checks(grad, residual, z, k);
   return statistics_pass(grad.contiguous(), residual, z, k, nullptr);
 }
 

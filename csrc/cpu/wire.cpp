@@ -1,4 +1,4 @@
-// CPU kernels of wire_encode and wire_decode (schemas in csrc/ops.cpp, the format in common.h).
+// CPU kernels of wire_encode and wire_decode (schemas in csrc/ops.cpp, the format in wire_format.h).
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -7,7 +7,8 @@
 #include <cmath>
 #include <tuple>
 
-#include "../common.h"
+#include "../dispatch.h"
+#include "../wire_format.h"
 
 namespace gtopk_ext::cpu {
 namespace {
@@ -15,7 +16,8 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> wire_encode_cpu(const at::Tensor& indices,
                                                                            const at::Tensor& values,
                                                                            const at::Tensor& count, int64_t numel) {
-  check_wire_encode_args(indices, values, count, numel);
+  static const OpChecks<decltype(wire_encode_cpu)> checks("gtopk_ext::wire_encode");
+  checks(indices, values, count, numel);
   const at::Tensor indices_contig = indices.contiguous();
   const at::Tensor values_contig = values.contiguous();
   const int64_t k = values.numel();
@@ -50,7 +52,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> wire_encode_cpu(const
 std::tuple<at::Tensor, at::Tensor, at::Tensor> wire_decode_cpu(const at::Tensor& halves, const at::Tensor& low,
                                                                const at::Tensor& pages, const at::Tensor& shift,
                                                                const at::Tensor& count, int64_t numel) {
-  check_wire_decode_args(halves, low, pages, shift, count, numel);
+  static const OpChecks<decltype(wire_decode_cpu)> checks("gtopk_ext::wire_decode");
+  checks(halves, low, pages, shift, count, numel);
   const at::Tensor halves_contig = halves.contiguous();
   const at::Tensor low_contig = low.contiguous();
   const at::Tensor pages_contig = pages.contiguous();

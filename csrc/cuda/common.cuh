@@ -19,7 +19,8 @@
 #include <optional>
 #include <tuple>
 
-#include "../common.h"
+#include "../dispatch.h"
+#include "../histogram.h"
 
 namespace gtopk_ext::cuda {
 

@@ -82,7 +82,8 @@ __global__ void __launch_bounds__(kThreads)
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cuda(const at::Tensor& acc, const at::Tensor& threshold,
                                                             int64_t capacity) {
-  check_compact_args(acc, threshold, capacity);
+  static const OpChecks<decltype(compact_cuda)> checks("gtopk_ext::compact");
+  checks(acc, threshold, capacity);
   const c10::cuda::CUDAGuard guard(acc.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor acc_contig = acc.contiguous();

@@ -59,9 +59,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <bool kNegate>
-at::Tensor signed_scatter_cuda(const at::Tensor& dense, const at::Tensor& indices, const at::Tensor& values,
-                               const char* op, const char* dense_name) {
-  check_scatter_args(dense, indices, values, op, dense_name);
+at::Tensor signed_scatter_cuda(const at::Tensor& dense, const at::Tensor& indices, const at::Tensor& values) {
   const c10::cuda::CUDAGuard guard(dense.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor indices_contig = indices.contiguous();
@@ -101,11 +99,15 @@ at::Tensor signed_scatter_cuda(const at::Tensor& dense, const at::Tensor& indice
 }
 
 at::Tensor scatter_add_cuda(const at::Tensor& dense, const at::Tensor& indices, const at::Tensor& values) {
-  return signed_scatter_cuda<false>(dense, indices, values, "scatter_add", "dense");
+  static const OpChecks<decltype(scatter_add_cuda)> checks("gtopk_ext::scatter_add");
+  checks(dense, indices, values);
+  return signed_scatter_cuda<false>(dense, indices, values);
 }
 
 at::Tensor residual_update_cuda(const at::Tensor& residual, const at::Tensor& indices, const at::Tensor& values) {
-  return signed_scatter_cuda<true>(residual, indices, values, "residual_update", "residual");
+  static const OpChecks<decltype(residual_update_cuda)> checks("gtopk_ext::residual_update");
+  checks(residual, indices, values);
+  return signed_scatter_cuda<true>(residual, indices, values);
 }
 
 }  // namespace

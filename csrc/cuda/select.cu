@@ -7,7 +7,7 @@ namespace gtopk_ext::cuda {
 namespace {
 
 // Adds the count of |acc| above the threshold's bin into fine_counts[kFineBins] and those in the bin by
-// sub-bin into fine_counts[sub-bin] (common.h fine_threshold), through a block histogram in shared memory.
+// sub-bin into fine_counts[sub-bin] (histogram.h fine_threshold), through a block histogram in shared memory.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     fine_count_kernel(const scalar_t* acc, int64_t n, const float* stats, int32_t* fine_counts) {
@@ -75,7 +75,8 @@ __global__ void __launch_bounds__(kFinishThreads)
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_cuda(
     const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity) {
-  check_gaussian_select_args(grad, residual, z, k, capacity);
+  static const OpChecks<decltype(gaussian_select_cuda)> checks("gtopk_ext::gaussian_select");
+  checks(grad, residual, z, k, capacity);
   at::Tensor stats = gaussian_threshold_cuda(grad, residual, z, k);
   const at::Tensor acc = residual.has_value() ? *residual : grad.contiguous();
   const c10::cuda::CUDAGuard guard(grad.device());

@@ -201,7 +201,8 @@ __global__ void __launch_bounds__(kFinishThreads)
 
 at::Tensor gaussian_threshold_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z,
                                    int64_t k) {
-  check_gaussian_threshold_args(grad, residual, z, k);
+  static const OpChecks<decltype(gaussian_threshold_cuda)> checks("gtopk_ext::gaussian_threshold");
+  checks(grad, residual, z, k);
   const c10::cuda::CUDAGuard guard(grad.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor grad_contig = grad.contiguous();

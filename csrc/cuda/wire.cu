@@ -1,6 +1,7 @@
-// CUDA kernels of wire_encode and wire_decode (schemas in csrc/ops.cpp, the format in common.h). Every slot and
+// CUDA kernels of wire_encode and wire_decode (schemas in csrc/ops.cpp, the format in wire_format.h). Every slot and
 // every page is one thread's work; the message's largest finite |value| is an atomicMax on its float32 pattern
 // (non-negative floats order as their patterns), an exact and order-free reduction.
+#include "../wire_format.h"
 #include "common.cuh"
 
 namespace gtopk_ext::cuda {
@@ -86,7 +87,8 @@ int64_t work_blocks(int64_t work) { return (work + kThreads - 1) / kThreads; }
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> wire_encode_cuda(const at::Tensor& indices,
                                                                             const at::Tensor& values,
                                                                             const at::Tensor& count, int64_t numel) {
-  check_wire_encode_args(indices, values, count, numel);
+  static const OpChecks<decltype(wire_encode_cuda)> checks("gtopk_ext::wire_encode");
+  checks(indices, values, count, numel);
   const c10::cuda::CUDAGuard guard(values.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor indices_contig = indices.contiguous();
@@ -121,7 +123,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> wire_encode_cuda(cons
 std::tuple<at::Tensor, at::Tensor, at::Tensor> wire_decode_cuda(const at::Tensor& halves, const at::Tensor& low,
                                                                 const at::Tensor& pages, const at::Tensor& shift,
                                                                 const at::Tensor& count, int64_t numel) {
-  check_wire_decode_args(halves, low, pages, shift, count, numel);
+  static const OpChecks<decltype(wire_decode_cuda)> checks("gtopk_ext::wire_decode");
+  checks(halves, low, pages, shift, count, numel);
   const c10::cuda::CUDAGuard guard(halves.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor halves_contig = halves.contiguous();

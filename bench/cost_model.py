@@ -26,7 +26,7 @@ Two levels: P = N nodes x L ranks (consecutive ranks share a node); inside a nod
 and the node's one link to the switch carries what all its L ranks send off the node at once. Flat collectives:
 dense and allgather rings are as slow as their inter-node hops; gTop-k's first log2(L) rounds stay inside the
 node and its last log2(N) rounds put L sets on the node's link at once; Ok-Topk sends L(P-L)/P of its pairs off
-the node. The hierarchical collective (gtopk_ext.collectives.hierarchical_allreduce):
+the node. The hierarchical collective (gtopk_ext.hierarchical.hierarchical_allreduce):
 
     hierarchical  2(L-1) alpha_intra + (L-1) 4n/L beta_intra  (dense reduce-scatter inside the node)
                   + (L-1) g beta_intra                      (allgather inside the node: g = the bytes of a shard's

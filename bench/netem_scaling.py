@@ -10,7 +10,7 @@ interface's ``tx_bytes`` counter (TCP/IP headers and ACKs included), next to the
 
 ``--local-size L`` groups L consecutive ranks into a node instead: one namespace per node, its ranks talking over
 the namespace's loopback (unshaped), the node's one link limited; every method then runs on the whole group, and
-two more: ``hierarchical`` (gtopk_ext.collectives.hierarchical_allreduce, gTop-k between nodes, plain wire; its
+two more: ``hierarchical`` (gtopk_ext.hierarchical.hierarchical_allreduce, gTop-k between nodes, plain wire; its
 time includes its selection on the shard) and a dense allreduce inside the node (rows with world_size L), which
 pins the intra-node costs; bytes are then counted per node link.
 
@@ -182,7 +182,7 @@ def exchange_for(method: str, grad, msg, density: float | None, wire: str, node_
     import torch.distributed as dist
 
     import gtopk_ext as gx
-    from gtopk_ext import collectives
+    from gtopk_ext import collectives, hierarchical
 
     if method == "dense":
         return lambda: dist.all_reduce(grad, group=node_group)
@@ -192,7 +192,7 @@ def exchange_for(method: str, grad, msg, density: float | None, wire: str, node_
         return lambda: collectives.gtopk_allreduce(msg, check=False, wire=wire)
     if method == "hierarchical":
         compressor = gx.make_compressor("gaussiank", density=density)
-        return lambda: collectives.hierarchical_allreduce(grad, None, compressor, msg.k, local)
+        return lambda: hierarchical.hierarchical_allreduce(grad, None, compressor, msg.k, local)
     state = collectives.OkTopkState()
     collectives.oktopk_allreduce(msg, state=state, check=False, wire=wire)
     return lambda: collectives.oktopk_allreduce(msg, state=state, check=False, wire=wire)

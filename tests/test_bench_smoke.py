@@ -171,11 +171,11 @@ def test_bytes_per_step_exchange_benchmark(tmp_path):
         ("oktopk", "plain"), ("oktopk", "compact")]
     assert all(r["parameters"] == numel and r["level"] == "exchange" for r in rows)
     dense, allgather, allgather_compact, gtopk, gtopk_compact, oktopk, _ = rows
-    # count, k lows, k float16 values, the shift and the page table (one page: two entries); gTop-k also
-    # allreduces its int32 corruption count
-    assert allgather_compact["sent_mean"] == gtopk_compact["sent_mean"] - 4 == 4 + 4 * k + 4 + 8
+    # count and flags (the exchange runs the reduction, which sends the hook's non-finite flag), k lows, k float16
+    # values, the shift and the page table (one page: two entries); gTop-k also allreduces its int32 corruption count
+    assert allgather_compact["sent_mean"] == gtopk_compact["sent_mean"] - 4 == 8 + 4 * k + 4 + 8
     assert dense["sent_mean"] == 4 * numel  # ring allreduce on 2 ranks: 2(P-1)/P of the buffer
-    assert allgather["sent_mean"] == gtopk["sent_mean"] == 4 + 8 * k  # count, k indices, k values
+    assert allgather["sent_mean"] == gtopk["sent_mean"] == 8 + 8 * k  # count, flags, k indices, k values
     # Mean over the 2 ranks: at most k pairs to the other region, half of at most 1.25k kept sums back, the
     # counts and (the median of 2 steps) half of the first step's histograms.
     assert 8 * k // 4 < oktopk["sent_mean"] <= 8 * (k + 5 * k // 8) + 2500

@@ -20,7 +20,7 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
-import gtopk_ext  # noqa: F401  (the C++ ops, which gtopk_ext.ops' fake kernels refer to)
+from gtopk_ext import _C  # noqa: F401  (the C++ ops, whose Meta kernels check the arguments)
 from gtopk_ext._contract import STAT_THRESHOLD, wire_num_pages
 
 from . import ops

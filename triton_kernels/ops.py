@@ -15,12 +15,12 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
-import gtopk_ext  # noqa: F401  (registers the C++ schemas that these ops take)
+from gtopk_ext import _C  # noqa: F401  (registers the C++ schemas that these ops take)
 from gtopk_ext import _contract
 from gtopk_ext._contract import (FINE_BINS, FINE_SHIFT, HIST_BINS, HIST_INF_KEY, HIST_SHIFT, NUM_STATS,
                                  STAT_THRESHOLD)
 
-from . import kernels
+from . import kernels, wire_kernels
 
 def _checked(name: str, *args) -> None:
     """The checks of op ``name`` (the C++ op's Meta kernel), then the Triton device rule on its first tensor (the
@@ -199,18 +199,18 @@ def wire_encode(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor
     num_pages = _contract.wire_num_pages(numel)
     num_blocks = _num_blocks(k)
     partial_max = torch.empty(num_blocks, dtype=torch.float32, device=device)
-    wrap_triton(kernels.wire_max_kernel)[(num_blocks,)](values, count, partial_max, k, BLOCK=kernels.BLOCK,
+    wrap_triton(wire_kernels.wire_max_kernel)[(num_blocks,)](values, count, partial_max, k, BLOCK=kernels.BLOCK,
                                                          num_warps=kernels.NUM_WARPS)
     max_abs = partial_max.amax().reshape(1)
     halves = torch.empty(k, dtype=torch.float16, device=device)
     low = torch.empty(k, dtype=torch.int16, device=device)
     shift = torch.empty(1, dtype=torch.int32, device=device)
-    wrap_triton(kernels.wire_encode_kernel)[(num_blocks,)](
+    wrap_triton(wire_kernels.wire_encode_kernel)[(num_blocks,)](
         indices, values, count, max_abs, halves, low, shift, k, SHIFT_MAX=_contract.WIRE_SHIFT_MAX,
         SHIFT_BASE=_contract.WIRE_SHIFT_BASE, HALF_NAN=_contract.WIRE_HALF_NAN, BLOCK=kernels.BLOCK,
         num_warps=kernels.NUM_WARPS)
     pages = torch.empty(num_pages + 1, dtype=torch.int32, device=device)
-    wrap_triton(kernels.wire_pages_kernel)[(_num_blocks(num_pages + 1),)](
+    wrap_triton(wire_kernels.wire_pages_kernel)[(_num_blocks(num_pages + 1),)](
         indices, count, pages, num_pages, k, PAGE_SHIFT=_contract.WIRE_PAGE_SHIFT, BLOCK=kernels.BLOCK,
         num_warps=kernels.NUM_WARPS)
     return halves, low, pages, shift
@@ -226,11 +226,11 @@ def wire_decode(halves: torch.Tensor, low: torch.Tensor, pages: torch.Tensor, sh
     k, device = halves.numel(), halves.device
     num_pages = _contract.wire_num_pages(numel)
     invalid = torch.zeros(1, dtype=torch.int32, device=device)
-    wrap_triton(kernels.wire_check_pages_kernel)[(_num_blocks(num_pages + 1),)](
+    wrap_triton(wire_kernels.wire_check_pages_kernel)[(_num_blocks(num_pages + 1),)](
         pages, count, invalid, num_pages, k, BLOCK=kernels.BLOCK, num_warps=kernels.NUM_WARPS)
     indices = torch.empty(k, dtype=torch.int32, device=device)
     values = torch.empty(k, dtype=torch.float32, device=device)
-    wrap_triton(kernels.wire_decode_kernel)[(_num_blocks(k),)](
+    wrap_triton(wire_kernels.wire_decode_kernel)[(_num_blocks(k),)](
         halves, low, pages, shift, count, indices, values, invalid, num_pages, numel, k,
         PAGE_SHIFT=_contract.WIRE_PAGE_SHIFT, SHIFT_MAX=_contract.WIRE_SHIFT_MAX, BLOCK=kernels.BLOCK,
         num_warps=kernels.NUM_WARPS)

@@ -329,6 +329,6 @@ def _end_iteration(state: SparseGradState) -> None:
     if state.stats_logging_frequency and state.iter % state.stats_logging_frequency == 0:
         total = state._stats_now()["total"]
         logger.info("sparse_grad_hook iter %d: selected %d for k %d of %d elements; sent %d B, received %d B; "
-                    "selecting %.3f ms, exchanging %.3f ms, applying %.3f ms", state.iter, total["selected"],
-                    total["k"], total["numel"], total["bytes_sent"], total["bytes_received"],
-                    1e3 * total["select_seconds"], 1e3 * total["exchange_seconds"], 1e3 * total["apply_seconds"])
+                    "selecting %.3f ms, exchanging %.3f ms", state.iter, total["selected"], total["k"],
+                    total["numel"], total["bytes_sent"], total["bytes_received"], 1e3 * total["select_seconds"],
+                    1e3 * total["exchange_seconds"])

@@ -48,7 +48,6 @@ class BucketStats:
     selected: Union[int, torch.Tensor] = 0  # elements the compressor selected before truncation to k
     select_seconds: float = 0.0  # grad + residual, statistics, compaction, residual update
     exchange_seconds: float = 0.0  # the collective and the average (a dense bucket: from issuing its allreduce)
-    apply_seconds: float = 0.0  # kept for the statistics' layout: the reduction applies inside the exchange
     traffic: Traffic = field(default_factory=Traffic, repr=False)
 
 
@@ -336,8 +335,8 @@ class SparseGradState:
     def stats(self) -> dict:
         """The latest step's statistics: ``{"iter", "buckets": {index: {...}}, "total": {...}}``, each with
         ``k`` and ``selected`` (elements, summed over buckets), ``bytes_sent`` and ``bytes_received`` (this
-        rank), and the host wall-clock seconds of the phases: ``select_seconds``, ``exchange_seconds``,
-        ``apply_seconds``."""
+        rank), and the host wall-clock seconds of the phases: ``select_seconds`` (grad + residual, statistics,
+        compaction, residual update) and ``exchange_seconds`` (the collective and writing the average)."""
         self.wait()
         return self._stats_now()
 
@@ -347,10 +346,8 @@ class SparseGradState:
             selected = int(s.selected) if isinstance(s.selected, torch.Tensor) else s.selected
             buckets[index] = {"path": s.path, "numel": s.numel, "k": s.k, "selected": selected,
                               "bytes_sent": s.traffic.sent, "bytes_received": s.traffic.received,
-                              "select_seconds": s.select_seconds, "exchange_seconds": s.exchange_seconds,
-                              "apply_seconds": s.apply_seconds}
-        summed = ("numel", "k", "selected", "bytes_sent", "bytes_received", "select_seconds", "exchange_seconds",
-                  "apply_seconds")
+                              "select_seconds": s.select_seconds, "exchange_seconds": s.exchange_seconds}
+        summed = ("numel", "k", "selected", "bytes_sent", "bytes_received", "select_seconds", "exchange_seconds")
         total = {key: sum(b[key] for b in buckets.values()) for key in summed}
         return {"iter": self.iter, "buckets": buckets, "total": total}
 

@@ -189,10 +189,6 @@ def wire_named(wire: WireLike) -> Wire:
     return WIRES[wire]
 
 
-def check_wire(wire: WireLike) -> None:
-    wire_named(wire)
-
-
 def payload_size(wire: WireLike, k: int, numel: int, dtype: torch.dtype, head_words: int) -> int:
     """:meth:`Wire.payload_size` of the wire named ``wire``."""
     return wire_named(wire).payload_size(k, numel, dtype, head_words)

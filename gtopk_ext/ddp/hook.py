@@ -25,7 +25,7 @@ from gtopk_ext.ddp.selection import STEPS_PER_ITER, parameter_maxima, select
 from gtopk_ext.ddp.state import BucketStats, SparseGradState
 from gtopk_ext.hierarchical import hierarchical_allreduce
 from gtopk_ext.message import SparseMessage
-from gtopk_ext.reduction import FLAG_NONFINITE, agree_plan, is_finite, reduce
+from gtopk_ext.reduction import FLAG_NONFINITE, Outcome, agree_plan, is_finite, reduce
 from gtopk_ext.wire import Rounding, wire_named
 
 logger = logging.getLogger("gtopk_ext.hooks")
@@ -225,9 +225,8 @@ def _reduce_hierarchical(state: SparseGradState, tensor: torch.Tensor, index: in
         return _dense_allreduce(tensor, group, size, stats)
     tensor.copy_(result.average)
     if residual is not None:
-        error_indices, errors = rounding.pairs(residual.dtype, residual.device)
-        state.loss_scaling.record_taken(index, torch.cat([result.msg.indices, error_indices]),
-                                        torch.cat([result.msg.values * result.applied, -errors]))
+        kept = Outcome(result.msg, result.applied, rounding.pairs(residual.dtype, residual.device))
+        state.loss_scaling.record_taken(index, *kept.taken())
     return _done(tensor)
 
 

@@ -4,7 +4,9 @@ applied stays in its residual: not selected, dropped by a merge, or lost to the 
 ``tensor + old residual == what was applied + new residual`` on every rank, to float rounding.
 
     agree_plan(...)               the ranks check they share the step's plan (only when it changes)
+    path = plan_path(...)         ... and take the same path: sparse, dense16 or dense (gtopk_ext.paths)
     outcome = reduce(...)         select, exchange, keep what was not applied, write the average
+    reduce_dense16(...)           the dense bfloat16 path, its rounding kept
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import torch.distributed as dist
 
 from gtopk_ext import ops
 from gtopk_ext.backends import Backend
-from gtopk_ext.collectives import Agreement, Collective, agree
+from gtopk_ext.collectives import Agreement, Collective, Dense16, agree
 from gtopk_ext.collectives._protocol import message_fields
 from gtopk_ext.costs import Traffic
 from gtopk_ext.message import SparseMessage, padding_message
+from gtopk_ext.paths import CostModel, PathPlan, PathPolicy, agreed_costs, predicted
 from gtopk_ext.wire import Rounding, Wire
 
 # Flag bits carried inside the sparse payload (every rank learns the OR).
@@ -44,6 +47,44 @@ def agree_plan(tensor: torch.Tensor, group: dist.ProcessGroup, agreement: Agreem
     of the wrong size could abort Gloo). With an ``agreement`` the header crosses only when the plan changes."""
     fields = message_fields(tensor.numel(), tensor.dtype, sparse, k, wire)
     agree(fields, group, tensor.device, what, traffic=traffic, agreement=agreement, volatile=volatile)
+
+
+def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, policy: PathPolicy,
+              costs: CostModel, *, iteration: int, k: int | None, collective: Collective, wire: Wire, what: str,
+              volatile: dict[str, int] | None = None, traffic: Traffic | None = None) -> str:
+    """Step 1 with a path policy: the ranks check they share the plan (:func:`agree_plan`, with the policy) and
+    all take the same path for ``tensor`` this step: ``"sparse"``, ``"dense16"`` or ``"dense"``. ``k``: the
+    step's k, or None when the tensor may not compress this step (a warm-up; it then goes dense). With
+    ``auto`` the header also carries each rank's measured ``costs``, and the path follows from their mean."""
+    numel, size = tensor.numel(), dist.get_world_size(group)
+    compress = k is not None and numel >= max(policy.min_compress_numel, 1)
+    auto = compress and policy.mode == "auto"
+    if auto and iteration >= plan.until:
+        plan.round += 1
+    fields = {**message_fields(numel, tensor.dtype, compress, k if compress else numel, wire),
+              "policy": policy.code, "round": plan.round if auto else 0}
+    headers = agree(fields, group, tensor.device, what, traffic=traffic, agreement=plan.agreement,
+                    volatile=volatile, reported=costs.report())
+    if not compress:
+        plan.path = "dense"
+    elif not auto:
+        plan.path = "dense" if policy.mode == "dense16" and tensor.dtype != torch.float32 else policy.mode
+    elif headers is not None:
+        agreed = agreed_costs(headers)
+        plan.decide(policy, predicted(agreed, numel=numel, k=k, size=size, dtype=tensor.dtype,
+                                      collective=collective, wire=wire), agreed, iteration)
+    return plan.path
+
+
+def reduce_dense16(tensor: torch.Tensor, residual: torch.Tensor | None, group: dist.ProcessGroup,
+                   traffic: Traffic | None = None) -> None:
+    """The dense bfloat16 path (:class:`gtopk_ext.collectives.Dense16`): ``tensor`` (float32) plus all of
+    ``residual`` is averaged over the group into ``tensor``, and what the rounding took stays in ``residual``."""
+    if residual is not None:
+        tensor.add_(residual)
+    lost = Dense16().reduce_dense(tensor, group, dist.get_world_size(group), traffic)
+    if residual is not None:
+        residual.copy_(lost)
 
 
 @dataclass

@@ -17,6 +17,7 @@ LAYERS = [
     {"gtopk_ext.message", "gtopk_ext.wire"},
     {"gtopk_ext.compressors"},
     {"gtopk_ext.collectives"},
+    {"gtopk_ext.paths"},
     {"gtopk_ext.reduction"},
     {"gtopk_ext.hierarchical"},
     {"gtopk_ext.ddp", "gtopk_ext.local_sgd", "gtopk_ext.averaging"},

@@ -38,7 +38,8 @@ def train(group, collective: str, dtype: torch.dtype, synchronous: bool, rank: i
     model = make_model(dtype)
     ddp = DDP(model, process_group=group, bucket_cap_mb=bucket_cap_mb(dtype),
               find_unused_parameters=find_unused_parameters)
-    state = gx.SparseGradState(group, density=0.05, collective=collective, start_iter=2, min_compress_numel=256,
+    state = gx.SparseGradState(group, density=0.05, collective=collective, start_iter=2,
+                               path=gx.PathPolicy("sparse", min_compress_numel=256),
                                stats_logging_frequency=0, synchronous=synchronous)
     ddp.register_comm_hook(state, gx.sparse_grad_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -105,7 +106,8 @@ def check_failure_reaches_every_rank(rank: int) -> list[str]:
         gtopk_module.gtopk_allreduce = failing_exchange
     model = make_model(torch.float32)
     ddp = DDP(model, process_group=group, bucket_cap_mb=bucket_cap_mb(torch.float32))
-    state = gx.SparseGradState(group, density=0.05, start_iter=3, min_compress_numel=256, stats_logging_frequency=0)
+    state = gx.SparseGradState(group, density=0.05, start_iter=3,
+                               path=gx.PathPolicy("sparse", min_compress_numel=256), stats_logging_frequency=0)
     ddp.register_comm_hook(state, gx.sparse_grad_hook)
     for step in range(4):
         x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step))

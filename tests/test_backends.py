@@ -81,7 +81,8 @@ def every_op_through_one_backend(rank: int, world_size: int) -> dict[str, dict[s
         gx.collectives.sparse_allgather(msg, backend="triton")
         gx.collectives.sparse_allgather(msg, wire="compact", backend="triton")
         for collective in ("gtopk", "allgather"):
-            state = gx.SparseGradState(density=0.01, collective=collective, min_compress_numel=0,
+            state = gx.SparseGradState(density=0.01, collective=collective,
+                                       path=gx.PathPolicy("sparse", min_compress_numel=0),
                                        compressor_kwargs={"mode": mode, "backend": backends.TRITON})
             for _ in range(3):  # two dense warm-up iterations, then a compressed one
                 reduce_buffer(state, torch.randn(4000, generator=generator), 0).wait()

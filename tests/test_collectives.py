@@ -362,7 +362,8 @@ def check_hook_reduce(members: Members) -> list[str]:
     failures, size = [], members.size
     for compressor, collective, dtype in HOOK_CONFIGS:
         state = gx.SparseGradState(members.group, density=0.02, compressor=compressor, collective=collective,
-                                   start_iter=2, min_compress_numel=1000, stats_logging_frequency=0)
+                                   start_iter=2,
+                                   path=gx.PathPolicy("sparse", min_compress_numel=1000), stats_logging_frequency=0)
         for step in range(HOOK_STEPS):
             for index, numel in enumerate(BUCKET_NUMELS):
                 where = f"{members.name}, {compressor}/{collective}/{dtype}, step {step}, bucket {index}"
@@ -383,7 +384,7 @@ def check_hook_edge_cases(members: Members) -> list[str]:
     # Density 1.0 reproduces the dense average.
     for collective in ("gtopk", "allgather"):
         state = gx.SparseGradState(group, density=1.0, collective=collective, start_iter=0, error_feedback=False,
-                                   stats_logging_frequency=0)
+                                   stats_logging_frequency=0, path="sparse")
         grad = bucket_input(me, 0, 0, numel, torch.float32)
         output = reduce_buffer(state, grad.clone(), 0).wait()
         dense = grad / size
@@ -395,7 +396,7 @@ def check_hook_edge_cases(members: Members) -> list[str]:
     # with their gradient (nothing left behind), the inf reaches every rank.
     for collective in ("gtopk", "allgather"):
         state = gx.SparseGradState(group, density=0.05, collective=collective, start_iter=2,
-                                   stats_logging_frequency=0)
+                                   stats_logging_frequency=0, path="sparse")
         for step in range(3):  # two dense steps, one sparse step: a residual to keep
             reduce_buffer(state, bucket_input(me, step, 0, numel, torch.float32), 0).wait()
         residual_before = state.residuals[0].clone()
@@ -417,7 +418,7 @@ def check_hook_edge_cases(members: Members) -> list[str]:
 
     # A density schedule picks k per iteration.
     state = gx.SparseGradState(group, density=0.01, density_schedule=[(0, 0.01), (3, 0.05)], start_iter=2,
-                               stats_logging_frequency=0)
+                               stats_logging_frequency=0, path="sparse")
     ks = []
     for step in range(4):
         reduce_buffer(state, bucket_input(me, step, 0, numel, torch.float32), 0).wait()
@@ -426,7 +427,7 @@ def check_hook_edge_cases(members: Members) -> list[str]:
         failures.append(f"{members.name}: density schedule gave k {ks}, expected {[numel, numel, 20, 100]}")
 
     if size >= 2:  # mismatches fail on every rank, with a clear message, and leave the group usable
-        state = gx.SparseGradState(group, density=0.05, start_iter=2, stats_logging_frequency=0)
+        state = gx.SparseGradState(group, density=0.05, start_iter=2, stats_logging_frequency=0, path="sparse")
         odd = numel + 1 if me == last else numel
         failure = expect_error(lambda: reduce_buffer(state, torch.ones(odd), 0).wait(), ValueError,
                                "sparse_grad_hook: numel differs across ranks")

@@ -129,7 +129,8 @@ def check_unused_parameters(group: Group, rank: int, compressor: str, collective
                             rtol: float) -> list[str]:
     where = f"{group.name} {compressor}/{collective} {dtype} find_unused_parameters"
     state = gx.SparseGradState(group.group, density=0.05, compressor=compressor, collective=collective,
-                               start_iter=2, min_compress_numel=1000, stats_logging_frequency=0)
+                               start_iter=2,
+                               path=gx.PathPolicy("sparse", min_compress_numel=1000), stats_logging_frequency=0)
     recorder = Recorder(state)
     model = Branchy().to(dtype)
     ddp = DDP(model, process_group=group.group, bucket_cap_mb=0.012 * dtype.itemsize / 4,
@@ -178,7 +179,8 @@ def check_fp16_merge(group: Group, rank: int) -> list[str]:
                         f"(applied {applied.tolist()})")
     for collective in ("gtopk", "allgather", "dense"):
         state = gx.SparseGradState(group.group, density=0.005, compressor="topk", collective=collective,
-                                   start_iter=2, min_compress_numel=100, stats_logging_frequency=0)
+                                   start_iter=2,
+                                   path=gx.PathPolicy("sparse", min_compress_numel=100), stats_logging_frequency=0)
         outputs = []
         for step in range(3):  # two dense warm-up steps, then a sparse one
             grad = torch.full((1000,), 0.01 * (rank + 1), dtype=torch.float16)
@@ -200,7 +202,7 @@ def check_fp16_residual_overflow(group: Group, rank: int) -> list[str]:
     """15000 left in rank 0's residual, then 55000 in its gradient: the bucket goes dense, the residual stays."""
     failures, where = [], f"{group.name} float16 residual + gradient overflow"
     state = gx.SparseGradState(group.group, density=0.01, compressor="topk", collective="gtopk", start_iter=2,
-                               min_compress_numel=100, stats_logging_frequency=0)
+                               path=gx.PathPolicy("sparse", min_compress_numel=100), stats_logging_frequency=0)
     for step in range(5):
         grad = (torch.randn(2000, generator=torch.Generator().manual_seed(10 * step + rank)) * 0.01).half()
         if step == 2:
@@ -279,7 +281,8 @@ def train(ddp, optimizer, rank: int, steps: range) -> None:
 def check_resume(group: Group, rank: int, checkpoint_at: int, **options) -> list[str]:
     def fresh():
         model = make_model()
-        state = gx.SparseGradState(group.group, density=0.05, min_compress_numel=2500, stats_logging_frequency=0,
+        state = gx.SparseGradState(group.group, density=0.05,
+                                   path=gx.PathPolicy("sparse", min_compress_numel=2500), stats_logging_frequency=0,
                                    **options)
         ddp = DDP(model, process_group=group.group, bucket_cap_mb=0.012)
         ddp.register_comm_hook(state, gx.sparse_grad_hook)
@@ -328,7 +331,8 @@ def check_amp(group: Group, rank: int, autocast_dtype: torch.dtype, collective: 
               momentum: float = 0.0) -> list[str]:
     where = f"{group.name} AMP {autocast_dtype} {collective} momentum={momentum}"
     state = gx.SparseGradState(group.group, density=0.05, collective=collective, start_iter=2,
-                               min_compress_numel=1000, stats_logging_frequency=0, momentum=momentum)
+                               path=gx.PathPolicy("sparse", min_compress_numel=1000),
+                               stats_logging_frequency=0, momentum=momentum)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     state.attach_scaler(scaler)
     recorder = Recorder(state, scaler)
@@ -406,7 +410,8 @@ def check_dense_after_new_layout(group: Group, rank: int) -> list[str]:
             return torch.randn(2000, generator=generator).to(dtype), torch.randn(600, generator=generator).to(dtype)
 
         def make_state():
-            return gx.SparseGradState(group.group, density=0.02, start_iter=2, min_compress_numel=1000,
+            return gx.SparseGradState(group.group, density=0.02, start_iter=2,
+                                      path=gx.PathPolicy("sparse", min_compress_numel=1000),
                                       stats_logging_frequency=0)
 
         state = make_state()

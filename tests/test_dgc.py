@@ -72,7 +72,8 @@ def check(group, rank: int, size: int) -> list[str]:
                                                          (0.5, False, 1e-3, 0), (0.9, False, 0.0, 5)):
             where = f"P={size} {collective} m={momentum} nesterov={nesterov} wd={decay} masking from {masking_start}"
             state = gx.SparseGradState(group, density=DENSITY, compressor="topk", collective=collective,
-                                       start_iter=START_ITER, min_compress_numel=1, stats_logging_frequency=0,
+                                       start_iter=START_ITER,
+                                       path=gx.PathPolicy("sparse", min_compress_numel=1), stats_logging_frequency=0,
                                        momentum=momentum, nesterov=nesterov, weight_decay=decay,
                                        masking_start_iter=masking_start)
             params = parameters()
@@ -99,7 +100,7 @@ def check(group, rank: int, size: int) -> list[str]:
     clip_norm = 5.0
     for collective, extra in (("dense", {}), ("gtopk", {"density": 1.0, "start_iter": 0, "error_feedback": False})):
         state = gx.SparseGradState(group, collective=collective, clip_norm=clip_norm, stats_logging_frequency=0,
-                                   **extra)
+                                   **extra, path="sparse")
         grad = gradient(0, rank) * (rank + 1)  # norms about 17, 35, 52: all above the limit
         limit = clip_norm / size ** 0.5
         expected = grad * min(1.0, limit / (float(grad.norm()) + 1e-6)) / size
@@ -110,7 +111,8 @@ def check(group, rank: int, size: int) -> list[str]:
     # Per-tensor selection: a parameter of gradients 1000x smaller still sends its share of k (allgather applies
     # it; gTop-k's merges rank the whole bucket, so they send it back to the residual), nothing is lost.
     for collective in ("gtopk", "allgather"):
-        state = gx.SparseGradState(group, density=0.1, collective=collective, min_compress_numel=1,
+        state = gx.SparseGradState(group, density=0.1, collective=collective,
+                                   path=gx.PathPolicy("sparse", min_compress_numel=1),
                                    per_tensor=True, stats_logging_frequency=0)
         state.start_iter = 0  # bare buckets that never change: compressing from the first step is safe
         params, sent, entered = parameters(), torch.zeros(NUMEL, dtype=torch.float64), torch.zeros(NUMEL)
@@ -129,8 +131,9 @@ def check(group, rank: int, size: int) -> list[str]:
         if float((total[0] - sent - total[1]).abs().max()) > 1e-4:
             failures.append(f"P={size} {collective} per_tensor: gradient lost")
     # Momentum 0 is today's hook, bit for bit.
-    plain = gx.SparseGradState(group, density=DENSITY, start_iter=START_ITER, stats_logging_frequency=0)
-    zero = gx.SparseGradState(group, density=DENSITY, start_iter=START_ITER, stats_logging_frequency=0, momentum=0.0)
+    plain = gx.SparseGradState(group, density=DENSITY, start_iter=START_ITER, stats_logging_frequency=0, path="sparse")
+    zero = gx.SparseGradState(group, density=DENSITY, start_iter=START_ITER, stats_logging_frequency=0, momentum=0.0,
+                              path="sparse")
     for step in range(4):
         a = reduce_buffer(plain, gradient(step, rank), 0).wait()
         b = reduce_buffer(zero, gradient(step, rank), 0).wait()
@@ -165,7 +168,7 @@ def test_momentum_correction_matches_the_algorithm_and_conserves():
 ])
 def test_bad_momentum_arguments(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
-        gx.SparseGradState(**kwargs)
+        gx.SparseGradState(**kwargs, path="sparse")
 
 
 def test_exponential_warmup_is_dgcs_schedule():
@@ -173,7 +176,7 @@ def test_exponential_warmup_is_dgcs_schedule():
     assert [start for start, _ in schedule] == [0, 100, 200, 300, 400]
     for (_, density), dgc in zip(schedule, (0.25, 0.0625, 0.015625, 0.00390625, 0.001)):
         assert density == pytest.approx(dgc, rel=0.02)  # geometric: within 2% of the paper's rounded values
-    state = gx.SparseGradState(density=0.001, density_schedule=schedule)
+    state = gx.SparseGradState(density=0.001, density_schedule=schedule, path="sparse")
     assert state.density_at(99) == pytest.approx(0.25) and state.density_at(10**6) == pytest.approx(0.001)
     assert gx.exponential_warmup(0.01, 40, start_iter=2)[1] == (12, pytest.approx(0.25 * 0.04 ** 0.25))
     assert gx.exponential_warmup(0.01, 0) == [(0, 0.01)] and gx.exponential_warmup(0.5, 10) == [(0, 0.5)]

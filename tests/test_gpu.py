@@ -31,7 +31,8 @@ def train(rank: int, device: torch.device, backend: str, collective: str, dtype:
     # 16 KiB buckets: the 16384-element layer, the others together.
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=16 * 1024 * torch.finfo(dtype).bits / 8 / 2**20)
-    state = gx.SparseGradState(density=0.05, collective=collective, start_iter=2, min_compress_numel=1024,
+    state = gx.SparseGradState(density=0.05, collective=collective, start_iter=2,
+                               path=gx.PathPolicy("sparse", min_compress_numel=1024),
                                stats_logging_frequency=0, synchronous=synchronous,
                                compressor_kwargs={"backend": backend})
     recorder = Recorder(state)

@@ -128,7 +128,7 @@ def check_destroy_lets_go() -> list[str]:
     """gx.destroy_process_group closes the hook's threads and lets go of every group (the world, the cached node
     groups): none outlives it into the interpreter's finalization, where its threads could abort the process. A
     state used after a new init_process_group starts a new thread on the new world."""
-    state = gx.SparseGradState(density=DENSITY)
+    state = gx.SparseGradState(density=DENSITY, path="sparse")
     reduce_buffer(state, torch.ones(NUMEL), 0).wait()
     groups = [weakref.ref(group) for group in (dist.group.WORLD, *node_groups(dist.group.WORLD, 2))]
     gx.destroy_process_group()
@@ -177,11 +177,11 @@ def test_local_size_comes_from_torchrun_or_is_asked_for(monkeypatch):
     assert resolve_local_size(2) == 2
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     with pytest.raises(ValueError, match="needs local_size .*LOCAL_WORLD_SIZE is not set"):
-        gx.SparseGradState(collective="hierarchical")
+        gx.SparseGradState(collective="hierarchical", path="sparse")
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="local_size must be an int >= 1"):
-            gx.SparseGradState(collective="hierarchical", local_size=bad)
+            gx.SparseGradState(collective="hierarchical", local_size=bad, path="sparse")
     with pytest.raises(ValueError, match="inner_collective must be one of"):
-        gx.SparseGradState(collective="hierarchical", local_size=2, inner_collective="ring")
+        gx.SparseGradState(collective="hierarchical", local_size=2, inner_collective="ring", path="sparse")
     with pytest.raises(ValueError, match="supports neither momentum"):
-        gx.SparseGradState(collective="hierarchical", local_size=2, momentum=0.9)
+        gx.SparseGradState(collective="hierarchical", local_size=2, momentum=0.9, path="sparse")

@@ -61,7 +61,8 @@ def train(ddp: DDP, optimizer: torch.optim.Optimizer, rank: int, steps: range) -
 
 def make_state(compressor: str, collective: str, kwargs: dict, **extra) -> gx.SparseGradState:
     return gx.SparseGradState(density=DENSITY, compressor=compressor, collective=collective, start_iter=2,
-                              min_compress_numel=MIN_COMPRESS_NUMEL, compressor_kwargs=kwargs, **extra)
+                              path=gx.PathPolicy("sparse", min_compress_numel=MIN_COMPRESS_NUMEL),
+                              compressor_kwargs=kwargs, **extra)
 
 
 def same_on_every_rank(tensors) -> bool:
@@ -245,12 +246,12 @@ def test_density_schedule():
 
 
 def test_state_dict_round_trip_and_bad_state_dicts():
-    state = gx.SparseGradState()
+    state = gx.SparseGradState(path="sparse")
     state.iter = 7
     state.residuals = {0: torch.arange(4.0), 3: torch.ones(2)}
     saved = state.state_dict()
     state.residuals[0].add_(1)  # the saved copy must not follow
-    restored = gx.SparseGradState()
+    restored = gx.SparseGradState(path="sparse")
     restored.load_state_dict(copy.deepcopy(saved))
     assert restored.iter == 7 and torch.equal(restored.residuals[0], torch.arange(4.0))
     assert torch.equal(restored.residuals[3], torch.ones(2))
@@ -261,7 +262,7 @@ def test_state_dict_round_trip_and_bad_state_dicts():
 
 
 def test_reduce_rejects_a_bad_buffer():
-    state = gx.SparseGradState()
+    state = gx.SparseGradState(path="sparse")
     with pytest.raises(ValueError, match="buffer must be a flat float32, float16 or bfloat16 tensor"):
         reduce_buffer(state, torch.zeros(3, 3), 0)
     with pytest.raises(ValueError, match="buffer must be a flat"):

@@ -215,7 +215,8 @@ def check_hook_conservation(members: Members, checked: tuple[str, ...] | None = 
     for collective in checked:
         for dtype in DTYPES:
             state = gx.SparseGradState(members.group, density=0.02, collective=collective, start_iter=2,
-                                       min_compress_numel=1000, stats_logging_frequency=0, wire="compact",
+                                       path=gx.PathPolicy("sparse", min_compress_numel=1000),
+                                       stats_logging_frequency=0, wire="compact",
                                        synchronous=True, local_size=2)
             for step in range(STEPS):
                 for index, numel in enumerate(BUCKET_NUMELS):
@@ -344,4 +345,4 @@ def test_compact_wire_on_real_groups():
 
 def test_bad_wire_in_the_state_is_rejected():
     with pytest.raises(ValueError, match="wire must be one of"):
-        gx.SparseGradState(wire="zip")
+        gx.SparseGradState(wire="zip", path="sparse")

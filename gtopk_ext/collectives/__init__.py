@@ -12,13 +12,13 @@ from gtopk_ext.collectives._protocol import (DTYPE_CODES, MAX_NUMEL, Agreement, 
                                              agree, carried_dtype, check_message, gather_headers,
                                              group_rank_and_size, require_same)
 from gtopk_ext.collectives.allgather import Allgather, sparse_allgather
-from gtopk_ext.collectives.dense import DenseAllreduce
+from gtopk_ext.collectives.dense import Dense16, DenseAllreduce
 from gtopk_ext.collectives.gtopk import GTopK, gtopk_allreduce
 from gtopk_ext.collectives.oktopk import OKTOPK_PERIOD, OKTOPK_REUSE_BOUNDS, OkTopk, OkTopkState, oktopk_allreduce
 from gtopk_ext.costs import Traffic, ring_allgather_bytes, ring_allreduce_bytes
 
 # The one registry of collectives by name.
-COLLECTIVES: dict[str, type[Collective]] = {c.name: c for c in (GTopK, Allgather, OkTopk, DenseAllreduce)}
+COLLECTIVES: dict[str, type[Collective]] = {c.name: c for c in (GTopK, Allgather, OkTopk, DenseAllreduce, Dense16)}
 SPARSE_COLLECTIVES = tuple(name for name, c in COLLECTIVES.items() if c.sparse)
 
 
@@ -31,6 +31,7 @@ def collective_named(name: str, backend: BackendLike = None) -> Collective:
 
 __all__ = ["COLLECTIVES", "SPARSE_COLLECTIVES", "collective_named", "Collective", "Reduced", "Agreement",
            "Disagreement", "agree", "sparse_allgather", "gtopk_allreduce", "oktopk_allreduce", "OkTopkState",
-           "OKTOPK_PERIOD", "OKTOPK_REUSE_BOUNDS", "Allgather", "GTopK", "OkTopk", "DenseAllreduce", "Traffic",
+           "OKTOPK_PERIOD", "OKTOPK_REUSE_BOUNDS", "Allgather", "GTopK", "OkTopk", "DenseAllreduce", "Dense16",
+           "Traffic",
            "ring_allgather_bytes", "ring_allreduce_bytes", "carried_dtype", "check_message", "gather_headers",
            "group_rank_and_size", "require_same", "DTYPE_CODES", "MAX_NUMEL"]

@@ -222,5 +222,14 @@ class Collective:
                flags: torch.Tensor | None = None, rounding: Rounding | None = None, state=None) -> Reduced:
         raise NotImplementedError
 
+    def wire_bytes(self, numel: int, k: int, size: int, dtype: torch.dtype, wire: Wire) -> int:
+        """About how many bytes a rank sends in one :meth:`reduce` of k slots of ``numel`` elements over ``size``
+        ranks (the path policy's prior, before any exchange was timed)."""
+        return round(self.messages(size) * wire.payload_size(k, numel, dtype, 2))
+
+    def messages(self, size: int) -> float:
+        """How many messages of k slots a rank sends in one :meth:`reduce`, the mean over the ranks."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -60,6 +60,9 @@ class Allgather(Collective):
 
     name = "allgather"
 
+    def messages(self, size):
+        return size - 1
+
     def reduce(self, msg, group, *, wire, traffic=None, flags=None, rounding=None, state=None):
         summed = sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=traffic, flags=flags,
                                   wire=wire, rounding=rounding, backend=self.backend.for_device(msg.values.device))

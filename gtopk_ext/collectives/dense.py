@@ -1,5 +1,6 @@
-"""The dense allreduce, as a collective of the same protocol: what a bucket takes during a warm-up, when it is
-small, or when any rank's sum is not finite."""
+"""The dense allreduces, as collectives of the same protocol: ``dense`` in the tensor's own dtype (a warm-up, a
+small bucket, a rank's sum that is not finite), and ``dense16``, bfloat16 on the wire with every rounding error
+handed back to the caller (the reduction keeps it in the residual)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import torch.distributed as dist
 
 from gtopk_ext.collectives._protocol import Collective
 from gtopk_ext.costs import Traffic, ring_allreduce_bytes
+
+# torch 2.14 renamed all_gather_into_tensor (the name older torch versions have).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class DenseAllreduce(Collective):
@@ -23,7 +27,7 @@ class DenseAllreduce(Collective):
                      traffic: Traffic | None = None,
                      on_done=None) -> torch.futures.Future:
         """A future of ``tensor``, averaged in place, issued now and completed by the backend (asynchronous);
-        ``on_done(seconds)`` is called with the time from issue to completion."""
+        ``on_done(start, end)`` is called with the ``perf_counter`` times of issue and completion."""
         if traffic is not None:
             nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), size)
             traffic.add(nbytes, nbytes)
@@ -32,7 +36,50 @@ class DenseAllreduce(Collective):
 
         def finished(future):
             if on_done is not None:
-                on_done(perf_counter() - start)
+                on_done(start, perf_counter())
             return future.value()[0]
 
         return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(finished)
+
+    def wire_bytes(self, numel, k, size, dtype, wire=None):
+        return ring_allreduce_bytes(numel * torch.empty((), dtype=dtype).element_size(), size)
+
+
+class Dense16(Collective):
+    """Every element in bfloat16 (the bytes of fp16_compress_hook, float32's range: no overflow), summed in
+    float32: a reduce-scatter as an all-to-all of bfloat16 chunks, each rank summing its chunk, then an allgather
+    of the chunks' averages in bfloat16. Nothing is lost to the rounding: :meth:`reduce_dense` returns what each
+    element of this rank lost (its own rounding, plus ``P`` times the rounding of the average of the chunk it
+    summed), which the caller keeps: ``sum over ranks (tensor) = P x average + sum over ranks (lost)``, to
+    float32 rounding."""
+
+    name = "dense16"
+    sparse = False
+    wire_dtype = torch.bfloat16
+
+    def reduce_dense(self, tensor: torch.Tensor, group: dist.ProcessGroup, size: int,
+                     traffic: Traffic | None = None) -> torch.Tensor:
+        """``tensor`` (flat float32) becomes the average over the group in place; returns what this rank lost to
+        the rounding (float32, the tensor's shape; non-finite elements lose nothing: they reach the average)."""
+        numel, rank = tensor.numel(), dist.get_rank(group)
+        chunk = -(-numel // size)
+        sent = torch.zeros(chunk * size, dtype=self.wire_dtype, device=tensor.device)
+        sent[:numel] = tensor
+        lost = torch.zeros(chunk * size, dtype=torch.float32, device=tensor.device)
+        torch.sub(tensor, sent[:numel], out=lost[:numel])
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=group)
+        average = received.view(size, chunk).sum(0, dtype=torch.float32).div_(size)
+        rounded = average.to(self.wire_dtype)
+        mine = lost[rank * chunk:(rank + 1) * chunk]
+        mine.add_(average.sub_(rounded).mul_(size))  # this rank's chunk of the average is its to keep
+        gathered = torch.empty_like(sent)
+        _all_gather_single(gathered, rounded, group=group)
+        tensor.copy_(gathered[:numel])
+        if traffic is not None:
+            nbytes = self.wire_bytes(numel, numel, size, tensor.dtype)
+            traffic.add(nbytes, nbytes)
+        return lost[:numel].nan_to_num_(0.0, 0.0, 0.0)
+
+    def wire_bytes(self, numel, k, size, dtype, wire=None):
+        return 2 * (size - 1) * -(-numel // size) * 2  # two phases, (P - 1) chunks of 2 bytes an element each

@@ -162,6 +162,11 @@ class GTopK(Collective):
 
     name = "gtopk"
 
+    def messages(self, size):
+        largest = 1 << (size.bit_length() - 1)
+        rounds = largest.bit_length() - 1
+        return (largest * rounds + 2 * (size - largest)) / size  # ranks folded in send twice
+
     def reduce(self, msg, group, *, wire, traffic=None, flags=None, rounding=None, state=None):
         glob, applied = gtopk_allreduce(msg, group, check=False, traffic=traffic, flags=flags, wire=wire,
                                         rounding=rounding, backend=self.backend.for_device(msg.values.device))

@@ -304,6 +304,9 @@ class OkTopk(Collective):
     name = "oktopk"
     stateful = True
 
+    def messages(self, size):
+        return 2 * (size - 1) / size  # a reduce-scatter and an allgather of k / P slots per peer
+
     def new_state(self) -> OkTopkState:
         return OkTopkState()
 

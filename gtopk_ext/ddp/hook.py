@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gtopk_ext._worker import Disagreement, Worker, complete, fail, future_on
-from gtopk_ext.collectives import DTYPE_CODES, Agreement, DenseAllreduce
+from gtopk_ext.collectives import DTYPE_CODES, DenseAllreduce
 from gtopk_ext.compressors import k_for_density
 from gtopk_ext.ddp import dgc
 from gtopk_ext.ddp.residuals import Layout, hold_unused
@@ -25,7 +25,8 @@ from gtopk_ext.ddp.selection import STEPS_PER_ITER, parameter_maxima, select
 from gtopk_ext.ddp.state import BucketStats, SparseGradState
 from gtopk_ext.hierarchical import hierarchical_allreduce
 from gtopk_ext.message import SparseMessage
-from gtopk_ext.reduction import FLAG_NONFINITE, Outcome, agree_plan, is_finite, reduce
+from gtopk_ext.paths import PathPlan
+from gtopk_ext.reduction import FLAG_NONFINITE, Outcome, is_finite, plan_path, reduce, reduce_dense16
 from gtopk_ext.wire import Rounding, wire_named
 
 logger = logging.getLogger("gtopk_ext.hooks")
@@ -38,9 +39,11 @@ def sparse_grad_hook(state: SparseGradState, bucket: dist.GradBucket) -> torch.f
     buffer, holding the average of what every rank applied this step. The bucket is handed to the state's
     communication thread and the backward pass goes on; on that thread, for each bucket in turn:
 
-    1. Plan: the path (dense during the warm-up, for small buckets and the dense collective; else sparse) and k
-       follow from replicated configuration (the iteration, the density schedule, the bucket's size). Ranks
-       exchange a header only when a bucket's plan is new or changed, and all raise the same error if they differ.
+    1. Plan: k follows from replicated configuration (the iteration, the density schedule, the bucket's size),
+       and the path from the state's :class:`gtopk_ext.PathPolicy`: dense during the warm-up, for small buckets
+       and the dense collective; else, with ``auto``, the cheapest of sparse, dense16 and dense that the ranks'
+       measured costs predict (:func:`gtopk_ext.reduction.plan_path`). Ranks exchange a header only when a
+       bucket's plan is new or changed, and all raise the same error if they differ.
     2. Prepare: DGC's clipping and momentum correction turn the gradient into what enters the residual; each
        parameter's largest |gradient| says which parameters this rank did not use (their residual waits) and
        whether grad + residual can be non-finite.
@@ -50,7 +53,8 @@ def sparse_grad_hook(state: SparseGradState, bucket: dist.GradBucket) -> torch.f
        the wire's rounding) stays in the residual. A rank whose acc is not finite raises a flag instead.
     4. Keep: the loss scaler's record of what the step took, and momentum factor masking.
     5. Dense paths (the warm-up, small buckets, the dense collective, or a flag raised by any rank): the bucket
-       (plus any residual it still holds) is divided by P and allreduced asynchronously.
+       (plus any residual it still holds) is divided by P and allreduced asynchronously. On the dense16 path all
+       of grad + residual is averaged in bfloat16 (float32 sums) and the rounding stays in the residual.
 
     Why a thread rather than a chain of futures as in PyTorch's PowerSGD hook: on Gloo a future's callback runs on
     the thread that completed the previous collective, so a callback that issues the next collective races the
@@ -130,25 +134,29 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
     group, size = state.thread.group, dist.get_world_size(state.thread.group)
     numel = tensor.numel()
     # 1. Plan.
-    compress = (state.collective != "dense" and state.iter >= state.start_iter
-                and numel >= max(state.min_compress_numel, 1))
-    density = state.density_at(state.iter) if compress else 1.0
-    k = k_for_density(density, numel) if compress else numel
-    stats = state.bucket_stats[index] = BucketStats("sparse" if compress else "dense", numel, k,
-                                                    selected=0 if compress else numel)
-    agree_plan(tensor, group, state.agreed_plans.setdefault(index, Agreement()), sparse=compress, k=k,
-               wire=wire_named(state.wire), what="sparse_grad_hook",
-               volatile={"iter": state.iter, "bucket_index": index}, traffic=stats.traffic)
+    may_compress = state.collective != "dense" and state.iter >= state.start_iter
+    density = state.density_at(state.iter) if may_compress else 1.0
+    k = k_for_density(density, numel) if may_compress else None
+    if may_compress:
+        state.use_density(density)
+    stats = state.bucket_stats[index] = BucketStats("dense", numel, numel, selected=numel)
+    path = plan_path(tensor, group, state.agreed_plans.setdefault(index, PathPlan()), state.path_policy,
+                     state.costs, iteration=state.iter, k=k, collective=state.collective_now,
+                     wire=wire_named(state.wire), what="sparse_grad_hook",
+                     volatile={"iter": state.iter, "bucket_index": index}, traffic=stats.traffic)
+    stats.path = path
     # 2. Prepare.
     dgc.clip_bucket(state.momentum_correction, tensor, size)
-    if not compress:
+    if path != "sparse":
         if state.momentum and is_finite(tensor):  # an inf must not poison the velocity
             dgc.increment(state.momentum_correction, state.velocity_store, _velocities_before(state), tensor, index,
                           layout, parameters, [1.0] * len(layout or [None]), sent_whole=True)
+        if path == "dense16":
+            return _reduce_dense16(state, tensor, index, layout, stats)
         if state.error_feedback and state.residual_store.holds_any(index, layout):
             _flush_into(state, tensor, index, layout)
-        return _dense_allreduce(tensor, group, size, stats)
-    state.use_density(density)
+        return _dense_allreduce(state, tensor, group, size, stats)
+    stats.k, stats.selected = k, 0
     if state.hierarchical is not None:
         return _reduce_hierarchical(state, tensor, index, layout, k, stats)
     start = perf_counter()
@@ -189,7 +197,8 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
             del state.residuals[index]
             state.residual_bounds.pop(index, None)
             state.loss_scaling.record_taken(index, None, residual)
-        return _dense_allreduce(tensor, group, size, stats)
+        return _dense_allreduce(state, tensor, group, size, stats)
+    state.costs.observe_sparse(numel, k, stats.select_seconds, stats.exchange_seconds)
 
     # 4. Keep.
     if residual is not None:
@@ -222,7 +231,8 @@ def _reduce_hierarchical(state: SparseGradState, tensor: torch.Tensor, index: in
         stats.path, stats.k, stats.selected = "nonfinite", tensor.numel(), tensor.numel()
         if residual is not None and _accumulation_is_finite(state, tensor, residual, maxima, index):
             _flush_into(state, tensor, index, layout)
-        return _dense_allreduce(tensor, group, size, stats)
+        return _dense_allreduce(state, tensor, group, size, stats)
+    state.costs.observe_sparse(tensor.numel(), k, 0.0, stats.exchange_seconds)
     tensor.copy_(result.average)
     if residual is not None:
         kept = Outcome(result.msg, result.applied, rounding.pairs(residual.dtype, residual.device))
@@ -245,10 +255,35 @@ def _draw_step(state: SparseGradState, index: int) -> int:
     return state.iter * STEPS_PER_ITER + index
 
 
-def _dense_allreduce(tensor: torch.Tensor, group: dist.ProcessGroup, size: int,
+def _dense_allreduce(state: SparseGradState, tensor: torch.Tensor, group: dist.ProcessGroup, size: int,
                      stats: BucketStats) -> torch.futures.Future:
-    return DenseAllreduce().reduce_dense(tensor, group, size, stats.traffic,
-                                         on_done=lambda seconds: setattr(stats, "exchange_seconds", seconds))
+    timed = tensor.numel() >= state.min_compress_numel  # a small bucket's time is mostly latency
+
+    def done(start: float, end: float) -> None:
+        stats.exchange_seconds = end - start
+        state.costs.observe_dense(tensor.numel(), start, end, learn=timed)
+
+    return DenseAllreduce().reduce_dense(tensor, group, size, stats.traffic, on_done=done)
+
+
+def _reduce_dense16(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout,
+                    stats: BucketStats) -> torch.futures.Future:
+    """Step 5 on the dense bfloat16 path: all of grad + residual is sent, the rounding stays in the residual. A
+    parameter this rank did not use keeps its residual out, as on the sparse path."""
+    start = perf_counter()
+    residual, held = None, []
+    if state.error_feedback:
+        residual = state.residual_store.residual(index, tensor, layout)
+        held = hold_unused(residual, parameter_maxima(tensor, layout).tolist(), layout)
+        state.residual_bounds.pop(index, None)
+        if state.loss_scaling.scaler is not None:
+            state.loss_scaling.record_taken(index, None, residual.clone())
+    reduce_dense16(tensor, residual, state.thread.group, stats.traffic)
+    for part, saved in held:  # the part now holds the chunk's rounding, if this rank summed it
+        part.add_(saved)
+    stats.exchange_seconds = perf_counter() - start
+    state.costs.observe_dense16(tensor.numel(), stats.exchange_seconds)
+    return _done(tensor)
 
 
 def _flush_into(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout) -> None:

@@ -11,38 +11,30 @@ import torch
 import torch.distributed as dist
 
 from gtopk_ext._worker import Worker
-from gtopk_ext.collectives import COLLECTIVES as FLAT_COLLECTIVES
-from gtopk_ext.collectives import Agreement, Collective, OkTopkState, collective_named, group_rank_and_size
-from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, make_compressor
+from gtopk_ext.collectives import SPARSE_COLLECTIVES, Collective, OkTopkState, collective_named, group_rank_and_size
+from gtopk_ext.compressors import Compressor, check_density
 from gtopk_ext.costs import Traffic
 from gtopk_ext.ddp.amp import LossScaling
+from gtopk_ext.ddp._moved import MOVED, count, folded_compressor, folded_momentum
 from gtopk_ext.ddp.dgc import MomentumCorrection
 from gtopk_ext.ddp.residuals import ResidualStore
 from gtopk_ext.ddp.schedule import DensitySchedule, checked_schedule, density_at
 from gtopk_ext.hierarchical import HIERARCHICAL_INNER, Hierarchical
+from gtopk_ext.paths import CostModel, PathPlan, PathPolicy, path_policy
 from gtopk_ext.wire import wire_named
 
 logger = logging.getLogger("gtopk_ext.hooks")
 
+FLAT_COLLECTIVES = (*SPARSE_COLLECTIVES, "dense")
 # "hierarchical": the earlier spelling of hierarchical=gx.Hierarchical(...)
 COLLECTIVES = (*FLAT_COLLECTIVES, "hierarchical")
-# The constructor arguments of earlier versions, and where each now lives.
-_MOVED = {"density_schedule": "density=", "compressor_kwargs": "compressor=gx.make_compressor(kind, density, ...)",
-          "random_seed": "compressor=gx.make_compressor('randomk', density, seed=...)",
-          "per_tensor": "compressor=gx.make_compressor(kind, density, per_tensor=True)",
-          "nesterov": "momentum=gx.MomentumCorrection(...)", "weight_decay": "momentum=gx.MomentumCorrection(...)",
-          "masking_start_iter": "momentum=gx.MomentumCorrection(...)",
-          "clip_norm": "momentum=gx.MomentumCorrection(...)",
-          "local_size": "hierarchical=gx.Hierarchical(local_size)", "inner_collective": "collective=",
-          "stats_logging_frequency": "the attribute state.stats_logging_frequency",
-          "synchronous": "the attribute state.synchronous"}
 
 
 @dataclass
 class BucketStats:
     """What the hook did with one bucket in its latest step."""
 
-    path: str  # "sparse"; "dense" (warm-up, small bucket or dense collective); "nonfinite" (went dense)
+    path: str  # "sparse", "dense16" or "dense" (gtopk_ext.paths); "nonfinite" (a rank's sum was not: went dense)
     numel: int
     k: int  # slots sent per rank (numel on the dense paths)
     selected: Union[int, torch.Tensor] = 0  # elements the compressor selected before truncation to k
@@ -69,7 +61,11 @@ class SparseGradState:
             P; its per-bucket state is kept here and in checkpoints) or ``"dense"`` (plain allreduce).
         start_iter: iterations of dense allreduce before compressing. With error feedback it must be >= 2:
             DDP rebuilds its buckets after the first iteration.
-        min_compress_numel: buckets with fewer elements go dense.
+        path: how each bucket's path is chosen once it may compress (:class:`gtopk_ext.PathPolicy`):
+            ``"auto"`` (default) takes, per bucket and step, the cheapest of the sparse collective at the step's
+            density, a dense bfloat16 allreduce (its rounding kept in the residual) and the dense allreduce, as
+            predicted from this group's measured steps, the same on every rank; ``"sparse"``, ``"dense16"`` or
+            ``"dense"`` force one. Buckets under ``PathPolicy.min_compress_numel`` (1024) elements go dense.
         wire: the sparse collectives' wire format (:mod:`gtopk_ext.wire`): ``"plain"`` (default) or ``"compact"``
             (4 bytes a pair: float16 values, their rounding error kept in the residual; 16-bit indices).
         momentum: :class:`gtopk_ext.MomentumCorrection` (DGC's momentum correction and local clipping; a number m
@@ -92,8 +88,9 @@ class SparseGradState:
       (:class:`gtopk_ext.ddp.amp.LossScaling`, see :meth:`attach_scaler`), ``oktopk_states`` (per bucket,
       Ok-Topk's regions and threshold).
     - Statistics and agreement: ``iter`` (iterations done; advanced on ``bucket.is_last()``), ``bucket_stats``
-      (per bucket, the latest :class:`BucketStats`), ``agreed_plans`` (per bucket, the
-      :class:`gtopk_ext.collectives.Agreement` of its plan: while it stays, no header is exchanged).
+      (per bucket, the latest :class:`BucketStats`), ``costs`` (:class:`gtopk_ext.paths.CostModel`: this rank's
+      measured costs of the paths), ``agreed_plans`` (per bucket, the :class:`gtopk_ext.paths.PathPlan` of its
+      plan and path: while it stays, no header is exchanged).
 
     What is guaranteed, with error feedback on: every element of ``grad + residual`` on every rank is either in
     the average this step returns or in the new residual (nothing is lost), in float32, bfloat16 and float16
@@ -120,14 +117,14 @@ class SparseGradState:
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, density: DensitySchedule = 0.01,
                  compressor: Union[str, Compressor] = "gaussiank", collective: str = "gtopk", start_iter: int = 2,
-                 min_compress_numel: int = 1024, wire: str = "plain",
+                 path: Union[str, PathPolicy] = "auto", wire: str = "plain",
                  momentum: Union[MomentumCorrection, float, None] = None, hierarchical: Optional[Hierarchical] = None,
                  error_feedback: bool = True, **moved):
-        unknown = set(moved) - set(_MOVED)
+        unknown = set(moved) - set(MOVED)
         if unknown:
             raise TypeError(f"SparseGradState got unexpected keyword argument(s) {sorted(unknown)}")
         for name in moved:
-            warnings.warn(f"SparseGradState({name}=...) is deprecated: use {_MOVED[name]}", DeprecationWarning,
+            warnings.warn(f"SparseGradState({name}=...) is deprecated: use {MOVED[name]}", DeprecationWarning,
                           stacklevel=2)
         if "density_schedule" in moved:
             schedule = checked_schedule(moved["density_schedule"])
@@ -138,6 +135,13 @@ class SparseGradState:
             density = schedule[0][1] if isinstance(schedule, list) and schedule else density
         check_density(density)
         wire_named(wire)
+        if isinstance(path, int) and not isinstance(path, bool):  # the earlier positional min_compress_numel
+            warnings.warn(f"SparseGradState's sixth argument is path=; use {MOVED['min_compress_numel']}",
+                          DeprecationWarning, stacklevel=2)
+            moved["min_compress_numel"], path = path, "auto"
+        policy = path_policy(path)
+        if "min_compress_numel" in moved:
+            policy = PathPolicy(policy.mode, moved["min_compress_numel"], policy.recalibrate_every)
         if collective == "hierarchical":
             warnings.warn("SparseGradState(collective='hierarchical') is deprecated: use "
                           "hierarchical=gx.Hierarchical(local_size) with the collective between nodes",
@@ -148,8 +152,8 @@ class SparseGradState:
             hierarchical = Hierarchical(moved.get("local_size"))
         if collective not in FLAT_COLLECTIVES:
             raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
-        compressor = _compressor(compressor, float(density), moved)
-        momentum = _momentum(momentum, moved)
+        compressor = folded_compressor(compressor, float(density), moved)
+        momentum = folded_momentum(momentum, moved)
         if hierarchical is not None:
             if not isinstance(hierarchical, Hierarchical):
                 raise TypeError(f"hierarchical must be a gx.Hierarchical or None, got {type(hierarchical).__name__}")
@@ -159,9 +163,8 @@ class SparseGradState:
             if (momentum is not None and momentum.momentum) or compressor.per_tensor:
                 raise ValueError("hierarchical selects from a node's sum: it supports neither momentum correction "
                                  "(momentum > 0) nor per-tensor selection")
-        for name, value in (("start_iter", start_iter), ("min_compress_numel", min_compress_numel)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"start_iter must be an int >= 0, got {start_iter!r}")
         if error_feedback and collective != "dense" and start_iter < 2:
             raise ValueError(f"start_iter must be >= 2 with error feedback (DDP rebuilds its buckets after the first "
                              f"iteration, which would misplace the residuals), got {start_iter}")
@@ -173,12 +176,12 @@ class SparseGradState:
         self.compressor_template = compressor
         self.collective = collective
         self.start_iter = start_iter
-        self.min_compress_numel = min_compress_numel
+        self.path_policy = policy
         self.wire = wire
         self.momentum_correction = momentum
         self.hierarchical = hierarchical
         self.error_feedback = bool(error_feedback)
-        self.stats_logging_frequency = _count("stats_logging_frequency", moved.get("stats_logging_frequency", 1000))
+        self.stats_logging_frequency = count("stats_logging_frequency", moved.get("stats_logging_frequency", 1000))
         self.synchronous = bool(moved.get("synchronous", False))
         # Residuals and the parts' states.
         self.residual_store = ResidualStore()
@@ -189,7 +192,8 @@ class SparseGradState:
         # Statistics and agreement.
         self.iter = 0
         self.bucket_stats: dict[int, BucketStats] = {}
-        self.agreed_plans: dict[int, Agreement] = {}
+        self.costs = CostModel()
+        self.agreed_plans: dict[int, PathPlan] = {}
         # Runtime: the compressor and collective of the current density, the worker (created at the first bucket),
         # whether an iteration has begun.
         self.compressor_now: Compressor = compressor
@@ -218,6 +222,10 @@ class SparseGradState:
     @property
     def clip_norm(self) -> Optional[float]:
         return self.momentum_correction.clip_norm if self.momentum_correction is not None else None
+
+    @property
+    def min_compress_numel(self) -> int:
+        return self.path_policy.min_compress_numel
 
     @property
     def per_tensor(self) -> bool:
@@ -350,43 +358,3 @@ class SparseGradState:
         summed = ("numel", "k", "selected", "bytes_sent", "bytes_received", "select_seconds", "exchange_seconds")
         total = {key: sum(b[key] for b in buckets.values()) for key in summed}
         return {"iter": self.iter, "buckets": buckets, "total": total}
-
-
-def _compressor(compressor: Union[str, Compressor], density: float, moved: dict) -> Compressor:
-    """The compressor of the state at ``density`` (the earlier arguments ``compressor_kwargs``, ``random_seed``
-    and ``per_tensor`` folded in)."""
-    if isinstance(compressor, Compressor):
-        return compressor.with_density(density)
-    if compressor not in COMPRESSOR_KINDS:
-        raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS} or a gx.make_compressor(...), got "
-                         f"{compressor!r}")
-    kwargs = dict(moved.get("compressor_kwargs") or {})
-    if moved.get("per_tensor"):
-        kwargs["per_tensor"] = True
-    seed = _count("random_seed", moved.get("random_seed", 0))
-    if compressor == "randomk":  # the draws of a bucket: seed + iter * 2^20 + bucket index
-        kwargs["seed"] = kwargs.get("seed", 0) + seed
-    return make_compressor(compressor, density, **kwargs)
-
-
-def _momentum(momentum: Union[MomentumCorrection, float, None], moved: dict) -> Optional[MomentumCorrection]:
-    """The momentum correction of the state (the earlier arguments ``nesterov``, ``weight_decay``,
-    ``masking_start_iter`` and ``clip_norm`` folded in); None when it does nothing."""
-    parts = {name: moved[name] for name in ("nesterov", "weight_decay", "masking_start_iter", "clip_norm")
-             if name in moved}
-    if isinstance(momentum, MomentumCorrection):
-        if parts:
-            raise TypeError(f"pass {sorted(parts)} inside momentum=gx.MomentumCorrection(...)")
-        return momentum
-    if momentum is None:
-        momentum = 0.0
-    options = MomentumCorrection(momentum, **parts)
-    if not options.momentum and not options.weight_decay and options.clip_norm is None:
-        return None
-    return options
-
-
-def _count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    return value

@@ -1,0 +1,164 @@
+"""Which path a tensor takes in a step: the sparse collective at the step's density, a dense bfloat16 allreduce
+whose rounding stays in the residual, or a dense allreduce in the tensor's dtype. ``auto`` takes the one a cost
+model of this group predicts cheapest, so that a sparse step that does not pay (a warm-up at density 0.25: more
+pairs than a dense 16-bit message has elements, and their merges on the CPU) goes dense instead.
+
+The model is learned from the steps themselves: each rank times the paths it takes (seconds per element selected
+and per dense element, seconds per slot exchanged) and reports its figures in the header the ranks exchange when a
+tensor's plan changes (a new density, or every ``recalibrate_every`` iterations). Every rank then takes the mean
+of the reported integers and decides by integer arithmetic: the same path on every rank, with no collective of
+its own, and no header at all in a steady step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gtopk_ext.collectives import Agreement, Collective, Dense16, DenseAllreduce
+from gtopk_ext.wire import Wire
+
+PATHS = ("sparse", "dense16", "dense")
+MODES = ("auto", *PATHS)
+_PS = 1e12  # the figures travel as integer picoseconds a unit
+_UNKNOWN = -1
+_EMA = 0.5  # weight of the newest measurement: the costs follow a change of load within a few steps
+
+
+@dataclass(frozen=True)
+class PathPolicy:
+    """How a tensor's path is chosen each step.
+
+    Args:
+        mode: ``"auto"`` (default: the path the cost model predicts cheapest), or one path for every step that
+            may compress: ``"sparse"`` (the collective at the step's density), ``"dense16"`` (bfloat16 on the
+            wire, float32 sums; its rounding stays in the residual) or ``"dense"`` (the tensor's dtype).
+        min_compress_numel: tensors with fewer elements always take ``"dense"``.
+        recalibrate_every: with ``"auto"``, the iterations between two agreements of the measured costs (a path
+            taken for the first time is agreed on again at the next iteration, once it has been timed).
+    """
+
+    mode: str = "auto"
+    min_compress_numel: int = 1024
+    recalibrate_every: int = 50
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"path mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("min_compress_numel", "recalibrate_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "recalibrate_every"):
+                raise ValueError(f"{name} must be an int >= {int(name == 'recalibrate_every')}, got {value!r}")
+
+    @property
+    def code(self) -> int:
+        return MODES.index(self.mode)
+
+
+def path_policy(path) -> PathPolicy:
+    """``path`` as a :class:`PathPolicy` (a mode's name is its policy with the other defaults)."""
+    if isinstance(path, PathPolicy):
+        return path
+    if isinstance(path, str):
+        return PathPolicy(path)
+    raise TypeError(f"path must be one of {MODES} or a gx.PathPolicy, got {path!r}")
+
+
+class CostModel:
+    """This rank's measured costs, in seconds: ``select`` per element of a compressed tensor, ``slot`` per slot of
+    a sparse exchange (bytes, merges and waiting together), ``dense16`` and ``dense`` per element of the dense
+    paths (None: not measured yet). ``dense`` is timed from issue to completion, less the time the backend was
+    still busy with the previous dense tensor (``busy_until``)."""
+
+    __slots__ = ("select", "slot", "dense16", "dense", "busy_until")
+    FIGURES = ("select", "slot", "dense16", "dense")
+
+    def __init__(self):
+        self.select = self.slot = self.dense16 = self.dense = None
+        self.busy_until = 0.0
+
+    def _observe(self, figure: str, seconds: float, units: int) -> None:
+        if units > 0 and seconds >= 0:
+            old, new = getattr(self, figure), seconds / units
+            setattr(self, figure, new if old is None else (1 - _EMA) * old + _EMA * new)
+
+    def observe_sparse(self, numel: int, k: int, select_seconds: float, exchange_seconds: float) -> None:
+        self._observe("select", select_seconds, numel)
+        self._observe("slot", exchange_seconds, k)
+
+    def observe_dense16(self, numel: int, seconds: float) -> None:
+        self._observe("dense16", seconds, numel)
+
+    def observe_dense(self, numel: int, start: float, end: float, learn: bool = True) -> None:
+        """A dense allreduce issued at ``start`` and completed at ``end`` (``perf_counter``): the backend runs
+        them in order, so its own time starts when the previous one ended. ``learn``: whether it is timed (a
+        small tensor's time is mostly latency, not a cost per element)."""
+        if learn:
+            self._observe("dense", end - max(start, self.busy_until), numel)
+        self.busy_until = end
+
+    def report(self) -> dict[str, int]:
+        return {f"cost_{name}": _UNKNOWN if getattr(self, name) is None else round(getattr(self, name) * _PS)
+                for name in self.FIGURES}
+
+
+def agreed_costs(headers: list[dict[str, int]]) -> dict[str, int | None]:
+    """The mean over the ranks of each reported figure (picoseconds a unit; None when a rank has not measured it):
+    integers, so every rank computes the same."""
+    costs = {}
+    for name in CostModel.FIGURES:
+        values = [h[f"cost_{name}"] for h in headers]
+        costs[name] = None if min(values) == _UNKNOWN else sum(values) // len(values)
+    return costs
+
+
+def predicted(costs: dict[str, int | None], *, numel: int, k: int, size: int, dtype: torch.dtype,
+              collective: Collective, wire: Wire) -> dict[str, int | None]:
+    """Each path's predicted picoseconds for one exchange (None: nothing to predict it from). A path not timed yet
+    is predicted from the dense path's time per byte (its bytes only: optimistic, so it gets tried)."""
+    per_byte = None
+    dense_bytes = DenseAllreduce().wire_bytes(numel, numel, size, dtype)
+    if costs["dense"] is not None and dense_bytes:
+        per_byte = costs["dense"] * numel / dense_bytes
+    times = {"dense": None if costs["dense"] is None else costs["dense"] * numel}
+    if dtype == torch.float32:
+        times["dense16"] = (costs["dense16"] * numel if costs["dense16"] is not None else
+                            None if per_byte is None else round(per_byte * Dense16().wire_bytes(numel, k, size, dtype)))
+    if costs["slot"] is not None:
+        exchange = costs["slot"] * k
+    else:
+        exchange = None if per_byte is None else round(per_byte * collective.wire_bytes(numel, k, size, dtype, wire))
+    times["sparse"] = None if exchange is None else exchange + (costs["select"] or 0) * numel
+    return times
+
+
+def choose(times: dict[str, int | None]) -> str:
+    """The cheapest predicted path; ties and unknowns go to the first of :data:`PATHS` (sparse: what was asked
+    for, and then timed)."""
+    known = {path: t for path, t in times.items() if t is not None}
+    if "sparse" not in known and "sparse" in times:
+        return "sparse"
+    return min(known, key=lambda path: (known[path], PATHS.index(path))) if known else "sparse"
+
+
+class PathPlan:
+    """What the ranks agreed for one tensor reduced step after step: the ``agreement`` of its header, the
+    ``path`` decided with it, and, for ``auto``, the ``round`` of agreement (a header field) and the iteration
+    ``until`` which it holds."""
+
+    __slots__ = ("agreement", "path", "round", "until")
+
+    def __init__(self):
+        self.agreement = Agreement()
+        self.path = "dense"
+        self.round = 0
+        self.until = 0
+
+    def decide(self, policy: PathPolicy, times: dict[str, int | None], costs: dict[str, int | None],
+               iteration: int) -> str:
+        """The cheapest path, agreed on again at the next iteration when it has not been timed yet."""
+        self.path = choose(times)
+        timed = costs["slot"] if self.path == "sparse" else costs[self.path]
+        self.until = iteration + (1 if timed is None else policy.recalibrate_every)
+        return self.path

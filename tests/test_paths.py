@@ -1,0 +1,201 @@
+"""The path policy (gtopk_ext.paths): the dense bfloat16 collective conserves every rounding, every forced path
+conserves per step through the hook, and ``auto`` takes the same path on every rank from the ranks' measured
+costs, as the cost model predicts it, with no header in a steady step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gtopk_ext as gx
+from gtopk_ext.collectives import Dense16, Traffic
+from gtopk_ext.ddp import reduce_buffer
+from gtopk_ext.paths import CostModel, PathPolicy, agreed_costs, choose, predicted
+from tests.distributed import run_distributed
+from tests.test_collectives import Members, equal_on_every_rank
+
+WORLD_SIZES = (2, 3, 4)
+NUMEL = 5003  # not a multiple of any group size: Dense16 pads its chunks
+
+
+def gradient(rank: int, step: int, numel: int = NUMEL) -> torch.Tensor:
+    shared = torch.randn(numel, generator=torch.Generator().manual_seed(7000 + step))
+    own = torch.randn(numel, generator=torch.Generator().manual_seed(8000 + 100 * step + rank))
+    return (shared + own) * torch.logspace(-3, 2, numel)  # magnitudes bfloat16 rounds differently
+
+
+# ----------------------------------------------------------------------------------------- no process group
+
+def test_policy_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="path mode must be one of"):
+        PathPolicy("fast")
+    with pytest.raises(ValueError, match="min_compress_numel must be an int >= 0"):
+        PathPolicy("auto", min_compress_numel=-1)
+    with pytest.raises(ValueError, match="recalibrate_every must be an int >= 1"):
+        PathPolicy("auto", recalibrate_every=0)
+    with pytest.raises(TypeError, match="path must be one of"):
+        gx.SparseGradState(path=3.5)
+    with pytest.raises(ValueError, match="path mode must be one of"):
+        gx.SparseGradState(path="fp8")
+    with pytest.warns(DeprecationWarning, match="min_compress_numel"):
+        state = gx.SparseGradState(min_compress_numel=10)
+    assert state.path_policy == PathPolicy("auto", 10) and state.min_compress_numel == 10
+
+
+def test_cost_model_predictions():
+    gtopk, plain = gx.collectives.GTopK(), gx.wire.wire_named("plain")
+    numel, size = 1_000_000, 4
+    # Only the dense allreduce timed (the warm-up): 40 ns an element. dense16 and sparse are predicted from its
+    # time per byte, optimistically; at density 0.25 gTop-k's pairs are more bytes than dense16's elements.
+    costs = {"select": None, "slot": None, "dense16": None, "dense": 40_000}
+    times = predicted(costs, numel=numel, k=250_000, size=size, dtype=torch.float32, collective=gtopk, wire=plain)
+    per_byte = 40_000 * numel / (2 * 3 * numel * 4 // 4)
+    assert times["dense"] == 40_000 * numel
+    assert times["dense16"] == round(per_byte * 2 * 3 * 250_000 * 2)
+    assert times["sparse"] == round(per_byte * gtopk.messages(size) * (8 + 8 * 250_000))
+    assert choose(times) == "dense16"
+    assert choose(predicted(costs, numel=numel, k=1000, size=size, dtype=torch.float32, collective=gtopk,
+                            wire=plain)) == "sparse"
+    # Measured: selection 2 ns an element, a slot 400 ns, dense16 15 ns an element. The sparse path pays below
+    # (15 - 2) / 400 = 3.25% of the elements.
+    costs = {"select": 2_000, "slot": 400_000, "dense16": 15_000, "dense": 40_000}
+    for k, path in ((100_000, "dense16"), (40_000, "dense16"), (30_000, "sparse"), (1000, "sparse")):
+        times = predicted(costs, numel=numel, k=k, size=size, dtype=torch.float32, collective=gtopk, wire=plain)
+        assert choose(times) == path, (k, times)
+    # 16-bit tensors have no dense16 path (their dense path is 16-bit already).
+    times = predicted(costs, numel=numel, k=100_000, size=size, dtype=torch.bfloat16, collective=gtopk,
+                      wire=plain)
+    assert "dense16" not in times and choose(times) == "dense"
+    # Nothing timed: the sparse path, which is what was asked for (and then it is timed).
+    assert choose(predicted({"select": None, "slot": None, "dense16": None, "dense": None}, numel=numel, k=10,
+                            size=size, dtype=torch.float32, collective=gtopk, wire=plain)) == "sparse"
+
+
+def test_agreed_costs_are_the_mean_of_the_ranks():
+    headers = [{"cost_select": 10, "cost_slot": 5, "cost_dense16": -1, "cost_dense": 7},
+               {"cost_select": 20, "cost_slot": 6, "cost_dense16": 3, "cost_dense": 8}]
+    assert agreed_costs(headers) == {"select": 15, "slot": 5, "dense16": None, "dense": 7}
+    model = CostModel()
+    model.observe_dense(1000, start=1.0, end=1.5)
+    model.observe_dense(1000, start=1.1, end=1.7)  # queued behind the first: its own time is 0.2 s
+    assert model.dense == pytest.approx(0.5 * 0.5e-3 + 0.5 * 0.2e-3)
+    assert model.report()["cost_dense16"] == -1
+
+
+# --------------------------------------------------------------------------------------------- real groups
+
+def check_dense16(members: Members) -> list[str]:
+    """The collective alone: the average bitwise equal on every rank, close to float32's, and
+    sum_r x_r = P x average + sum_r lost_r to float32 rounding."""
+    failures = []
+    for step in range(3):
+        x = gradient(members.me, step)
+        if members.me == 0 and step == 2:
+            x[7] = float("inf")  # a non-finite element reaches the average and loses nothing
+        traffic = Traffic()
+        average = x.clone()
+        lost = Dense16().reduce_dense(average, members.group, members.size, traffic)
+        exact = torch.stack([x.double(), x.double().abs()]) / members.size
+        dist.all_reduce(exact, group=members.group)
+        exact, magnitude = exact  # the mean, and the mean |x| that bfloat16's roundings are relative to
+        balance = x.double() - lost.double()
+        dist.all_reduce(balance, group=members.group)
+        finite = torch.isfinite(exact)
+        where = f"{members.name}, dense16 step {step}"
+        if not equal_on_every_rank(members, average):
+            failures.append(f"{where}: the average differs across ranks")
+        scale = float(exact[finite].abs().max())
+        if float((balance - members.size * average.double())[finite].abs().max()) > 1e-6 * scale:
+            failures.append(f"{where}: sum of x != P x average + sum of lost")
+        if bool(((average.double() - exact)[finite].abs() > 2**-7 * magnitude[finite]).any()):
+            failures.append(f"{where}: the average is not the mean")
+        if step == 2 and not (torch.isinf(average[7]) and torch.isfinite(lost).all()):
+            failures.append(f"{where}: the inf did not reach the average, or the lost values are not finite")
+        if traffic.sent != Dense16().wire_bytes(NUMEL, NUMEL, members.size, torch.float32):
+            failures.append(f"{where}: counted {traffic.sent} bytes")
+    return failures
+
+
+def conserved_step(members: Members, state: gx.SparseGradState, step: int, where: str) -> list[str]:
+    """One bucket through the hook: the output equal on every rank, and
+    sum_r (gradient_r + old residual_r) = P x output + sum_r new residual_r."""
+    grad = gradient(members.me, step)
+    old = state.residuals.get(0, torch.zeros(NUMEL)).clone()
+    output = reduce_buffer(state, grad.clone(), 0).wait()
+    new = state.residuals.get(0, torch.zeros(NUMEL))
+    total = torch.cat([grad.double() + old.double() - new.double(), grad.double().abs() + old.double().abs()])
+    dist.all_reduce(total, group=members.group)
+    imbalance = float((total[:NUMEL] - members.size * output.double()).abs().max())
+    failures = []
+    if not equal_on_every_rank(members, output):
+        failures.append(f"{where}: the output differs across ranks")
+    if imbalance > 1e-6 * float(total[NUMEL:].max()):
+        failures.append(f"{where}: conservation broken by {imbalance:.3g}")
+    return failures
+
+
+def check_forced_paths(members: Members) -> list[str]:
+    """Each forced path, after two dense steps and between two sparse ones, conserves every step."""
+    failures = []
+    for mode in ("dense16", "dense", "sparse"):
+        for collective in ("gtopk", "oktopk"):
+            state = gx.SparseGradState(members.group, density=0.05, collective=collective, path="sparse")
+            state.stats_logging_frequency = 0
+            for step in range(7):
+                state.path_policy = PathPolicy(mode if step in (3, 4) else "sparse")
+                where = f"{members.name}, {mode} via {collective}, step {step}"
+                failures += conserved_step(members, state, step, where)
+                expected = "dense" if step < 2 else mode if step in (3, 4) else "sparse"
+                if state.stats()["buckets"][0]["path"] != expected:
+                    failures.append(f"{where}: took {state.stats()['buckets'][0]['path']}, not {expected}")
+    return failures
+
+
+def check_auto(members: Members) -> list[str]:
+    """``auto`` with costs that differ across ranks: one path everywhere, the one the mean costs predict; a
+    cheaper sparse path is taken once measured; no header in a steady step."""
+    failures, me = [], members.me
+    state = gx.SparseGradState(members.group, density=0.05, path=PathPolicy("auto", recalibrate_every=3))
+    state.stats_logging_frequency = 0
+    paths, sent = [], []
+    for step in range(12):
+        if step == 2:  # the dense steps timed a slow link on some ranks; a sparse slot is dear on every rank
+            state.costs.dense = 1e-6 * (me + 1)
+            # rank 0 alone would go sparse; the mean of the ranks says dense16
+            state.costs.select, state.costs.slot, state.costs.dense16 = 1e-9, 1e-9 if me == 0 else 1e-3, None
+        if step == 6:  # the link got slower than a slot, from now on
+            state.costs.dense, state.costs.dense16, state.costs.slot = 1.0, 1.0, 1e-9
+        failures += conserved_step(members, state, step, f"{members.name}, auto step {step}")
+        paths.append(state.stats()["buckets"][0]["path"])
+        sent.append(state.stats()["buckets"][0]["bytes_sent"])
+        if step == 6:  # measured again (each path's figure is the mean of what it timed)
+            state.costs.dense, state.costs.dense16, state.costs.slot = 1.0, 1.0, 1e-9
+    gathered = [None] * members.size
+    dist.all_gather_object(gathered, paths, group=members.group)
+    if any(p != paths for p in gathered):
+        failures.append(f"{members.name}: the ranks took different paths: {gathered}")
+    # Steps 0-1 dense (the warm-up); step 2 agrees: dense16 not timed and predicted cheaper than a dear sparse
+    # exchange, so dense16, agreed again at step 3 once timed; from step 6 on sparse is cheap, chosen at the next
+    # agreement (every 3 iterations) and kept.
+    if paths[:3] != ["dense", "dense", "dense16"] or paths[-1] != "sparse" or "sparse" in paths[:6]:
+        failures.append(f"{members.name}: auto took {paths}")
+    if not 0 < sent[10] == sent[11] < sent[9]:  # step 9 agreed again (a header), 10 and 11 did not
+        failures.append(f"{members.name}: bytes sent per step {sent}")
+    return failures
+
+
+def paths_worker(rank: int, world_size: int) -> list[str]:
+    failures = []
+    for size in WORLD_SIZES:
+        group = dist.new_group(list(range(size)))
+        if rank < size:
+            members = Members(group, list(range(size)), dist.get_rank(group), f"{size} ranks")
+            failures += check_dense16(members) + check_forced_paths(members) + check_auto(members)
+    return failures
+
+
+def test_paths_on_real_groups():
+    results = run_distributed(paths_worker, max(WORLD_SIZES), timeout=420)
+    failures = [f for rank_failures in results for f in rank_failures]
+    assert not failures, "\n".join(failures)

@@ -75,7 +75,8 @@ def measure(rank: int, world_size: int, density: float, steps: int, hidden: tupl
     for collective, wire in runs(collectives, wires):
         model = make_model(hidden)
         ddp = DDP(model)
-        state = gx.SparseGradState(density=density, collective=collective, start_iter=WARMUP, wire=wire)
+        state = gx.SparseGradState(density=density, collective=collective, start_iter=WARMUP, wire=wire,
+                                   path="sparse")
         state.stats_logging_frequency = 0
         ddp.register_comm_hook(state, gx.sparse_grad_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

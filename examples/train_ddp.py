@@ -45,6 +45,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--collective", default="gtopk", choices=("gtopk", "allgather", "oktopk", "hierarchical",
                                                                   "dense", "ddp"),
                         help="ddp: DDP's own allreduce, no hook")
+    parser.add_argument("--path", default="auto", choices=("auto", "sparse", "dense16", "dense"),
+                        help="each bucket's path (gx.PathPolicy): auto takes the cheapest as measured; sparse "
+                             "always compresses (after the dense start), so a rerun takes the same paths")
     parser.add_argument("--inner-collective", default="gtopk", help="between nodes, with --collective hierarchical")
     parser.add_argument("--local-size", type=int, default=None,
                         help="ranks per node for --collective hierarchical (default: torchrun's LOCAL_WORLD_SIZE)")
@@ -60,7 +63,7 @@ def make_state(args: argparse.Namespace) -> Optional[gx.SparseGradState]:
     if args.collective == "ddp":
         return None
     hierarchical = args.collective == "hierarchical"
-    state = gx.SparseGradState(density=args.density,
+    state = gx.SparseGradState(density=args.density, path=args.path,
                                collective=args.inner_collective if hierarchical else args.collective,
                                hierarchical=gx.Hierarchical(args.local_size) if hierarchical else None)
     state.stats_logging_frequency = 0

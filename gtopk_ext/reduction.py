@@ -82,9 +82,7 @@ def reduce_dense16(tensor: torch.Tensor, residual: torch.Tensor | None, group: d
     ``residual`` is averaged over the group into ``tensor``, and what the rounding took stays in ``residual``."""
     if residual is not None:
         tensor.add_(residual)
-    lost = Dense16().reduce_dense(tensor, group, dist.get_world_size(group), traffic)
-    if residual is not None:
-        residual.copy_(lost)
+    Dense16().reduce_dense(tensor, group, dist.get_world_size(group), traffic, lost=residual)
 
 
 @dataclass

@@ -187,6 +187,16 @@ def reduce_buffer(state: "gx.SparseGradState", buffer: torch.Tensor, index: int,
     return moved(state, buffer, index, is_last=is_last)
 
 
+def hook_state(**hook) -> "gx.SparseGradState":
+    """The hook's state with the table's options; from 0.3 on with ``path="sparse"`` (0.3's default ``auto``
+    chooses from measured times, so its paths would differ from run to run; ``sparse`` is the earlier
+    behaviour)."""
+    options = {"density": DENSITY, "start_iter": START_ITER, **hook}
+    if hasattr(gx, "PathPolicy"):
+        return gx.SparseGradState(**options, path=gx.PathPolicy("sparse", MIN_COMPRESS_NUMEL))
+    return gx.SparseGradState(**options, min_compress_numel=MIN_COMPRESS_NUMEL)
+
+
 def hierarchical_allreduce(*args, **kwargs):
     function = getattr(gx.collectives, "hierarchical_allreduce", None)
     if function is None:
@@ -282,8 +292,7 @@ def run_ddp(rank: int, size: int, seed: int, rec: Recording, *, hook: dict, dtyp
     model = Net().to(torch_dtype)
     element_size = torch.empty((), dtype=torch_dtype).element_size()
     ddp = DDP(model, bucket_cap_mb=BUCKET_ELEMENTS * element_size / 2**20, find_unused_parameters=find_unused)
-    state = gx.SparseGradState(**{**dict(density=DENSITY, start_iter=START_ITER,
-                                         min_compress_numel=MIN_COMPRESS_NUMEL), **hook})
+    state = hook_state(**hook)
     ddp.register_comm_hook(state, gx.sparse_grad_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     grad_scaler = None
@@ -321,8 +330,7 @@ def run_reduce(rank: int, size: int, seed: int, rec: Recording, *, hook: dict, d
     """state.reduce on two bare flat buffers per step (parameters=None): per step both outputs and the
     state_dict()."""
     torch_dtype = DTYPES[dtype]
-    state = gx.SparseGradState(**{**dict(density=DENSITY, start_iter=START_ITER,
-                                         min_compress_numel=MIN_COMPRESS_NUMEL), **hook})
+    state = hook_state(**hook)
     for step in range(STEPS):
         g = generator(seed, rank, step)
         buffers = [(torch.randn(n, generator=g) * (0.5 + index + rank)).to(torch_dtype)

@@ -19,7 +19,9 @@ def launch(tmp_path, name: str, kill_step: int) -> tuple[list[str], list]:
     """Runs the worker under torchrun; returns the agents' logs and every rank's final parameters."""
     out = tmp_path / name
     out.mkdir()
+    # path sparse: the same paths in the killed and resumed run as in the straight one (auto's follow timings)
     script = ["tests/torchrun_worker.py", "--collective", "hierarchical", "--density", "0.05", "--width", "64",
+              "--path", "sparse",
               "--bucket-cap-mb", "0.01", "--steps", str(STEPS), "--checkpoint-dir", str(out / "checkpoints"),
               "--checkpoint-every", str(CHECKPOINT_EVERY), "--log-every", "0",
               "--out", str(out), "--kill-rank", str(KILL_RANK), "--kill-step", str(kill_step)]

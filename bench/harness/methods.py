@@ -1,9 +1,11 @@
 """The methods the training benchmarks compare, by name, and the one way each builds gtopk_ext's hook state.
 
 DDP hooks (``recipe``): ``ddp``, ``fp16``, ``bf16``, ``powersgd-<rank>``, ``floor`` (no communication: the compute
-floor), ``<collective>-<d>`` (gtopk_ext's hook, Gaussian-k at density d; ``hook-<collective>-<d>`` is the same),
+floor), ``<collective>-<d>`` (gtopk_ext's hook, Gaussian-k at density d on the sparse path every compressed step;
+``hook-<collective>-<d>`` is the same),
 ``gtopk-<d>-sync`` (each bucket finished inside the hook call), ``dgc-<d>`` and ``dgc-pt-<d>`` (momentum
-correction and Deep Gradient Compression's warm-up, per-tensor selection for the latter; the ``--dgc-*`` flags).
+correction and Deep Gradient Compression's warm-up, per-tensor selection for the latter; the ``--dgc-*`` flags,
+``--dgc-path`` the path policy, ``auto`` by default as in the hook).
 Local methods (``parse_local``, run by ``LocalExchange``): ``postlocal-<H>`` (PyTorch's local SGD), ``diloco-<H>``
 (SparseLocalSGD, density 1, dense), ``sparse-<collective>-<d>-<H>[-compact]`` (SparseLocalSGD).
 """
@@ -41,19 +43,23 @@ def density_of(text: str) -> float:
 def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: int = 0, warmup_density: float = 0.25,
                warmup_from: int = 0, compressor: str = "gaussiank", per_tensor: bool = False, momentum: float = 0.0,
                nesterov: bool = False, weight_decay: float = 0.0, masking_start_iter: int = 0,
-               clip_norm: float | None = None, **options) -> gx.SparseGradState:
+               clip_norm: float | None = None, path="sparse", min_compress_numel: int | None = None,
+               **options) -> gx.SparseGradState:
     """gtopk_ext's hook state: density ``density`` after ``warmup_steps`` iterations of density decaying
     geometrically from ``warmup_density`` (DGC's schedule) that start at iteration ``warmup_from``; momentum
-    correction with ``momentum`` (and its options) or local clipping at ``clip_norm``; ``options``: the other
-    SparseGradState arguments."""
+    correction with ``momentum`` (and its options) or local clipping at ``clip_norm``; ``path``: every compressed
+    step sparse (what a method named after a collective and a density measures), or another path policy;
+    ``options``: the other SparseGradState arguments."""
     schedule = (gx.exponential_warmup(density, warmup_steps, warmup_density, start_iter=warmup_from)
                 if warmup_steps else density)
     correction = (gx.MomentumCorrection(momentum, nesterov=nesterov, weight_decay=weight_decay,
                                         masking_start_iter=masking_start_iter, clip_norm=clip_norm)
                   if momentum or clip_norm is not None else None)
+    if min_compress_numel is not None:
+        path = gx.PathPolicy(gx.paths.path_policy(path).mode, min_compress_numel=min_compress_numel)
     state = gx.SparseGradState(density=schedule, compressor=gx.make_compressor(compressor, density,
                                                                                per_tensor=per_tensor),
-                               start_iter=start_iter, momentum=correction, **options)
+                               start_iter=start_iter, momentum=correction, path=path, **options)
     state.stats_logging_frequency = 0
     return state
 
@@ -159,14 +165,12 @@ def dgc_recipe(density: float, per_tensor: bool = False) -> Recipe:
     step: masking would train them without momentum; bench.demo measured it); ``per_tensor`` (or
     ``--dgc-per-tensor``): each parameter selects its share of k. The other levers are the ``--dgc-*`` options
     (:func:`add_dgc_arguments`)."""
-    def min_compress_numel(args):  # None: the hook's default
-        return {} if args.dgc_min_compress_numel is None else {"min_compress_numel": args.dgc_min_compress_numel}
-
     def attach(ddp, world_size, args):
         state = hook_state(density, start_iter=args.dgc_dense_steps, warmup_steps=args.dgc_warmup,
                            warmup_density=args.dgc_warmup_start, momentum=args.momentum, nesterov=args.dgc_nesterov,
                            clip_norm=args.dgc_clip_norm, per_tensor=per_tensor or args.dgc_per_tensor,
-                           masking_start_iter=args.dgc_warmup, **min_compress_numel(args))
+                           masking_start_iter=args.dgc_warmup, path=args.dgc_path,
+                           min_compress_numel=args.dgc_min_compress_numel)
         ddp.register_comm_hook(state, gx.sparse_grad_hook)
         return GtopkExtAccounting(state)
     label = f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up" + (" + per-tensor" * per_tensor)
@@ -188,6 +192,8 @@ def add_dgc_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local gradient clipping: each bucket's norm at most this / sqrt(P)")
     parser.add_argument("--dgc-min-compress-numel", type=int, default=None,
                         help="buckets of fewer elements go dense (default: the hook's)")
+    parser.add_argument("--dgc-path", default="auto", choices=gx.paths.MODES,
+                        help="each bucket's path (gx.PathPolicy): auto, or sparse, dense16, dense every step")
 
 
 def no_communication_hook(world_size: int, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

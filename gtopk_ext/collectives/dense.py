@@ -1,6 +1,6 @@
 """The dense allreduces, as collectives of the same protocol: ``dense`` in the tensor's own dtype (a warm-up, a
 small bucket, a rank's sum that is not finite), and ``dense16``, bfloat16 on the wire with every rounding error
-handed back to the caller (the reduction keeps it in the residual)."""
+written where the caller says (the reduction: into the residual)."""
 
 from __future__ import annotations
 
@@ -48,9 +48,9 @@ class DenseAllreduce(Collective):
 class Dense16(Collective):
     """Every element in bfloat16 (the bytes of fp16_compress_hook, float32's range: no overflow), summed in
     float32: a reduce-scatter as an all-to-all of bfloat16 chunks, each rank summing its chunk, then an allgather
-    of the chunks' averages in bfloat16. Nothing is lost to the rounding: :meth:`reduce_dense` returns what each
+    of the chunks' averages in bfloat16. Nothing is lost to the rounding: :meth:`reduce_dense` writes what each
     element of this rank lost (its own rounding, plus ``P`` times the rounding of the average of the chunk it
-    summed), which the caller keeps: ``sum over ranks (tensor) = P x average + sum over ranks (lost)``, to
+    summed), for the caller to keep: ``sum over ranks (tensor) = P x average + sum over ranks (lost)``, to
     float32 rounding."""
 
     name = "dense16"
@@ -58,28 +58,31 @@ class Dense16(Collective):
     wire_dtype = torch.bfloat16
 
     def reduce_dense(self, tensor: torch.Tensor, group: dist.ProcessGroup, size: int,
-                     traffic: Traffic | None = None) -> torch.Tensor:
-        """``tensor`` (flat float32) becomes the average over the group in place; returns what this rank lost to
-        the rounding (float32, the tensor's shape; non-finite elements lose nothing: they reach the average)."""
+                     traffic: Traffic | None = None, lost: torch.Tensor | None = None) -> None:
+        """``tensor`` (flat float32) becomes the average over the group in place. ``lost`` (float32, the tensor's
+        shape; None: dropped) is overwritten with what this rank lost to the rounding; a non-finite element
+        loses nothing (it reaches the average)."""
         numel, rank = tensor.numel(), dist.get_rank(group)
         chunk = -(-numel // size)
-        sent = torch.zeros(chunk * size, dtype=self.wire_dtype, device=tensor.device)
-        sent[:numel] = tensor
-        lost = torch.zeros(chunk * size, dtype=torch.float32, device=tensor.device)
-        torch.sub(tensor, sent[:numel], out=lost[:numel])
+        sent = torch.empty(chunk * size, dtype=self.wire_dtype, device=tensor.device)
+        sent[numel:].zero_()
+        sent[:numel].copy_(tensor)
+        if lost is not None:
+            torch.sub(tensor, sent[:numel], out=lost)
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=group)
         average = received.view(size, chunk).sum(0, dtype=torch.float32).div_(size)
         rounded = average.to(self.wire_dtype)
-        mine = lost[rank * chunk:(rank + 1) * chunk]
-        mine.add_(average.sub_(rounded).mul_(size))  # this rank's chunk of the average is its to keep
-        gathered = torch.empty_like(sent)
+        if lost is not None:  # this rank summed its chunk: the average's rounding there is its to keep
+            start, end = rank * chunk, min((rank + 1) * chunk, numel)
+            lost[start:end].add_(average.sub_(rounded)[:max(end - start, 0)], alpha=size)
+            lost.nan_to_num_(0.0, 0.0, 0.0)
+        gathered = sent  # sent is no longer needed
         _all_gather_single(gathered, rounded, group=group)
         tensor.copy_(gathered[:numel])
         if traffic is not None:
             nbytes = self.wire_bytes(numel, numel, size, tensor.dtype)
             traffic.add(nbytes, nbytes)
-        return lost[:numel].nan_to_num_(0.0, 0.0, 0.0)
 
     def wire_bytes(self, numel, k, size, dtype, wire=None):
         return 2 * (size - 1) * -(-numel // size) * 2  # two phases, (P - 1) chunks of 2 bytes an element each

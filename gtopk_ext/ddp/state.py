@@ -83,8 +83,8 @@ class SparseGradState:
       Ok-Topk's regions and threshold).
     - Statistics and agreement: ``iter`` (iterations done; advanced on ``bucket.is_last()``), ``bucket_stats``
       (per bucket, the latest :class:`BucketStats`), ``run_totals`` (:class:`gtopk_ext.ddp.stats.RunTotals`),
-      ``agreed_plans`` (per bucket, the
-      :class:`gtopk_ext.collectives.Agreement` of its plan: while it stays, no header is exchanged).
+      ``agreed_plans`` (per bucket, the :class:`gtopk_ext.collectives.Agreement` of its plan: while it stays, no
+      header is exchanged).
 
     What is guaranteed, with error feedback on: every element of ``grad + residual`` on every rank is either in
     the average this step returns or in the new residual (nothing is lost), in float32, bfloat16 and float16
@@ -317,7 +317,8 @@ class SparseGradState:
         """``{"iter", "buckets": {index: {...}}, "total": {...}, "run": {...}}``: the latest step's statistics per
         bucket and summed: ``k`` and ``selected`` (elements), ``bytes_sent`` and ``bytes_received`` (this rank),
         host seconds ``select_seconds`` (grad + residual, statistics, compaction, residual update) and
-        ``exchange_seconds`` (the collective, writing the average); "run": :class:`RunTotals`' counts."""
+        ``exchange_seconds`` (the collective, writing the average); "run": the run's totals ``steps``,
+        ``compressed_steps`` (some bucket sparse), ``bytes_sent``, ``bytes_received`` (this rank; a resume goes on)."""
         self.wait()
         return self._stats_now()
 

@@ -170,6 +170,10 @@ def load_worker(rank: int, size: int, out: str) -> dict:
     outer.load_state_dict(locals_, on_world_size_change="zero")
     if outer.state_dict()["accumulator"][0].any() or outer.syncs != SYNCS:
         failures.append("local SGD zero: the accumulator did not start at zero")
+    _, outer = make_outer()
+    outer.load_state_dict({key: value for key, value in locals_[rank].items() if key not in ("world_size", "rank")})
+    if not torch.equal(outer.state_dict()["accumulator"][0], locals_[rank]["accumulator"][0]):
+        failures.append("local SGD: an old state_dict (without world_size) did not load as before")
 
     # The example: by default a run at another world size starts afresh and leaves the saved one's checkpoints;
     # with --on-world-size-change fold it resumes from them, still in its own folder.

@@ -352,19 +352,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--world-size", type=int, default=4, help="Gloo processes (DDP ranks)")
-    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
-    parser.add_argument("--densities", nargs="+", type=float, default=[0.01, 0.001])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--model", choices=MODELS, default="cnn")
-    parser.add_argument("--batch-size", type=int, default=16, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
+                        metavar="METHOD", help=f"what to train with: dense (DDP's allreduce), hook-dense (the "
+                        f"hook's dense collective), or the hook as <compressor>-<collective>[-mc: momentum "
+                        f"correction][-recipe: its density's recipe]; one of {', '.join(METHODS)}")
+    parser.add_argument("--densities", nargs="+", type=float, default=[0.01, 0.001],
+                        help="the sparse methods' densities: each runs at every one")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="one run per seed and method")
+    parser.add_argument("--epochs", type=int, default=10, help="passes over the training digits")
+    parser.add_argument("--model", choices=MODELS, default="cnn", help="the network trained on the digits")
+    parser.add_argument("--batch-size", type=int, default=16, help="examples per rank per step")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD's learning rate")
+    parser.add_argument("--momentum", type=float, default=0.9,
+                        help="SGD's momentum (in the hook instead, for the -mc and -recipe methods)")
+    parser.add_argument("--weight-decay", type=float, default=0.0,
+                        help="SGD's weight decay (in the hook instead, for the -mc and -recipe methods)")
     parser.add_argument("--start-iter", type=int, default=2, help="dense iterations before the residuals start")
     parser.add_argument("--warmup-steps", type=int, default=44,
                         help="iterations of density decaying from --warmup-density to the target (0: none)")
-    parser.add_argument("--warmup-density", type=float, default=0.25)
+    parser.add_argument("--warmup-density", type=float, default=0.25, help="the density warm-up's first density")
     parser.add_argument("--min-compress-numel", type=int, default=1024, help="smaller buckets go dense")
     parser.add_argument("--per-tensor", action=argparse.BooleanOptionalAction, default=False,
                         help="the hook selects per parameter (its share of k)")
@@ -378,8 +384,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder of demo.json and demo.png")
     parser.add_argument("--overhead", action="store_true",
                         help="measure time per step only (no training curves): the hook against DDP's allreduce")
-    parser.add_argument("--overhead-steps", type=int, default=30)
-    parser.add_argument("--overhead-repeats", type=int, default=5)
+    parser.add_argument("--overhead-steps", type=int, default=30, help="timed steps per method with --overhead")
+    parser.add_argument("--overhead-repeats", type=int, default=5,
+                        help="repeats of the timed steps with --overhead (the median is reported)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before failing")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     cli.add_worker_arg(parser)

@@ -33,6 +33,7 @@ from gtopk_ext.collectives import MAX_NUMEL, SPARSE_COLLECTIVES, agree, collecti
 from gtopk_ext.compressors import COMPRESSOR_KINDS, check_density, make_compressor
 from gtopk_ext.costs import Traffic, ring_allreduce_bytes
 from gtopk_ext.reduction import reduce
+from gtopk_ext.resume import StateDicts, plan_resume, world_fields
 from gtopk_ext.wire import WIRES, wire_named
 
 __all__ = ["SparseLocalSGD", "COLLECTIVES"]
@@ -182,6 +183,7 @@ class SparseLocalSGD:
         self.syncs = 0
         self.traffic = Traffic()  # every sync's bytes, this rank
         self._last: dict[str, Any] = {}
+        self._send_accumulators = False  # load_state_dict(..., "fold"): the next sync sends them whole
         self._shards = _shards(self.params)
         self._check_same_layout()
         with torch.no_grad():
@@ -222,6 +224,7 @@ class SparseLocalSGD:
             self._outer_step(index, averaged)
             self._shards[index].adopt(self._global[index])
         self._average_buffers(group, size, traffic)
+        self._send_accumulators = False
         self.syncs += 1
         self.traffic.add(traffic.sent, traffic.received)
         self._last = {"numel": sum(s.numel for s in self._shards), "k": k, "selected": selected,
@@ -231,7 +234,10 @@ class SparseLocalSGD:
     def _reduce(self, index: int, delta: torch.Tensor, group: dist.ProcessGroup, size: int,
                 traffic: Traffic) -> tuple[torch.Tensor, int, int]:
         """(the pseudo-gradient averaged over ranks, k, elements selected) of one shard."""
-        if self._compressor is None:
+        if self._compressor is None or self._send_accumulators:
+            if self._accumulator:  # a fold: delta + accumulator, all of it, so the accumulator is empty after
+                delta.add_(self._accumulator[index])
+                self._accumulator[index].zero_()
             dist.all_reduce(delta, group=group)
             nbytes = ring_allreduce_bytes(delta.numel() * delta.element_size(), size)
             traffic.add(nbytes, nbytes)
@@ -307,20 +313,32 @@ class SparseLocalSGD:
                 "bytes_received": self.traffic.received, "last_sync": dict(self._last)}
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's resumable state (copies): ``local_step``, ``syncs``, ``wire``, ``numels`` (per shard),
+        """This rank's resumable state (copies): ``local_step``, ``syncs``, ``world_size`` and ``rank`` (with
+        torch.distributed initialized), ``wire``, ``numels`` (per shard),
         ``global`` (the global weights, the same on every rank), ``momentum`` and ``accumulator`` (this rank's,
         the compact wire's rounding errors included), one float32 vector per shard. Save it with the model's and
         the inner optimizer's state."""
-        return {"local_step": self.local_step, "syncs": self.syncs, "wire": self.wire,
+        return {"local_step": self.local_step, "syncs": self.syncs, **world_fields(self.process_group),
+                "wire": self.wire,
                 "numels": [s.numel for s in self._shards],
                 "global": [g.clone() for g in self._global], "momentum": [m.clone() for m in self._momentum],
                 "accumulator": [a.clone() for a in self._accumulator]}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDicts, on_world_size_change: str = "error") -> None:
         """Restores :meth:`state_dict`'s output; with the model's and the inner optimizer's states restored too,
         training continues bitwise as if it had not stopped. Momentum or an accumulator that the saved optimizer
         did not have (another ``outer_momentum`` or ``collective``) start at zero. A state saved with the other
-        wire loads too: the accumulator means the same on both (the wire's rounding errors are in it)."""
+        wire loads too: the accumulator means the same on both (the wire's rounding errors are in it).
+
+        The accumulator is per rank. At another world size than the saved one, ``on_world_size_change`` says
+        what becomes of it, on every rank alike (the global weights and the outer momentum, the same on every
+        rank, always load): ``"error"`` (default) raises a ValueError naming both sizes (so does another rank's
+        state_dict); ``"fold"`` takes every saved rank's state_dict as a list in rank order: this rank adds up the
+        accumulators of the saved ranks ``q`` with ``q % world_size == rank`` and the next sync sends them whole
+        (dense, on every rank): nothing is lost; ``"zero"``: the accumulators start at zero (dropped). A
+        state_dict that does not record its world size (older versions) loads as this rank's."""
+        plan = plan_resume(state_dict, on_world_size_change, self.process_group, "SparseLocalSGD.load_state_dict")
+        state_dict = plan.replicated
         missing = {"local_step", "syncs", "numels", "global"} - set(state_dict)
         if missing:
             raise KeyError(f"state_dict is missing {sorted(missing)} (expected SparseLocalSGD.state_dict()'s keys)")
@@ -336,12 +354,17 @@ class SparseLocalSGD:
                 raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}")
         vectors = {"global": self._global, "momentum": self._momentum, "accumulator": self._accumulator}
         restored = {name: self._checked_vectors(state_dict, name, mine) for name, mine in vectors.items()}
+        if plan.policy is not None:
+            taken = [self._checked_vectors(saved, "accumulator", self._accumulator) for saved in plan.own]
+            taken = [vectors for vectors in taken if vectors is not None]
+            restored["accumulator"] = [sum(parts) for parts in zip(*taken)] if taken else None
         if restored["global"] is None:
             raise ValueError("state_dict['global'] is empty: expected the global weights")
         for name, mine in vectors.items():
             for vector, saved in zip(mine, restored[name] or [torch.zeros_like(v) for v in mine]):
                 vector.copy_(saved)
         self.local_step, self.syncs = state_dict["local_step"], state_dict["syncs"]
+        self._send_accumulators = plan.policy == "fold"
 
     @staticmethod
     def _checked_vectors(state_dict: dict[str, Any], name: str,

@@ -359,6 +359,7 @@ def _chain(reduced: torch.futures.Future, result: torch.futures.Future, value: t
 
 def _end_iteration(state: SparseGradState) -> None:
     state.iteration_open = False
+    state.run_totals.add_step(state.bucket_stats.values())
     state.iter += 1
     if state.stats_logging_frequency and state.iter % state.stats_logging_frequency == 0:
         total = state._stats_now()["total"]

@@ -44,6 +44,14 @@ class ResidualStore:
             raise ValueError(f"parameters hold {sum(n for _, n in layout)} elements, the bucket {numel}")
         return tuple(layout)
 
+    def knows(self, parameter: torch.Tensor) -> bool:
+        """Whether a bucket of this store held ``parameter``."""
+        return parameter in self._ordinals
+
+    def knows_parameters(self) -> bool:
+        """Whether a bucket with parameters has been seen (in this process)."""
+        return self._next_ordinal > 0
+
     def checkpoint_parts(self, index: int, layout: Layout) -> Optional[list[tuple[int, Layout]]]:
         """The known buckets that this new bucket is exactly made of.
 
@@ -123,6 +131,22 @@ class ResidualStore:
         self.layouts = {int(i): None if layout is None else tuple((int(o), int(n)) for o, n in layout)
                         for i, layout in state_dict.get("layouts", {}).items()}
         self.unclaimed = {int(o): r.detach().clone() for o, r in state_dict.get("unclaimed", {}).items()}
+
+    def add_state_dict(self, state_dict: dict) -> None:
+        """Adds another store's saved residuals to these (another rank's, folded in at another world size): DDP
+        gives every rank the same buckets, so their layouts must agree."""
+        other = ResidualStore()
+        other.load_state_dict(state_dict)
+        for index, layout in other.layouts.items():
+            if self.layouts.setdefault(index, layout) != layout:
+                raise ValueError(f"the state_dicts hold bucket {index} in different layouts: they were saved by "
+                                 f"different models")
+        for mine, theirs in ((self.residuals, other.residuals), (self.unclaimed, other.unclaimed)):
+            for key, residual in theirs.items():
+                if key in mine and mine[key].shape != residual.shape:
+                    raise ValueError(f"the state_dicts hold residuals of {mine[key].numel()} and "
+                                     f"{residual.numel()} elements for the same bucket or parameter ({key})")
+                mine[key] = mine[key] + residual if key in mine else residual
 
 
 def hold_unused(residual: torch.Tensor, maxima: list[float], layout: Layout,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -13,14 +12,16 @@ import torch.distributed as dist
 from gtopk_ext._worker import Worker
 from gtopk_ext.collectives import SPARSE_COLLECTIVES, Collective, OkTopkState, collective_named, group_rank_and_size
 from gtopk_ext.compressors import Compressor, check_density
-from gtopk_ext.costs import Traffic
+from gtopk_ext.ddp import checkpoint, optimizer_check
 from gtopk_ext.ddp.amp import LossScaling
 from gtopk_ext.ddp._moved import MOVED, count, folded_compressor, folded_momentum
 from gtopk_ext.ddp.dgc import MomentumCorrection
 from gtopk_ext.ddp.residuals import ResidualStore
 from gtopk_ext.ddp.schedule import DensitySchedule, checked_schedule, density_at
+from gtopk_ext.ddp.stats import BucketStats, RunTotals, step_stats, summary
 from gtopk_ext.hierarchical import HIERARCHICAL_INNER, Hierarchical
 from gtopk_ext.paths import CostModel, PathPlan, PathPolicy, path_policy
+from gtopk_ext.resume import StateDicts
 from gtopk_ext.wire import wire_named
 
 logger = logging.getLogger("gtopk_ext.hooks")
@@ -28,19 +29,6 @@ logger = logging.getLogger("gtopk_ext.hooks")
 FLAT_COLLECTIVES = (*SPARSE_COLLECTIVES, "dense")
 # "hierarchical": the earlier spelling of hierarchical=gx.Hierarchical(...)
 COLLECTIVES = (*FLAT_COLLECTIVES, "hierarchical")
-
-
-@dataclass
-class BucketStats:
-    """What the hook did with one bucket in its latest step."""
-
-    path: str  # "sparse", "dense16" or "dense" (gtopk_ext.paths); "nonfinite" (a rank's sum was not: went dense)
-    numel: int
-    k: int  # slots sent per rank (numel on the dense paths)
-    selected: Union[int, torch.Tensor] = 0  # elements the compressor selected before truncation to k
-    select_seconds: float = 0.0  # grad + residual, statistics, compaction, residual update
-    exchange_seconds: float = 0.0  # the collective and the average (a dense bucket: from issuing its allreduce)
-    traffic: Traffic = field(default_factory=Traffic, repr=False)
 
 
 class SparseGradState:
@@ -79,7 +67,9 @@ class SparseGradState:
     - Runtime options: ``stats_logging_frequency`` (log :meth:`stats` through ``logging``, logger
       ``gtopk_ext.hooks``, INFO, every this many iterations; 0 never; default 1000) and ``synchronous`` (finish
       each bucket inside the hook call instead of on the communication thread, for debugging: the results are
-      bitwise the same).
+      bitwise the same), ``optimizer_check`` (with momentum correction, an optimizer that has momentum or weight
+      decay on the parameters the hook reduces is reported before its step, once the hook has seen them:
+      ``"raise"`` (default) a ValueError that says what to do, ``"warn"``, ``"off"``).
     - Residuals: ``residual_store`` (:class:`ResidualStore`; ``residuals`` is its per-bucket dict),
       ``residual_bounds`` (per bucket, (residual, bound on its max |value|) from the compressed step that left
       it: grad + residual cannot overflow while max |grad| + bound stays below the dtype's largest value, so it
@@ -88,9 +78,10 @@ class SparseGradState:
       (:class:`gtopk_ext.ddp.amp.LossScaling`, see :meth:`attach_scaler`), ``oktopk_states`` (per bucket,
       Ok-Topk's regions and threshold).
     - Statistics and agreement: ``iter`` (iterations done; advanced on ``bucket.is_last()``), ``bucket_stats``
-      (per bucket, the latest :class:`BucketStats`), ``costs`` (:class:`gtopk_ext.paths.CostModel`: this rank's
-      measured costs of the paths), ``agreed_plans`` (per bucket, the :class:`gtopk_ext.paths.PathPlan` of its
-      plan and path: while it stays, no header is exchanged).
+      (per bucket, the latest :class:`BucketStats`), ``run_totals`` (:class:`gtopk_ext.ddp.stats.RunTotals`),
+      ``costs`` (:class:`gtopk_ext.paths.CostModel`: this rank's measured costs of the paths), ``agreed_plans``
+      (per bucket, the :class:`gtopk_ext.paths.PathPlan` of its plan and path: while it stays, no header is
+      exchanged).
 
     What is guaranteed, with error feedback on: every element of ``grad + residual`` on every rank is either in
     the average this step returns or in the new residual (nothing is lost), in float32, bfloat16 and float16
@@ -183,6 +174,7 @@ class SparseGradState:
         self.error_feedback = bool(error_feedback)
         self.stats_logging_frequency = count("stats_logging_frequency", moved.get("stats_logging_frequency", 1000))
         self.synchronous = bool(moved.get("synchronous", False))
+        self.optimizer_check = "raise"
         # Residuals and the parts' states.
         self.residual_store = ResidualStore()
         self.residual_bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -192,6 +184,7 @@ class SparseGradState:
         # Statistics and agreement.
         self.iter = 0
         self.bucket_stats: dict[int, BucketStats] = {}
+        self.run_totals = RunTotals()
         self.costs = CostModel()
         self.agreed_plans: dict[int, PathPlan] = {}
         # Runtime: the compressor and collective of the current density, the worker (created at the first bucket),
@@ -200,6 +193,8 @@ class SparseGradState:
         self.collective_now: Collective = collective_named(collective, compressor.backend)
         self.thread: Optional[Worker] = None
         self.iteration_open = False
+        if self.momentum:
+            optimizer_check.watch(self)
 
     # ----- the options of earlier versions, read from where they now live -----
 
@@ -300,61 +295,44 @@ class SparseGradState:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        if self.momentum:
+            optimizer_check.watch(self)
 
     def state_dict(self) -> dict:
-        """This rank's resumable state: ``{"iter", "residuals": {bucket_index: Tensor}, "residual_scale",
-        "layouts", "unclaimed", "velocities", "velocities_before", "oktopk", "taken"}`` (copies; "velocities": momentum
-        correction's, as a residual store's state; "taken" and "velocities_before": what the latest step applied
-        and the velocities before it, in case the scaler skipped it). Save one per rank, next to the model's and
-        the optimizer's (and the scaler's)."""
-        self.wait()
-        scaling = self.loss_scaling
-        return {"iter": self.iter, "residual_scale": scaling.scale, **self.residual_store.state_dict(),
-                "velocities": self.velocity_store.state_dict(),
-                "velocities_before": {index: v.clone() for index, v in scaling.velocities_before.items()},
-                "oktopk": {index: s.state_dict() for index, s in self.oktopk_states.items()},
-                "taken": {index: (None if indices is None else indices.clone(), values.detach().clone())
-                          for index, (indices, values) in scaling.taken.items()}}
+        """This rank's resumable state: ``{"iter", "world_size", "rank", "residuals": {bucket_index: Tensor},
+        "residual_scale", "layouts", "unclaimed", "velocities", "velocities_before", "oktopk", "taken", "totals"}``
+        (copies; "velocities": momentum correction's, as a residual store's state; "taken" and "velocities_before":
+        what the latest step applied and the velocities before it, in case the scaler skipped it; "totals":
+        :meth:`stats`'s "run"; no "world_size" and "rank" without torch.distributed). Save one per rank, next to
+        the model's and the optimizer's (and the scaler's)."""
+        return checkpoint.saved_state(self)
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: StateDicts, on_world_size_change: str = "error") -> None:
         """Restore :meth:`state_dict`'s output. Load it before the DDP model's first backward of this process:
-        parameters are recognised by the order in which DDP's first buckets list them."""
-        missing = {"iter", "residuals"} - set(state_dict)
-        if missing:
-            raise KeyError(f"state_dict is missing {sorted(missing)} (expected SparseGradState.state_dict()'s keys)")
-        iteration = state_dict["iter"]
-        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-            raise ValueError(f"state_dict['iter'] must be an int >= 0, got {iteration!r}")
-        self.wait()
-        self.iter = iteration
-        self.residual_store.load_state_dict(state_dict)
-        self.velocity_store.load_state_dict(state_dict.get("velocities", {"residuals": {}}))
-        scaling = self.loss_scaling
-        scaling.scale = float(state_dict.get("residual_scale", 1.0))
-        scaling.taken = {int(i): (indices, values.detach().clone())
-                         for i, (indices, values) in state_dict.get("taken", {}).items()}
-        scaling.velocities_before = {int(i): v.clone() for i, v in state_dict.get("velocities_before", {}).items()}
-        self.oktopk_states = {}
-        for i, saved in state_dict.get("oktopk", {}).items():
-            self.oktopk_states[int(i)] = OkTopkState()
-            self.oktopk_states[int(i)].load_state_dict(saved)
-        self.bucket_stats, self.residual_bounds, self.agreed_plans = {}, {}, {}
+        parameters are recognised by the order in which DDP's first buckets list them.
+
+        The residuals are per rank. At another world size than the saved one, ``on_world_size_change`` says what
+        becomes of them, on every rank alike (the iteration and the run totals always load): ``"error"``
+        (default) raises a ValueError naming both sizes (so does another rank's state_dict); ``"fold"`` takes
+        every saved rank's state_dict as a list in rank order: this rank adds up the residuals of the saved ranks
+        ``q`` with ``q % world_size == rank`` and sends them whole in the first step, dense on every rank
+        (``start_iter`` becomes at least the resumed iteration + 1): nothing is lost; ``"zero"``: they start at
+        zero (dropped). With either, the velocities, Ok-Topk's thresholds and the scaler's record start afresh.
+        A state_dict that does not record its world size (older versions) loads as this rank's."""
+        checkpoint.restore(self, state_dict, on_world_size_change)
 
     def stats(self) -> dict:
-        """The latest step's statistics: ``{"iter", "buckets": {index: {...}}, "total": {...}}``, each with
-        ``k`` and ``selected`` (elements, summed over buckets), ``bytes_sent`` and ``bytes_received`` (this
-        rank), and the host wall-clock seconds of the phases: ``select_seconds`` (grad + residual, statistics,
-        compaction, residual update) and ``exchange_seconds`` (the collective and writing the average)."""
+        """``{"iter", "buckets": {index: {...}}, "total": {...}, "run": {...}}``: the latest step's statistics per
+        bucket and summed: ``k`` and ``selected`` (elements), ``bytes_sent`` and ``bytes_received`` (this rank),
+        host seconds ``select_seconds`` (grad + residual, statistics, compaction, residual update) and
+        ``exchange_seconds`` (the collective, writing the average); "run": the run's totals ``steps``,
+        ``compressed_steps`` (some bucket sparse), ``bytes_sent``, ``bytes_received`` (this rank; a resume goes on)."""
         self.wait()
         return self._stats_now()
 
     def _stats_now(self) -> dict:
-        buckets = {}
-        for index, s in sorted(self.bucket_stats.items()):
-            selected = int(s.selected) if isinstance(s.selected, torch.Tensor) else s.selected
-            buckets[index] = {"path": s.path, "numel": s.numel, "k": s.k, "selected": selected,
-                              "bytes_sent": s.traffic.sent, "bytes_received": s.traffic.received,
-                              "select_seconds": s.select_seconds, "exchange_seconds": s.exchange_seconds}
-        summed = ("numel", "k", "selected", "bytes_sent", "bytes_received", "select_seconds", "exchange_seconds")
-        total = {key: sum(b[key] for b in buckets.values()) for key in summed}
-        return {"iter": self.iter, "buckets": buckets, "total": total}
+        return step_stats(self.iter, self.bucket_stats, self.run_totals)
+
+    def summary(self) -> str:
+        """:meth:`stats` as a few lines to print: the configuration, the run's totals, the latest step."""
+        return summary(self)

@@ -41,7 +41,7 @@ def hook_step(state: gx.SparseGradState, step: int, rank: int) -> list[torch.Ten
 
 
 def make_state() -> gx.SparseGradState:
-    return gx.SparseGradState(density=0.05, start_iter=2, min_compress_numel=0)
+    return gx.SparseGradState(density=0.05, start_iter=2, path=gx.PathPolicy("sparse", min_compress_numel=0))
 
 
 def make_outer() -> tuple[nn.Module, gx.SparseLocalSGD]:

@@ -25,7 +25,7 @@ STEPS = 6
 
 def totals_and_summary(rank: int) -> list[str]:
     failures = []
-    state = gx.SparseGradState(density=DENSITY, min_compress_numel=MIN_COMPRESS_NUMEL)
+    state = gx.SparseGradState(density=DENSITY, path=gx.PathPolicy("sparse", min_compress_numel=MIN_COMPRESS_NUMEL))
     model = make_model()
     ddp = make_ddp(model, state)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

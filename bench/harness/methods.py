@@ -3,7 +3,7 @@
 DDP hooks (``recipe``): ``ddp``, ``fp16``, ``bf16``, ``powersgd-<rank>``, ``floor`` (no communication: the compute
 floor), ``<collective>-<d>`` (gtopk_ext's hook, Gaussian-k at density d on the sparse path every compressed step;
 ``hook-<collective>-<d>`` is the same),
-``gtopk-<d>-sync`` (each bucket finished inside the hook call), ``dgc-<d>`` and ``dgc-pt-<d>`` (momentum
+``gtopk-<d>-sync`` (each bucket finished inside the hook call), ``dgc-<d>[-<path>]`` and ``dgc-pt-<d>`` (momentum
 correction and Deep Gradient Compression's warm-up, per-tensor selection for the latter; the ``--dgc-*`` flags,
 ``--dgc-path`` the path policy, ``auto`` by default as in the hook).
 Local methods (``parse_local``, run by ``LocalExchange``): ``postlocal-<H>`` (PyTorch's local SGD), ``diloco-<H>``
@@ -158,22 +158,23 @@ def gtopk_ext_recipe(label: str, **state_options) -> Recipe:
     return Recipe(label, attach)
 
 
-def dgc_recipe(density: float, per_tensor: bool = False) -> Recipe:
+def dgc_recipe(density: float, per_tensor: bool = False, path: str | None = None) -> Recipe:
     """gtopk_ext with Deep Gradient Compression's momentum correction (the optimizer's momentum moves into the
     hook) and its exponential sparsity warm-up from ``--dgc-warmup-start`` over the first ``--dgc-warmup``
     iterations, with momentum factor masking after the warm-up (during it most elements are sent nearly every
     step: masking would train them without momentum; bench.demo measured it); ``per_tensor`` (or
     ``--dgc-per-tensor``): each parameter selects its share of k. The other levers are the ``--dgc-*`` options
-    (:func:`add_dgc_arguments`)."""
+    (:func:`add_dgc_arguments`); ``path``: the path policy's mode (None: ``--dgc-path``)."""
     def attach(ddp, world_size, args):
         state = hook_state(density, start_iter=args.dgc_dense_steps, warmup_steps=args.dgc_warmup,
                            warmup_density=args.dgc_warmup_start, momentum=args.momentum, nesterov=args.dgc_nesterov,
                            clip_norm=args.dgc_clip_norm, per_tensor=per_tensor or args.dgc_per_tensor,
-                           masking_start_iter=args.dgc_warmup, path=args.dgc_path,
+                           masking_start_iter=args.dgc_warmup, path=path or args.dgc_path,
                            min_compress_numel=args.dgc_min_compress_numel)
         ddp.register_comm_hook(state, gx.sparse_grad_hook)
         return GtopkExtAccounting(state)
-    label = f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up" + (" + per-tensor" * per_tensor)
+    label = (f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up" + (" + per-tensor" * per_tensor)
+             + (f", path {path}" if path else ""))
     return Recipe(label, attach, momentum_in_hook=True)
 
 
@@ -221,8 +222,10 @@ def recipe(name: str) -> Optional[Recipe]:
     parts = name.removeprefix("hook-").split("-")
     if parts[0] == "powersgd" and len(parts) == 2:
         return powersgd_recipe(int(parts[1]))
-    if parts[0] == "dgc" and parts[1:-1] in ([], ["pt"]):
-        return dgc_recipe(density_of(parts[-1]), per_tensor=len(parts) == 3)
+    if parts[0] == "dgc":
+        path = parts.pop() if parts[-1] in gx.paths.MODES else None
+        if parts[1:-1] in ([], ["pt"]):
+            return dgc_recipe(density_of(parts[-1]), per_tensor=len(parts) == 3, path=path)
     if parts[0] in SPARSE_COLLECTIVES and parts[2:] in ([], ["sync"]):
         collective, density = parts[0], density_of(parts[1])
         if parts[2:]:
@@ -239,7 +242,7 @@ def method_name(text: str) -> str:
         recipe(text)
     except (ValueError, IndexError) as error:
         raise argparse.ArgumentTypeError(f"bad method {text!r} ({error}): expected ddp, fp16, bf16, powersgd-<rank>, "
-                                         f"floor, <collective>-<d>[-sync], dgc-<d>, dgc-pt-<d>, postlocal-<H>, "
+                                         f"floor, <collective>-<d>[-sync], dgc-<d>[-<path>], dgc-pt-<d>, postlocal-<H>, "
                                          f"diloco-<H> or sparse-<collective>-<d>-<H>[-compact]") from error
     return text
 

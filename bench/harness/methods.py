@@ -242,8 +242,9 @@ def method_name(text: str) -> str:
         recipe(text)
     except (ValueError, IndexError) as error:
         raise argparse.ArgumentTypeError(f"bad method {text!r} ({error}): expected ddp, fp16, bf16, powersgd-<rank>, "
-                                         f"floor, <collective>-<d>[-sync], dgc-<d>[-<path>], dgc-pt-<d>, postlocal-<H>, "
-                                         f"diloco-<H> or sparse-<collective>-<d>-<H>[-compact]") from error
+                                         f"floor, <collective>-<d>[-sync], dgc-<d>[-<path>], dgc-pt-<d>, "
+                                         f"postlocal-<H>, diloco-<H> or sparse-<collective>-<d>-<H>[-compact]"
+                                         ) from error
     return text
 
 

@@ -59,7 +59,7 @@ from bench.emulated_network import TxCounter, network_name
 from bench.harness.gradients import wide_mlp
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.methods import START_ITER, add_dgc_arguments, label, numel_of
+from bench.harness.methods import START_ITER, add_dgc_arguments, label, method_name, numel_of, recipe
 from bench.harness.train import Trainer, epoch_batches, evaluate, gathered
 
 WARMUP_STEPS = START_ITER + 1  # steps left out of the timing and byte statistics
@@ -266,7 +266,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", type=ddp_method, default=list(METHODS),
+                        help=f"DDP methods (bench/harness/methods.py), e.g. {' '.join(METHODS)}, dgc-0.01-sparse")
     parser.add_argument("--model", choices=MODELS, default="cnn",
                         help="cnn: the demo's CNN (0.6M parameters); mlp: 64-h-h-10 with about --mlp-params; "
                              f"deep: {DEEP_LAYERS} equal hidden layers with about --mlp-params")
@@ -300,6 +301,13 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     args.methods = list(dict.fromkeys(args.methods))
     args.seeds = list(dict.fromkeys(args.seeds))
     return args
+
+
+def ddp_method(text: str) -> str:
+    """An argparse type: a DDP method's name (not a local method's)."""
+    if recipe(method_name(text)) is None:
+        raise argparse.ArgumentTypeError(f"{text} is a local method: bench.peers compares DDP hooks")
+    return text
 
 
 def main(argv: Optional[list] = None) -> int:

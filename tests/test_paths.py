@@ -43,6 +43,16 @@ def test_policy_rejects_bad_arguments():
     assert state.path_policy == PathPolicy("auto", 10) and state.min_compress_numel == 10
 
 
+def test_recipe_is_one_call():
+    state = gx.SparseGradState.recipe(density=0.001, warmup_steps=20, collective="allgather")
+    assert state.path_policy.mode == "auto" and state.collective == "allgather" and state.start_iter == 2
+    assert [round(state.density_at(i), 6) for i in (0, 4, 5, 19, 20, 1000)] == [0.25, 0.25, 0.062872, 0.003976,
+                                                                                  0.001, 0.001]
+    correction = state.momentum_correction
+    assert (correction.momentum, correction.nesterov, correction.masking_start_iter) == (0.9, True, 20)
+    assert gx.SparseGradState.recipe(density=0.5).density_at(0) == 0.5  # above the warm-up's start: none
+
+
 def test_cost_model_predictions():
     gtopk, plain = gx.collectives.GTopK(), gx.wire.wire_named("plain")
     numel, size = 1_000_000, 4

@@ -92,6 +92,7 @@ class Contestant(Trainer):
     def __init__(self, name: str, args: argparse.Namespace, seed: int, world_size: int):
         super().__init__(name, build_model(args, seed), args, world_size)  # the same initial weights for every method
         self.seconds, self.cpu_seconds, self.tx_bytes, self.own_bytes = [], [], [], []
+        self.paths: list[Optional[str]] = []  # each step's bucket paths, where the method says
         self.evals: list[tuple[int, float]] = []
 
     def timed_step(self, x: torch.Tensor, y: torch.Tensor, counter: TxCounter) -> None:
@@ -102,6 +103,7 @@ class Contestant(Trainer):
         self.cpu_seconds.append(time.process_time() - cpu)
         self.tx_bytes.append(counter.read() - tx)
         self.own_bytes.append(self.sent - sent)
+        self.paths.append(self.accounting.paths())
 
     def evaluate(self, step: int, test_x: torch.Tensor, test_y: torch.Tensor) -> None:
         self.evals.append((step, evaluate(self.model, test_x, test_y)[0]))
@@ -146,7 +148,8 @@ def run_seed(seed: int, args: argparse.Namespace, rank: int, world_size: int, da
         per_rank = gathered([contestant.seconds, contestant.cpu_seconds, contestant.tx_bytes, contestant.own_bytes])
         seconds, cpu, tx, own = (list(measured) for measured in zip(*per_rank))  # each [rank][step]
         results[name] = {"seconds": seconds, "cpu_seconds": cpu, "tx_bytes": tx if counter.path else None,
-                         "own_bytes": own, "buckets": contestant.accounting.buckets(), "evals": contestant.evals,
+                         "own_bytes": own, "buckets": contestant.accounting.buckets(), "paths": contestant.paths,
+                         "evals": contestant.evals,
                          "digest": parameters_digest(contestant.model)}
     return results
 

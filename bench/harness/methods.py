@@ -76,6 +76,10 @@ class Accounting:
     def buckets(self) -> Optional[int]:
         return None
 
+    def paths(self) -> Optional[str]:
+        """The latest step's path of each bucket (None when the method has no paths)."""
+        return None
+
 
 class DenseAccounting(Accounting):
     """Hooks that allreduce every element (DDP's own, fp16/bf16 compression): the model's size on the wire."""
@@ -113,6 +117,9 @@ class GtopkExtAccounting(Accounting):
 
     def buckets(self) -> Optional[int]:
         return len(self.state.stats()["buckets"])
+
+    def paths(self) -> Optional[str]:
+        return ",".join(bucket["path"] for bucket in self.state.stats()["buckets"].values())
 
 
 # ------------------------------------------------------------------------------------------------- DDP hooks

@@ -123,19 +123,18 @@ def predicted(costs: dict[str, int | None], *, numel: int, k: int, size: int, dt
     """Each path's predicted picoseconds for one exchange (None: nothing to predict it from). A path not timed yet
     is predicted from the dense path's time per byte: dense16 from its bytes, sparse from :data:`UNTIMED_SPARSE`
     times its bytes; once it was taken, from its own time."""
-    per_byte = None
+    dense = None if costs["dense"] is None else costs["dense"] * numel
     dense_bytes = DenseAllreduce().wire_bytes(numel, numel, size, dtype)
-    if costs["dense"] is not None and dense_bytes:
-        per_byte = costs["dense"] * numel / dense_bytes
-    times = {"dense": None if costs["dense"] is None else costs["dense"] * numel}
+
+    def on_the_link(nbytes: int, factor: int = 1) -> int | None:  # the dense path's time for nbytes
+        return None if dense is None or not dense_bytes else factor * dense * nbytes // dense_bytes
+
+    times = {"dense": dense}
     if dtype == torch.float32:
         times["dense16"] = (costs["dense16"] * numel if costs["dense16"] is not None else
-                            None if per_byte is None else round(per_byte * Dense16().wire_bytes(numel, k, size, dtype)))
-    if costs["slot"] is not None:
-        exchange = costs["slot"] * k
-    else:
-        exchange = (None if per_byte is None else
-                    round(UNTIMED_SPARSE * per_byte * collective.wire_bytes(numel, k, size, dtype, wire)))
+                            on_the_link(Dense16().wire_bytes(numel, k, size, dtype)))
+    exchange = (costs["slot"] * k if costs["slot"] is not None else
+                on_the_link(collective.wire_bytes(numel, k, size, dtype, wire), UNTIMED_SPARSE))
     times["sparse"] = None if exchange is None else exchange + (costs["select"] or 0) * numel
     return times
 

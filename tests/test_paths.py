@@ -60,10 +60,10 @@ def test_cost_model_predictions():
     # time per byte, sparse at 8 times its bytes' time (its merges); at density 0.25 that is far above dense16.
     costs = {"select": None, "slot": None, "dense16": None, "dense": 40_000}
     times = predicted(costs, numel=numel, k=250_000, size=size, dtype=torch.float32, collective=gtopk, wire=plain)
-    per_byte = 40_000 * numel / (2 * 3 * numel * 4 // 4)
-    assert times["dense"] == 40_000 * numel
-    assert times["dense16"] == round(per_byte * 2 * 3 * 250_000 * 2)
-    assert times["sparse"] == round(8 * per_byte * gtopk.messages(size) * (8 + 8 * 250_000))
+    dense, dense_bytes = 40_000 * numel, 2 * 3 * numel * 4 // 4
+    assert times["dense"] == dense
+    assert times["dense16"] == dense * (2 * 3 * 250_000 * 2) // dense_bytes
+    assert times["sparse"] == 8 * dense * 2 * (8 + 8 * 250_000) // dense_bytes
     assert choose(times) == "dense16"
     # Tried once 8 x its bytes are below dense16's: gTop-k's 2 x 8 bytes a slot against 1.5 x 2 bytes an element,
     # below 3 / 128 of the elements.

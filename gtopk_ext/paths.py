@@ -25,10 +25,10 @@ _PS = 1e12  # the figures travel as integer picoseconds a unit
 _UNKNOWN = -1
 _EMA = 0.5  # weight of the newest measurement: the costs follow a change of load within a few steps
 # An untimed sparse exchange is predicted at this many times its bytes' time on the dense path's link: its merges
-# and packing cost the CPU more than its bytes cost the link (6.6x measured: gTop-k at density 0.06, 4 ranks on
-# 1 Gbit/s links sharing 2 cores). Too high only delays the first sparse step to a lower density; too low tries
-# one at a density where it costs several dense steps.
-UNTIMED_SPARSE = 8
+# and packing cost the CPU more than its bytes cost the link (gTop-k at density 0.06, 4 ranks on 1 Gbit/s links
+# sharing 2 cores: 6.6x; the timed dense16 path costs more than its bytes too). Too high only delays the first
+# sparse step to a lower density; too low tries one at a density where it costs several dense steps.
+UNTIMED_SPARSE = 4
 
 
 @dataclass(frozen=True)

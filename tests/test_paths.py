@@ -57,17 +57,17 @@ def test_cost_model_predictions():
     gtopk, plain = gx.collectives.GTopK(), gx.wire.wire_named("plain")
     numel, size = 1_000_000, 4
     # Only the dense allreduce timed (the warm-up): 40 ns an element. dense16 and sparse are predicted from its
-    # time per byte, sparse at 8 times its bytes' time (its merges); at density 0.25 that is far above dense16.
+    # time per byte, sparse at 4 times its bytes' time (its merges); at density 0.25 that is far above dense16.
     costs = {"select": None, "slot": None, "dense16": None, "dense": 40_000}
     times = predicted(costs, numel=numel, k=250_000, size=size, dtype=torch.float32, collective=gtopk, wire=plain)
     dense, dense_bytes = 40_000 * numel, 2 * 3 * numel * 4 // 4
     assert times["dense"] == dense
     assert times["dense16"] == dense * (2 * 3 * 250_000 * 2) // dense_bytes
-    assert times["sparse"] == 8 * dense * 2 * (8 + 8 * 250_000) // dense_bytes
+    assert times["sparse"] == 4 * dense * 2 * (8 + 8 * 250_000) // dense_bytes
     assert choose(times) == "dense16"
-    # Tried once 8 x its bytes are below dense16's: gTop-k's 2 x 8 bytes a slot against 1.5 x 2 bytes an element,
-    # below 3 / 128 of the elements.
-    for k, path in ((25_000, "dense16"), (23_000, "sparse")):
+    # Tried once 4 x its bytes are below dense16's: gTop-k's 2 x 8 bytes a slot against 1.5 x 2 bytes an element,
+    # below 3 / 64 of the elements.
+    for k, path in ((47_000, "dense16"), (46_000, "sparse")):
         assert choose(predicted(costs, numel=numel, k=k, size=size, dtype=torch.float32, collective=gtopk,
                                 wire=plain)) == path
     # Measured: selection 2 ns an element, a slot 400 ns, dense16 15 ns an element. The sparse path pays below

@@ -331,3 +331,15 @@ def test_training_converges_like_fsdp2_hsdp():
     assert sparse["test_accuracy"] > hsdp["test_accuracy"] - 0.03, (sparse, hsdp)
     assert 0 < 15 * sparse["cross_node_bytes_last_step"] < hsdp["cross_node_bytes_last_step"], (sparse, hsdp)
     json.dumps([hsdp, sparse])  # plain data
+
+
+def test_example_under_two_torchrun_agents(tmp_path):
+    """examples/train_fsdp2.py as its docstring launches it: two torchrun agents (c10d rendezvous on loopback)
+    as two nodes of two ranks; rank 0 reports bytes sent to the other node."""
+    from bench.harness.launch import run_torchrun
+
+    logs = run_torchrun(["examples/train_fsdp2.py", "--steps", "30", "--start-iter", "5", "--log-every", "10"],
+                        2, 2, None, tmp_path, "fsdp2", timeout=240)
+    summary = json.loads([line for line in logs[0].splitlines() if line.startswith("{")][-1])
+    assert summary["mode"] == "sparse" and (summary["nodes"], summary["node_size"]) == (2, 2), summary
+    assert 0 < summary["cross_node_bytes_last_step"] < summary["cross_node_bytes_run"], summary

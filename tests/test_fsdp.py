@@ -168,6 +168,21 @@ def resume_case(rank: int, node_size: int, directory: str) -> list:
     return failures
 
 
+def accumulation_case(rank: int, node_size: int) -> list:
+    """Microbatches under set_requires_gradient_sync(False): FSDP reduces (and calls the hook) once per step, so
+    a group's iteration is its optimizer steps."""
+    import gtopk_ext as gx
+
+    state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1)
+    model = shard(make_model(), state.shard_mesh)
+    gx.register_sparse_all_reduce(model, state)
+    for micro in range(4):
+        model.set_requires_gradient_sync(micro == 3)
+        model(batch(micro, rank)).square().mean().backward()
+    calls = [g.calls for g in state.groups]
+    return [] if calls == [1] * len(state.groups) else [f"rank {rank}: calls {calls} after one accumulated step"]
+
+
 def error_cases(rank: int, node_size: int) -> dict:
     """Each bad input, and the error type and message every rank raised (the others must not hang)."""
     import gtopk_ext as gx
@@ -236,7 +251,7 @@ def from_bytes(data: bytes):
 def group_checks(rank: int, world: int, node_size: int, directory: str) -> bytes:
     return as_bytes({"layout": layout_case(rank, node_size),
                      "conservation": {config: conservation_case(rank, node_size, config) for config in configs()},
-                     "resume": resume_case(rank, node_size, directory),
+                     "resume": resume_case(rank, node_size, directory) + accumulation_case(rank, node_size),
                      "errors": error_cases(rank, node_size)})
 
 
@@ -294,8 +309,9 @@ def test_fsdp2_nodes_conserve_agree_resume_and_refuse_bad_input(tmp_path, nodes,
             assert result["errors"][name] is not None and part in result["errors"][name], (name, rank, result["errors"][name])
 
 
-def one_node_case(rank: int, world: int) -> bool:
-    """One node of all ranks: the hook leaves FSDP's average as it is (bitwise the plain FSDP2 run)."""
+def one_node_case(rank: int, world: int) -> bytes:
+    """One node of all ranks: the hook leaves FSDP's average as it is (bitwise the plain FSDP2 run). Nodes of one
+    rank (a (world, 1) mesh, FSDP2 as a DDP): the hook exchanges whole gradients sparsely between all ranks."""
     import gtopk_ext as gx
 
     state = gx.SparseFSDPState(gx.fsdp.node_mesh(world), density=0.01)
@@ -303,11 +319,20 @@ def one_node_case(rank: int, world: int) -> bool:
     gx.register_sparse_all_reduce(hooked, state)
     train(hooked, rank, range(STEPS))
     train(plain, rank, range(STEPS))
-    return torch.equal(full_parameters(hooked), full_parameters(plain)) and state.stats()["total"]["bytes_sent"] == 0
+    no_op = torch.equal(full_parameters(hooked), full_parameters(plain)) and state.stats()["total"]["bytes_sent"] == 0
+    state = gx.SparseFSDPState(gx.fsdp.node_mesh(1), density=0.1)
+    replicated = shard(make_model(), state.shard_mesh)
+    gx.register_sparse_all_reduce(replicated, state)
+    train(replicated, rank, range(STEPS))
+    return as_bytes((no_op, full_parameters(replicated), state.stats()["total"]))
 
 
-def test_one_node_is_a_no_op():
-    assert all(run_distributed(one_node_case, 4))
+def test_one_node_is_a_no_op_and_one_rank_nodes_exchange_everything():
+    results = [from_bytes(r) for r in run_distributed(one_node_case, 4)]
+    assert all(no_op for no_op, _, _ in results)
+    assert all(torch.equal(results[0][1], parameters) for _, parameters, _ in results)
+    stats = results[0][2]
+    assert stats["numel"] == stats["padded_numel"] and 0 < stats["k"] < stats["numel"] and stats["bytes_sent"], stats
 
 
 def convergence_case(rank: int, world: int) -> list[dict]:

@@ -360,11 +360,17 @@ def test_training_converges_like_fsdp2_hsdp():
     json.dumps([hsdp, sparse])  # plain data
 
 
-def test_example_under_two_torchrun_agents(tmp_path):
-    """examples/train_fsdp2.py as its docstring launches it: two torchrun agents (c10d rendezvous on loopback)
-    as two nodes of two ranks; rank 0 reports bytes sent to the other node."""
+def test_two_torchrun_agents_as_nodes(tmp_path):
+    """Two torchrun agents (c10d rendezvous on loopback) as two nodes of two ranks: tests/torchrun_fsdp_worker.py
+    checks conservation and equal parameters; then examples/train_fsdp2.py as its docstring launches it, whose
+    rank 0 reports bytes sent to the other node."""
     from bench.harness.launch import run_torchrun
 
+    out = tmp_path / "checks.json"
+    run_torchrun(["tests/torchrun_fsdp_worker.py", "--out", str(out)], 2, 2, None, tmp_path, "fsdp2-checks",
+                 timeout=240)
+    checks = json.loads(out.read_text())
+    assert checks["world"] == 4 and checks["calls"] > 0 and not checks["failures"], checks
     logs = run_torchrun(["examples/train_fsdp2.py", "--steps", "30", "--start-iter", "5", "--log-every", "10"],
                         2, 2, None, tmp_path, "fsdp2", timeout=240)
     summary = json.loads([line for line in logs[0].splitlines() if line.startswith("{")][-1])

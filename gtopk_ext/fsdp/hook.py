@@ -70,6 +70,8 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     in_place = not layout.padded and shard.dtype == torch.float32
     index = None if in_place else layout.real_index(shard.device)
     work = shard if in_place else shard.index_select(0, index).float()
+    if group.residual.device != work.device:  # CPU offload: parameters (where it was made) live on the host
+        group.residual = group.residual.to(work.device)
     # 2. Plan.
     sparse = iteration >= state.start_iter
     density = state.density_at(iteration) if sparse else 1.0

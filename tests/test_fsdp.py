@@ -185,6 +185,34 @@ def accumulation_case(rank: int, node_size: int) -> list:
     return [] if calls == [1] * len(state.groups) else [f"rank {rank}: calls {calls} after one accumulated step"]
 
 
+def nonfinite_case(rank: int, node_size: int) -> list:
+    """An inf in node 0's gradient at the second call of a group: every replica goes dense; a finite rank sends
+    its whole residual with it, the non-finite one keeps its residual."""
+    import gtopk_ext as gx
+
+    state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1)
+    model = shard(make_model(), state.shard_mesh)
+    gx.register_sparse_all_reduce(model, state)
+    calls = record(state, poison=False)
+    group = state.groups[0]
+    recorded = group.fsdp_group._all_reduce_hook
+
+    def poisoned(tensor):
+        if group.calls == 1 and rank < node_size and group.layout.numel:
+            tensor[int(group.layout.real_index(tensor.device)[0])] = float("inf")
+        recorded(tensor)
+
+    group.fsdp_group._all_reduce_hook = poisoned
+    train(model, rank, range(2))
+    failures = [] if any(c[:2] == (0, 1) for c in calls) else [f"rank {rank}: group 0 was not called twice"]
+    for index, call, _, old, out, new, path, _ in calls:
+        if index == 0 and call == 1:
+            kept = torch.equal(new, old) if rank < node_size else not bool(new.any())
+            if path != "nonfinite" or not kept or bool(out.isfinite().all()):
+                failures.append(f"rank {rank}: a non-finite call took path {path}, residual kept right: {kept}")
+    return failures
+
+
 def error_cases(rank: int, node_size: int) -> dict:
     """Each bad input, and the error type and message every rank raised (the others must not hang)."""
     import gtopk_ext as gx
@@ -253,7 +281,8 @@ def from_bytes(data: bytes):
 def group_checks(rank: int, world: int, node_size: int, directory: str) -> bytes:
     return as_bytes({"layout": layout_case(rank, node_size),
                      "conservation": {config: conservation_case(rank, node_size, config) for config in configs()},
-                     "resume": resume_case(rank, node_size, directory) + accumulation_case(rank, node_size),
+                     "resume": (resume_case(rank, node_size, directory) + accumulation_case(rank, node_size)
+                                + nonfinite_case(rank, node_size)),
                      "errors": error_cases(rank, node_size)})
 
 

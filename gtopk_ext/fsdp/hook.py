@@ -93,13 +93,15 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
             return msg
 
         # 3. Reduce.
+        finite = is_finite(work)
         outcome = reduce(work, group.residual, selected, state.collective_now, replicas, k=k,
                          wire=wire_named(state.wire), backend=compressor.backend.for_device(work.device),
-                         finite=is_finite(work), traffic=stats.traffic, state=group.oktopk)
+                         finite=finite, traffic=stats.traffic, state=group.oktopk)
         stats.selected = int(outcome.msg.count)
-        if outcome.nonfinite:  # 4. work holds this rank's whole acc (or its non-finite gradient)
+        if outcome.nonfinite:  # 4. a finite rank's work holds its whole acc; a non-finite one's its gradient
             stats.path, stats.k, stats.selected = "nonfinite", layout.numel, layout.numel
-            group.residual.zero_()  # all of it is in work now
+            if finite:  # all of the residual is in work now
+                group.residual.zero_()
             sparse = False
     if not sparse:  # 4. Dense.
         collective_named("dense").reduce_dense(work, replicas, nodes, stats.traffic).wait()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from typing import Optional
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 
 import gtopk_ext as gx
 from gtopk_ext.costs import ring_allreduce_bytes
@@ -77,16 +78,11 @@ def shard(model: nn.Module, mesh) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def hsdp_bytes_per_step(model: nn.Module, nodes: int) -> int:
-    """What HSDP's dense all-reduce sends from this rank to the other nodes in a step: a ring all-reduce of each
-    FSDP module's padded shard (float32) over the nodes."""
-    total = 0
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                numel = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
-                total += ring_allreduce_bytes(4 * numel, nodes)
-    return total
+def hsdp_bytes_per_step(model: nn.Module, node_size: int, nodes: int) -> int:
+    """What HSDP's dense all-reduce sends from this rank to the other nodes in a step: a ring all-reduce over the
+    nodes of this rank's float32 shard of every parameter (dim 0 padded to a multiple of the node size)."""
+    numel = sum(math.ceil(p.shape[0] / node_size) * math.prod(p.shape[1:]) for p in model.parameters())
+    return ring_allreduce_bytes(4 * numel, nodes)
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -124,7 +120,7 @@ def train(args: argparse.Namespace) -> dict:
         total = state.stats()["total"]
         step_bytes, run_bytes = total["bytes_sent"], total["run_bytes_sent"]
     else:
-        step_bytes = hsdp_bytes_per_step(model, nodes) if nodes > 1 else 0
+        step_bytes = hsdp_bytes_per_step(model, node_size, nodes) if nodes > 1 else 0
         run_bytes = step_bytes * args.steps
     summary = {"mode": args.mode, "nodes": nodes, "node_size": node_size, "steps": args.steps,
                "density": args.density if state else 1.0, "loss": loss.item(), "test_accuracy": accuracy,

@@ -93,6 +93,7 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
             return msg
 
         # 3. Reduce.
+        # The gradient alone: the residual only ever holds what finite gradients left in it.
         finite = is_finite(work)
         outcome = reduce(work, group.residual, selected, state.collective_now, replicas, k=k,
                          wire=wire_named(state.wire), backend=compressor.backend.for_device(work.device),

@@ -18,11 +18,14 @@ from gtopk_ext.message import SparseMessage  # noqa: E402,F401
 from gtopk_ext.ddp import MomentumCorrection, SparseGradState, exponential_warmup, sparse_grad_hook  # noqa: E402,F401
 from gtopk_ext.hierarchical import Hierarchical  # noqa: E402,F401
 from gtopk_ext.paths import PathPolicy  # noqa: E402,F401
+from gtopk_ext import fsdp  # noqa: E402,F401
+from gtopk_ext.fsdp import SparseFSDPState, register_sparse_all_reduce  # noqa: E402,F401
 from gtopk_ext.local_sgd import SparseLocalSGD  # noqa: E402,F401
 from gtopk_ext.utils import destroy_process_group  # noqa: E402,F401
 from gtopk_ext import backends  # noqa: E402,F401
 
 __all__ = ["ops", "reference", "collectives", "compressors", "costs", "hierarchical", "reduction", "wire",
            "SparseMessage", "make_compressor", "SparseGradState", "sparse_grad_hook", "exponential_warmup",
-           "MomentumCorrection", "Hierarchical", "PathPolicy", "paths",
+           "MomentumCorrection", "Hierarchical", "PathPolicy", "paths", "fsdp", "SparseFSDPState",
+           "register_sparse_all_reduce",
            "GroupModelAverager", "SparseLocalSGD", "destroy_process_group", "backends"]

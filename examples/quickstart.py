@@ -66,7 +66,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200, help="steps in all; a resumed run goes on to this one")
     parser.add_argument("--warmup-steps", type=int, default=40, help="steps of the density's warm-up")
-    parser.add_argument("--checkpoint-dir", default="quickstart_ckpt")
+    parser.add_argument("--checkpoint-dir", default="quickstart_ckpt", help="world<P>/rank<r>.pt go here")
     args = parser.parse_args()
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -25,8 +25,8 @@ test accuracy, final training loss, bytes sent per rank per step as ``state.stat
 against steps and against bytes sent) under ``--out``.
 
     python -m bench.demo                        # the defaults: 4 processes, CNN, densities 0.01 and 0.001
-    python -m bench.demo --seeds 0 1 2          # the convergence comparison (README)
-    python -m bench.demo --recipe dgc-0.001 --seeds 0 1 2   # density 0.001 with the settings that converge (README)
+    python -m bench.demo --seeds 0 1 2          # the convergence comparison (docs/convergence.md)
+    python -m bench.demo --recipe dgc-0.001 --seeds 0 1 2   # density 0.001, the settings that converge (docs/)
     python -m bench.demo --overhead             # time per step only: the hook against DDP's allreduce
 """
 

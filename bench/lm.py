@@ -35,7 +35,7 @@ headers included) and the selection shares go to ``--json`` after every method (
 finished); the table is printed and the curves plotted (``--plot``).
 
     python -m bench.lm --json lm.json --plot lm.png     # the full configuration: 600 steps of 8 x 128 bytes per rank
-    python -m bench.lm --steps 160 --seq-len 64 --eval-every 20 --json lm.json --plot lm.png   # README's run
+    python -m bench.lm --steps 160 --seq-len 64 --eval-every 20 --json lm.json --plot lm.png   # docs/language_model.md
     python -m bench.lm --world-size 2 --steps 4 --methods ddp gtopk-0.01 --layers 1 --d-model 32   # seconds
     python -m bench.lm --steps 160 --seq-len 64 --eval-every 20 --rate 100mbit --methods ddp diloco-10 \
         sparse-gtopk-0.05-10-compact --json lm_100mbit.json --plot lm_100mbit.png      # as root

@@ -143,8 +143,8 @@ def test_peers_dgc_options_reach_the_hook():
         "--dgc-warmup", "40", "--dgc-warmup-start", "0.5", "--dgc-dense-steps", "6", "--dgc-per-tensor",
         "--dgc-nesterov", "--dgc-clip-norm", "2.5", "--dgc-min-compress-numel", "50000", "--momentum", "0.8",
         "--nesterov"]])[0]
-    # The defaults are the recipe README measured: DGC's warm-up from 0.25 over 20 steps (0.25 ... 0.001 in four
-    # geometric stages), masking after it, 2 dense steps, the hook's own small-bucket limit.
+    # The defaults are the recipe docs/performance.md measured: DGC's warm-up from 0.25 over 20 steps (0.25 ... 0.001
+    # in four geometric stages), masking after it, 2 dense steps, the hook's own small-bucket limit.
     assert default["density_schedule"][0] == (0, 0.25) and default["density_schedule"][-1] == (20, 0.001)
     assert (default["start_iter"], default["masking_start_iter"], default["momentum"]) == (2, 20, 0.9)
     assert not default["per_tensor"] and not default["nesterov"] and default["clip_norm"] is None

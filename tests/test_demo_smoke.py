@@ -1,5 +1,5 @@
 """The demo is not a test; this tiny run (2 Gloo processes, 1 epoch, 3 methods) keeps it from rotting, and the
-default run is pinned to what README's "Convergence: the demo" states it measured."""
+default run is pinned to what docs/convergence.md states it measured."""
 
 import json
 import math
@@ -75,8 +75,9 @@ def test_recipe_sets_the_hook_and_explicit_flags_win():
 
 
 def test_default_run_is_readmes_table():
-    """README's headline table: DDP, Gaussian-k + gTop-k with the momentum in the optimizer (the demo's 44-step
-    warm-up from 0.25) and the recipe of each density, dgc-0.01 (per-tensor) and dgc-0.001, at 0.01 and 0.001."""
+    """docs/convergence.md, first table: DDP, Gaussian-k + gTop-k with the momentum in the optimizer (the demo's
+    44-step warm-up from 0.25) and the recipe of each density, dgc-0.01 (per-tensor) and dgc-0.001, at 0.01 and
+    0.001."""
     sys.path.insert(0, str(ROOT))
     from bench.demo import make_hook_state, make_optimizer, parse_args, planned_runs, run_args
     from bench.digits import make_model

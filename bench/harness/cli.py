@@ -10,6 +10,12 @@ from bench.emulated_network import parse_rate, runs_on_loopback
 from bench.harness.launch import as_rank
 
 
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: the first paragraph of its module's doc, and each flag's default in --help."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
 def add_network_args(parser: argparse.ArgumentParser, prefix: str, rate: str | None = "1gbit",
                      timeout: float = 1800.0, timeout_help: str = "seconds the whole job may take") -> None:
     """--rate, --loopback (not when ``rate`` is None: loopback is then the default), --prefix, --timeout and the

@@ -1,10 +1,11 @@
-"""What a benchmark writes: a JSON record with the machine it ran on, and matplotlib set up for files."""
+"""What a benchmark writes: tables, a JSON record with the machine it ran on, and matplotlib set up for files."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -26,6 +27,24 @@ def write_json(path, settings, **record) -> None:
     """``record`` with the settings it ran with and the machine, at ``path``."""
     Path(path).write_text(json.dumps({"settings": jsonable(settings), "machine": machine(), **record}, indent=1,
                                      default=str))
+    print(f"wrote {path}")
+
+
+def table(rows: list[dict], columns: list[tuple], markdown: bool = False, header: bool = True) -> str:
+    """``rows`` as a text table, or a Markdown one: ``columns`` are (title, format spec, the row's key or a function
+    of the row); None shows as "-". A column is as wide as its title, its spec's width or its widest cell; the first
+    is left-aligned."""
+    lines = [[title for title, _, _ in columns]] if header else []
+    for row in rows:
+        values = [get(row) if callable(get) else row[get] for _, _, get in columns]
+        lines.append(["-" if value is None else format(value, spec) for value, (_, spec, _) in zip(values, columns)])
+    if markdown:
+        rule = ["---"] + ["---:"] * (len(columns) - 1)
+        return "\n".join("| " + " | ".join(line) + " |" for line in lines[:1] + [rule] + lines[1:])
+    widths = [max([len(title), int(re.match(r"[<>^]?(\d*)", spec)[1] or 0)] + [len(line[i]) for line in lines])
+              for i, (title, spec, _) in enumerate(columns)]
+    return "\n".join(" ".join(text.ljust(width) if i == 0 else text.rjust(width)
+                              for i, (text, width) in enumerate(zip(line, widths))) for line in lines)
 
 
 def pyplot():
@@ -41,6 +60,7 @@ def pyplot():
 def save(figure, path) -> None:
     figure.savefig(path, dpi=110)
     pyplot().close(figure)
+    print(f"wrote {path}")
 
 
 def progress(total: int, rank: int, args, config: dict):

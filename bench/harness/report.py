@@ -63,6 +63,25 @@ def save(figure, path) -> None:
     print(f"wrote {path}")
 
 
+def plot_curves(runs: list[dict], path, title: str, ylabel: str, y, panels: list[tuple], yscale: str = "linear",
+                style=None) -> None:
+    """One line per run (its ``curve``, labelled ``label``) of ``y(point)`` against each panel's ``x(point)``:
+    ``panels`` are (x label, x, x scale); ``style(index, run)``: the line's matplotlib options."""
+    figure, axes = pyplot().subplots(1, len(panels), figsize=(5.5 * len(panels) + 0.5, 5.5), squeeze=False)
+    for index, run in enumerate(runs):
+        for axis, (_, x, scale) in zip(axes[0], panels):
+            points = [(x(c), y(c)) for c in run["curve"] if scale != "log" or x(c) > 0]  # a log axis has no 0
+            axis.plot(*zip(*points), marker=".", label=run["label"] if axis is axes[0, 0] else None,
+                      **(style(index, run) if style else {"color": f"C{index % 10}"}))
+    for axis, (xlabel, _, scale) in zip(axes[0], panels):
+        axis.set(xlabel=xlabel, ylabel=ylabel, xscale=scale, yscale=yscale)
+        axis.grid(True, which="both", alpha=0.3)
+    figure.suptitle(title, fontsize=8, wrap=True)
+    figure.legend(loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=3, fontsize=7, frameon=False)
+    figure.tight_layout(rect=(0, 0, 1, 0.86))
+    save(figure, path)
+
+
 def progress(total: int, rank: int, args, config: dict):
     """Rank 0's progress bar in steps (None elsewhere, or with ``args.no_progress``). Its output is a log file
     that the driver streams: redrawn every 0.1 s it would flood a redirect of the driver's output."""

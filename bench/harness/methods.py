@@ -143,13 +143,15 @@ def powersgd_recipe(rank: int) -> Recipe:
     return Recipe(f"PowerSGD rank {rank} (one bucket)", attach, one_bucket=True)
 
 
+def attached(ddp: DistributedDataParallel, state: gx.SparseGradState) -> Accounting:
+    """gtopk_ext's hook with ``state`` on ``ddp``."""
+    ddp.register_comm_hook(state, gx.sparse_grad_hook)
+    return GtopkExtAccounting(state)
+
+
 def gtopk_ext_recipe(label: str, **state_options) -> Recipe:
     """gtopk_ext's hook with ``hook_state(**state_options)``."""
-    def attach(ddp, world_size, args):
-        state = hook_state(**state_options)
-        ddp.register_comm_hook(state, gx.sparse_grad_hook)
-        return GtopkExtAccounting(state)
-    return Recipe(label, attach)
+    return Recipe(label, lambda ddp, world_size, args: attached(ddp, hook_state(**state_options)))
 
 
 def dgc_recipe(density: float, per_tensor: bool = False) -> Recipe:
@@ -167,8 +169,7 @@ def dgc_recipe(density: float, per_tensor: bool = False) -> Recipe:
                            warmup_density=args.dgc_warmup_start, momentum=args.momentum, nesterov=args.dgc_nesterov,
                            clip_norm=args.dgc_clip_norm, per_tensor=per_tensor or args.dgc_per_tensor,
                            masking_start_iter=args.dgc_warmup, **min_compress_numel(args))
-        ddp.register_comm_hook(state, gx.sparse_grad_hook)
-        return GtopkExtAccounting(state)
+        return attached(ddp, state)
     label = f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up" + (" + per-tensor" * per_tensor)
     return Recipe(label, attach, momentum_in_hook=True)
 

@@ -63,6 +63,17 @@ def save(figure, path) -> None:
     print(f"wrote {path}")
 
 
+def finish_axis(axis) -> None:
+    """A grid, and plain numbers on log scales (0.1 and 20, not 10^-1 and 2 x 10^1, which overlap)."""
+    import matplotlib.ticker
+
+    axis.grid(True, which="both", alpha=0.3)
+    for scaled in (axis.xaxis, axis.yaxis):
+        if scaled.get_scale() == "log":
+            scaled.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+            scaled.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
 def plot_curves(runs: list[dict], path, title: str, ylabel: str, y, panels: list[tuple], yscale: str = "linear",
                 style=None) -> None:
     """One line per run (its ``curve``, labelled ``label``) of ``y(point)`` against each panel's ``x(point)``:
@@ -75,7 +86,7 @@ def plot_curves(runs: list[dict], path, title: str, ylabel: str, y, panels: list
                       **(style(index, run) if style else {"color": f"C{index % 10}"}))
     for axis, (xlabel, _, scale) in zip(axes[0], panels):
         axis.set(xlabel=xlabel, ylabel=ylabel, xscale=scale, yscale=yscale)
-        axis.grid(True, which="both", alpha=0.3)
+        finish_axis(axis)
     figure.suptitle(title, fontsize=8, wrap=True)
     figure.legend(loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=3, fontsize=7, frameon=False)
     figure.tight_layout(rect=(0, 0, 1, 0.86))

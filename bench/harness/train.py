@@ -18,24 +18,18 @@ from bench.harness.methods import LocalExchange, Recipe, numel_of, parse_local, 
 
 class Trainer:
     """One method (a name of bench.harness.methods, or a Recipe) on this rank: ``model`` under DDP with the
-    method's hook, or a replica under a local method; SGD with ``args.lr``, and ``args.momentum``, ``args.nesterov``
-    and ``args.weight_decay`` where given unless the hook applies them; and the bytes this rank sent so far by the
+    method's hook, or a replica under a local method; :func:`sgd`; and the bytes this rank sent so far by the
     method's own count."""
 
     def __init__(self, method: str | Recipe, model: nn.Module, args: argparse.Namespace, world_size: int):
         self.model, self.trained, self.local, self.sent, self.world_size = model, model, None, 0, world_size
         self.recipe, self.mean = (method if isinstance(method, Recipe) else recipe(method)), None
-        in_optimizer = True
         if self.recipe is not None:
             # One bucket: a cap above the model's size (DDP's first bucket then has that cap too).
             cap_mb = numel_of(model) * 4 / 2**20 + 1 if self.recipe.one_bucket else getattr(args, "bucket_cap_mb", None)
             self.trained = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
             self.accounting = self.recipe.attach(self.trained, world_size, args)
-            in_optimizer = not self.recipe.momentum_in_hook
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=args.lr,
-                                         momentum=args.momentum if in_optimizer else 0.0,
-                                         nesterov=getattr(args, "nesterov", False) and in_optimizer,
-                                         weight_decay=getattr(args, "weight_decay", 0.0) if in_optimizer else 0.0)
+        self.optimizer = sgd(model, args, self.recipe is not None and self.recipe.momentum_in_hook)
         if self.recipe is None:
             self.local = LocalExchange(parse_local(method), model, self.optimizer, args, world_size)
             self.optimizer = self.local.optimizer
@@ -75,6 +69,14 @@ class Trainer:
         if self.mean is None:
             self.mean = copy.deepcopy(self.model)
         return load_consensus(self.model, self.mean, self.world_size)
+
+
+def sgd(model: nn.Module, args: argparse.Namespace, momentum_in_hook: bool = False) -> torch.optim.SGD:
+    """SGD with ``args.lr`` and, unless the hook applies them, ``args.momentum`` and, where given, ``args.nesterov``
+    and ``args.weight_decay``."""
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if momentum_in_hook else args.momentum,
+                           nesterov=getattr(args, "nesterov", False) and not momentum_in_hook,
+                           weight_decay=0.0 if momentum_in_hook else getattr(args, "weight_decay", 0.0))
 
 
 def train_curve(trainer: Trainer, steps: int, loss_at, evaluate, eval_every: int, tx, progress=None,

@@ -60,53 +60,30 @@ def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: in
 
 # ------------------------------------------------------------------------------------------ what a method sent
 
+@dataclass(frozen=True)
 class Accounting:
     """A method's own count of what it sent: ``bytes_sent()`` after a step gives this rank's bytes in that step;
-    ``buckets()`` the number of buckets its hook saw (None when the hook does not say)."""
+    ``buckets()`` the number of buckets its hook saw (None when the hook does not say); ``state``: gtopk_ext's hook
+    state."""
 
-    def bytes_sent(self) -> int:
-        return 0
-
-    def buckets(self) -> Optional[int]:
-        return None
-
-
-class DenseAccounting(Accounting):
-    """Hooks that allreduce every element (DDP's own, fp16/bf16 compression): the model's size on the wire."""
-
-    def __init__(self, numel: int, wire_bytes: int, world_size: int):
-        self.per_step = ring_allreduce_bytes(numel * wire_bytes, world_size)
-
-    def bytes_sent(self) -> int:
-        return self.per_step
+    bytes_sent: Callable[[], int] = lambda: 0
+    buckets: Callable[[], Optional[int]] = lambda: None
+    state: Optional[gx.SparseGradState] = None
 
 
-class PowerSGDAccounting(Accounting):
+def gtopk_ext_accounting(state: gx.SparseGradState) -> Accounting:
+    return Accounting(lambda: state.stats()["total"]["bytes_sent"], lambda: len(state.stats()["buckets"]), state)
+
+
+def powersgd_accounting(state: powerSGD_hook.PowerSGDState, numel: int, world_size: int) -> Accounting:
     """PowerSGD counts the elements it allreduces (P, Q and the uncompressed tensors) as it goes; a step that adds
     none ran its dense warm-up."""
+    counted = [0]
 
-    def __init__(self, state: powerSGD_hook.PowerSGDState, numel: int, world_size: int):
-        self.state, self.world_size, self.counted = state, world_size, 0
-        self.dense = ring_allreduce_bytes(numel * 4, world_size)
-
-    def bytes_sent(self) -> int:
-        total = self.state.total_numel_after_compression
-        numel, self.counted = total - self.counted, total
-        return ring_allreduce_bytes(numel * 4, self.world_size) if numel else self.dense
-
-    def buckets(self) -> Optional[int]:
-        return len(self.state.error_dict)
-
-
-class GtopkExtAccounting(Accounting):
-    def __init__(self, state: gx.SparseGradState):
-        self.state = state
-
-    def bytes_sent(self) -> int:
-        return self.state.stats()["total"]["bytes_sent"]
-
-    def buckets(self) -> Optional[int]:
-        return len(self.state.stats()["buckets"])
+    def bytes_sent() -> int:
+        added, counted[0] = state.total_numel_after_compression - counted[0], state.total_numel_after_compression
+        return ring_allreduce_bytes((added or numel) * 4, world_size)
+    return Accounting(bytes_sent, lambda: len(state.error_dict))
 
 
 # ------------------------------------------------------------------------------------------------- DDP hooks
@@ -127,7 +104,7 @@ def allreduce_recipe(label: str, hook=None, wire_bytes: int = 4) -> Recipe:
     def attach(ddp, world_size, args):
         if hook is not None:
             ddp.register_comm_hook(None, hook)
-        return DenseAccounting(numel_of(ddp), wire_bytes, world_size)
+        return Accounting(lambda: ring_allreduce_bytes(numel_of(ddp) * wire_bytes, world_size))
     return Recipe(label, attach)
 
 
@@ -139,14 +116,14 @@ def powersgd_recipe(rank: int) -> Recipe:
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=START_ITER)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return PowerSGDAccounting(state, numel_of(ddp), world_size)
+        return powersgd_accounting(state, numel_of(ddp), world_size)
     return Recipe(f"PowerSGD rank {rank} (one bucket)", attach, one_bucket=True)
 
 
 def attached(ddp: DistributedDataParallel, state: gx.SparseGradState) -> Accounting:
     """gtopk_ext's hook with ``state`` on ``ddp``."""
     ddp.register_comm_hook(state, gx.sparse_grad_hook)
-    return GtopkExtAccounting(state)
+    return gtopk_ext_accounting(state)
 
 
 def gtopk_ext_recipe(label: str, **state_options) -> Recipe:

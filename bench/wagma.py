@@ -156,8 +156,7 @@ def plot(tables: dict[str, list[dict]], path: str, title: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser(__doc__)
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -210,14 +209,11 @@ def main() -> None:
                   f"{args.delay_probability:g}")
         else:
             print(f"\nstraggler: rank {args.slow_rank} +{args.sleep_ms:g} ms every step")
-        print(f"{'method':<22}{'steps/s':>9}{'(min-max)':>14}{'vs DDP':>8}{'time vs sync':>14}{'test acc':>10}"
-              f"{'spread vs no-group':>20}")
-        for row in rows:
-            low_high = f"({row['steps_per_s_min']:.1f}-{row['steps_per_s_max']:.1f})"
-            versus = [f"{row[key]:.2f}x" if row[key] is not None else "-"
-                      for key in ("speedup_vs_ddp", "time_vs_group_sync", "spread_vs_no_group")]
-            print(f"{row['method']:<22}{row['steps_per_s']:>9.2f}{low_high:>14}{versus[0]:>8}{versus[1]:>14}"
-                  f"{row['accuracy']:>10.3f}{versus[2]:>20}")
+        print(report.table(rows, [
+            ("method", "", "method"), ("steps/s", ".2f", "steps_per_s"),
+            ("(min-max)", "", lambda r: f"({r['steps_per_s_min']:.1f}-{r['steps_per_s_max']:.1f})"),
+            ("vs DDP", ".2f", "speedup_vs_ddp"), ("time vs sync", ".2f", "time_vs_group_sync"),
+            ("test acc", ".3f", "accuracy"), ("spread vs no-group", ".2f", "spread_vs_no_group")]))
     if args.json:
         report.write_json(args.json, args, runs=runs, tables=tables)
     if args.plot:

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 import gtopk_ext as gx
-from bench.digits import MODELS, load_digits_split, make_model
+from bench.digits import load_digits_split, make_model
 from bench.emulated_network import TxCounter
 from bench.harness import cli, report
 from bench.harness.launch import run_group
@@ -306,15 +306,10 @@ def plot(records: list[dict], path: Path, title: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = cli.parser(__doc__)
-    parser.add_argument("--world-size", type=int, default=4, help="Gloo processes (DDP ranks)")
+    cli.add_common(parser, world_size=4, seeds=[0], model="cnn", batch_size=16, lr=0.05, momentum=0.9, no_progress=False)
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
     parser.add_argument("--densities", nargs="+", type=float, default=[0.01, 0.001])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--model", choices=MODELS, default="cnn")
-    parser.add_argument("--batch-size", type=int, default=16, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--start-iter", type=int, default=2, help="dense iterations before the residuals start")
     parser.add_argument("--warmup-steps", type=int, default=44,
@@ -336,7 +331,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overhead-steps", type=int, default=30)
     parser.add_argument("--overhead-repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before failing")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     cli.add_worker_arg(parser)
     args = parser.parse_args(argv)
     if args.recipe is not None:

@@ -318,31 +318,23 @@ def write_report(args: argparse.Namespace, measured: dict) -> list[dict]:
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser = cli.parser(__doc__)
     parser.add_argument("--methods", nargs="+", type=method_name, default=list(DEFAULT_METHODS))
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=600, help="steps of every method")
-    parser.add_argument("--eval-every", type=int, default=50, help="a multiple of every local method's H")
-    parser.add_argument("--batch-size", type=int, default=8, help="windows per rank and step")
+    cli.add_common(parser, world_size=4, steps=600, eval_every=50, batch_size=8, lr=0.1, momentum=0.9, seed=0,
+                   json=None, plot=None, no_progress=False)  # --eval-every: a multiple of every local method's H
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=7)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=0.1, help="SGD (inner SGD of the local methods)")
-    parser.add_argument("--momentum", type=float, default=0.9, help="in the optimizer, or in the hook for dgc-")
     add_dgc_arguments(parser)
     parser.add_argument("--outer-lr", type=float, default=1.0, help="SparseLocalSGD and DiLoCo")
     parser.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov when > 0")
     parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's (default: its own, 25)")
     parser.add_argument("--val-percent", type=float, default=5.0, help="share of the files held out")
     parser.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len bytes")
-    parser.add_argument("--seed", type=int, default=0, help="initial weights and batches")
     cli.add_network_args(parser, prefix="gxlm", rate=None, timeout=4 * 3600.0,
                          timeout_help="Gloo's timeout and the whole run's, seconds")
-    parser.add_argument("--json", type=Path, help="settings, corpus, curves and table (rewritten after each method)")
-    parser.add_argument("--plot", type=Path, help="validation loss against steps, seconds and bytes (PNG)")
     parser.add_argument("--merge", type=Path, nargs="+",
                         help="run nothing: the table, --json and --plot of these reports' methods together (reports "
                              "of one configuration, written by parts of --methods)")
-    parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     cli.check_positive(parser, args, "world_size", "steps", "eval_every", "batch_size", "seq_len", "d_model", "layers",
                        "heads", "val_windows")

@@ -31,7 +31,7 @@ import math
 import torch
 
 import gtopk_ext as gx
-from bench.digits import MODELS, load_digits_split, make_model
+from bench.digits import load_digits_split, make_model
 from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
@@ -122,13 +122,8 @@ def line_style(index: int, run: dict) -> dict:
 
 def main() -> None:
     parser = cli.parser(__doc__)
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=640, help="inner steps of every method")
-    parser.add_argument("--eval-every", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--model", choices=MODELS, default="mlp")
-    parser.add_argument("--lr", type=float, default=0.05, help="inner SGD")
-    parser.add_argument("--momentum", type=float, default=0.9, help="inner SGD")
+    cli.add_common(parser, world_size=4, steps=640, eval_every=32, batch_size=32, model="mlp", lr=0.05, momentum=0.9,
+                   json=None, plot=None)
     # DiLoCo's published outer step (lr 0.7, Nesterov 0.9, for H = 500 AdamW steps of a language model)
     # overshoots on this task; lr 1 without momentum does best for every local method here.
     parser.add_argument("--outer-lr", type=float, default=1.0, help="DiLoCo and SparseLocalSGD")
@@ -136,8 +131,6 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                         type=lambda text: text if text == "diloco-equal" else method_name(text))
     cli.add_network_args(parser, prefix="gxlocalsgd", rate="100mbit", timeout=3600.0)
-    parser.add_argument("--json", default=None, help="write the settings, every curve and the table here")
-    parser.add_argument("--plot", default=None, help="write the loss curves here (PNG)")
     args = parser.parse_args()
     if cli.ran_as_worker(args, run_worker):
         return

@@ -219,22 +219,13 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                         help="parameters of --model mlp or deep (17.1M: mlp's h = 4097)")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="DDP's bucket cap of every method but PowerSGD (default: DDP's own, 25)")
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=100, help="steps of every method per seed")
-    parser.add_argument("--eval-every", type=int, default=10)
+    cli.add_common(parser, world_size=4, steps=100, eval_every=10, seeds=[0], batch_size=32, lr=0.05, momentum=0.9,
+                   json=None, plot=Path("peers.png"), no_progress=False)
     parser.add_argument("--target", type=float, default=0.9, help="test accuracy whose steps and seconds to report")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
-                        help="one interleaved run per seed (initial weights and batches); statistics pool them")
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--nesterov", action="store_true",
                         help="Nesterov momentum in the optimizer (the dgc methods': --dgc-nesterov, in the hook)")
     add_dgc_arguments(parser)
     cli.add_network_args(parser, prefix="gxpeers")
-    parser.add_argument("--json", type=Path, help="write the settings, the load, every measurement and the table")
-    parser.add_argument("--plot", type=Path, default=Path("peers.png"), help="accuracy against training seconds")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     cli.check_positive(parser, args, "world_size", "steps", "eval_every", "batch_size", "mlp_params")
     if args.steps <= WARMUP_STEPS:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import gtopk_ext as gx
-from bench.digits import MODELS, load_digits_split, make_model
+from bench.digits import load_digits_split, make_model
 from bench.emulated_network import network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
@@ -157,12 +157,8 @@ def plot(tables: dict[str, list[dict]], path: str, title: str) -> None:
 
 def main() -> None:
     parser = cli.parser(__doc__)
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--model", choices=MODELS, default="mlp")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
+    cli.add_common(parser, world_size=4, steps=200, batch_size=32, model="mlp", lr=0.05, momentum=0.9, json=None,
+                   plot=None)
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--global-period", type=int, default=20)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {SCENARIOS}")
@@ -175,8 +171,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
     cli.add_network_args(parser, prefix="gxwagma")
-    parser.add_argument("--json", default=None, help="write the settings, every run and the tables here")
-    parser.add_argument("--plot", default=None, help="write a PNG of throughput and accuracy here (matplotlib)")
     args = parser.parse_args()
     if cli.ran_as_worker(args, run_worker):
         return

@@ -3,7 +3,7 @@ through a veth pair whose both ends ``tc tbf`` limits to a rate, so a link behav
 of that rate. Needs root, ``ip`` and ``tc`` (iproute2) with tbf; everything it creates is removed on close, on
 failure and on SIGINT/SIGTERM. The addresses (10.77.0.0/24) exist only inside these namespaces.
 
-bench/harness/launch.py starts the ranks inside them: a benchmark's workers (``run_ranks``), or one torchrun agent
+bench/harness/launch.py starts the ranks inside them: a benchmark's workers (``run_group``), or one torchrun agent
 per emulated node (``run_torchrun``: a namespace holds a node's ranks, which talk to each other over its loopback,
 unshaped); ``python -m bench.emulated_network torchrun ...`` runs a training script that way:
 

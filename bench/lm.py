@@ -42,7 +42,6 @@ import os
 import platform
 import sys
 import sysconfig
-import time
 from pathlib import Path
 from typing import Optional
 

@@ -161,7 +161,7 @@ def main() -> None:
                    plot=None)
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--global-period", type=int, default=20)
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {SCENARIOS}")
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--delay-probability", type=float, default=0.2,
                         help="random: the chance that a rank's step is slow")
     parser.add_argument("--delay-ms", type=float, nargs=2, default=(100.0, 300.0), metavar=("LOW", "HIGH"),
@@ -169,17 +169,11 @@ def main() -> None:
     parser.add_argument("--slow-rank", type=int, default=None, help="straggler: the slow rank (default: the last)")
     parser.add_argument("--sleep-ms", type=float, default=40.0, help="straggler: its extra time per step")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     cli.add_network_args(parser, prefix="gxwagma")
     args = parser.parse_args()
     if cli.ran_as_worker(args, run_worker):
         return
-    for name, choices in (("methods", METHODS), ("scenarios", SCENARIOS)):
-        chosen = getattr(args, name).split(",")
-        unknown = set(chosen) - set(choices)
-        if unknown:
-            parser.error(f"--{name}: unknown {sorted(unknown)}; choose from {choices}")
-        setattr(args, name, chosen)
     if args.slow_rank is None:
         args.slow_rank = args.world_size - 1
     if not 0 <= args.slow_rank < args.world_size:

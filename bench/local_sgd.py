@@ -35,7 +35,7 @@ from bench.digits import load_digits_split, make_model
 from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.methods import LocalMethod, label, method_name, numel_of, parse_local
+from bench.harness.methods import LocalMethod, label, method, method_name, numel_of
 from bench.harness.train import Trainer, evaluate, train_curve
 from gtopk_ext.collectives import ring_allreduce_bytes
 
@@ -55,7 +55,7 @@ def sync_bytes(method: LocalMethod, numel: int, world_size: int) -> float:
 
 
 def equal_bytes_period(sparse: LocalMethod, numel: int, world_size: int) -> int:
-    dense = LocalMethod("diloco", "diloco", 1)
+    dense = LocalMethod("diloco", 1)
     return max(1, round(sparse.period * sync_bytes(dense, numel, world_size) / sync_bytes(sparse, numel, world_size)))
 
 
@@ -137,7 +137,7 @@ def main() -> None:
     numel = numel_of(make_model(args.model))
     args.periods = {}  # diloco-equal is DiLoCo with this H
     if "diloco-equal" in args.methods:
-        sparse = next((parse_local(t) for t in args.methods if t.startswith("sparse-")), None)
+        sparse = next((method(t) for t in args.methods if t.startswith("sparse-")), None)
         if sparse is None:
             parser.error("diloco-equal needs a sparse-<collective>-<density>-<H> method in --methods")
         args.periods["diloco-equal"] = f"diloco-{equal_bytes_period(sparse, numel, args.world_size)}"

@@ -1,11 +1,6 @@
-"""The methods the training benchmarks compare, by name, and the one way each builds gtopk_ext's hook state.
-
-DDP hooks (``recipe``): ``ddp``, ``fp16``, ``bf16``, ``powersgd-<rank>``, ``floor`` (no communication: the compute
-floor), ``<collective>-<d>`` (gtopk_ext's hook, Gaussian-k at density d; ``hook-<collective>-<d>`` is the same),
-``gtopk-<d>-sync`` (each bucket finished inside the hook call), ``dgc-<d>`` and ``dgc-pt-<d>`` (momentum
-correction and Deep Gradient Compression's warm-up, per-tensor selection for the latter; the ``--dgc-*`` flags).
-Local methods (``parse_local``, run by ``LocalExchange``): ``postlocal-<H>`` (PyTorch's local SGD), ``diloco-<H>``
-(SparseLocalSGD, density 1, dense), ``sparse-<collective>-<d>-<H>[-compact]`` (SparseLocalSGD).
+"""The methods the training benchmarks compare, by name (``METHODS``: a new method is one entry), and the one way
+each builds gtopk_ext's hook state. A DDP method is a ``Recipe`` (its hook on the DDP model), a local method a
+``LocalMethod`` (run by ``LocalExchange`` around the inner optimizer).
 """
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations against dist.GradBucket.
@@ -111,7 +106,8 @@ def allreduce_recipe(label: str, hook=None, wire_bytes: int = 4) -> Recipe:
 def powersgd_recipe(rank: int) -> Recipe:
     """PowerSGD with one bucket: with several on Gloo, its hook's future callbacks allreduce P and Q on Gloo's
     threads while the autograd thread issues the next bucket's allreduce, so ranks issue their collectives in
-    different orders (bench/peers.py's docstring)."""
+    different orders; the group then fails ("Received data size doesn't match expected size") or hangs until its
+    timeout (2 and 4 ranks, 8 buckets: every run, at the first compressed step)."""
     def attach(ddp, world_size, args):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=START_ITER)
@@ -175,50 +171,44 @@ def no_communication_hook(world_size: int, bucket: dist.GradBucket) -> torch.fut
     return future
 
 
-def floor_recipe() -> Recipe:
-    def attach(ddp, world_size, args):
-        ddp.register_comm_hook(world_size, no_communication_hook)
-        return Accounting()
-    return Recipe("no communication (compute floor)", attach)
+def attach_floor(ddp: DistributedDataParallel, world_size: int, args: argparse.Namespace) -> Accounting:
+    ddp.register_comm_hook(world_size, no_communication_hook)
+    return Accounting()
+
+
+def method(name: str) -> "Recipe | LocalMethod":
+    """The method of a name; ValueError for no method."""
+    for pattern, build in METHODS.items():
+        words, parts, fields = pattern.split("-"), name.split("-"), {}
+        try:
+            for word, part in zip(words, parts, strict=True):
+                if word.startswith("<"):
+                    fields[word[1:-1]] = FIELDS[word[1:-1]](part)
+                elif word != part:
+                    raise ValueError(part)
+        except ValueError:
+            continue
+        return build(**fields)
+    raise ValueError(f"no method {name!r}; the methods: {', '.join(METHODS)}")
 
 
 def recipe(name: str) -> Optional[Recipe]:
     """The DDP method of a name, None for a local method's; ValueError for no method."""
-    fixed = {"ddp": lambda: allreduce_recipe("DDP allreduce"),
-             "fp16": lambda: allreduce_recipe("fp16_compress_hook", default_hooks.fp16_compress_hook, 2),
-             "bf16": lambda: allreduce_recipe("bf16_compress_hook", default_hooks.bf16_compress_hook, 2),
-             "floor": floor_recipe}
-    if name in fixed:
-        return fixed[name]()
-    parts = name.removeprefix("hook-").split("-")
-    if parts[0] == "powersgd" and len(parts) == 2:
-        return powersgd_recipe(int(parts[1]))
-    if parts[0] == "dgc" and parts[1:-1] in ([], ["pt"]):
-        return dgc_recipe(density_of(parts[-1]), per_tensor=len(parts) == 3)
-    if parts[0] in SPARSE_COLLECTIVES and parts[2:] in ([], ["sync"]):
-        collective, density = parts[0], density_of(parts[1])
-        if parts[2:]:
-            return gtopk_ext_recipe(f"Gaussian-k + {collective}, d={density:g}, each bucket finished in the hook "
-                                    f"call", density=density, collective=collective, synchronous=True)
-        return gtopk_ext_recipe(f"Gaussian-k + {collective}, d={density:g}", density=density, collective=collective)
-    parse_local(name)
-    return None
+    found = method(name)
+    return found if isinstance(found, Recipe) else None
 
 
 def method_name(text: str) -> str:
-    """An argparse type: a method name that :func:`recipe` or :func:`parse_local` knows."""
+    """An argparse type: a method's name."""
     try:
-        recipe(text)
-    except (ValueError, IndexError) as error:
-        raise argparse.ArgumentTypeError(f"bad method {text!r} ({error}): expected ddp, fp16, bf16, powersgd-<rank>, "
-                                         f"floor, <collective>-<d>[-sync], dgc-<d>, dgc-pt-<d>, postlocal-<H>, "
-                                         f"diloco-<H> or sparse-<collective>-<d>-<H>[-compact]") from error
+        method(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
     return text
 
 
 def label(name: str) -> str:
-    found = recipe(name)
-    return found.label if found is not None else parse_local(name).label
+    return method(name).label
 
 
 # --------------------------------------------------------------------------------------------- local methods
@@ -227,7 +217,6 @@ def label(name: str) -> str:
 class LocalMethod:
     """A local method: ``kind`` "postlocal", "diloco" or "sparse", exchanging every ``period`` (H) steps."""
 
-    name: str
     kind: str
     period: int
     collective: str = "dense"
@@ -244,14 +233,34 @@ class LocalMethod:
         return f"SparseLocalSGD {self.collective} d={self.density:g}, H={self.period}{compact}"
 
 
-def parse_local(text: str) -> LocalMethod:
-    parts = text.split("-")
-    if parts[0] in ("postlocal", "diloco") and len(parts) == 2:
-        return LocalMethod(text, parts[0], int(parts[1]))
-    if parts[0] == "sparse" and parts[4:] in ([], ["compact"]) and len(parts) >= 4:
-        return LocalMethod(text, "sparse", int(parts[3]), parts[1], density_of(parts[2]),
-                           "compact" if parts[4:] else "plain")
-    raise ValueError("not a method of these benchmarks")
+def sparse_collective(text: str) -> str:
+    if text not in SPARSE_COLLECTIVES:
+        raise ValueError(text)
+    return text
+
+
+# What a <field> of a method's name holds.
+FIELDS = {"collective": sparse_collective, "d": density_of, "rank": int, "H": int}
+# Every method: the pattern of its name and what builds it from the pattern's fields.
+METHODS = {
+    "ddp": lambda: allreduce_recipe("DDP allreduce"),
+    "fp16": lambda: allreduce_recipe("fp16_compress_hook", default_hooks.fp16_compress_hook, 2),
+    "bf16": lambda: allreduce_recipe("bf16_compress_hook", default_hooks.bf16_compress_hook, 2),
+    "floor": lambda: Recipe("no communication (compute floor)", attach_floor),
+    "powersgd-<rank>": powersgd_recipe,
+    "dgc-<d>": lambda d: dgc_recipe(d),  # the --dgc-* flags
+    "dgc-pt-<d>": lambda d: dgc_recipe(d, per_tensor=True),
+    "<collective>-<d>": lambda collective, d: gtopk_ext_recipe(f"Gaussian-k + {collective}, d={d:g}", density=d,
+                                                               collective=collective),
+    "hook-<collective>-<d>": lambda collective, d: METHODS["<collective>-<d>"](collective, d),
+    "<collective>-<d>-sync": lambda collective, d: gtopk_ext_recipe(  # each bucket finished inside the hook call
+        f"Gaussian-k + {collective}, d={d:g}, each bucket finished in the hook call", density=d,
+        collective=collective, synchronous=True),
+    "postlocal-<H>": lambda H: LocalMethod("postlocal", H),  # PyTorch's local SGD
+    "diloco-<H>": lambda H: LocalMethod("diloco", H),  # SparseLocalSGD, density 1, dense
+    "sparse-<collective>-<d>-<H>": lambda collective, d, H: LocalMethod("sparse", H, collective, d),
+    "sparse-<collective>-<d>-<H>-compact": lambda collective, d, H: LocalMethod("sparse", H, collective, d, "compact"),
+}
 
 
 class LocalExchange:

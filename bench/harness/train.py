@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from bench.harness.methods import LocalExchange, Recipe, numel_of, parse_local, recipe
+from bench.harness.methods import LocalExchange, Recipe, method as method_named, numel_of
 
 
 class Trainer:
@@ -23,7 +23,8 @@ class Trainer:
 
     def __init__(self, method: str | Recipe, model: nn.Module, args: argparse.Namespace, world_size: int):
         self.model, self.trained, self.local, self.sent, self.world_size = model, model, None, 0, world_size
-        self.recipe, self.mean = (method if isinstance(method, Recipe) else recipe(method)), None
+        found = method if isinstance(method, Recipe) else method_named(method)
+        self.recipe, self.mean = (found if isinstance(found, Recipe) else None), None
         if self.recipe is not None:
             # One bucket: a cap above the model's size (DDP's first bucket then has that cap too).
             cap_mb = numel_of(model) * 4 / 2**20 + 1 if self.recipe.one_bucket else getattr(args, "bucket_cap_mb", None)
@@ -31,7 +32,7 @@ class Trainer:
             self.accounting = self.recipe.attach(self.trained, world_size, args)
         self.optimizer = sgd(model, args, self.recipe is not None and self.recipe.momentum_in_hook)
         if self.recipe is None:
-            self.local = LocalExchange(parse_local(method), model, self.optimizer, args, world_size)
+            self.local = LocalExchange(found, model, self.optimizer, args, world_size)
             self.optimizer = self.local.optimizer
 
     def step(self, loss_of) -> float:

@@ -99,12 +99,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.profile:
         print(profile_step(args.sizes[0], args.densities[0], dtype, device, args.backend))
         return []
-    print(report.table([], COLUMNS), flush=True)
-    rows = []
-    for n in args.sizes:
-        for density in args.densities:
-            rows.append(measure(n, density, dtype, device, args.backend, args.repeats))
-            print(report.table(rows[-1:], COLUMNS, header=False), flush=True)
+    rows = report.streamed((measure(n, density, dtype, device, args.backend, args.repeats) for n in args.sizes
+                            for density in args.densities), COLUMNS)
     print(LEGEND)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     report.write_json(args.json, args, threads=torch.get_num_threads(),

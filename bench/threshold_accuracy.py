@@ -106,12 +106,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for name, model in models:
             for step, grad in captured_gradients(model, tuple(args.real_steps)).items():
                 gradients.append((f"{name}-step{step}", grad))
-    print(report.table([], COLUMNS), flush=True)
-    rows = []
-    for name, grad in gradients:
-        for density in args.densities:
-            rows.append(evaluate(name, grad, density, args.backend, args.repeats))
-            print(report.table(rows[-1:], COLUMNS, header=False), flush=True)
+    rows = report.streamed((evaluate(name, grad, density, args.backend, args.repeats) for name, grad in gradients
+                            for density in args.densities), COLUMNS)
     print(LEGEND)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     Path(args.json).write_text(json.dumps(rows, indent=1))

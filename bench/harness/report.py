@@ -47,6 +47,16 @@ def table(rows: list[dict], columns: list[tuple], markdown: bool = False, header
                               for i, (text, width) in enumerate(zip(line, widths))) for line in lines)
 
 
+def streamed(rows, columns: list[tuple]) -> list[dict]:
+    """``rows`` (an iterable) printed as a table a row at a time, as they come; returns them."""
+    print(table([], columns), flush=True)
+    out = []
+    for row in rows:
+        out.append(row)
+        print(table([row], columns, header=False), flush=True)
+    return out
+
+
 def pyplot():
     """matplotlib.pyplot drawing to files only (no display needed)."""
     import matplotlib

@@ -306,7 +306,8 @@ def plot(records: list[dict], path: Path, title: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = cli.parser(__doc__)
-    cli.add_common(parser, world_size=4, seeds=[0], model="cnn", batch_size=16, lr=0.05, momentum=0.9, no_progress=False)
+    cli.add_common(parser, world_size=4, seeds=[0], model="cnn", batch_size=16, lr=0.05, momentum=0.9,
+                   no_progress=False)
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
     parser.add_argument("--densities", nargs="+", type=float, default=[0.01, 0.001])
     parser.add_argument("--epochs", type=int, default=10)
@@ -385,10 +386,10 @@ def main(argv: list[str] | None = None) -> None:
         dense = next((r["ms_per_step"] for r in rows if r["method"] == "dense"), None)
         print(f"time per step, {setting}; median of {args.overhead_repeats} interleaved rounds of "
               f"{args.overhead_steps} steps (each round: the slowest rank's median)")
-        print(report.table(rows, [("method", "", "method"), ("density", "g", "density"), ("ms/step", ".2f", "ms_per_step"),
-                                  ("(min-max)", "", lambda r: f"({min(r['ms_per_step_rounds']):.2f}-"
-                                                              f"{max(r['ms_per_step_rounds']):.2f})"),
-                                  ("vs dense", ".2f", lambda r: dense and r["ms_per_step"] / dense)]))
+        print(report.table(rows, [
+            ("method", "", "method"), ("density", "g", "density"), ("ms/step", ".2f", "ms_per_step"),
+            ("(min-max)", "", lambda r: f"({min(r['ms_per_step_rounds']):.2f}-{max(r['ms_per_step_rounds']):.2f})"),
+            ("vs dense", ".2f", lambda r: dense and r["ms_per_step"] / dense)]))
         report.write_json(args.out / "overhead.json", args, rows=rows)
         return
 

@@ -276,9 +276,10 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
-COLUMNS = [("method", "", "label"), ("final val loss", ".4f", "final_val_loss"), ("vs DDP", "", lambda r: r["loss_vs_ddp"] and f"{r['loss_vs_ddp']:.3f}x"),
-           ("MB sent / rank", ".1f", "mb_sent"), ("bytes vs DDP", "", lambda r: r["bytes_vs_ddp"] and
-                                                   f"1/{1 / r['bytes_vs_ddp']:.0f}"),
+COLUMNS = [("method", "", "label"), ("final val loss", ".4f", "final_val_loss"),
+           ("vs DDP", "", lambda r: r["loss_vs_ddp"] and f"{r['loss_vs_ddp']:.3f}x"),
+           ("MB sent / rank", ".1f", "mb_sent"),
+           ("bytes vs DDP", "", lambda r: r["bytes_vs_ddp"] and f"1/{1 / r['bytes_vs_ddp']:.0f}"),
            ("link MB / rank", ".1f", lambda r: r["tx_mb"] or None),  # the interface counter: emulated links only
            ("seconds", ".0f", "seconds"),
            ("updated per step: " + ", ".join(GROUPS), "", lambda r: "updated_share" in r and ", ".join(

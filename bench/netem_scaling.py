@@ -42,7 +42,8 @@ from bench.harness.launch import run_group
 from bench.harness.traffic import METHODS, WIRES, bytes_per_rank, features
 
 
-def plan_exchange(model_bytes: float, rate_bps: int | None, args: argparse.Namespace) -> tuple[float | None, int, str | None]:
+def plan_exchange(model_bytes: float, rate_bps: int | None,
+                  args: argparse.Namespace) -> tuple[float | None, int, str | None]:
     """(predicted wire seconds, repetitions, why it is skipped or None), the same on every rank. Repetitions fill
     ``--seconds-per-config`` of predicted wire time, between 1 and ``--repeats``."""
     if rate_bps is None:
@@ -169,7 +170,8 @@ COLUMNS = [("P", "2d", "world_size"), ("L", "2d", "local_size"), ("rate", ">8", 
            ("reps", "4d", "repeats"), ("ms/exch", "9.1f", lambda r: r.get("time_s") and 1e3 * r["time_s"]),
            ("MB sent", "9.3f", lambda r: r.get("tx_bytes") and r["tx_bytes"] / 1e6),
            ("MB model", "9.3f", lambda r: r["model_bytes"] / 1e6),
-           ("sent/model", "10.3f", lambda r: r.get("tx_bytes") and r["model_bytes"] and r["tx_bytes"] / r["model_bytes"]),
+           ("sent/model", "10.3f",
+            lambda r: r.get("tx_bytes") and r["model_bytes"] and r["tx_bytes"] / r["model_bytes"]),
            ("select ms", "9.1f", lambda r: r["select_s"] and 1e3 * r["select_s"]), ("skipped", "", "skipped")]
 
 

@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from bench.digits import load_digits_split, make_model
+from bench.digits import load_digits_split, make_model, mlp
 from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.gradients import wide_mlp
@@ -74,12 +74,7 @@ def build_model(args: argparse.Namespace, seed: int) -> nn.Module:
         return make_model("cnn", seed)
     if args.model == "mlp":
         return wide_mlp(args.mlp_params, seed)
-    width = max(16, round(math.sqrt(args.mlp_params / DEEP_LAYERS)))
-    torch.manual_seed(seed)
-    layers = [nn.Flatten(), nn.Linear(64, width), nn.ReLU()]
-    for _ in range(DEEP_LAYERS - 1):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
+    return mlp([max(16, round(math.sqrt(args.mlp_params / DEEP_LAYERS)))] * DEEP_LAYERS, seed)
 
 
 def run_seed(seed: int, args: argparse.Namespace, rank: int, world_size: int, data: tuple, counter: TxCounter,
@@ -189,8 +184,9 @@ def markdown_table(rows: list[dict], args: argparse.Namespace) -> str:
     ddp = next((row for row in rows if row["method"] == "ddp"), None)
     target = f"{100 * args.target:g}%"
     return report.table(rows, [
-        ("method", "", "label"), ("ms/step (p25-p75)", "", lambda r: f"{r['ms_per_step']:.1f} "
-                                                                      f"({r['ms_per_step_p25']:.1f}-{r['ms_per_step_p75']:.1f})"),
+        ("method", "", "label"),
+        ("ms/step (p25-p75)", "", lambda r: f"{r['ms_per_step']:.1f} ({r['ms_per_step_p25']:.1f}-"
+                                            f"{r['ms_per_step_p75']:.1f})"),
         ("vs DDP", "", lambda r: ddp and f"{r['ms_per_step'] / ddp['ms_per_step']:.2f}x"),
         ("MB/rank/step wire", ".3f", "tx_mb_per_step"), ("MB/rank/step own", ".3f", "own_mb_per_step"),
         ("CPU ms/step/rank", ".1f", "cpu_ms_per_step"), ("test acc", ".1%", "final_accuracy"),

@@ -76,7 +76,8 @@ COLUMNS = [("gradient", "<14", "gradient"), ("n", "9d", "n"), ("dens", "5g", "de
            *(quality(mode, key, spec, title) for mode in ("paper", "accurate") for key, spec, title in (
                ("count_over_k", "9.2f", f"{mode[:5]} c/k"), ("recall", "5.2f", "rec"), ("norm", "5.2f", "norm"))),
            quality("topk", "recall", "8.2f", "topk rec"), ("t/topk", "6.3f", "accurate_over_topk_time"),
-           ("t/floor", "7.2f", "accurate_over_floor_time"), ("ok", "", lambda r: "yes" if r["accurate_meets_goal"] else "NO")]
+           ("t/floor", "7.2f", "accurate_over_floor_time"),
+           ("ok", "", lambda r: "yes" if r["accurate_meets_goal"] else "NO")]
 LEGEND = ("(c/k: count before truncation / k; rec: recall of the exact top-k; norm: captured squared norm / top-k's; "
           "t/topk, t/floor: accurate mode's time relative to the torch.topk path and to residual.add_(grad); ok: "
           "0.9 <= c/k <= 1.1 and rec >= 0.9)")

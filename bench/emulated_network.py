@@ -179,6 +179,9 @@ def node_tx_bytes(network: Network) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from bench.harness import cli  # here: the harness imports this module
+    from bench.harness.launch import run_torchrun
+
     parser = argparse.ArgumentParser(description="Run a training script under torchrun on emulated nodes: one "
                                                  "network namespace and one torchrun agent per node, the node's "
                                                  "ranks inside it, a tbf-limited link from each node to a switch.")
@@ -187,26 +190,20 @@ def main(argv: list[str] | None = None) -> None:
                                                     "script.py [script arguments]")
     torchrun.add_argument("--nnodes", type=int, default=2)
     torchrun.add_argument("--nproc-per-node", type=int, default=2)
-    torchrun.add_argument("--rate", type=parse_rate, default=parse_rate("1gbit"), help="each node's link")
-    torchrun.add_argument("--loopback", action="store_true", help="no namespaces, no shaping")
     torchrun.add_argument("--max-restarts", type=int, default=0)
-    torchrun.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
-    torchrun.add_argument("--prefix", default="gxtr", help="name prefix of the namespaces this run creates")
+    cli.add_network_args(torchrun, prefix="gxtr")
     torchrun.add_argument("script", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = parser.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not script:
         parser.error("name the training script after --")
-    loopback = runs_on_loopback("bench.emulated_network", args.loopback)
+    rate = cli.link_rate("bench.emulated_network", args)
     networks = Networks(args.prefix)
     try:
-        network = None if loopback else networks.create(args.nnodes, args.rate)
-        print(f"{args.nnodes} nodes x {args.nproc_per_node} ranks over {network_name(None if loopback else args.rate)}",
-              flush=True)
+        network = None if rate is None else networks.create(args.nnodes, rate)
+        print(f"{args.nnodes} nodes x {args.nproc_per_node} ranks over {network_name(rate)}", flush=True)
         before = node_tx_bytes(network) if network else []
         with tempfile.TemporaryDirectory() as workdir:
-            from bench.harness.launch import run_torchrun  # here: bench.harness.launch imports this module
-
             run_torchrun(script, args.nnodes, args.nproc_per_node, network, Path(workdir), f"run{os.getpid()}",
                          args.timeout, args.max_restarts)
         if network:
@@ -214,7 +211,6 @@ def main(argv: list[str] | None = None) -> None:
             print(f"bytes sent on the inter-node links: {sum(sent)} ({', '.join(map(str, sent))} per node)")
     finally:
         networks.close()
-
 
 if __name__ == "__main__":
     main()

@@ -191,14 +191,6 @@ def comm_time(model: CostModel, method: str, numel: int, density: float | None, 
             + model.select * compute_scale * selected_elements(method, numel, local))
 
 
-def efficiency(model: CostModel, method: str, numel: int, density: float | None, world_size: int,
-               rate_bps: float, compute_s: float, compute_scale: float = 1.0, **layout) -> float:
-    """t_compute / (t_compute + t_comm): the fraction of P times one machine's throughput that P machines reach.
-    ``layout``: comm_time's wire, local, intra and inner."""
-    return compute_s / (compute_s + comm_time(model, method, numel, density, world_size, rate_bps, compute_scale,
-                                              **layout))
-
-
 def break_even_intra(model: CostModel, numel: int, density: float, world_size: int, local: int, beta: float,
                      share: float, compute_scale: float = 1.0, alpha_intra: float | None = None,
                      inner: str = "gtopk") -> float | None:
@@ -264,14 +256,12 @@ def two_level_series(densities: list[float]) -> list[tuple[str, float | None, st
 
 
 def predict(model: CostModel, args: argparse.Namespace) -> dict:
-    """Efficiency for every rate, world size and series, one level and two; the paper's comparison at its
+    """Scaling efficiency, t_compute / (t_compute + t_comm) (the fraction of P times one machine's throughput that
+    P machines reach), for every rate, world size and series, one level and two; the paper's comparison at its
     operating point; the time per step on two levels."""
-    table = {}
-    for rate in PREDICT_RATES:
-        for p in PREDICT_WORLD_SIZES:
-            for method, density, wire in series(args.densities):
-                table[(rate, p, label(method, density, wire))] = efficiency(
-                    model, method, args.numel, density, p, rate, args.compute_s, args.compute_scale, wire=wire)
+    table = {(rate, p, label(method, density, wire)): args.compute_s / (args.compute_s + comm_time(
+        model, method, args.numel, density, p, rate, args.compute_scale, wire=wire))
+        for rate in PREDICT_RATES for p in PREDICT_WORLD_SIZES for method, density, wire in series(args.densities)}
     paper = {}
     for density in args.densities:
         key = (PAPER["rate_bps"], PAPER["world_size"])

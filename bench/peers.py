@@ -44,6 +44,7 @@ import resource
 import statistics
 import sys
 import time
+from itertools import accumulate
 from pathlib import Path
 from typing import Optional
 
@@ -146,9 +147,7 @@ def summarize(name: str, runs: list[dict], args: argparse.Namespace) -> dict:
         own += [statistics.fmean(per_rank) for per_rank in zip(*run["own_bytes"])][timed]
         if run["tx_bytes"] is not None:
             tx += [statistics.fmean(per_rank) for per_rank in zip(*run["tx_bytes"])][timed]
-        elapsed = [0.0]
-        for seconds in step_seconds:
-            elapsed.append(elapsed[-1] + seconds)
+        elapsed = list(accumulate(step_seconds, initial=0.0))
         curves.append([{"step": step, "accuracy": accuracy, "train_seconds": elapsed[step]}
                        for step, accuracy in run["evals"]])
     low, median, high = statistics.quantiles(slowest, n=4, method="inclusive") if len(slowest) > 1 else slowest * 3

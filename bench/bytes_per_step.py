@@ -16,8 +16,9 @@ allreduce has none. The compact wire's rounding errors go back into the residual
 
 ``--counters`` (as root) runs the ranks in network namespaces instead (bench/emulated_network.py: a veth link
 each, unshaped) and checks ``stats()`` against the kernel: the bytes each rank's interface sent
-(``/sys/class/net/eth0/statistics/tx_bytes`` in its namespace) over the measured steps, minus one barrier's,
-divided by what ``stats()`` counted over the same steps. TCP/IP headers and ACKs put the ratio a little above 1.
+(``/sys/class/net/eth0/statistics/tx_bytes`` in its namespace) during the measured steps (each started by a
+barrier that is not counted), divided by what ``stats()`` counted for them. TCP/IP headers and ACKs put the ratio
+a little above 1.
 
     python -m bench.bytes_per_step --world-sizes 4 8 --density 0.01 --json bytes_per_step.json
     python -m bench.bytes_per_step --exchange --hidden 2048 768 --world-sizes 2 4 8 --steps 40

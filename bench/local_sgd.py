@@ -13,11 +13,9 @@ time in its steps and syncs, evaluation excluded) and the bytes a rank sent so f
 emulated network, from the rank's interface counter (TCP/IP headers included). Local methods sync after their
 last step when it is not a sync step already, so every method ends with one model.
 
-Methods (``--methods``): ``ddp``; ``hook-<collective>-<density>`` (gtopk_ext's DDP hook); ``postlocal-<H>``
-(PyTorch's local SGD: average the weights every H steps); ``diloco-<H>`` (SparseLocalSGD with density 1 and the
-dense collective); ``sparse-<collective>-<density>-<H>`` (SparseLocalSGD), ``sparse-<collective>-<density>-<H>-compact``
-on the compact wire (4 bytes a pair instead of 8). ``diloco-equal`` is DiLoCo with the H that gives it about the
-bytes of the first ``sparse-`` method in the list.
+Methods (``--methods``): the names of bench/harness/methods.py (``ddp``, ``hook-<collective>-<density>``,
+``postlocal-<H>``, ``diloco-<H>``, ``sparse-<collective>-<density>-<H>[-compact]``), and ``diloco-equal``: DiLoCo
+with the H that gives it about the bytes of the first ``sparse-`` method in the list.
 
     python -m bench.local_sgd --rate 100mbit --json local_sgd_100mbit.json --plot local_sgd_100mbit.png
     python -m bench.local_sgd --loopback --steps 64 --methods ddp diloco-8 sparse-gtopk-0.01-8

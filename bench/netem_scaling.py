@@ -2,10 +2,8 @@
 compact wire) over links limited with ``tc tbf``, with the bytes each rank actually put on its link; and on two
 levels, the hierarchical collective against them.
 
-Every rank runs in its own network namespace with one veth link to a bridge in a namespace of its own, all of
-them created by this script (names ``<prefix><pid>-...``, addresses 10.77.0.0/24 that exist only inside them).
-Both ends of every link are limited with ``tc tbf`` to the rate under test, so a link behaves as a full-duplex
-Ethernet port of that rate. Gloo binds to the namespace's interface; bytes sent per rank come from the
+Every rank runs in its own network namespace behind a link of the rate under test (bench/emulated_network.py,
+names ``<prefix><pid>-...``); Gloo binds to the namespace's interface; bytes sent per rank come from the
 interface's ``tx_bytes`` counter (TCP/IP headers and ACKs included), next to the model's payload bytes.
 
 ``--local-size L`` groups L consecutive ranks into a node instead: one namespace per node, its ranks talking over

@@ -88,7 +88,7 @@ def plot_curves(runs: list[dict], path, title: str, ylabel: str, y, panels: list
                 style=None) -> None:
     """One line per run (its ``curve``, labelled ``label``) of ``y(point)`` against each panel's ``x(point)``:
     ``panels`` are (x label, x, x scale); ``style(index, run)``: the line's matplotlib options."""
-    figure, axes = pyplot().subplots(1, len(panels), figsize=(5.5 * len(panels) + 0.5, 5.5), squeeze=False)
+    figure, axes = pyplot().subplots(1, len(panels), figsize=(max(9.0, 5.5 * len(panels) + 0.5), 5.5), squeeze=False)
     for index, run in enumerate(runs):
         for axis, (_, x, scale) in zip(axes[0], panels):
             points = [(x(c), y(c)) for c in run["curve"] if scale != "log" or x(c) > 0]  # a log axis has no 0

@@ -12,9 +12,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
-from bench.emulated_network import RANK_IFNAME, Network, Networks, cleanup_stale
+from bench.emulated_network import RANK_IFNAME, Network, cleanup_stale, unwind_on_sigterm
 from bench.harness.report import jsonable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +59,7 @@ def run_on_hosts(commands: list[list[str]], network: Network | None, workdir: Pa
     """Runs ``commands[i]`` inside host namespace i // ``ranks_per_host`` (on this machine's loopback without a
     network) with Gloo bound to its interface, logging to ``log-<names[i]>.txt`` in ``workdir``. Streams the first
     one's output; raises with a failing one's log; returns every log."""
+    unwind_on_sigterm()  # the finally below kills the processes
     procs, logs = [], []
     try:
         for host, (command, name) in enumerate(zip(commands, names)):
@@ -106,24 +108,20 @@ def run_group(module: str, world_size: int, settings, timeout: float, *, rate_bp
     namespaces = namespaces or rate_bps is not None
     if namespaces:
         cleanup_stale(prefix)
-    networks = Networks(prefix)
     name = module.rsplit(".", 1)[-1]
-    try:
-        with tempfile.TemporaryDirectory(prefix=f"{name}_") as tmp:
-            network = networks.create(world_size // ranks_per_host, rate_bps) if namespaces else None
-            out, commands = Path(tmp) / "out.json", []
-            config = {**config, "args": jsonable(settings), "out": str(out), "tty": sys.stdout.isatty(),
-                      "world_size": world_size, "master_addr": Network.address(0) if network else "127.0.0.1",
-                      "port": GLOO_PORT if network else free_port(), "ifname": RANK_IFNAME if network else None}
-            for rank in range(world_size):
-                path = Path(tmp) / f"config-{name}-r{rank}.json"
-                path.write_text(json.dumps({**config, "rank": rank}))
-                commands.append([sys.executable, "-m", module, "--worker", str(path)])
-            run_on_hosts(commands, network, Path(tmp), [f"{name}-r{rank}" for rank in range(world_size)], timeout,
-                         ranks_per_host=ranks_per_host)
-            return json.loads(out.read_text())
-    finally:
-        networks.close()
+    with (Network(prefix, world_size // ranks_per_host, rate_bps) if namespaces else nullcontext()) as network, \
+            tempfile.TemporaryDirectory(prefix=f"{name}_") as tmp:
+        out, commands = Path(tmp) / "out.json", []
+        config = {**config, "args": jsonable(settings), "out": str(out), "tty": sys.stdout.isatty(),
+                  "world_size": world_size, "master_addr": Network.address(0) if network else "127.0.0.1",
+                  "port": GLOO_PORT if network else free_port(), "ifname": RANK_IFNAME if network else None}
+        for rank in range(world_size):
+            path = Path(tmp) / f"config-{name}-r{rank}.json"
+            path.write_text(json.dumps({**config, "rank": rank}))
+            commands.append([sys.executable, "-m", module, "--worker", str(path)])
+        run_on_hosts(commands, network, Path(tmp), [f"{name}-r{rank}" for rank in range(world_size)], timeout,
+                     ranks_per_host=ranks_per_host)
+        return json.loads(out.read_text())
 
 
 def as_rank(config: dict, work, timeout_arg: str | None = None) -> None:

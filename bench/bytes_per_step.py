@@ -16,8 +16,9 @@ allreduce has none. The compact wire's rounding errors go back into the residual
 
 ``--counters`` (as root) runs the ranks in network namespaces instead (bench/emulated_network.py: a veth link
 each, unshaped) and checks ``stats()`` against the kernel: the bytes each rank's interface sent
-(``/sys/class/net/eth0/statistics/tx_bytes`` in its namespace) over the measured steps, minus one barrier's,
-divided by what ``stats()`` counted over the same steps. TCP/IP headers and ACKs put the ratio a little above 1.
+(``/sys/class/net/eth0/statistics/tx_bytes`` in its namespace) during the measured steps (each started by a
+barrier that is not counted), divided by what ``stats()`` counted for them. TCP/IP headers and ACKs put the ratio
+a little above 1.
 
     python -m bench.bytes_per_step --world-sizes 4 8 --density 0.01 --json bytes_per_step.json
     python -m bench.bytes_per_step --exchange --hidden 2048 768 --world-sizes 2 4 8 --steps 40
@@ -31,26 +32,21 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from bench.digits import mlp
 from bench.emulated_network import TxCounter, check_can_emulate
-from bench.harness import cli
+from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.train import barrier_bytes
+from bench.harness.methods import gtopk_ext_recipe, numel_of
+from bench.harness.train import Trainer
 from gtopk_ext.ddp import COLLECTIVES as HOOK_COLLECTIVES
 
 COLLECTIVES = ("dense", "allgather", "gtopk", "oktopk")
 WARMUP = 2  # the hook's dense iterations (start_iter)
-
-
-def make_model(hidden: tuple[int, int] = (1024, 256)) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(784, hidden[0]), nn.ReLU(), nn.Linear(hidden[0], hidden[1]), nn.ReLU(),
-                         nn.Linear(hidden[1], 10))
 
 
 def batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,47 +59,27 @@ def runs(collectives: tuple[str, ...], wires: tuple[str, ...]) -> list[tuple[str
 
 
 def measure(rank: int, world_size: int, density: float, steps: int, hidden: tuple[int, int],
-            collectives: tuple[str, ...], wires: tuple[str, ...], counter=None) -> dict:
-    """Per (collective, wire): bytes from ``stats()`` per compressed step (median) and over all of them; with a
-    ``counter`` (bench.emulated_network.TxCounter), also the bytes the interface sent over those steps."""
-    import gtopk_ext as gx
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    one_barrier = 0.0 if counter is None else barrier_bytes(counter)
-
+            collectives: tuple[str, ...], wires: tuple[str, ...], counter: TxCounter) -> dict:
+    """Per (collective, wire): bytes from ``stats()`` per compressed step (median) and over all of them, and the
+    bytes the interface of ``counter`` sent over those steps (0 where it counts none)."""
     results = {}
     for collective, wire in runs(collectives, wires):
-        model = make_model(hidden)
-        ddp = DDP(model)
-        state = gx.SparseGradState(density=density, collective=collective, start_iter=WARMUP, wire=wire,
-                                   path="sparse")
-        state.stats_logging_frequency = 0
-        ddp.register_comm_hook(state, gx.sparse_grad_hook)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        recipe = gtopk_ext_recipe(collective, density=density, collective=collective, wire=wire, start_iter=WARMUP)
+        trainer = Trainer(recipe, mlp(list(hidden), inputs=784), argparse.Namespace(lr=0.01, momentum=0.0), world_size)
         generator = torch.Generator().manual_seed(rank)
-        sent, received, seconds = [], [], []
+        measured, received = [], []
         for step in range(WARMUP + steps):
-            if step == WARMUP and counter is not None:
-                dist.barrier()
-                counted_from = counter.read()
             x, y = batch(generator)
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            optimizer.step()
-            if step >= WARMUP:
-                total = state.stats()["total"]
-                sent.append(total["bytes_sent"])
-                received.append(total["bytes_received"])
-                seconds.append(time.perf_counter() - start)
-        if counter is not None:
-            dist.barrier()  # every rank's last step sent; the barrier's own bytes are taken off
-            interface_bytes = counter.read() - counted_from - one_barrier
-        results[collective, wire] = {"parameters": sum(p.numel() for p in model.parameters()),
-                               "buckets": len(state.stats()["buckets"]), "k": state.stats()["total"]["k"],
-                               "bytes_sent": statistics.median(sent), "bytes_received": statistics.median(received),
-                               "seconds": statistics.median(seconds), "stats_bytes_steps": sum(sent),
-                               "interface_bytes_steps": interface_bytes if counter is not None else None}
+            measured.append(trainer.measured_step(lambda model: nn.functional.cross_entropy(model(x), y), counter))
+            received.append(trainer.accounting.state.stats()["total"]["bytes_received"])
+        measured, stats = measured[WARMUP:], trainer.accounting.state.stats()
+        results[collective, wire] = {
+            "parameters": numel_of(trainer.model), "buckets": len(stats["buckets"]), "k": stats["total"]["k"],
+            "bytes_sent": statistics.median(m["bytes"] for m in measured),
+            "bytes_received": statistics.median(received[WARMUP:]),
+            "seconds": statistics.median(m["seconds"] for m in measured),
+            "stats_bytes_steps": sum(m["bytes"] for m in measured),
+            "interface_bytes_steps": sum(m["tx_bytes"] for m in measured)}
     return results
 
 
@@ -113,7 +89,7 @@ def measure_exchanges(rank: int, world_size: int, density: float, steps: int, hi
     import gtopk_ext as gx
     from gtopk_ext.collectives import OkTopkState, Traffic, ring_allreduce_bytes
 
-    model = make_model(hidden)
+    model = mlp(list(hidden), inputs=784)
     parameters = list(model.parameters())
     numel = sum(p.numel() for p in parameters)
     optimizer = torch.optim.SGD(parameters, lr=0.01)
@@ -158,7 +134,7 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
     if args.exchange:
         results = measure_exchanges(*options)
     else:
-        results = measure(*options, counter=TxCounter(config["ifname"]) if config["ifname"] else None)
+        results = measure(*options, counter=TxCounter(config["ifname"]))
     every = [None] * world_size
     dist.all_gather_object(every, [[*key, value] for key, value in results.items()])
     return every
@@ -213,29 +189,21 @@ def main() -> None:
                                                                  for r in ranks) if args.counters else None,
                          "interface_per_step_mean": statistics.mean(r["interface_bytes_steps"] for r in ranks)
                          / args.steps if args.counters else None})
-    print(f"{'P':>3} {'collective':>10} {'wire':>7} {'params':>9} {'k':>6} {'sent/rank mean':>15} {'sent max':>10} "
-          f"{'recv max':>10} {'all steps':>10} {'vs dense':>8} {'vs gtopk':>8} {'vs plain':>8} {'s/step':>7}"
-          + (f" {'iface/step':>11} {'iface/stats':>11}" if args.counters else ""))
 
-    def optional(value: float | None, form: str) -> str:
-        return "-" if value is None else format(value, form)
+    def ratio(row: dict, name: str, wire: str) -> float | None:  # row's bytes over those of a method of its P
+        other = next((r for r in rows if (r["world_size"], r["collective"], r["wire"]) == (row["world_size"], name,
+                                                                                             wire)), None)
+        return other and row["sent_mean"] / other["sent_mean"]
 
-    def row_of(world_size: int, collective: str, wire: str) -> dict | None:
-        key = (world_size, collective, wire)
-        return next((r for r in rows if (r["world_size"], r["collective"], r["wire"]) == key), None)
-
-    for row in rows:
-        dense, gtopk = (row_of(row["world_size"], name, row["wire"] if name == "gtopk" else "plain")
-                        for name in ("dense", "gtopk"))
-        plain = row_of(row["world_size"], row["collective"], "plain")
-        print(f"{row['world_size']:>3} {row['collective']:>10} {row['wire']:>7} {row['parameters']:>9} {row['k']:>6} "
-              f"{row['sent_mean']:>15.0f} {row['sent_max']:>10.0f} {optional(row['received_max'], '.0f'):>10} "
-              f"{row['sent_mean_all_steps']:>10.0f} {row['sent_mean'] / dense['sent_mean']:>8.4f} "
-              f"{row['sent_mean'] / gtopk['sent_mean']:>8.4f} "
-              f"{optional(plain and row['sent_mean'] / plain['sent_mean'], '.4f'):>8} "
-              f"{optional(row['seconds_median'], '.3f'):>7}"
-              + (f" {row['interface_per_step_mean']:>11.0f} {row['interface_over_stats']:>11.4f}" if args.counters
-                 else ""))
+    print(report.table(rows, [
+        ("P", "3d", "world_size"), ("collective", ">10", "collective"), ("wire", ">7", "wire"),
+        ("params", "d", "parameters"), ("k", "d", "k"), ("sent/rank mean", ".0f", "sent_mean"),
+        ("sent max", ".0f", "sent_max"), ("recv max", ".0f", "received_max"),
+        ("all steps", ".0f", "sent_mean_all_steps"), ("vs dense", ".4f", lambda r: ratio(r, "dense", "plain")),
+        ("vs gtopk", ".4f", lambda r: ratio(r, "gtopk", r["wire"])),
+        ("vs plain", ".4f", lambda r: ratio(r, r["collective"], "plain")), ("s/step", ".3f", "seconds_median"),
+        *([("iface/step", ".0f", "interface_per_step_mean"), ("iface/stats", ".4f", "interface_over_stats")]
+          if args.counters else [])]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
-from bench.harness import report
+from bench.harness import cli, report
 from bench.harness.traffic import METHODS, SPARSE_METHODS, WIRES, features
 from bench.harness.traffic import bytes_per_rank as bytes_per_rank  # part of the model: tests check it here
 
@@ -191,14 +191,6 @@ def comm_time(model: CostModel, method: str, numel: int, density: float | None, 
             + model.select * compute_scale * selected_elements(method, numel, local))
 
 
-def efficiency(model: CostModel, method: str, numel: int, density: float | None, world_size: int,
-               rate_bps: float, compute_s: float, compute_scale: float = 1.0, **layout) -> float:
-    """t_compute / (t_compute + t_comm): the fraction of P times one machine's throughput that P machines reach.
-    ``layout``: comm_time's wire, local, intra and inner."""
-    return compute_s / (compute_s + comm_time(model, method, numel, density, world_size, rate_bps, compute_scale,
-                                              **layout))
-
-
 def break_even_intra(model: CostModel, numel: int, density: float, world_size: int, local: int, beta: float,
                      share: float, compute_scale: float = 1.0, alpha_intra: float | None = None,
                      inner: str = "gtopk") -> float | None:
@@ -264,14 +256,12 @@ def two_level_series(densities: list[float]) -> list[tuple[str, float | None, st
 
 
 def predict(model: CostModel, args: argparse.Namespace) -> dict:
-    """Efficiency for every rate, world size and series, one level and two; the paper's comparison at its
+    """Scaling efficiency, t_compute / (t_compute + t_comm) (the fraction of P times one machine's throughput that
+    P machines reach), for every rate, world size and series, one level and two; the paper's comparison at its
     operating point; the time per step on two levels."""
-    table = {}
-    for rate in PREDICT_RATES:
-        for p in PREDICT_WORLD_SIZES:
-            for method, density, wire in series(args.densities):
-                table[(rate, p, label(method, density, wire))] = efficiency(
-                    model, method, args.numel, density, p, rate, args.compute_s, args.compute_scale, wire=wire)
+    table = {(rate, p, label(method, density, wire)): args.compute_s / (args.compute_s + comm_time(
+        model, method, args.numel, density, p, rate, args.compute_scale, wire=wire))
+        for rate in PREDICT_RATES for p in PREDICT_WORLD_SIZES for method, density, wire in series(args.densities)}
     paper = {}
     for density in args.densities:
         key = (PAPER["rate_bps"], PAPER["world_size"])
@@ -302,8 +292,7 @@ def print_report(fit_result: Fit, prediction: dict, args: argparse.Namespace) ->
         nominal = f" (nominal {8 / bps * 1e9:.3f}: x{beta * bps / 8:.3f})" if bps else ""
         print(f"  beta   {beta * 1e9:9.3f} ns per byte at {rate}{nominal}")
     print(f"  alpha_intra {model.alpha_intra * 1e6:.1f} us per message, beta_intra {model.beta_intra * 1e9:.3f} ns "
-          f"per byte" + (f" ({1 / model.beta_intra / 1e9:.2f} GB/s)" if model.beta_intra else "")
-          + " (inside an emulated node: its loopback)")
+          f"per byte (inside an emulated node: its loopback)")
     for name, text in (("select", "Gaussian-k selection, per gradient element"),
                        ("merge", "gTop-k merge, per element merged"),
                        ("scatter", "allgather scatter-add, per pair"),
@@ -332,12 +321,10 @@ def print_report(fit_result: Fit, prediction: dict, args: argparse.Namespace) ->
           f"x{model.wire_overhead():.3f}, per-element costs x{args.compute_scale:g}; one rank per machine, one link "
           f"each")
     for density in args.densities:
-        names = [label(m, d, w) for m, d, w in series([density])]
-        print(f"{'link':>8} {'P':>5} " + " ".join(f"{n:>20}" for n in names))
-        for rate in PREDICT_RATES:
-            for p in (2, 8, 32, 128, 1024):
-                print(f"{rate / 1e9:>5g}Gb/s {p:>5} "
-                      + " ".join(f"{prediction['table'][(rate, p, n)]:>20.3f}" for n in names))
+        print(report.table([(rate, p) for rate in PREDICT_RATES for p in (2, 8, 32, 128, 1024)], [
+            ("link", "", lambda row: f"{row[0] / 1e9:g}Gb/s"), ("P", "d", lambda row: row[1]),
+            *((name, ".3f", lambda row, name=name: prediction["table"][(*row, name)])
+              for name in (label(*s) for s in series([density])))]))
     print(f"\nat the paper's point (P = {PAPER['world_size']}, 1 Gbit/s): gTop-k's efficiency over")
     for density, by_wire in prediction["paper"].items():
         for wire, ratio in by_wire.items():
@@ -345,11 +332,10 @@ def print_report(fit_result: Fit, prediction: dict, args: argparse.Namespace) ->
                   f"allgather x{ratio['over_allgather']:.2f} (paper 1.1-1.7x)")
     print(f"\ntwo levels: nodes of {NODE_SIZE} ranks, one link per node to the switch; step seconds "
           f"(efficiency) at P = 32, 256, 1024")
-    names = [label(m, d, w) for m, d, w in two_level_series(args.densities)]
     for intra_name in INTRA_LINKS:
         for rate in TWO_LEVEL_RATES:
             print(f"  {intra_name} inside, {rate / 1e9:g} Gbit/s between nodes:")
-            for name in names:
+            for name in (label(*s) for s in two_level_series(args.densities)):
                 cells = [prediction["two_level"][(intra_name, rate, p, name)] for p in (32, 256, 1024)]
                 print(f"    {name:28} " + "  ".join(f"{c['step_s']:8.3f} s ({c['efficiency']:.3f})" for c in cells))
 
@@ -368,39 +354,42 @@ def plot_fit(axis, fit_result: Fit) -> None:
     times = [r["measured_s"] for r in fit_result.residuals] + [r["predicted_s"] for r in fit_result.residuals]
     bounds = [min(times) / 2, max(times) * 2]
     axis.plot(bounds, bounds, color="grey", linewidth=0.8)
-    axis.set_xscale("log")
-    axis.set_yscale("log")
-    axis.set_xlabel("measured s per exchange (emulated network)")
-    axis.set_ylabel("model s per exchange")
+    axis.set(xscale="log", yscale="log", xlabel="measured s per exchange (emulated network)",
+             ylabel="model s per exchange")
     axis.set_title(f"fit: {fit_result.quality['rows']} exchanges, R^2 {fit_result.quality['r2']:.3f}, median "
                    f"|error| {fit_result.quality['median_abs_rel_error']:.0%}", fontsize=10)
     axis.legend(fontsize=6)
 
 
+def plot_efficiency(axis, world_sizes, curves: list[tuple[str, float | None, str]], efficiency_of, title: str) -> None:
+    """Efficiency against P of each (method, density, wire) curve: ``efficiency_of(P, label)``; plain wire solid,
+    compact dashed."""
+    for method, density, wire in curves:
+        name = label(method, density, wire)
+        axis.plot(world_sizes, [efficiency_of(p, name) for p in world_sizes], color=COLOURS[method],
+                  linestyle="-" if wire == "plain" else "--", marker="o", markersize=3, label=name)
+    axis.set_xscale("log", base=2)
+    axis.set(ylim=(0, 1.02), xlabel="ranks P", ylabel="scaling efficiency")
+    axis.set_title(title, fontsize=9)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
+
+
 def plot(fit_result: Fit, prediction: dict, args: argparse.Namespace, path: Path) -> None:
-    """One level: efficiency against P at 1 and 10 Gbit/s for the first two densities (plain solid, compact
-    dashed), and the fit."""
+    """One level: efficiency against P (one rank per machine) at 1 and 10 Gbit/s for the first two densities,
+    and the fit."""
     figure, axes = report.pyplot().subplots(2, 2, figsize=(12, 9))
     panels = [(rate, density) for rate in PREDICT_RATES[:2] for density in args.densities[:2]][:3]
     for axis, (rate, density) in zip(axes.flat, panels):
-        for method, d, wire in series([density]):
-            axis.plot(PREDICT_WORLD_SIZES,
-                      [prediction["table"][(rate, p, label(method, d, wire))] for p in PREDICT_WORLD_SIZES],
-                      color=COLOURS[method], linestyle="-" if wire == "plain" else "--", marker="o", markersize=3,
-                      label=label(method, d, wire))
+        plot_efficiency(axis, PREDICT_WORLD_SIZES, series([density]),
+                        lambda p, name: prediction["table"][(rate, p, name)],
+                        f"{rate / 1e9:g} Gbit/s, density {density:g}: n = {args.numel / 1e6:g}M, compute "
+                        f"{args.compute_s * 1e3:g} ms,\nalpha {prediction['alpha'] * 1e6:.0f} us, per-element costs "
+                        f"x{args.compute_scale:g}")
         if rate == PAPER["rate_bps"]:
             axis.axvline(PAPER["world_size"], color="grey", linewidth=0.8)
             axis.annotate("paper: P=32, 1 Gbit/s\ngTop-k 2.7-12x dense,\n1.1-1.7x allgather",
                           (PAPER["world_size"], 0.55), xytext=(40, 0.6), fontsize=8)
-        axis.set_xscale("log", base=2)
-        axis.set_ylim(0, 1.02)
-        axis.set_title(f"{rate / 1e9:g} Gbit/s, density {density:g}: n = {args.numel / 1e6:g}M, compute "
-                       f"{args.compute_s * 1e3:g} ms,\nalpha {prediction['alpha'] * 1e6:.0f} us, per-element costs "
-                       f"x{args.compute_scale:g}", fontsize=9)
-        axis.set_xlabel("ranks P (one per machine)")
-        axis.set_ylabel("scaling efficiency")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
     plot_fit(axes.flat[3], fit_result)
     figure.tight_layout()
     report.save(figure, path)
@@ -410,23 +399,11 @@ def plot_two_level(prediction: dict, args: argparse.Namespace, path: Path) -> No
     """Two levels: efficiency against P for nodes of NODE_SIZE ranks, per intra-node link and node link rate, at
     the first density."""
     density = args.densities[0]
-    panels = [(intra, rate) for intra in INTRA_LINKS for rate in TWO_LEVEL_RATES[:2]]
     figure, axes = report.pyplot().subplots(2, 2, figsize=(12, 9))
-    for axis, (intra, rate) in zip(axes.flat, panels):
-        for method, d, wire in two_level_series([density]):
-            name = label(method, d, wire)
-            axis.plot(TWO_LEVEL_WORLD_SIZES,
-                      [prediction["two_level"][(intra, rate, p, name)]["efficiency"] for p in TWO_LEVEL_WORLD_SIZES],
-                      color=COLOURS[method], linestyle="-" if wire == "plain" else "--", marker="o", markersize=3,
-                      label=name)
-        axis.set_xscale("log", base=2)
-        axis.set_ylim(0, 1.02)
-        axis.set_title(f"{intra} inside nodes of {NODE_SIZE}, {rate / 1e9:g} Gbit/s per node; density {density:g}",
-                       fontsize=10)
-        axis.set_xlabel("ranks P")
-        axis.set_ylabel("scaling efficiency")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+    for axis, (intra, rate) in zip(axes.flat, [(i, r) for i in INTRA_LINKS for r in TWO_LEVEL_RATES[:2]]):
+        plot_efficiency(axis, TWO_LEVEL_WORLD_SIZES, two_level_series([density]),
+                        lambda p, name: prediction["two_level"][(intra, rate, p, name)]["efficiency"],
+                        f"{intra} inside nodes of {NODE_SIZE}, {rate / 1e9:g} Gbit/s per node; density {density:g}")
     figure.suptitle(f"n = {args.numel / 1e6:g}M, compute {args.compute_s * 1e3:g} ms per iteration, no overlap, "
                     f"alpha {prediction['alpha'] * 1e6:.0f} us between nodes, per-element costs "
                     f"x{args.compute_scale:g}", fontsize=10)
@@ -435,8 +412,7 @@ def plot_two_level(prediction: dict, args: argparse.Namespace, path: Path) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser(__doc__)
     parser.add_argument("--json", type=Path, nargs="+", required=True,
                         help="bench/netem_scaling.py's JSON files (their rows are fitted together)")
     parser.add_argument("--numel", type=float, default=25.6e6, help="gradient elements (ResNet-50: 25.6M)")
@@ -462,25 +438,21 @@ def main(argv: list[str] | None = None) -> int:
     model = fit_result.model if args.alpha_s is None else replace(fit_result.model, alpha=args.alpha_s)
     prediction = predict(model, args)
     print_report(fit_result, prediction, args)
-    for path, draw in ((args.plot, lambda: plot(fit_result, prediction, args, args.plot)),
-                       (args.plot_two_level, lambda: plot_two_level(prediction, args, args.plot_two_level))):
-        if path:
-            draw()
-            print(f"wrote {path}")
+    if args.plot:
+        plot(fit_result, prediction, args, args.plot)
+    if args.plot_two_level:
+        plot_two_level(prediction, args, args.plot_two_level)
     if args.out:
-        args.out.write_text(json.dumps({
-            "model": asdict(fit_result.model), "wire_overhead": fit_result.model.wire_overhead(),
-            "quality": fit_result.quality, "residuals": fit_result.residuals,
-            "assumptions": {"numel": args.numel, "compute_s": args.compute_s, "compute_scale": args.compute_scale,
-                            "alpha_s": model.alpha,
-                            "node_size": NODE_SIZE, "intra_links": INTRA_LINKS},
-            "efficiency": [{"rate_bps": rate, "world_size": p, "series": name, "efficiency": value}
-                           for (rate, p, name), value in prediction["table"].items()],
-            "two_level": [{"intra": intra, "rate_bps": rate, "world_size": p, "series": name, **value}
-                          for (intra, rate, p, name), value in prediction["two_level"].items()],
-            "paper_point": {str(d): v for d, v in prediction["paper"].items()},
-            "hierarchical_against_flat": hierarchical_against_flat(fit_result)}, indent=1))
-        print(f"wrote {args.out}")
+        report.write_json(
+            args.out, args, model=asdict(fit_result.model), wire_overhead=fit_result.model.wire_overhead(),
+            quality=fit_result.quality, residuals=fit_result.residuals,
+            assumptions={"alpha_s": model.alpha, "node_size": NODE_SIZE, "intra_links": INTRA_LINKS},
+            efficiency=[{"rate_bps": rate, "world_size": p, "series": name, "efficiency": value}
+                        for (rate, p, name), value in prediction["table"].items()],
+            two_level=[{"intra": intra, "rate_bps": rate, "world_size": p, "series": name, **value}
+                       for (intra, rate, p, name), value in prediction["two_level"].items()],
+            paper_point={str(d): v for d, v in prediction["paper"].items()},
+            hierarchical_against_flat=hierarchical_against_flat(fit_result))
     return 0
 
 

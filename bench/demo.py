@@ -34,24 +34,21 @@ from __future__ import annotations
 
 import argparse
 import math
-from itertools import accumulate
 import os
 import statistics
-import time
+from itertools import accumulate
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 import gtopk_ext as gx
-from bench.digits import MODELS, load_digits_split, make_model
+from bench.digits import load_digits_split, make_model
+from bench.emulated_network import TxCounter
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.methods import hook_state
-from bench.harness.train import epoch_batches, evaluate, reduced, slowest
-from gtopk_ext.collectives import ring_allreduce_bytes
+from bench.harness.methods import Recipe, attached, hook_state, recipe
+from bench.harness.train import Trainer, epoch_batches, evaluate, reduced, slowest, train_curve
 
 # method -> (compressor, collective, momentum correction) of the hook; None: DDP's own allreduce. With momentum
 # correction the hook applies --momentum and --weight-decay and the optimizer neither.
@@ -101,13 +98,6 @@ def recipe_for(density: float) -> str:
     return f"dgc-{density:g}"
 
 
-def make_optimizer(model: nn.Module, method: str, args: argparse.Namespace) -> torch.optim.SGD:
-    """SGD with ``args``' momentum and weight decay, or neither where the hook applies them."""
-    in_hook = momentum_in_hook(method)
-    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if in_hook else args.momentum,
-                           weight_decay=0.0 if in_hook else args.weight_decay)
-
-
 def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx.SparseGradState | None:
     """The hook's state of one run; ``args``: run_args' for that run."""
     if METHODS[method] is None:
@@ -122,68 +112,61 @@ def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx
                       clip_norm=args.clip_norm, **moved)
 
 
+def demo_recipe(method: str, density: float, args: argparse.Namespace) -> Recipe:
+    """The DDP method of one run: DDP's own allreduce, or the hook with :func:`make_hook_state`'s state."""
+    if METHODS[method] is None:
+        return recipe("ddp")
+    return Recipe(method, lambda ddp, world_size, _: attached(ddp, make_hook_state(method, density, args)),
+                  momentum_in_hook=momentum_in_hook(method))
+
+
+def demo_trainer(method: str, density: float, seed: int, args: argparse.Namespace, world_size: int) -> Trainer:
+    """One run's method on this rank; the same initial weights on every rank and for every method."""
+    return Trainer(demo_recipe(method, density, args), make_model(args.model, seed), args, world_size)
+
+
+def batch_loss(x: torch.Tensor, y: torch.Tensor):
+    return lambda model: nn.functional.cross_entropy(model(x), y)
+
+
 def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple, method: str, density: float,
               seed: int, progress) -> dict:
-    """One DDP training run; every rank returns the same record (rank 0's evaluations, losses averaged over
-    ranks, step times as the slowest rank saw them)."""
+    """One DDP training run; every rank returns the same record (losses averaged over ranks, step times as the
+    slowest rank saw them, the model evaluated after every epoch)."""
     train_x, train_y, test_x, test_y = data
     args = run_args(args, method, density)
-    model = make_model(args.model, seed)  # the same initial weights on every rank and for every method
-    ddp = DistributedDataParallel(model)
-    state = make_hook_state(method, density, args)
-    if state is not None:
-        ddp.register_comm_hook(state, gx.sparse_grad_hook)
-    dense_bytes = ring_allreduce_bytes(sum(p.numel() * p.element_size() for p in model.parameters()), world_size)
-    optimizer = make_optimizer(model, method, args)
-    losses, step_seconds, bytes_sent, selected_over_k = [], [], [], []
-    evals = [(0, *evaluate(model, test_x, test_y))]
-    dist.barrier()
-    for epoch in range(args.epochs):
-        for index in epoch_batches(epoch, seed, len(train_y), rank, world_size, args.batch_size):
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(ddp(train_x[index]), train_y[index])
-            loss.backward()
-            optimizer.step()
-            step_seconds.append(time.perf_counter() - start)
-            losses.append(float(loss.detach()))
-            if state is None:
-                bytes_sent.append(dense_bytes)
-            else:
-                total = state.stats()["total"]
-                bytes_sent.append(total["bytes_sent"])
-                if is_sparse(method) and state.iter > args.start_iter:
-                    selected_over_k.append(total["selected"] / total["k"])
-            if progress is not None:
-                progress.update(1)
-        if rank == 0:  # DDP keeps the replicas identical: rank 0's model is everyone's
-            evals.append((len(losses), *evaluate(model, test_x, test_y)))
-            if progress is not None:
-                progress.set_postfix(loss=f"{statistics.fmean(losses[-10:]):.3f}", acc=f"{evals[-1][1]:.3f}")
-        dist.barrier()  # the evaluation stays out of the next step's time
+    trainer = demo_trainer(method, density, seed, args, world_size)
+    batches = [index for epoch in range(args.epochs)
+               for index in epoch_batches(epoch, seed, len(train_y), rank, world_size, args.batch_size)]
+    selected_over_k = []
 
-    mean_losses = reduced(losses) / world_size
-    slowest_seconds = slowest(step_seconds)
-    evals_tensor = torch.tensor(evals if rank == 0 else [(0, 0.0, 0.0)] * (args.epochs + 1), dtype=torch.float64)
-    dist.broadcast(evals_tensor, src=0)
-    steps_per_epoch = len(losses) // args.epochs
+    def count_selected(step: int) -> None:
+        if is_sparse(method) and trainer.accounting.state.iter > args.start_iter:
+            total = trainer.accounting.state.stats()["total"]
+            selected_over_k.append(total["selected"] / total["k"])
+
+    def evaluation(model: nn.Module) -> dict:
+        accuracy, loss = evaluate(model, test_x, test_y)
+        return {"test_accuracy": accuracy, "test_loss": loss}
+
+    curve, measured = train_curve(trainer, len(batches), lambda step: batch_loss(train_x[batches[step - 1]],
+                                                                                   train_y[batches[step - 1]]),
+                                  evaluation, len(batches) // args.epochs, TxCounter(None), progress, count_selected)
+    losses = reduced([m["loss"] for m in measured]) / world_size
+    step_ms = 1e3 * slowest([m["seconds"] for m in measured])
+    bytes_sent = [m["bytes"] for m in measured]
     # Time and bytes per step at the target density: after both warm-ups, when the run is long enough.
     warmed_up = args.start_iter + args.warmup_steps
-    timed = slowest_seconds[warmed_up:] if len(slowest_seconds) > 2 * warmed_up else slowest_seconds[1:]
-    steady_bytes = bytes_sent[warmed_up:] or bytes_sent
+    timed = step_ms[warmed_up:] if len(step_ms) > 2 * warmed_up else step_ms[1:]
     return {
         "method": method, "density": density if is_sparse(method) else 1.0, "seed": seed, "recipe": args.recipe,
         "compressor": METHODS[method][0] if METHODS[method] else None,
         "collective": METHODS[method][1] if METHODS[method] else "ddp-allreduce",
-        "train_loss": mean_losses.tolist(),
-        "bytes_sent": bytes_sent,
-        "step_ms": (1e3 * slowest_seconds).tolist(),
-        "eval": [{"step": int(s), "test_accuracy": a, "test_loss": loss} for s, a, loss in evals_tensor.tolist()],
-        "final_test_accuracy": float(evals_tensor[-1, 1]),
-        "final_train_loss": float(mean_losses[-steps_per_epoch:].mean()),
-        "bytes_per_step": statistics.median(steady_bytes),
-        "total_bytes": sum(bytes_sent),
-        "ms_per_step": 1e3 * float(timed.median()),
+        "train_loss": losses.tolist(), "bytes_sent": bytes_sent, "step_ms": step_ms.tolist(), "eval": curve,
+        "final_test_accuracy": curve[-1]["test_accuracy"],
+        "final_train_loss": float(losses[-(len(batches) // args.epochs):].mean()),
+        "bytes_per_step": statistics.median(bytes_sent[warmed_up:] or bytes_sent), "total_bytes": sum(bytes_sent),
+        "ms_per_step": float(timed.median()),
         "selected_over_k": statistics.median(selected_over_k) if selected_over_k else None,
     }
 
@@ -197,7 +180,7 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, float, int]]:
 def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> list[dict]:
     """One rank: every run (or, with --overhead, the time per step only)."""
     if args.overhead:
-        return overhead(rank, args)
+        return overhead(rank, world_size, args)
     data = load_digits_split(seed=0)  # one fixed split for every run
     runs = planned_runs(args)
     steps = args.epochs * (len(data[1]) // (world_size * args.batch_size))
@@ -212,42 +195,28 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
     return records
 
 
-def overhead(rank: int, args: argparse.Namespace) -> list[dict]:
+def overhead(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
     """Time per step only (no evaluation): each method in turn, ``--overhead-repeats`` interleaved rounds of
     ``--overhead-steps`` steps after a warm-up; the slowest rank's median per round."""
     train_x, train_y, _, _ = load_digits_split(seed=0)
     configs = [(m, d) for m in args.methods for d in (args.densities if is_sparse(m) else [1.0])]
-    models = {}
-    for method, density in configs:
-        settings = run_args(args, method, density)
-        ddp = DistributedDataParallel(make_model(args.model, 0))
-        state = make_hook_state(method, density, settings)
-        if state is not None:
-            ddp.register_comm_hook(state, gx.sparse_grad_hook)
-        warmup = settings.start_iter + settings.warmup_steps + 3
-        models[(method, density)] = (ddp, make_optimizer(ddp, method, settings), warmup)
+    trainers = {config: demo_trainer(*config, 0, run_args(args, *config), world_size) for config in configs}
     batches = torch.Generator().manual_seed(rank)
 
-    def timed_steps(config, steps: int) -> list[float]:
-        ddp, optimizer, _ = models[config]
-        seconds = []
-        for _ in range(steps):
-            index = torch.randint(0, len(train_y), (args.batch_size,), generator=batches)
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(ddp(train_x[index]), train_y[index]).backward()
-            optimizer.step()
-            seconds.append(time.perf_counter() - start)
-        return seconds
+    def step_seconds(config) -> float:
+        index = torch.randint(0, len(train_y), (args.batch_size,), generator=batches)
+        return trainers[config].measured_step(batch_loss(train_x[index], train_y[index]), TxCounter(None))["seconds"]
 
     for config in configs:
-        timed_steps(config, models[config][2])
+        settings = run_args(args, *config)
+        for _ in range(settings.start_iter + settings.warmup_steps + 3):
+            step_seconds(config)
     medians = {config: [] for config in configs}
     for repeat in range(args.overhead_repeats):
         shift = repeat % len(configs)
         for config in configs[shift:] + configs[:shift]:  # interleaved, so drifts of a busy machine spread
-            dist.barrier()
-            medians[config].append(1e3 * float(slowest(timed_steps(config, args.overhead_steps)).median()))
+            seconds = [step_seconds(config) for _ in range(args.overhead_steps)]
+            medians[config].append(1e3 * float(slowest(seconds).median()))
     return [{"method": m, "density": d, "ms_per_step_rounds": ms} for (m, d), ms in medians.items()]
 
 
@@ -273,16 +242,14 @@ def summarize(records: list[dict]) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     dense = next((r for r in rows if r["method"] == "dense"), None)
-    print(f"{'method':<23}{'density':>8}{'test acc':>10}{'(min-max)':>14}{'vs dense':>9}{'train loss':>11}"
-          f"{'B/step':>11}{'total MB':>10}{'vs dense':>9}{'ms/step':>9}{'sel/k':>7}")
-    for r in rows:
-        spread = f"({100 * r['test_accuracy_min']:.1f}-{100 * r['test_accuracy_max']:.1f})"
-        gap = f"{100 * (r['test_accuracy'] - dense['test_accuracy']):+.2f}pp" if dense else "-"
-        share = f"{100 * r['total_bytes'] / dense['total_bytes']:.2f}%" if dense else "-"
-        selected = f"{r['selected_over_k']:.2f}" if r["selected_over_k"] is not None else "-"
-        print(f"{r['method']:<23}{r['density']:>8g}{100 * r['test_accuracy']:>9.2f}%{spread:>14}{gap:>9}"
-              f"{r['train_loss']:>11.4f}{r['bytes_per_step']:>11.0f}{r['total_bytes'] / 1e6:>10.2f}{share:>9}"
-              f"{r['ms_per_step']:>9.2f}{selected:>7}")
+    print(report.table(rows, [
+        ("method", "", "method"), ("density", "g", "density"), ("test acc", ".2%", "test_accuracy"),
+        ("(min-max)", "", lambda r: f"({100 * r['test_accuracy_min']:.1f}-{100 * r['test_accuracy_max']:.1f})"),
+        ("vs dense", "+.2f", lambda r: dense and 100 * (r["test_accuracy"] - dense["test_accuracy"])),
+        ("train loss", ".4f", "train_loss"), ("B/step", ".0f", "bytes_per_step"),
+        ("total MB", ".2f", lambda r: r["total_bytes"] / 1e6),
+        ("vs dense", ".2%", lambda r: dense and r["total_bytes"] / dense["total_bytes"]),
+        ("ms/step", ".2f", "ms_per_step"), ("sel/k", ".2f", "selected_over_k")]))
 
 
 def mean_curve(records: list[dict], key) -> list[float]:
@@ -300,48 +267,37 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 
 def plot(records: list[dict], path: Path, title: str) -> None:
+    """Test accuracy and training loss (a moving average) against steps and against MB sent, means over seeds."""
     fig, axes = report.pyplot().subplots(2, 2, figsize=(13, 8.5))
-    import matplotlib.ticker
-
     colors = dict(zip(METHODS, ("black", "tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
                                 "tab:brown")))
     densities = sorted({r["density"] for r in records if r["density"] < 1.0}, reverse=True)
-    styles = dict(zip(densities, ("-", "--", ":", "-.")))
     steps = len(records[0]["train_loss"])
     window = max(1, steps // 40)
     for key in dict.fromkeys((r["method"], r["density"]) for r in records):
         group = [r for r in records if (r["method"], r["density"]) == key]
         method, density = key
-        label = method if density == 1.0 else f"{method} d={density:g}"
-        style = dict(color=colors[method], linestyle=styles.get(density, "-"), linewidth=1.6 if density == 1.0 else 1.3)
+        style = dict(color=colors[method], linestyle=dict(zip(densities, ("-", "--", ":", "-."))).get(density, "-"))
         cumulative_mb = [b / 1e6 for b in accumulate(mean_curve(group, lambda r: r["bytes_sent"]))]
         loss = smooth(mean_curve(group, lambda r: r["train_loss"]), window)
         eval_steps = [e["step"] for e in group[0]["eval"]]
         accuracy = [100 * a for a in mean_curve(group, lambda r: [e["test_accuracy"] for e in r["eval"]])]
-        eval_mb = [cumulative_mb[s - 1] for s in eval_steps[1:]]  # the untrained model (step 0) sent nothing
-        axes[0, 0].plot(eval_steps, accuracy, marker=".", label=label, **style)
-        axes[0, 1].plot(eval_mb, accuracy[1:], marker=".", **style)
+        axes[0, 0].plot(eval_steps, accuracy, marker=".", label=method if density == 1.0 else f"{method} d={density:g}",
+                        **style)
+        axes[0, 1].plot([cumulative_mb[s - 1] for s in eval_steps[1:]], accuracy[1:], marker=".", **style)
         axes[1, 0].plot(range(1, steps + 1), loss, **style)
         axes[1, 1].plot(cumulative_mb, loss, **style)
-    for ax in axes[:, 1]:
-        ax.set_xscale("log")
-        ax.set_xlabel("MB sent per rank (cumulative, log scale)")
-    for ax in axes[:, 0]:
-        ax.set_xlabel("step")
     lowest_final = min(100 * r["final_test_accuracy"] for r in records)
+    for ax in axes[:, 0]:
+        ax.set(xlabel="step")
+    for ax in axes[:, 1]:
+        ax.set(xlabel="MB sent per rank (cumulative)", xscale="log")
     for ax in axes[0]:  # the final accuracies are what differ: the axis starts a little below the lowest
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_ylim(min(max(0, lowest_final - 15), 80), 100)
+        ax.set(ylabel="test accuracy (%)", ylim=(min(max(0, lowest_final - 15), 80), 100))
     for ax in axes[1]:
-        ax.set_ylabel(f"training loss (moving average of {window} steps)")
-        ax.set_yscale("log")
-    plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")  # 0.1, not 10^-1, on log axes
+        ax.set(ylabel=f"training loss (moving average of {window} steps)", yscale="log")
     for ax in axes.flat:
-        ax.grid(True, which="both", alpha=0.3)
-        for axis in (ax.xaxis, ax.yaxis):
-            if axis.get_scale() == "log":
-                axis.set_major_formatter(plain)
-                axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        report.finish_axis(ax)
     fig.suptitle(title)
     fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.965), ncol=4, fontsize=9, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
@@ -349,22 +305,16 @@ def plot(records: list[dict], path: Path, title: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=4, help="Gloo processes (DDP ranks)")
+    parser = cli.parser(__doc__)
+    cli.add_common(parser, world_size=4, seeds=[0], model="cnn", batch_size=16, lr=0.05, momentum=0.9,
+                   no_progress=False)
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
                         metavar="METHOD", help=f"what to train with: dense (DDP's allreduce), hook-dense (the "
                         f"hook's dense collective), or the hook as <compressor>-<collective>[-mc: momentum "
                         f"correction][-recipe: its density's recipe]; one of {', '.join(METHODS)}")
     parser.add_argument("--densities", nargs="+", type=float, default=[0.01, 0.001],
                         help="the sparse methods' densities: each runs at every one")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="one run per seed and method")
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training digits")
-    parser.add_argument("--model", choices=MODELS, default="cnn", help="the network trained on the digits")
-    parser.add_argument("--batch-size", type=int, default=16, help="examples per rank per step")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD's learning rate")
-    parser.add_argument("--momentum", type=float, default=0.9,
-                        help="SGD's momentum (in the hook instead, for the -mc and -recipe methods)")
     parser.add_argument("--weight-decay", type=float, default=0.0,
                         help="SGD's weight decay (in the hook instead, for the -mc and -recipe methods)")
     parser.add_argument("--start-iter", type=int, default=2, help="dense iterations before the residuals start")
@@ -388,7 +338,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overhead-repeats", type=int, default=5,
                         help="repeats of the timed steps with --overhead (the median is reported)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before failing")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     cli.add_worker_arg(parser)
     args = parser.parse_args(argv)
     if args.recipe is not None:
@@ -439,20 +388,15 @@ def main(argv: list[str] | None = None) -> None:
     # The ranks run on loopback for as long as it takes (--timeout bounds each collective).
     measured = run_group("bench.demo", args.world_size, args, math.inf)
     if args.overhead:
-        rows = measured
-        baseline = next((statistics.median(r["ms_per_step_rounds"]) for r in rows if r["method"] == "dense"), None)
+        rows = [{**r, "ms_per_step": statistics.median(r["ms_per_step_rounds"])} for r in measured]
+        dense = next((r["ms_per_step"] for r in rows if r["method"] == "dense"), None)
         print(f"time per step, {setting}; median of {args.overhead_repeats} interleaved rounds of "
               f"{args.overhead_steps} steps (each round: the slowest rank's median)")
-        print(f"{'method':<23}{'density':>8}{'ms/step':>9}{'(min-max)':>16}{'vs dense':>9}")
-        for r in rows:
-            ms = r["ms_per_step_rounds"]
-            r["ms_per_step"] = statistics.median(ms)
-            ratio = f"{r['ms_per_step'] / baseline:.2f}x" if baseline else "-"
-            print(f"{r['method']:<23}{r['density']:>8g}{r['ms_per_step']:>9.2f}"
-                  f"{f'({min(ms):.2f}-{max(ms):.2f})':>16}{ratio:>9}")
-        path = args.out / "overhead.json"
-        report.write_json(path, args, rows=rows)
-        print(f"wrote {path}")
+        print(report.table(rows, [
+            ("method", "", "method"), ("density", "g", "density"), ("ms/step", ".2f", "ms_per_step"),
+            ("(min-max)", "", lambda r: f"({min(r['ms_per_step_rounds']):.2f}-{max(r['ms_per_step_rounds']):.2f})"),
+            ("vs dense", ".2f", lambda r: dense and r["ms_per_step"] / dense)]))
+        report.write_json(args.out / "overhead.json", args, rows=rows)
         return
 
     records = measured
@@ -466,7 +410,6 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows)
     report.write_json(args.out / "demo.json", args, table=rows, runs=records)
     plot(records, args.out / "demo.png", f"{setting}; {args.epochs} epochs, mean of seeds {seeds}")
-    print(f"wrote {args.out / 'demo.json'} and {args.out / 'demo.png'}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,15 @@ def make_model(name: str = "cnn", seed: int = 0) -> nn.Module:
             nn.Flatten(), nn.Linear(64 * 4 * 4, 512), nn.ReLU(), nn.Linear(512, 10),
         )
     if name == "mlp":
-        return nn.Sequential(nn.Flatten(), nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                             nn.Linear(512, 10))
+        return mlp([512, 512], seed)
     raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+
+
+def mlp(widths: list[int], seed: int = 0, inputs: int = 64) -> nn.Module:
+    """Linear layers ``inputs`` -> each of ``widths`` -> 10 classes with ReLUs between, the input flattened first;
+    the same initial weights for the same seed."""
+    torch.manual_seed(seed)
+    layers, width = [nn.Flatten()], inputs
+    for hidden in widths:
+        layers, width = [*layers, nn.Linear(width, hidden), nn.ReLU()], hidden
+    return nn.Sequential(*layers, nn.Linear(width, 10))

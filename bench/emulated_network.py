@@ -3,7 +3,7 @@ through a veth pair whose both ends ``tc tbf`` limits to a rate, so a link behav
 of that rate. Needs root, ``ip`` and ``tc`` (iproute2) with tbf; everything it creates is removed on close, on
 failure and on SIGINT/SIGTERM. The addresses (10.77.0.0/24) exist only inside these namespaces.
 
-bench/harness/launch.py starts the ranks inside them: a benchmark's workers (``run_ranks``), or one torchrun agent
+bench/harness/launch.py starts the ranks inside them: a benchmark's workers (``run_group``), or one torchrun agent
 per emulated node (``run_torchrun``: a namespace holds a node's ranks, which talk to each other over its loopback,
 unshaped); ``python -m bench.emulated_network torchrun ...`` runs a training script that way:
 
@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 SUBNET = "10.77.0"  # private, and only ever assigned inside this module's own namespaces
@@ -49,20 +50,35 @@ def run_ip(*argv: str) -> None:
         raise RuntimeError(f"`ip {' '.join(argv)}` failed: {result.stderr.strip()}")
 
 
+def unwind_on_sigterm() -> None:
+    """SIGTERM unwinds like SIGINT, so the callers' finally blocks (and atexit) remove what they made."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 class Network:
     """One bridge namespace and ``world_size`` host namespaces (a rank each, or a node's ranks under torchrun),
-    each linked to the bridge by a veth pair. ``close()`` deletes the namespaces, which deletes every link and
-    qdisc in them."""
+    each linked to the bridge by a veth pair, limited to ``rate_bps`` (None: unshaped). ``close()`` deletes the
+    namespaces, which deletes every link and qdisc in them: on leaving its ``with`` block, at exit and on SIGTERM."""
 
-    def __init__(self, prefix: str, world_size: int):
+    def __init__(self, prefix: str, world_size: int, rate_bps: int | None = None):
         self.bridge_ns = f"{prefix}{os.getpid()}-br"
         self.rank_ns = [f"{prefix}{os.getpid()}-r{rank}" for rank in range(world_size)]
         self.created: list[str] = []
+        atexit.register(self.close)
+        unwind_on_sigterm()
         try:
             self._build()
+            if rate_bps is not None:
+                self.limit(rate_bps)
         except BaseException:
             self.close()
             raise
+
+    def __enter__(self) -> "Network":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _add_ns(self, name: str) -> None:
         run_ip("netns", "add", name)
@@ -150,28 +166,6 @@ class TxCounter:
         return int(self.path.read_text()) if self.path else 0
 
 
-class Networks:
-    """The networks of one run, all deleted by ``close()``, at exit, and on SIGTERM (which unwinds like SIGINT, so
-    the callers' finally blocks run)."""
-
-    def __init__(self, prefix: str):
-        self.prefix = prefix
-        self.open: list[Network] = []
-        atexit.register(self.close)
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-
-    def create(self, world_size: int, rate_bps: int | None = None) -> Network:
-        network = Network(self.prefix, world_size)
-        self.open.append(network)
-        if rate_bps is not None:
-            network.limit(rate_bps)
-        return network
-
-    def close(self) -> None:
-        while self.open:
-            self.open.pop().close()
-
-
 def node_tx_bytes(network: Network) -> list[int]:
     """Bytes each node has sent on its link so far."""
     return [int(subprocess.run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{RANK_IFNAME}/statistics/tx_bytes"],
@@ -179,6 +173,9 @@ def node_tx_bytes(network: Network) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from bench.harness import cli  # here: the harness imports this module
+    from bench.harness.launch import run_torchrun
+
     parser = argparse.ArgumentParser(description="Run a training script under torchrun on emulated nodes: one "
                                                  "network namespace and one torchrun agent per node, the node's "
                                                  "ranks inside it, a tbf-limited link from each node to a switch.")
@@ -187,34 +184,23 @@ def main(argv: list[str] | None = None) -> None:
                                                     "script.py [script arguments]")
     torchrun.add_argument("--nnodes", type=int, default=2)
     torchrun.add_argument("--nproc-per-node", type=int, default=2)
-    torchrun.add_argument("--rate", type=parse_rate, default=parse_rate("1gbit"), help="each node's link")
-    torchrun.add_argument("--loopback", action="store_true", help="no namespaces, no shaping")
     torchrun.add_argument("--max-restarts", type=int, default=0)
-    torchrun.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
-    torchrun.add_argument("--prefix", default="gxtr", help="name prefix of the namespaces this run creates")
+    cli.add_network_args(torchrun, prefix="gxtr")
     torchrun.add_argument("script", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = parser.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not script:
         parser.error("name the training script after --")
-    loopback = runs_on_loopback("bench.emulated_network", args.loopback)
-    networks = Networks(args.prefix)
-    try:
-        network = None if loopback else networks.create(args.nnodes, args.rate)
-        print(f"{args.nnodes} nodes x {args.nproc_per_node} ranks over {network_name(None if loopback else args.rate)}",
-              flush=True)
+    rate = cli.link_rate("bench.emulated_network", args)
+    with (nullcontext() if rate is None else Network(args.prefix, args.nnodes, rate)) as network, \
+            tempfile.TemporaryDirectory() as workdir:
+        print(f"{args.nnodes} nodes x {args.nproc_per_node} ranks over {network_name(rate)}", flush=True)
         before = node_tx_bytes(network) if network else []
-        with tempfile.TemporaryDirectory() as workdir:
-            from bench.harness.launch import run_torchrun  # here: bench.harness.launch imports this module
-
-            run_torchrun(script, args.nnodes, args.nproc_per_node, network, Path(workdir), f"run{os.getpid()}",
-                         args.timeout, args.max_restarts)
+        run_torchrun(script, args.nnodes, args.nproc_per_node, network, Path(workdir), f"run{os.getpid()}",
+                     args.timeout, args.max_restarts)
         if network:
             sent = [after - b for after, b in zip(node_tx_bytes(network), before)]
             print(f"bytes sent on the inter-node links: {sum(sent)} ({', '.join(map(str, sent))} per node)")
-    finally:
-        networks.close()
-
 
 if __name__ == "__main__":
     main()

@@ -13,17 +13,9 @@ for every method). Validation: the mean cross-entropy (nats per byte) on ``--val
 held-out files, every ``--eval-every`` steps, split over the ranks, of the model the ranks share (for a local
 method between its exchanges: the mean of the replicas, formed by an allreduce that no count includes).
 
-Methods (``--methods``):
-
-    ddp, fp16, powersgd-2      DDP's allreduce, ``fp16_compress_hook``, PowerSGD rank 2 (bench/harness/methods.py)
-    gtopk-<d>                  gtopk_ext's hook, Gaussian-k + gTop-k at density d, momentum in the optimizer
-    dgc-<d>                    the same with momentum correction (momentum 0.9 in the hook, the optimizer none) and
-                               Deep Gradient Compression's sparsity warm-up (the ``--dgc-*`` flags)
-    dgc-pt-<d>                 dgc-<d> with per-tensor selection (each parameter its share of the bucket's k)
-    sparse-<coll>-<d>-<H>      gx.SparseLocalSGD: H local steps of the same inner SGD, then a sparse pseudo-gradient
-    sparse-<coll>-<d>-<H>-compact   the same on the compact wire (4 bytes a pair instead of 8)
-    diloco-<H>                 SparseLocalSGD with density 1 and the dense collective (DiLoCo)
-    postlocal-<H>              PyTorch's local SGD (PostLocalSGDOptimizer, PeriodicModelAverager every H steps)
+Methods (``--methods``): the names of bench/harness/methods.py, DDP hooks (``ddp``, ``fp16``, ``powersgd-2``,
+``gtopk-<d>``, ``dgc-<d>``, ``dgc-pt-<d>``) and local methods (``sparse-<coll>-<d>-<H>[-compact]``, ``diloco-<H>``,
+``postlocal-<H>``).
 
 For gtopk_ext's hook it also counts, after every compressed step, the elements of each parameter that the step
 updated (the nonzeros of its reduced gradient), grouped as embeddings, LayerNorms, attention, MLP and the output
@@ -50,7 +42,6 @@ import os
 import platform
 import sys
 import sysconfig
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -61,7 +52,7 @@ from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
 from bench.harness.methods import START_ITER, add_dgc_arguments, label, method_name, numel_of
-from bench.harness.train import Trainer, load_consensus, reduced, slowest
+from bench.harness.train import Trainer, reduced, train_curve
 
 DEFAULT_METHODS = ("ddp", "fp16", "powersgd-2", "gtopk-0.01", "gtopk-0.001", "dgc-0.01", "dgc-0.001",
                    "sparse-gtopk-0.05-10", "dgc-pt-0.001", "diloco-10")
@@ -195,62 +186,45 @@ def updated_per_group(model: nn.Module, groups: list[str]) -> dict[str, int]:
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, val_batches: torch.Tensor, rank: int, world_size: int) -> float:
+def validation_loss(model: nn.Module, val_batches: torch.Tensor, rank: int, world_size: int) -> dict:
     """Mean loss over every validation window, each rank evaluating its share (an allreduce of the sums)."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     for batch in val_batches[rank::world_size].split(16):
-        total[0] += float(lm_loss(model, batch)) * len(batch)
-        total[1] += len(batch)
+        total += torch.tensor([float(lm_loss(model, batch)) * len(batch), len(batch)], dtype=torch.float64)
     model.train()
     total = reduced(total.tolist())
-    return float(total[0] / total[1])
+    return {"val_loss": float(total[0] / total[1])}
 
 
 def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, train: torch.Tensor,
                val_batches: torch.Tensor, tx: TxCounter, progress) -> dict:
     config = model_config(args)
-    # the same initial weights for every method and rank
-    trainer = Trainer(name, TransformerLM(config, args.seed), args, world_size)
-    evaluation = TransformerLM(config, args.seed) if trainer.local is not None else None  # the replicas' mean
+    trainer = Trainer(name, TransformerLM(config, args.seed), args, world_size)  # the same weights for all
     groups = [parameter_group(n) for n, _ in trainer.model.named_parameters()]
-    sparse_hook = name.startswith(("gtopk-", "dgc-"))  # gtopk_ext's hook: count what it updates
-
-    def point(step: int, seconds: float, tx_bytes: int) -> dict:
-        shared = trainer.model if trainer.synced() else load_consensus(trainer.model, evaluation, world_size)
-        return {"step": step, "val_loss": validation_loss(shared, val_batches, rank, world_size),
-                "seconds": float(slowest([seconds])), "bytes_sent": trainer.bytes_sent(), "tx_bytes": tx_bytes}
-
-    curve = [point(0, 0.0, 0)]
-    losses, seconds, tx_bytes, selections = [], 0.0, 0, []
     warmed_up = args.dgc_warmup if name.startswith("dgc-") else START_ITER  # steps before the target density
-    for step in range(1, args.steps + 1):
-        # One generator per step shared by the ranks: every rank draws the global batch and keeps its rows.
-        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-        batch = windows(train, world_size * args.batch_size, config.seq_len + 1, generator)
-        before, start = tx.read(), time.perf_counter()
-        rows = batch[rank * args.batch_size:(rank + 1) * args.batch_size]
-        losses.append(trainer.step(lambda model: lm_loss(model, rows)))
-        if step == args.steps:
-            trainer.finish()
-        seconds += time.perf_counter() - start
-        tx_bytes += tx.read() - before
-        if sparse_hook and step > warmed_up:
+    selections = []
+
+    def loss_at(step: int):  # one generator per step shared by the ranks: each draws the global batch, keeps its rows
+        batch = windows(train, world_size * args.batch_size, config.seq_len + 1,
+                        torch.Generator().manual_seed(args.seed * 1_000_003 + step))
+        return lambda model: lm_loss(model, batch[rank * args.batch_size:(rank + 1) * args.batch_size])
+
+    def count_updated(step: int) -> None:  # gtopk_ext's hook
+        if name.startswith(("gtopk-", "dgc-")) and step > warmed_up:
             selections.append(updated_per_group(trainer.model, groups))
-        if step % args.eval_every == 0 or step == args.steps:
-            curve.append(point(step, seconds, tx_bytes))
-        if progress is not None:
-            progress.set_postfix(loss=f"{losses[-1]:.3f}", val=f"{curve[-1]['val_loss']:.3f}", refresh=False)
-            progress.update()
-    mean_losses = reduced(losses)
+
+    curve, measured = train_curve(trainer, args.steps, loss_at,
+                                  lambda model: validation_loss(model, val_batches, rank, world_size),
+                                  args.eval_every, tx, progress, count_updated)
     numels = dict.fromkeys(GROUPS, 0)
     for group, p in zip(groups, trainer.model.parameters()):
         numels[group] += p.numel()
-    final = curve[-1]
     record = {"method": name, "label": label(name), "curve": curve,
-              "train_loss": (mean_losses / world_size).tolist(), "seconds": final["seconds"],
-              "final_val_loss": final["val_loss"], "bytes_sent": final["bytes_sent"], "tx_bytes": final["tx_bytes"],
-              "group_numel": numels, "load_average": os.getloadavg()}  # the machine's load while it ran
+              "train_loss": (reduced([m["loss"] for m in measured]) / world_size).tolist(),
+              **{key: curve[-1][key] for key in ("seconds", "bytes_sent", "tx_bytes")},
+              "final_val_loss": curve[-1]["val_loss"], "group_numel": numels,
+              "load_average": os.getloadavg()}  # the machine's load while it ran
     if selections:
         record["updated_per_step"] = {g: sum(s[g] for s in selections) / len(selections) for g in GROUPS}
     return record
@@ -302,18 +276,14 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| method | final val loss | vs DDP | MB sent / rank | bytes vs DDP | link MB / rank | seconds | updated "
-             "per step: " + ", ".join(GROUPS) + " |", "|---|---:|---:|---:|---:|---:|---:|---|"]
-    for row in rows:
-        versus = f"{row['loss_vs_ddp']:.3f}x" if row["loss_vs_ddp"] is not None else "-"
-        share = f"1/{1 / row['bytes_vs_ddp']:.0f}" if row["bytes_vs_ddp"] else "-"
-        updated = (", ".join(f"{100 * row['updated_share'][g]:.2g}%" for g in GROUPS)
-                   if "updated_share" in row else "-")
-        link = f"{row['tx_mb']:.1f}" if row["tx_mb"] else "-"  # the interface counter: emulated links only
-        lines.append(f"| {row['label']} | {row['final_val_loss']:.4f} | {versus} | {row['mb_sent']:.1f} | {share} | "
-                     f"{link} | {row['seconds']:.0f} | {updated} |")
-    return "\n".join(lines)
+COLUMNS = [("method", "", "label"), ("final val loss", ".4f", "final_val_loss"),
+           ("vs DDP", "", lambda r: r["loss_vs_ddp"] and f"{r['loss_vs_ddp']:.3f}x"),
+           ("MB sent / rank", ".1f", "mb_sent"),
+           ("bytes vs DDP", "", lambda r: r["bytes_vs_ddp"] and f"1/{1 / r['bytes_vs_ddp']:.0f}"),
+           ("link MB / rank", ".1f", lambda r: r["tx_mb"] or None),  # the interface counter: emulated links only
+           ("seconds", ".0f", "seconds"),
+           ("updated per step: " + ", ".join(GROUPS), "", lambda r: "updated_share" in r and ", ".join(
+               f"{100 * r['updated_share'][g]:.2g}%" for g in GROUPS) or None)]
 
 
 def setting(args: argparse.Namespace, parameters: int, corpus: dict) -> str:
@@ -326,25 +296,12 @@ def setting(args: argparse.Namespace, parameters: int, corpus: dict) -> str:
 
 def plot(records: list[dict], path: Path, title: str) -> None:
     """Validation loss against steps, training seconds and MB sent per rank, one line per method."""
-    fig, (by_step, by_time, by_bytes) = report.pyplot().subplots(1, 3, figsize=(17, 5.5))
-    for index, record in enumerate(records):
-        style = {"color": "black", "linewidth": 2} if record["method"] == "ddp" else {"color": f"C{index % 10}"}
-        curve = record["curve"]
-        loss = [c["val_loss"] for c in curve]
-        by_step.plot([c["step"] for c in curve], loss, marker=".", label=record["label"], **style)
-        by_time.plot([c.get("seconds", math.nan) for c in curve], loss, marker=".", **style)
-        sent = [(c["bytes_sent"] / 1e6, c["val_loss"]) for c in curve if c["bytes_sent"]]  # log axis: none at 0
-        by_bytes.plot(*zip(*sent), marker=".", **style)
-    by_step.set(xlabel="step", ylabel="validation loss (nats per byte)")
-    by_time.set(xlabel="training seconds (slowest rank)", ylabel="validation loss (nats per byte)")
-    by_bytes.set(xlabel="MB sent per rank", ylabel="validation loss (nats per byte)", xscale="log")
-    for ax in (by_step, by_time, by_bytes):
-        ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
-        ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle(title, fontsize=8, wrap=True)
-    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=3, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.86))
-    report.save(fig, path)
+    report.plot_curves(records, path, title, "validation loss (nats per byte)", lambda c: min(c["val_loss"], 6.0),
+                       [("step", lambda c: c["step"], "linear"),
+                        ("training seconds (slowest rank)", lambda c: c.get("seconds", math.nan), "linear"),
+                        ("MB sent per rank", lambda c: c["bytes_sent"] / 1e6, "log")],
+                       style=lambda i, r: {"color": "black", "linewidth": 2} if r["method"] == "ddp" else
+                       {"color": f"C{i % 10}"})
 
 
 def write_report(args: argparse.Namespace, measured: dict) -> list[dict]:
@@ -359,34 +316,25 @@ def write_report(args: argparse.Namespace, measured: dict) -> list[dict]:
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser(__doc__)
     parser.add_argument("--methods", nargs="+", type=method_name, default=list(DEFAULT_METHODS))
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=600, help="steps of every method")
-    parser.add_argument("--eval-every", type=int, default=50, help="a multiple of every local method's H")
-    parser.add_argument("--batch-size", type=int, default=8, help="windows per rank and step")
+    cli.add_common(parser, world_size=4, steps=600, eval_every=50, batch_size=8, lr=0.1, momentum=0.9, seed=0,
+                   json=None, plot=None, no_progress=False)  # --eval-every: a multiple of every local method's H
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=7)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=0.1, help="SGD (inner SGD of the local methods)")
-    parser.add_argument("--momentum", type=float, default=0.9, help="in the optimizer, or in the hook for dgc-")
     add_dgc_arguments(parser)
     parser.add_argument("--outer-lr", type=float, default=1.0, help="SparseLocalSGD and DiLoCo")
     parser.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov when > 0")
     parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's (default: its own, 25)")
     parser.add_argument("--val-percent", type=float, default=5.0, help="share of the files held out")
     parser.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len bytes")
-    parser.add_argument("--seed", type=int, default=0, help="initial weights and batches")
     cli.add_network_args(parser, prefix="gxlm", rate=None, timeout=4 * 3600.0,
                          timeout_help="Gloo's timeout and the whole run's, seconds")
-    parser.add_argument("--json", type=Path, help="settings, corpus, curves and table (rewritten after each method)")
-    parser.add_argument("--plot", type=Path, help="validation loss against steps, seconds and bytes (PNG)")
     parser.add_argument("--merge", type=Path, nargs="+",
                         help="run nothing: the table, --json and --plot of these reports' methods together (reports "
                              "of one configuration, written by parts of --methods)")
-    parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     cli.check_positive(parser, args, "world_size", "steps", "eval_every", "batch_size", "seq_len", "d_model", "layers",
                        "heads", "val_windows")
@@ -441,12 +389,9 @@ def present(args: argparse.Namespace, measured: dict) -> int:
     title = setting(args, parameters, corpus)
     print(f"\n{title}\n")
     rows = summarize(records) if args.json is None else write_report(args, measured)
-    print(markdown_table(rows))
+    print(report.table(rows, COLUMNS, markdown=True))
     if args.plot:
         plot(records, args.plot, title)
-        print(f"\nwrote {args.plot}")
-    if args.json:
-        print(f"wrote {args.json}")
     return 0
 
 

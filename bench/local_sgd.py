@@ -13,11 +13,9 @@ time in its steps and syncs, evaluation excluded) and the bytes a rank sent so f
 emulated network, from the rank's interface counter (TCP/IP headers included). Local methods sync after their
 last step when it is not a sync step already, so every method ends with one model.
 
-Methods (``--methods``): ``ddp``; ``hook-<collective>-<density>`` (gtopk_ext's DDP hook); ``postlocal-<H>``
-(PyTorch's local SGD: average the weights every H steps); ``diloco-<H>`` (SparseLocalSGD with density 1 and the
-dense collective); ``sparse-<collective>-<density>-<H>`` (SparseLocalSGD), ``sparse-<collective>-<density>-<H>-compact``
-on the compact wire (4 bytes a pair instead of 8). ``diloco-equal`` is DiLoCo with the H that gives it about the
-bytes of the first ``sparse-`` method in the list.
+Methods (``--methods``): the names of bench/harness/methods.py (``ddp``, ``hook-<collective>-<density>``,
+``postlocal-<H>``, ``diloco-<H>``, ``sparse-<collective>-<density>-<H>[-compact]``), and ``diloco-equal``: DiLoCo
+with the H that gives it about the bytes of the first ``sparse-`` method in the list.
 
     python -m bench.local_sgd --rate 100mbit --json local_sgd_100mbit.json --plot local_sgd_100mbit.png
     python -m bench.local_sgd --loopback --steps 64 --methods ddp diloco-8 sparse-gtopk-0.01-8
@@ -27,18 +25,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 
 import torch
-import torch.distributed as dist
 
 import gtopk_ext as gx
-from bench.digits import MODELS, load_digits_split, make_model
+from bench.digits import load_digits_split, make_model
 from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.methods import LocalMethod, label, method_name, numel_of, parse_local
-from bench.harness.train import Trainer, evaluate, load_consensus, slowest
+from bench.harness.methods import LocalMethod, label, method, method_name, numel_of
+from bench.harness.train import Trainer, evaluate, train_curve
 from gtopk_ext.collectives import ring_allreduce_bytes
 
 DEFAULT_METHODS = ("ddp", "hook-gtopk-0.01", "postlocal-16", "diloco-16", "sparse-gtopk-0.05-16", "diloco-equal",
@@ -57,7 +53,7 @@ def sync_bytes(method: LocalMethod, numel: int, world_size: int) -> float:
 
 
 def equal_bytes_period(sparse: LocalMethod, numel: int, world_size: int) -> int:
-    dense = LocalMethod("diloco", "diloco", 1)
+    dense = LocalMethod("diloco", 1)
     return max(1, round(sparse.period * sync_bytes(dense, numel, world_size) / sync_bytes(sparse, numel, world_size)))
 
 
@@ -68,21 +64,16 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
     shard = torch.arange(rank, len(train_y), world_size)
     batches = torch.Generator().manual_seed(1000 + rank)  # the same batches for every method
     trainer = Trainer(args.periods.get(name, name), make_model(args.model), args, world_size)
-    evaluation = make_model(args.model)
-    curve, seconds, tx_sent = [], 0.0, 0
-    for step in range(1, args.steps + 1):
+
+    def loss_at(step: int):
         index = shard[torch.randint(0, len(shard), (args.batch_size,), generator=batches)]
-        dist.barrier()  # every method's steps start together, as the slowest rank's time is what counts
-        before, start = tx.read(), time.perf_counter()
-        trainer.step(lambda model: torch.nn.functional.cross_entropy(model(train_x[index]), train_y[index]))
-        if step == args.steps:
-            trainer.finish()
-        seconds += time.perf_counter() - start
-        tx_sent += tx.read() - before
-        if step % args.eval_every == 0 or step == args.steps:
-            accuracy, loss = evaluate(load_consensus(trainer.model, evaluation, world_size), test_x, test_y)
-            curve.append({"step": step, "seconds": float(slowest([seconds])), "bytes_sent": trainer.bytes_sent(),
-                          "tx_bytes": tx_sent, "val_loss": loss, "accuracy": accuracy})
+        return lambda model: torch.nn.functional.cross_entropy(model(train_x[index]), train_y[index])
+
+    def evaluation(model) -> dict:
+        accuracy, loss = evaluate(model, test_x, test_y)
+        return {"val_loss": loss, "accuracy": accuracy}
+
+    curve, _ = train_curve(trainer, args.steps, loss_at, evaluation, args.eval_every, tx)
     return {"method": name, "label": label(args.periods.get(name, name)), "curve": curve}
 
 
@@ -115,38 +106,22 @@ def summarize(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def plot(runs: list[dict], path: str, title: str) -> None:
-    """Validation loss against training seconds and against MB sent per rank, one line per method."""
-    fig, (by_time, by_bytes) = report.pyplot().subplots(1, 2, figsize=(13, 5))
-    for index, run in enumerate(runs):
-        kind = run["method"].split("-")[0]
-        color = "black" if kind in ("ddp", "hook") else f"C{index % 10}"
-        line = {"hook": ":", "postlocal": "--", "diloco": "--"}.get(kind, "-")
-        curve = run["curve"]
-        loss = [c["val_loss"] for c in curve]
-        by_time.plot([c["seconds"] for c in curve], loss, line, color=color, label=run["label"], marker=".")
-        sent = [(c["bytes_sent"] / 1e6, c["val_loss"]) for c in curve if c["bytes_sent"]]  # log axis: none at 0
-        by_bytes.plot(*zip(*sent), line, color=color, marker=".")
-    by_time.set(xlabel="training seconds (slowest rank)", ylabel="validation loss", xscale="log", yscale="log")
-    by_bytes.set(xlabel="MB sent per rank", ylabel="validation loss", xscale="log", yscale="log")
-    for ax in (by_time, by_bytes):
-        ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle(title)
-    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.94), ncol=4, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.84))
-    report.save(fig, path)
+COLUMNS = [("method", "", "label"), ("val loss", ".4f", "val_loss"), ("vs DDP", "+.1%", "loss_vs_ddp"),
+           ("acc", ".3f", "accuracy"), ("seconds", ".1f", "seconds"), ("MB sent", ".3f", "mb_sent"),
+           ("bytes/DDP", "", lambda r: r["bytes_vs_ddp"] and f"1/{1 / r['bytes_vs_ddp']:.0f}"),
+           ("tx MB", ".2f", "tx_mb")]
+
+
+def line_style(index: int, run: dict) -> dict:
+    kind = run["method"].split("-")[0]
+    return {"color": "black" if kind in ("ddp", "hook") else f"C{index % 10}",
+            "linestyle": {"hook": ":", "postlocal": "--", "diloco": "--"}.get(kind, "-")}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=640, help="inner steps of every method")
-    parser.add_argument("--eval-every", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--model", choices=MODELS, default="mlp")
-    parser.add_argument("--lr", type=float, default=0.05, help="inner SGD")
-    parser.add_argument("--momentum", type=float, default=0.9, help="inner SGD")
+    parser = cli.parser(__doc__)
+    cli.add_common(parser, world_size=4, steps=640, eval_every=32, batch_size=32, model="mlp", lr=0.05, momentum=0.9,
+                   json=None, plot=None)
     # DiLoCo's published outer step (lr 0.7, Nesterov 0.9, for H = 500 AdamW steps of a language model)
     # overshoots on this task; lr 1 without momentum does best for every local method here.
     parser.add_argument("--outer-lr", type=float, default=1.0, help="DiLoCo and SparseLocalSGD")
@@ -154,15 +129,13 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                         type=lambda text: text if text == "diloco-equal" else method_name(text))
     cli.add_network_args(parser, prefix="gxlocalsgd", rate="100mbit", timeout=3600.0)
-    parser.add_argument("--json", default=None, help="write the settings, every curve and the table here")
-    parser.add_argument("--plot", default=None, help="write the loss curves here (PNG)")
     args = parser.parse_args()
     if cli.ran_as_worker(args, run_worker):
         return
     numel = numel_of(make_model(args.model))
     args.periods = {}  # diloco-equal is DiLoCo with this H
     if "diloco-equal" in args.methods:
-        sparse = next((parse_local(t) for t in args.methods if t.startswith("sparse-")), None)
+        sparse = next((method(t) for t in args.methods if t.startswith("sparse-")), None)
         if sparse is None:
             parser.error("diloco-equal needs a sparse-<collective>-<density>-<H> method in --methods")
         args.periods["diloco-equal"] = f"diloco-{equal_bytes_period(sparse, numel, args.world_size)}"
@@ -173,15 +146,12 @@ def main() -> None:
           f"{args.outer_lr}, Nesterov momentum {args.outer_momentum}", flush=True)
     runs = run_group("bench.local_sgd", args.world_size, args, args.timeout, rate_bps=rate, prefix=args.prefix)
     rows = summarize(runs)
-    print(f"{'method':<42}{'val loss':>9}{'vs DDP':>8}{'acc':>7}{'seconds':>9}{'MB sent':>10}{'bytes/DDP':>11}"
-          f"{'tx MB':>8}")
-    for row in rows:
-        versus = f"{100 * row['loss_vs_ddp']:+.1f}%" if row["loss_vs_ddp"] is not None else "-"
-        share = f"1/{1 / row['bytes_vs_ddp']:.0f}" if row["bytes_vs_ddp"] else "-"
-        print(f"{row['label']:<42}{row['val_loss']:>9.4f}{versus:>8}{row['accuracy']:>7.3f}{row['seconds']:>9.1f}"
-              f"{row['mb_sent']:>10.3f}{share:>11}{row['tx_mb']:>8.2f}")
-    if args.plot:
-        plot(runs, args.plot, f"{args.world_size} ranks, {links}, digits {args.model}, {args.steps} inner steps")
+    print(report.table(rows, COLUMNS))
+    if args.plot:  # validation loss against training seconds and MB sent per rank
+        report.plot_curves(runs, args.plot, f"{args.world_size} ranks, {links}, digits {args.model}, {args.steps} "
+                           f"inner steps", "validation loss", lambda c: c["val_loss"],
+                           [("training seconds (slowest rank)", lambda c: c["seconds"], "log"),
+                            ("MB sent per rank", lambda c: c["bytes_sent"] / 1e6, "log")], "log", line_style)
     if args.json:
         report.write_json(args.json, args, runs=runs, table=rows)
 

@@ -2,10 +2,8 @@
 compact wire) over links limited with ``tc tbf``, with the bytes each rank actually put on its link; and on two
 levels, the hierarchical collective against them.
 
-Every rank runs in its own network namespace with one veth link to a bridge in a namespace of its own, all of
-them created by this script (names ``<prefix><pid>-...``, addresses 10.77.0.0/24 that exist only inside them).
-Both ends of every link are limited with ``tc tbf`` to the rate under test, so a link behaves as a full-duplex
-Ethernet port of that rate. Gloo binds to the namespace's interface; bytes sent per rank come from the
+Every rank runs in its own network namespace behind a link of the rate under test (bench/emulated_network.py,
+names ``<prefix><pid>-...``); Gloo binds to the namespace's interface; bytes sent per rank come from the
 interface's ``tx_bytes`` counter (TCP/IP headers and ACKs included), next to the model's payload bytes.
 
 ``--local-size L`` groups L consecutive ranks into a node instead: one namespace per node, its ranks talking over
@@ -35,8 +33,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 from bench.emulated_network import TxCounter, check_can_emulate, cleanup_stale, parse_rate, rate_name
 from bench.harness import cli, report
@@ -44,25 +40,16 @@ from bench.harness.launch import run_group
 from bench.harness.traffic import METHODS, WIRES, bytes_per_rank, features
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What one exchange configuration does: skipped (with why) or repeated ``repeats`` times."""
-
-    predicted_s: float | None
-    repeats: int
-    skip: str | None
-
-
-def plan_exchange(model_bytes: float, rate_bps: int | None, args: argparse.Namespace) -> Plan:
-    """The same on every rank: a pure function of the configuration. Repetitions fill ``--seconds-per-config``
-    of predicted wire time, between 1 and ``--repeats``."""
+def plan_exchange(model_bytes: float, rate_bps: int | None,
+                  args: argparse.Namespace) -> tuple[float | None, int, str | None]:
+    """(predicted wire seconds, repetitions, why it is skipped or None), the same on every rank. Repetitions fill
+    ``--seconds-per-config`` of predicted wire time, between 1 and ``--repeats``."""
     if rate_bps is None:
-        return Plan(None, args.repeats, None)
+        return None, args.repeats, None
     predicted = model_bytes * 8 / rate_bps
     if predicted > args.max_wire_seconds:
-        return Plan(predicted, 0, f"predicted {predicted:.0f} s per exchange > --max-wire-seconds "
-                                  f"{args.max_wire_seconds:g}")
-    return Plan(predicted, max(1, min(args.repeats, int(args.seconds_per_config / max(predicted, 1e-9)))), None)
+        return predicted, 0, f"predicted {predicted:.0f} s per exchange > --max-wire-seconds {args.max_wire_seconds:g}"
+    return predicted, max(1, min(args.repeats, int(args.seconds_per_config / max(predicted, 1e-9)))), None
 
 
 # ----------------------------------------------------------------------------------------------- worker side
@@ -75,7 +62,6 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
     import gtopk_ext as gx
     from bench.harness.train import barrier_bytes, gathered, slowest
 
-    rate_bps = config["link_rate"]
     counter = TxCounter(config["ifname"])
     one_barrier = barrier_bytes(counter)  # each measurement is bracketed by barriers: not the exchange's traffic
 
@@ -89,60 +75,51 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
             exchange()
             times.append(time.perf_counter() - start_time)
         dist.barrier()
-        sent = (counter.read() - start_bytes - (repeats + 1) * one_barrier) / repeats
+        sent_per_rank = gathered((counter.read() - start_bytes - (repeats + 1) * one_barrier) / repeats)
         slowest_times = slowest(times).tolist()
-        sent_per_rank = gathered(sent)
         return {"time_s": statistics.median(slowest_times), "times_s": slowest_times,
-                "tx_bytes": statistics.mean(sent_per_rank) if config["ifname"] else None,
-                "tx_bytes_per_rank": sent_per_rank if config["ifname"] else None}
+                "tx_bytes": statistics.mean(sent_per_rank) if counter.path else None,
+                "tx_bytes_per_rank": sent_per_rank if counter.path else None}
 
-    # Warm-up: every collective once on a small message on each wire, with the collectives' header checks on
-    # (hierarchical: also creates the node groups).
-    local = args.local_size
+    # Warm-up: every exchange once on a small message with the collectives' header checks on (hierarchical: also
+    # creates the node groups).
     warm = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
-    warm_compressor = gx.make_compressor("gaussiank", density=0.01)
-    warm_msg = warm_compressor.compress(warm)
-    dist.all_reduce(warm.clone())
-    for wire in args.wires:
-        gx.collectives.sparse_allgather(warm_msg, wire=wire)
-        gx.collectives.gtopk_allreduce(warm_msg, wire=wire)
-        gx.collectives.oktopk_allreduce(warm_msg, wire=wire)
-    node_group = None
-    if local > 1:
-        gx.hierarchical.hierarchical_allreduce(warm, None, warm_compressor, warm_msg.k, local)
-        node_group = gx.hierarchical.node_groups(dist.group.WORLD, local)[0]
+    for method, _, wire, _ in configurations(args, world_size):
+        exchange_for(method, warm, gx.make_compressor("gaussiank", density=0.01), wire, None, args.local_size,
+                     check=True)()
+    node_group = gx.hierarchical.node_groups(dist.group.WORLD, args.local_size)[0] if args.local_size > 1 else None
 
     rows = []
     for numel in args.sizes:
         grad = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + 1))
-        messages, select_s = {}, {}
+        compressors, select_s = {}, {}
         for density in args.densities:
-            compressor = gx.make_compressor("gaussiank", density=density)
+            compressors[density] = gx.make_compressor("gaussiank", density=density)
             for turn in range(world_size):  # one rank at a time: the selection time of an idle machine
                 dist.barrier()
                 if turn == rank:
                     start_time = time.perf_counter()
-                    messages[density] = compressor.compress(grad)
+                    compressors[density].compress(grad)
                     elapsed = time.perf_counter() - start_time
-            select_s[density] = gathered(elapsed)
+            select_s[density] = statistics.median(gathered(elapsed))
         for method, density, wire, group_size in configurations(args, world_size):
-            k = numel if density is None else messages[density].k
-            model_bytes = link_bytes(method, numel, k, group_size, wire, local)
-            plan = plan_exchange(model_bytes, rate_bps, args)
-            row = {"method": method, "wire": wire, "local_size": min(local, group_size), "numel": numel,
-                   "density": density, "k": k, "world_size": group_size, "rate_bps": rate_bps,
-                   "rate": rate_name(rate_bps), "repeats": plan.repeats, "model_bytes": model_bytes,
-                   "predicted_wire_s": plan.predicted_s,
-                   "select_s": None if density is None else statistics.median(select_s[density]),
-                   "cores": os.cpu_count(), "skipped": plan.skip}
-            if plan.skip is None:
-                exchange = exchange_for(method, grad, messages.get(density), density, wire,
-                                        node_group if group_size < world_size else None, local)
-                row.update(measure(exchange, plan.repeats))
+            k = numel if density is None else compressors[density].k_for(numel)
+            local = min(args.local_size, group_size)
+            model_bytes = (bytes_per_rank(method, numel, k, group_size, wire) if local == 1
+                           else features(method, numel, k, group_size, 1.0, wire, local).get("beta", 0.0))
+            predicted, repeats, skip = plan_exchange(model_bytes, config["link_rate"], args)
+            row = {"method": method, "wire": wire, "local_size": local, "numel": numel, "density": density, "k": k,
+                   "world_size": group_size, "rate_bps": config["link_rate"], "rate": rate_name(config["link_rate"]),
+                   "repeats": repeats, "model_bytes": model_bytes, "predicted_wire_s": predicted,
+                   "select_s": select_s.get(density), "cores": os.cpu_count(), "skipped": skip}
+            if skip is None:
+                row.update(measure(exchange_for(method, grad, compressors.get(density), wire,
+                                                node_group if group_size < world_size else None, args.local_size),
+                                   repeats))
             rows.append(row)
             if rank == 0:
-                print(format_row(row), flush=True)
-        del grad, messages
+                print(report.table([row], COLUMNS, header=False), flush=True)
+        del grad
     return rows
 
 
@@ -150,77 +127,54 @@ def configurations(args: argparse.Namespace, world_size: int) -> list[tuple[str,
     """(method, density, wire, ranks it runs on) of every exchange measured on one group, in order: dense once
     (and inside a node when there are nodes), the sparse methods per density and wire, hierarchical (only with
     nodes; plain wire) per density."""
-    local = args.local_size
-    out = []
+    local, out = args.local_size, []
     for method in args.methods:
         if method == "dense":
-            out.append(("dense", None, "plain", world_size))
-            if local > 1:
-                out.append(("dense", None, "plain", local))
+            out += [("dense", None, "plain", size) for size in dict.fromkeys((world_size, local)) if size > 1]
         elif method == "hierarchical":
-            if local > 1:
-                out += [("hierarchical", density, "plain", world_size) for density in args.densities]
+            out += [("hierarchical", density, "plain", world_size) for density in args.densities if local > 1]
         else:
             out += [(method, density, wire, world_size) for density in args.densities for wire in args.wires]
     return out
 
 
-def link_bytes(method: str, numel: int, k: int, world_size: int, wire: str, local: int) -> float:
-    """What the model puts on a link in one exchange: a rank's bytes (one rank per link), or with nodes, the bytes
-    the node's link carries on the exchange's critical path (none for a dense allreduce inside the node)."""
-    if local == 1:
-        return bytes_per_rank(method, numel, k, world_size, wire)
-    return features(method, numel, k, world_size, 1.0, wire, min(local, world_size)).get("beta", 0.0)
-
-
-def exchange_for(method: str, grad, msg, density: float | None, wire: str, node_group, local: int):
-    """The exchange to time: one call of the collective, with the header agreement off (as the DDP hook runs
-    it after the warm-up has checked the headers). Ok-Topk's state is primed by one call first: the exchange
+def exchange_for(method: str, grad, compressor, wire: str, node_group, local: int, check: bool = False):
+    """The exchange to time: one call of the collective on ``compressor``'s message of ``grad``, with the header
+    agreement off (as the DDP hook runs it once agreed). Ok-Topk's state is primed by one call first: the exchange
     timed is a steady step, which reuses the regions and the threshold. ``node_group``: a dense allreduce inside
     the node instead of the whole group. Hierarchical selects inside the call (on its shard: k over the local
     ranks)."""
     import torch.distributed as dist
 
-    import gtopk_ext as gx
     from gtopk_ext import collectives, hierarchical
 
     if method == "dense":
         return lambda: dist.all_reduce(grad, group=node_group)
-    if method == "allgather":
-        return lambda: collectives.sparse_allgather(msg, check=False, wire=wire)
-    if method == "gtopk":
-        return lambda: collectives.gtopk_allreduce(msg, check=False, wire=wire)
+    msg = compressor.compress(grad)
     if method == "hierarchical":
-        compressor = gx.make_compressor("gaussiank", density=density)
         return lambda: hierarchical.hierarchical_allreduce(grad, None, compressor, msg.k, local)
-    state = collectives.OkTopkState()
-    collectives.oktopk_allreduce(msg, state=state, check=False, wire=wire)
-    return lambda: collectives.oktopk_allreduce(msg, state=state, check=False, wire=wire)
+    if method == "oktopk":
+        state = collectives.OkTopkState()
+        collectives.oktopk_allreduce(msg, state=state, check=check, wire=wire)
+        return lambda: collectives.oktopk_allreduce(msg, state=state, check=check, wire=wire)
+    function = collectives.sparse_allgather if method == "allgather" else collectives.gtopk_allreduce
+    return lambda: function(msg, check=check, wire=wire)
 
 
 # ------------------------------------------------------------------------------------------------- the driver
 
-HEADER = (f"{'P':>2} {'L':>2} {'rate':>8} {'method':>12} {'wire':>7} {'n':>10} {'density':>7} {'k':>9} {'reps':>4} "
-          f"{'ms/exch':>9} {'MB sent':>9} {'MB model':>9} {'sent/model':>10} {'select ms':>9}")
-
-
-def format_row(row: dict) -> str:
-    density = "-" if row["density"] is None else f"{row['density']:g}"
-    select = "-" if row["select_s"] is None else f"{row['select_s'] * 1e3:.1f}"
-    start = (f"{row['world_size']:>2} {row['local_size']:>2} {row['rate']:>8} {row['method']:>12} {row['wire']:>7} "
-             f"{row['numel']:>10} {density:>7} {row['k']:>9} {row['repeats']:>4} ")
-    if row["skipped"]:
-        return start + f"skipped: {row['skipped']}"
-    sent = row["tx_bytes"]
-    sent_text = "-" if sent is None else f"{sent / 1e6:.3f}"
-    ratio = "-" if sent is None or not row["model_bytes"] else f"{sent / row['model_bytes']:.3f}"
-    return (start + f"{row['time_s'] * 1e3:>9.1f} {sent_text:>9} {row['model_bytes'] / 1e6:>9.3f} {ratio:>10} "
-            f"{select:>9}")
+COLUMNS = [("P", "2d", "world_size"), ("L", "2d", "local_size"), ("rate", ">8", "rate"), ("method", ">12", "method"),
+           ("wire", ">7", "wire"), ("n", "10d", "numel"), ("density", "7g", "density"), ("k", "9d", "k"),
+           ("reps", "4d", "repeats"), ("ms/exch", "9.1f", lambda r: r.get("time_s") and 1e3 * r["time_s"]),
+           ("MB sent", "9.3f", lambda r: r.get("tx_bytes") and r["tx_bytes"] / 1e6),
+           ("MB model", "9.3f", lambda r: r["model_bytes"] / 1e6),
+           ("sent/model", "10.3f",
+            lambda r: r.get("tx_bytes") and r["model_bytes"] and r["tx_bytes"] / r["model_bytes"]),
+           ("select ms", "9.1f", lambda r: r["select_s"] and 1e3 * r["select_s"]), ("skipped", "", "skipped")]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser(__doc__)
     parser.add_argument("--sizes", type=lambda s: int(float(s)), nargs="+", default=[1_000_000, 25_000_000,
                                                                                      100_000_000])
     parser.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01])
@@ -244,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", default="gxnet", help="name prefix of the namespaces this run creates")
     parser.add_argument("--cleanup", action="store_true",
                         help="only delete namespaces left by killed runs (this prefix, process gone), then exit")
-    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--json", help="write the rows here")
     cli.add_worker_arg(parser)
     args = parser.parse_args(argv)
     if cli.ran_as_worker(args, run_worker, "group_timeout"):
@@ -253,15 +207,12 @@ def main(argv: list[str] | None = None) -> int:
                 for p in args.world_sizes if p < 2 or args.local_size < 1 or p % args.local_size]
     problems += [f"--densities must be in (0, 1], got {d}" for d in args.densities if not 0 < d <= 1]
     problems += [f"--sizes must be in [1, 2^31 - 1], got {n}" for n in args.sizes if not 0 < n < 2**31]
-    if args.repeats < 1:
-        problems.append(f"--repeats must be >= 1, got {args.repeats}")
-    if problems:
-        parser.error("; ".join(problems))
-    if not args.loopback or args.cleanup:
-        reason = check_can_emulate()
-        if reason:
-            print(f"netem_scaling cannot run: {reason}", file=sys.stderr)
-            return 2
+    if problems or args.repeats < 1:
+        parser.error("; ".join(problems) or f"--repeats must be >= 1, got {args.repeats}")
+    reason = None if args.loopback and not args.cleanup else check_can_emulate()
+    if reason:
+        print(f"netem_scaling cannot run: {reason}", file=sys.stderr)
+        return 2
     if args.cleanup:
         removed = cleanup_stale(args.prefix)
         print(f"removed {len(removed)} namespace(s): {' '.join(removed) or '-'}")
@@ -269,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict] = []
     started = time.perf_counter()
-    print(HEADER, flush=True)
+    print(report.table([], COLUMNS), flush=True)
     for world_size in args.world_sizes:
         for rate_bps in [None] if args.loopback else args.rates:
             rows += run_group("bench.netem_scaling", world_size, args, args.group_timeout, rate_bps=rate_bps,
@@ -277,13 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     skipped = [row for row in rows if row["skipped"]]
     print(f"\n{len(rows) - len(skipped)} exchanges measured, {len(skipped)} skipped, in {elapsed:.0f} s")
-    for row in skipped:
-        print(f"  skipped: P={row['world_size']} {row['rate']} {row['method']} n={row['numel']}: {row['skipped']}")
     if args.json:
         report.write_json(args.json, args, network="loopback (no shaping)" if args.loopback else
                           "one namespace per rank, veth to a bridge, tbf on both ends of every link",
                           elapsed_s=elapsed, rows=rows)
-        print(f"wrote {args.json}")
     return 0
 
 

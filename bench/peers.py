@@ -20,13 +20,10 @@ network drift hit all alike. Per method:
 - the machine's load from other processes during the run: all busy CPU time (/proc/stat) minus the ranks' and
   this driver's own, in cores.
 
-PowerSGD runs with one bucket (``bucket_cap_mb`` above the model's size): with several buckets on Gloo, its
-hook's future callbacks allreduce P and Q on Gloo's threads while the autograd thread issues the next bucket's
-allreduce, so ranks issue their collectives in different orders; the group then fails ("Received data size
-doesn't match expected size") or hangs until its timeout (here: 2 and 4 ranks, 8 buckets, every run, at the first
-compressed step). Every other method keeps DDP's default buckets, as a user would (or ``--bucket-cap-mb``).
-gtopk_ext's hook runs each bucket on its communication thread while the backward pass goes on; the ``-sync``
-methods force it to finish each bucket inside the hook call, which shows what the overlap is worth.
+PowerSGD runs with one bucket (bench/harness/methods.py's ``powersgd_recipe`` says why); every other method keeps
+DDP's default buckets, as a user would (or ``--bucket-cap-mb``). gtopk_ext's hook runs each bucket on its
+communication thread while the backward pass goes on; the ``-sync`` methods force it to finish each bucket inside
+the hook call, which shows what the overlap is worth.
 
 The floor's hook divides the bucket by the world size and returns: no communication, each rank trains on its own
 data. Its accuracy is that of rank 0's replica trained alone; its step time is the compute floor.
@@ -47,17 +44,17 @@ import resource
 import statistics
 import sys
 import time
+from itertools import accumulate
 from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from bench.digits import load_digits_split, make_model
+from bench.digits import load_digits_split, make_model, mlp
 from bench.emulated_network import TxCounter, network_name
-from bench.harness.gradients import wide_mlp
 from bench.harness import cli, report
+from bench.harness.gradients import wide_mlp
 from bench.harness.launch import run_group
 from bench.harness.methods import START_ITER, add_dgc_arguments, label, method_name, numel_of, recipe
 from bench.harness.train import Trainer, epoch_batches, evaluate, gathered
@@ -68,7 +65,7 @@ DEEP_LAYERS = 8  # --model deep: this many equal hidden layers, so that many buc
 # The methods (bench/harness/methods.py); a new recipe (the best gtopk_ext settings of the day) is one more name.
 METHODS = ("ddp", "fp16", "bf16", "powersgd-1", "powersgd-2", "powersgd-4",
            *(f"{collective}-{d:g}" for collective in ("gtopk", "allgather", "oktopk") for d in (0.01, 0.001)),
-           "dgc-0.01", "dgc-0.001", "gtopk-0.01-sync", "gtopk-0.001-sync", "floor")
+           "dgc-0.01", "dgc-0.001", "recipe-0.01", "gtopk-0.01-sync", "gtopk-0.001-sync", "floor")
 
 
 # ------------------------------------------------------------------------------------------------ worker side
@@ -78,79 +75,40 @@ def build_model(args: argparse.Namespace, seed: int) -> nn.Module:
         return make_model("cnn", seed)
     if args.model == "mlp":
         return wide_mlp(args.mlp_params, seed)
-    width = max(16, round(math.sqrt(args.mlp_params / DEEP_LAYERS)))
-    torch.manual_seed(seed)
-    layers = [nn.Flatten(), nn.Linear(64, width), nn.ReLU()]
-    for _ in range(DEEP_LAYERS - 1):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
-
-
-class Contestant(Trainer):
-    """One method's Trainer, and what its steps measured on this rank."""
-
-    def __init__(self, name: str, args: argparse.Namespace, seed: int, world_size: int):
-        super().__init__(name, build_model(args, seed), args, world_size)  # the same initial weights for every method
-        self.seconds, self.cpu_seconds, self.tx_bytes, self.own_bytes = [], [], [], []
-        self.paths: list[Optional[str]] = []  # each step's bucket paths, where the method says
-        self.evals: list[tuple[int, float]] = []
-
-    def timed_step(self, x: torch.Tensor, y: torch.Tensor, counter: TxCounter) -> None:
-        dist.barrier()  # every rank starts the step together: the slowest rank's time is the step's
-        tx, cpu, sent, start = counter.read(), time.process_time(), self.sent, time.perf_counter()
-        self.step(lambda model: nn.functional.cross_entropy(model(x), y))
-        self.seconds.append(time.perf_counter() - start)
-        self.cpu_seconds.append(time.process_time() - cpu)
-        self.tx_bytes.append(counter.read() - tx)
-        self.own_bytes.append(self.sent - sent)
-        self.paths.append(self.accounting.paths())
-
-    def evaluate(self, step: int, test_x: torch.Tensor, test_y: torch.Tensor) -> None:
-        self.evals.append((step, evaluate(self.model, test_x, test_y)[0]))
-
-
-def step_batches(seed: int, steps: int, n_train: int, rank: int, world_size: int, batch_size: int):
-    """This rank's index batch of every step: epoch_batches of as many epochs as it takes; the same for every
-    method."""
-    per_epoch = n_train // (world_size * batch_size)
-    if per_epoch < 1:
-        raise ValueError(f"--batch-size {batch_size} x --world-size {world_size} exceeds the {n_train} training "
-                         f"images")
-    batches = []
-    for epoch in range(-(-steps // per_epoch)):
-        batches += epoch_batches(epoch, seed, n_train, rank, world_size, batch_size)
-    return batches[:steps]
+    return mlp([max(16, round(math.sqrt(args.mlp_params / DEEP_LAYERS)))] * DEEP_LAYERS, seed)
 
 
 def run_seed(seed: int, args: argparse.Namespace, rank: int, world_size: int, data: tuple, counter: TxCounter,
              progress) -> dict:
     """Every method for ``args.steps`` interleaved steps; rank 0 gets every rank's measurements."""
     train_x, train_y, test_x, test_y = data
-    contestants = {name: Contestant(name, args, seed, world_size) for name in args.methods}
-    batches = step_batches(seed, args.steps, len(train_y), rank, world_size, args.batch_size)
-    if rank == 0:
-        for contestant in contestants.values():
-            contestant.evaluate(0, test_x, test_y)
-    names = list(contestants)
-    for step, index in enumerate(batches, start=1):
-        shift = step % len(names)
-        for name in names[shift:] + names[:shift]:  # a rotating order: no method always runs first
+    # the same initial weights for every method
+    trainers = {name: Trainer(name, build_model(args, seed), args, world_size) for name in args.methods}
+    measured = {name: [] for name in args.methods}
+    evals = {name: [] for name in args.methods}
+    per_epoch = len(train_y) // (world_size * args.batch_size)
+    batches = [index for epoch in range(-(-args.steps // per_epoch))
+               for index in epoch_batches(epoch, seed, len(train_y), rank, world_size, args.batch_size)]
+    for step in range(args.steps + 1):
+        names = args.methods[step % len(args.methods):] + args.methods[:step % len(args.methods)]
+        for name in names if step else []:  # a rotating order: no method always runs first
             if progress is not None:
                 progress.set_description(f"seed {seed} step {step} {name}", refresh=False)
-            contestants[name].timed_step(train_x[index], train_y[index], counter)
-            if progress is not None:
                 progress.update()
+            index = batches[step - 1]
+            measured[name].append(trainers[name].measured_step(
+                lambda model: nn.functional.cross_entropy(model(train_x[index]), train_y[index]), counter))
         if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
-            for contestant in contestants.values():
-                contestant.evaluate(step, test_x, test_y)
+            for name in args.methods:
+                evals[name].append((step, evaluate(trainers[name].model, test_x, test_y)[0]))
     results = {}
-    for name, contestant in contestants.items():
-        per_rank = gathered([contestant.seconds, contestant.cpu_seconds, contestant.tx_bytes, contestant.own_bytes])
-        seconds, cpu, tx, own = (list(measured) for measured in zip(*per_rank))  # each [rank][step]
+    for name, steps in measured.items():
+        per_rank = gathered([[m[key] for m in steps] for key in ("seconds", "cpu_seconds", "tx_bytes", "bytes")])
+        seconds, cpu, tx, own = (list(values) for values in zip(*per_rank))  # each [rank][step]
         results[name] = {"seconds": seconds, "cpu_seconds": cpu, "tx_bytes": tx if counter.path else None,
-                         "own_bytes": own, "buckets": contestant.accounting.buckets(), "paths": contestant.paths,
-                         "evals": contestant.evals,
-                         "digest": parameters_digest(contestant.model)}
+                         "own_bytes": own, "buckets": trainers[name].accounting.buckets(),
+                         "paths": [m["paths"] for m in steps], "evals": evals[name],
+                         "digest": parameters_digest(trainers[name].model)}
     return results
 
 
@@ -178,13 +136,6 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
 
 # ------------------------------------------------------------------------------------------------ driver side
 
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    if len(values) == 1:
-        return values[0], values[0], values[0]
-    low, median, high = statistics.quantiles(values, n=4, method="inclusive")
-    return low, median, high
-
-
 def summarize(name: str, runs: list[dict], args: argparse.Namespace) -> dict:
     """One method's row from every seed's measurements (per step: the slowest rank's time, the mean over ranks of
     CPU time and bytes; pooled over the steps after the warm-up of every seed)."""
@@ -197,12 +148,10 @@ def summarize(name: str, runs: list[dict], args: argparse.Namespace) -> dict:
         own += [statistics.fmean(per_rank) for per_rank in zip(*run["own_bytes"])][timed]
         if run["tx_bytes"] is not None:
             tx += [statistics.fmean(per_rank) for per_rank in zip(*run["tx_bytes"])][timed]
-        elapsed = [0.0]
-        for seconds in step_seconds:
-            elapsed.append(elapsed[-1] + seconds)
+        elapsed = list(accumulate(step_seconds, initial=0.0))
         curves.append([{"step": step, "accuracy": accuracy, "train_seconds": elapsed[step]}
                        for step, accuracy in run["evals"]])
-    low, median, high = quartiles(slowest)
+    low, median, high = statistics.quantiles(slowest, n=4, method="inclusive") if len(slowest) > 1 else slowest * 3
     reached = [next((point for point in curve if point["accuracy"] >= args.target), None) for curve in curves]
     all_reached = all(point is not None for point in reached)
     return {
@@ -234,43 +183,33 @@ def own_cpu_seconds() -> float:
 def markdown_table(rows: list[dict], args: argparse.Namespace) -> str:
     ddp = next((row for row in rows if row["method"] == "ddp"), None)
     target = f"{100 * args.target:g}%"
-    lines = [f"| method | ms/step (p25-p75) | vs DDP | MB/rank/step wire | MB/rank/step own | CPU ms/step/rank | "
-             f"test acc | steps to {target} | s to {target} |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for row in rows:
-        ratio = f"{row['ms_per_step'] / ddp['ms_per_step']:.2f}x" if ddp else "-"
-        wire = "-" if row["tx_mb_per_step"] is None else f"{row['tx_mb_per_step']:.3f}"
-        steps = "-" if row["steps_to_target"] is None else f"{row['steps_to_target']:g}"
-        seconds = "-" if row["seconds_to_target"] is None else f"{row['seconds_to_target']:.1f}"
-        lines.append(f"| {row['label']} | {row['ms_per_step']:.1f} ({row['ms_per_step_p25']:.1f}-"
-                     f"{row['ms_per_step_p75']:.1f}) | {ratio} | {wire} | {row['own_mb_per_step']:.3f} | "
-                     f"{row['cpu_ms_per_step']:.1f} | {100 * row['final_accuracy']:.1f}% | {steps} | {seconds} |")
-    return "\n".join(lines)
+    return report.table(rows, [
+        ("method", "", "label"),
+        ("ms/step (p25-p75)", "", lambda r: f"{r['ms_per_step']:.1f} ({r['ms_per_step_p25']:.1f}-"
+                                            f"{r['ms_per_step_p75']:.1f})"),
+        ("vs DDP", "", lambda r: ddp and f"{r['ms_per_step'] / ddp['ms_per_step']:.2f}x"),
+        ("MB/rank/step wire", ".3f", "tx_mb_per_step"), ("MB/rank/step own", ".3f", "own_mb_per_step"),
+        ("CPU ms/step/rank", ".1f", "cpu_ms_per_step"), ("test acc", ".1%", "final_accuracy"),
+        (f"steps to {target}", "g", "steps_to_target"), (f"s to {target}", ".1f", "seconds_to_target")], markdown=True)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
     """Test accuracy against training seconds, one line per method (means over seeds)."""
-    fig, ax = report.pyplot().subplots(figsize=(9, 5.5))
-    for row in rows:
-        points = list(zip(*row["curves"]))  # per eval: one point per seed
-        style = {"color": "black", "linestyle": "--"} if row["method"] == "floor" else {}
-        ax.plot([statistics.fmean(p["train_seconds"] for p in seeds) for seeds in points],
-                [100 * statistics.fmean(p["accuracy"] for p in seeds) for seeds in points],
-                marker=".", label=row["label"], **style)
-    ax.set_xlabel("training seconds (slowest rank's steps, evaluation excluded)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    report.save(fig, path)
+    curves = [{"method": row["method"], "label": row["label"],
+               "curve": [{key: statistics.fmean(p[key] for p in seeds) for key in ("train_seconds", "accuracy")}
+                         for seeds in zip(*row["curves"])]} for row in rows]  # per eval: one point per seed
+    report.plot_curves(curves, path, title, "test accuracy (%)", lambda c: 100 * c["accuracy"],
+                       [("training seconds (slowest rank's steps, evaluation excluded)",
+                         lambda c: c["train_seconds"], "linear")],
+                       style=lambda i, r: {"color": "black", "linestyle": "--"} if r["method"] == "floor" else
+                       {"color": f"C{i % 10}"})
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser(__doc__)
     parser.add_argument("--methods", nargs="+", type=ddp_method, default=list(METHODS),
-                        help=f"DDP methods (bench/harness/methods.py), e.g. {' '.join(METHODS)}, dgc-0.01-sparse")
+                        help=f"DDP methods (bench/harness/methods.py), e.g. {' '.join(METHODS)}, dgc-0.01-sparse, "
+                             f"recipe-0.01")
     parser.add_argument("--model", choices=MODELS, default="cnn",
                         help="cnn: the demo's CNN (0.6M parameters); mlp: 64-h-h-10 with about --mlp-params; "
                              f"deep: {DEEP_LAYERS} equal hidden layers with about --mlp-params")
@@ -278,22 +217,13 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                         help="parameters of --model mlp or deep (17.1M: mlp's h = 4097)")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="DDP's bucket cap of every method but PowerSGD (default: DDP's own, 25)")
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=100, help="steps of every method per seed")
-    parser.add_argument("--eval-every", type=int, default=10)
+    cli.add_common(parser, world_size=4, steps=100, eval_every=10, seeds=[0], batch_size=32, lr=0.05, momentum=0.9,
+                   json=None, plot=Path("peers.png"), no_progress=False)
     parser.add_argument("--target", type=float, default=0.9, help="test accuracy whose steps and seconds to report")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
-                        help="one interleaved run per seed (initial weights and batches); statistics pool them")
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--nesterov", action="store_true",
                         help="Nesterov momentum in the optimizer (the dgc methods': --dgc-nesterov, in the hook)")
     add_dgc_arguments(parser)
     cli.add_network_args(parser, prefix="gxpeers")
-    parser.add_argument("--json", type=Path, help="write the settings, the load, every measurement and the table")
-    parser.add_argument("--plot", type=Path, default=Path("peers.png"), help="accuracy against training seconds")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     cli.check_positive(parser, args, "world_size", "steps", "eval_every", "batch_size", "mlp_params")
     if args.steps <= WARMUP_STEPS:
@@ -339,11 +269,9 @@ def main(argv: Optional[list] = None) -> int:
             equal = all(run[name]["digest"] == run[name[:-len("-sync")]]["digest"] for run in runs)
             print(f"\n{name[:-len('-sync')]} and {name}: parameters bitwise equal after every seed: {equal}")
     plot(rows, args.plot, setting)
-    print(f"\nwrote {args.plot}")
     if args.json:
         report.write_json(args.json, args, network=network, load=load, warmup_steps=WARMUP_STEPS,
                           parameters=measured["parameters"], table=rows, runs=runs)
-        print(f"wrote {args.json}")
     return 0
 
 

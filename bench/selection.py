@@ -14,13 +14,12 @@ speed-up over the torch.topk path and the multiple of the floor.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 
 import torch
 
+from bench.harness import report
 from bench.harness.selection import time_methods
 from gtopk_ext.compressors import make_compressor
 
@@ -72,18 +71,14 @@ def profile_step(n: int, density: float, dtype: torch.dtype, device: torch.devic
             + (f"device kernels per step, the copy included: {kernels / calls:.1f}\n" if on_gpu else ""))
 
 
-def format_table(rows: list[dict]) -> str:
-    header = (f"{'n':>11} {'density':>7} {'k':>9} | {'floor':>8} {'gaussk':>8} {'paper':>8} {'topk':>9} "
-              f"{'topk(s)':>9} | {'topk/gk':>7} {'gk/floor':>8} {'pap/flr':>7}")
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        m = r["median_ms"]
-        lines.append(f"{r['n']:>11} {r['density']:>7} {r['k']:>9} | {m['floor']:>8.2f} {m['gaussiank']:>8.2f} "
-                     f"{m['gaussiank_paper']:>8.2f} {m['topk']:>9.2f} {m['topk_sorted']:>9.2f} | "
-                     f"{r['topk_over_gaussiank']:>7.1f} {r['gaussiank_over_floor']:>8.2f} "
-                     f"{r['paper_over_floor']:>7.2f}")
-    return "\n".join(lines) + "\n(times: median ms; topk/gk: speed-up of Gaussian-k over the torch.topk path; " \
-                              "gk/floor, pap/flr: multiples of residual.add_(grad))"
+COLUMNS = [("n", "11d", "n"), ("density", "7g", "density"), ("k", "9d", "k"),
+           *((title, "8.2f", lambda r, name=name: r["median_ms"][name]) for title, name in (
+               ("floor", "floor"), ("gaussk", "gaussiank"), ("paper", "gaussiank_paper"), ("topk", "topk"),
+               ("topk(s)", "topk_sorted"))),
+           ("topk/gk", "7.1f", "topk_over_gaussiank"), ("gk/floor", "8.2f", "gaussiank_over_floor"),
+           ("pap/flr", "7.2f", "paper_over_floor")]
+LEGEND = ("(times: median ms; topk/gk: speed-up of Gaussian-k over the torch.topk path; gk/floor, pap/flr: multiples "
+          "of residual.add_(grad))")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -104,20 +99,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.profile:
         print(profile_step(args.sizes[0], args.densities[0], dtype, device, args.backend))
         return []
-    rows = []
-    for n in args.sizes:
-        for density in args.densities:
-            rows.append(measure(n, density, dtype, device, args.backend, args.repeats))
-            print(format_table(rows[-1:]).splitlines()[2], flush=True)
-    print()
-    print(format_table(rows))
+    rows = report.streamed((measure(n, density, dtype, device, args.backend, args.repeats) for n in args.sizes
+                            for density in args.densities), COLUMNS)
+    print(LEGEND)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                               "torch": torch.__version__,
-                               "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None},
-                   "rows": rows}, f, indent=1)
-    print(f"wrote {args.json}")
+    report.write_json(args.json, args, threads=torch.get_num_threads(),
+                      gpu=torch.cuda.get_device_name() if device.type == "cuda" else None, rows=rows)
     return rows
 
 

@@ -19,9 +19,11 @@ import argparse
 import json
 import os
 import statistics
+from pathlib import Path
 
 import torch
 
+from bench.harness import report
 from bench.harness.gradients import SYNTHETIC, captured_gradients, synthetic_gradient, wide_mlp
 from bench.harness.selection import time_methods
 from gtopk_ext.compressors import make_compressor
@@ -66,19 +68,19 @@ def evaluate(name: str, grad: torch.Tensor, density: float, backend: str | None,
     }
 
 
-def format_table(rows: list[dict]) -> str:
-    header = (f"{'gradient':<14} {'n':>9} {'dens':>5} | {'paper c/k':>9} {'rec':>5} {'norm':>5} | "
-              f"{'accur c/k':>9} {'rec':>5} {'norm':>5} | {'topk rec':>8} | {'t/topk':>6} {'t/floor':>7} {'ok':>3}")
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        p, a, t = (r["quality"][m] for m in ("paper", "accurate", "topk"))
-        lines.append(f"{r['gradient']:<14} {r['n']:>9} {r['density']:>5} | {p['count_over_k']:>9.2f} "
-                     f"{p['recall']:>5.2f} {p['norm']:>5.2f} | {a['count_over_k']:>9.2f} {a['recall']:>5.2f} "
-                     f"{a['norm']:>5.2f} | {t['recall']:>8.2f} | {r['accurate_over_topk_time']:>6.3f} "
-                     f"{r['accurate_over_floor_time']:>7.2f} {'yes' if r['accurate_meets_goal'] else 'NO':>3}")
-    return "\n".join(lines) + ("\n(c/k: count before truncation / k; rec: recall of the exact top-k; norm: "
-                               "captured squared norm / top-k's; t/topk, t/floor: accurate mode's time relative to "
-                               "the torch.topk path and to residual.add_(grad); ok: 0.9 <= c/k <= 1.1 and rec >= 0.9)")
+def quality(mode: str, key: str, spec: str, title: str) -> tuple:
+    return title, spec, lambda r: r["quality"][mode][key]
+
+
+COLUMNS = [("gradient", "<14", "gradient"), ("n", "9d", "n"), ("dens", "5g", "density"),
+           *(quality(mode, key, spec, title) for mode in ("paper", "accurate") for key, spec, title in (
+               ("count_over_k", "9.2f", f"{mode[:5]} c/k"), ("recall", "5.2f", "rec"), ("norm", "5.2f", "norm"))),
+           quality("topk", "recall", "8.2f", "topk rec"), ("t/topk", "6.3f", "accurate_over_topk_time"),
+           ("t/floor", "7.2f", "accurate_over_floor_time"),
+           ("ok", "", lambda r: "yes" if r["accurate_meets_goal"] else "NO")]
+LEGEND = ("(c/k: count before truncation / k; rec: recall of the exact top-k; norm: captured squared norm / top-k's; "
+          "t/topk, t/floor: accurate mode's time relative to the torch.topk path and to residual.add_(grad); ok: "
+          "0.9 <= c/k <= 1.1 and rec >= 0.9)")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -105,16 +107,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for name, model in models:
             for step, grad in captured_gradients(model, tuple(args.real_steps)).items():
                 gradients.append((f"{name}-step{step}", grad))
-    rows = []
-    for name, grad in gradients:
-        for density in args.densities:
-            rows.append(evaluate(name, grad, density, args.backend, args.repeats))
-            print(format_table(rows[-1:]).splitlines()[2], flush=True)
-    print()
-    print(format_table(rows))
+    rows = report.streamed((evaluate(name, grad, density, args.backend, args.repeats) for name, grad in gradients
+                            for density in args.densities), COLUMNS)
+    print(LEGEND)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
+    Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.json}")
     return rows
 

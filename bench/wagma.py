@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import gtopk_ext as gx
-from bench.digits import MODELS, load_digits_split, make_model
+from bench.digits import load_digits_split, make_model
 from bench.emulated_network import network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
@@ -156,17 +156,12 @@ def plot(tables: dict[str, list[dict]], path: str, title: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--model", choices=MODELS, default="mlp")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
+    parser = cli.parser(__doc__)
+    cli.add_common(parser, world_size=4, steps=200, batch_size=32, model="mlp", lr=0.05, momentum=0.9, json=None,
+                   plot=None)
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--global-period", type=int, default=20)
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {SCENARIOS}")
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--delay-probability", type=float, default=0.2,
                         help="random: the chance that a rank's step is slow")
     parser.add_argument("--delay-ms", type=float, nargs=2, default=(100.0, 300.0), metavar=("LOW", "HIGH"),
@@ -174,19 +169,11 @@ def main() -> None:
     parser.add_argument("--slow-rank", type=int, default=None, help="straggler: the slow rank (default: the last)")
     parser.add_argument("--sleep-ms", type=float, default=40.0, help="straggler: its extra time per step")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     cli.add_network_args(parser, prefix="gxwagma")
-    parser.add_argument("--json", default=None, help="write the settings, every run and the tables here")
-    parser.add_argument("--plot", default=None, help="write a PNG of throughput and accuracy here (matplotlib)")
     args = parser.parse_args()
     if cli.ran_as_worker(args, run_worker):
         return
-    for name, choices in (("methods", METHODS), ("scenarios", SCENARIOS)):
-        chosen = getattr(args, name).split(",")
-        unknown = set(chosen) - set(choices)
-        if unknown:
-            parser.error(f"--{name}: unknown {sorted(unknown)}; choose from {choices}")
-        setattr(args, name, chosen)
     if args.slow_rank is None:
         args.slow_rank = args.world_size - 1
     if not 0 <= args.slow_rank < args.world_size:
@@ -210,14 +197,11 @@ def main() -> None:
                   f"{args.delay_probability:g}")
         else:
             print(f"\nstraggler: rank {args.slow_rank} +{args.sleep_ms:g} ms every step")
-        print(f"{'method':<22}{'steps/s':>9}{'(min-max)':>14}{'vs DDP':>8}{'time vs sync':>14}{'test acc':>10}"
-              f"{'spread vs no-group':>20}")
-        for row in rows:
-            low_high = f"({row['steps_per_s_min']:.1f}-{row['steps_per_s_max']:.1f})"
-            versus = [f"{row[key]:.2f}x" if row[key] is not None else "-"
-                      for key in ("speedup_vs_ddp", "time_vs_group_sync", "spread_vs_no_group")]
-            print(f"{row['method']:<22}{row['steps_per_s']:>9.2f}{low_high:>14}{versus[0]:>8}{versus[1]:>14}"
-                  f"{row['accuracy']:>10.3f}{versus[2]:>20}")
+        print(report.table(rows, [
+            ("method", "", "method"), ("steps/s", ".2f", "steps_per_s"),
+            ("(min-max)", "", lambda r: f"({r['steps_per_s_min']:.1f}-{r['steps_per_s_max']:.1f})"),
+            ("vs DDP", ".2f", "speedup_vs_ddp"), ("time vs sync", ".2f", "time_vs_group_sync"),
+            ("test acc", ".3f", "accuracy"), ("spread vs no-group", ".2f", "spread_vs_no_group")]))
     if args.json:
         report.write_json(args.json, args, runs=runs, tables=tables)
     if args.plot:

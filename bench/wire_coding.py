@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
 import torch
 
+from bench.harness import report
 from bench.harness.gradients import captured_gradients, synthetic_gradient, wide_mlp
 from gtopk_ext import ops, wire
 
@@ -74,14 +76,10 @@ def main() -> None:
             top = torch.topk(grad.abs(), k, sorted=False).indices.sort().values.int()
             rows.append({"gradient": name, "numel": grad.numel(), "density": density, "k": k,
                          **index_bytes(top, grad.numel()), **value_errors(grad[top.long()])})
-    columns = [c for c in rows[0] if c not in ("gradient", "numel", "density", "k")]
-    print(f"{'gradient':>18} {'numel':>8} {'d':>6} " + " ".join(f"{c:>19}" for c in columns))
-    for row in rows:
-        print(f"{row['gradient']:>18} {row['numel']:>8} {row['density']:>6} "
-              + " ".join(f"{row[c]:>19.4g}" for c in columns))
+    print(report.table(rows, [("gradient", "", "gradient"), ("numel", "d", "numel"), ("d", "g", "density"),
+                              *((c, ".4g", c) for c in rows[0] if c not in ("gradient", "numel", "density", "k"))]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -121,12 +121,13 @@ def test_peers_benchmark(tmp_path, network):
 def peers_contestants(rank: int, world_size: int, argvs: list) -> list[dict]:
     """Under each of the options ``argvs``: the SparseGradState that bench.peers' ``dgc-0.001`` recipe attaches
     and the optimizers of it and of ``ddp``."""
-    from bench.peers import Contestant, parse_args
+    from bench.harness.train import Trainer
+    from bench.peers import build_model, parse_args
 
     described = []
     for argv in argvs:
         args = parse_args(["--model", "mlp", "--mlp-params", "20000", *argv])
-        dgc, ddp = (Contestant(name, args, 0, world_size) for name in ("dgc-0.001", "ddp"))
+        dgc, ddp = (Trainer(name, build_model(args, 0), args, world_size) for name in ("dgc-0.001", "ddp"))
         state = dgc.accounting.state
         described.append({
             **{name: getattr(state, name) for name in ("start_iter", "momentum", "nesterov", "clip_norm", "per_tensor",

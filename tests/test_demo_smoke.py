@@ -79,8 +79,9 @@ def test_default_run_is_readmes_table():
     44-step warm-up from 0.25) and the recipe of each density, dgc-0.01 (per-tensor) and dgc-0.001, at 0.01 and
     0.001."""
     sys.path.insert(0, str(ROOT))
-    from bench.demo import make_hook_state, make_optimizer, parse_args, planned_runs, run_args
+    from bench.demo import make_hook_state, momentum_in_hook, parse_args, planned_runs, run_args
     from bench.digits import make_model
+    from bench.harness.train import sgd
 
     args = parse_args(["--seeds", "0", "1", "2"])
     assert (args.epochs, args.world_size, args.model, args.batch_size, args.lr) == (10, 4, "cnn", 16, 0.05)
@@ -92,13 +93,13 @@ def test_default_run_is_readmes_table():
     for method, density, _ in planned_runs(args)[1:5]:
         run = run_args(args, method, density)
         state = make_hook_state(method, density, run)
-        optimizer_momentum = make_optimizer(model, method, run).defaults["momentum"]
+        optimizer_momentum = sgd(model, run, momentum_in_hook(method)).defaults["momentum"]
         warmup = next(i for i in range(2, 200) if state.density_at(i) == density) - 2
         settings[method, density] = (run.recipe, state.compressor, state.collective, state.momentum,
                                      optimizer_momentum, state.per_tensor, warmup, state.masking_start_iter)
         assert state.density_at(2) == 0.25 and state.start_iter == 2 and state.clip_norm is None
     assert make_hook_state("dense", 1.0, args) is None
-    assert make_optimizer(model, "dense", args).defaults["momentum"] == 0.9
+    assert sgd(model, args, momentum_in_hook("dense")).defaults["momentum"] == 0.9
     assert settings == {
         # momentum in the optimizer, masking irrelevant (no momentum in the hook)
         ("gaussiank-gtopk", 0.01): (None, "gaussiank", "gtopk", 0.0, 0.9, False, 44, 0),

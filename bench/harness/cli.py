@@ -6,8 +6,39 @@ import argparse
 import json
 from pathlib import Path
 
+from bench.digits import MODELS
 from bench.emulated_network import parse_rate, runs_on_loopback
 from bench.harness.launch import as_rank
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: the first paragraph of its module's doc, and each flag's default in --help."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+# The flags several benchmarks share: (argparse options but the default, help).
+COMMON = {"world_size": ({"type": int}, "Gloo processes (DDP ranks)"),
+          "steps": ({"type": int}, "steps of every method"),
+          "eval_every": ({"type": int}, "steps between two evaluations"),
+          "batch_size": ({"type": int}, "examples per rank and step"),
+          "lr": ({"type": float}, "SGD's learning rate (the inner SGD of a local method)"),
+          "momentum": ({"type": float}, "SGD's momentum (in the hook for the methods with momentum correction)"),
+          "model": ({"choices": MODELS}, "the digits model (bench/digits.py)"),
+          "seed": ({"type": int}, "initial weights and batches"),
+          "seeds": ({"type": int, "nargs": "+"}, "one run per seed (initial weights and batches)"),
+          "json": ({"type": Path}, "write the settings and every measurement here"),
+          "plot": ({"type": Path}, "write the figure here (PNG)")}
+
+
+def add_common(parser: argparse.ArgumentParser, **defaults) -> None:
+    """The COMMON flags named, with these defaults, and --no-progress where the benchmark draws a progress bar."""
+    for name, default in defaults.items():
+        if name == "no_progress":
+            parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+        else:
+            options, text = COMMON[name]
+            parser.add_argument("--" + name.replace("_", "-"), default=default, help=text, **options)
 
 
 def add_network_args(parser: argparse.ArgumentParser, prefix: str, rate: str | None = "1gbit",

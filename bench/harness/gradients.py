@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from bench.digits import load_digits_split, make_model
+from bench.digits import load_digits_split, make_model, mlp
 
 SYNTHETIC = ("gaussian", "laplace", "student_t3", "spiky", "offset")
 
@@ -37,8 +37,7 @@ def wide_mlp(numel: int, seed: int = 0) -> nn.Module:
     """An MLP for the digits, 64 -> h -> h -> 10, with h chosen so that it has about ``numel`` parameters: real
     gradients of any size from the same task."""
     h = max(16, round(math.sqrt(numel + 38**2) - 38))  # h^2 + 76h + 10 parameters, about numel
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 10))
+    return mlp([h, h], seed)
 
 
 def captured_gradients(model: str | nn.Module = "cnn", steps: tuple[int, ...] = (0, 20, 100), batch_size: int = 64,

@@ -1,5 +1,5 @@
 """The one way the benchmarks start processes: ``python -m <module> --worker <config>`` once per rank
-(``run_group``, ``run_ranks``) or one torchrun agent per node (``run_torchrun``), on loopback or each rank (or node)
+(``run_group``) or one torchrun agent per node (``run_torchrun``), on loopback or each rank (or node)
 in its own network namespace of bench/emulated_network.py, and rank 0's result back."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
-from bench.emulated_network import RANK_IFNAME, Network, Networks, cleanup_stale
+from bench.emulated_network import RANK_IFNAME, Network, cleanup_stale, unwind_on_sigterm
 from bench.harness.report import jsonable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,49 +54,12 @@ def wait_all(procs: list[subprocess.Popen], logs: list, timeout: float) -> None:
         time.sleep(0.5)
 
 
-def join_group(config: dict, timeout_arg: str | None = None) -> tuple[argparse.Namespace, int, int]:
-    """In a worker that ``run_ranks`` started: one intra-op thread (the ranks share the cores), then the run's Gloo
-    group, with the timeout in seconds that its args name ``timeout_arg`` (None: torch's default). Returns
-    ``(args, rank, world_size)``."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    args = argparse.Namespace(**config["args"])
-    rank, world_size = config["rank"], config["world_size"]
-    timeout = {} if timeout_arg is None else {"timeout": timedelta(seconds=getattr(args, timeout_arg))}
-    dist.init_process_group("gloo", init_method=f"tcp://{config['master_addr']}:{config['port']}", rank=rank,
-                            world_size=world_size, **timeout)
-    return args, rank, world_size
-
-
-def run_ranks(module: str, world_size: int, network: Network | None, config: dict, workdir: Path, name: str,
-              timeout: float, ranks_per_host: int = 1) -> None:
-    """Runs ``python -m <module> --worker <file>`` once per rank, where the file holds ``config`` plus ``rank``,
-    ``world_size``, ``master_addr``, ``port`` and ``ifname`` (the interface whose bytes a rank may count; None on
-    loopback). Rank r runs inside namespace r // ``ranks_per_host`` (ranks sharing one talk over its loopback)
-    with Gloo bound to its interface, or on 127.0.0.1 without a network. Streams rank 0's output; raises with a
-    failing rank's log. ``name`` tells this run's files apart."""
-    master = Network.address(0) if network else "127.0.0.1"
-    port = GLOO_PORT if network else free_port()
-    commands = []
-    for rank in range(world_size):
-        rank_config = {**config, "rank": rank, "world_size": world_size, "master_addr": master, "port": port,
-                       "ifname": RANK_IFNAME if network else None}
-        config_path = workdir / f"config-{name}-r{rank}.json"
-        config_path.write_text(json.dumps(rank_config))
-        commands.append([sys.executable, "-m", module, "--worker", str(config_path)])
-    run_on_hosts(commands, network, workdir, [f"{name}-r{rank}" for rank in range(world_size)], timeout,
-                 ranks_per_host=ranks_per_host)
-
-
 def run_on_hosts(commands: list[list[str]], network: Network | None, workdir: Path, names: list[str],
                  timeout: float, env: dict[str, str] | None = None, ranks_per_host: int = 1) -> list[str]:
     """Runs ``commands[i]`` inside host namespace i // ``ranks_per_host`` (on this machine's loopback without a
     network) with Gloo bound to its interface, logging to ``log-<names[i]>.txt`` in ``workdir``. Streams the first
     one's output; raises with a failing one's log; returns every log."""
+    unwind_on_sigterm()  # the finally below kills the processes
     procs, logs = [], []
     try:
         for host, (command, name) in enumerate(zip(commands, names)):
@@ -117,61 +81,65 @@ def run_on_hosts(commands: list[list[str]], network: Network | None, workdir: Pa
             log.close()
 
 
-def torchrun_command(script: list[str], nnodes: int, nproc_per_node: int, endpoint: str, is_host: bool,
-                     run_id: str, max_restarts: int, local_addr: str | None) -> list[str]:
-    """One node's torchrun agent for ``script`` (the script and its arguments), c10d rendezvous at ``endpoint``
-    (whose store the first node's agent hosts)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
-               str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-               "--rdzv-conf", f"is_host={int(is_host)}", "--max-restarts", str(max_restarts)]
-    if local_addr is not None:  # else torchrun advertises the machine's hostname, unknown inside a namespace
-        command += ["--local-addr", local_addr]
-    return [*command, *script]
-
-
 def run_torchrun(script: list[str], nnodes: int, nproc_per_node: int, network: Network | None, workdir: Path,
                  name: str, timeout: float, max_restarts: int = 0, env: dict[str, str] | None = None) -> list[str]:
-    """Runs ``script`` under one torchrun agent per node, each inside the node's namespace with Gloo bound to its
-    interface, or all on loopback without a network; the agents find each other by c10d rendezvous. Streams the
-    first node's output; raises with a failing node's log; returns every node's log."""
-    master = Network.address(0) if network else "127.0.0.1"
-    port = RDZV_PORT if network else free_port()
-    commands = [torchrun_command(script, nnodes, nproc_per_node, f"{master}:{port}", node == 0, name, max_restarts,
-                                 Network.address(node) if network else None) for node in range(nnodes)]
+    """Runs ``script`` (the script and its arguments) under one torchrun agent per node, each inside the node's
+    namespace with Gloo bound to its interface, or all on loopback without a network; the agents find each other
+    by c10d rendezvous at the first node, whose agent hosts the store. Streams the first node's output; raises with
+    a failing node's log; returns every node's log."""
+    endpoint = f"{Network.address(0)}:{RDZV_PORT}" if network else f"127.0.0.1:{free_port()}"
+    commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
+                 str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", name,
+                 "--rdzv-conf", f"is_host={int(node == 0)}", "--max-restarts", str(max_restarts),
+                 # else torchrun advertises the machine's hostname, unknown inside a namespace
+                 *(["--local-addr", Network.address(node)] if network else []), *script] for node in range(nnodes)]
     return run_on_hosts(commands, network, workdir, [f"{name}-node{node}" for node in range(nnodes)], timeout,
                         {**RESTARTABLE_ENV, **(env or {})})
 
 
-
-
 def run_group(module: str, world_size: int, settings, timeout: float, *, rate_bps: int | None = None,
               namespaces: bool = False, prefix: str = "gx", ranks_per_host: int = 1, **config):
-    """Runs the ranks of ``module`` on loopback, or (``rate_bps`` given, or ``namespaces``) each host of
-    ``ranks_per_host`` ranks in its own namespace behind a link of ``rate_bps`` (None: unshaped), the namespaces
-    named ``<prefix><pid>-...``. The worker gets ``config`` plus ``args`` (``settings``), ``out`` and ``tty``
-    (whether the driver's output is a terminal); returns what rank 0 wrote (JSON)."""
+    """Runs ``python -m <module> --worker <file>`` once per rank on loopback, or (``rate_bps`` given, or
+    ``namespaces``) each host of ``ranks_per_host`` ranks in its own namespace (named ``<prefix><pid>-...``)
+    behind a link of ``rate_bps`` (None: unshaped), the ranks sharing a host talking over its loopback. The file
+    holds ``config`` plus ``args`` (``settings``), ``out``, ``tty`` (whether the driver's output is a terminal),
+    ``rank``, ``world_size``, ``master_addr``, ``port`` and ``ifname`` (the interface whose bytes a rank may count;
+    None on loopback). Streams rank 0's output; raises with a failing rank's log; returns what rank 0 wrote (JSON)."""
     namespaces = namespaces or rate_bps is not None
     if namespaces:
         cleanup_stale(prefix)
-    networks = Networks(prefix)
     name = module.rsplit(".", 1)[-1]
-    try:
-        with tempfile.TemporaryDirectory(prefix=f"{name}_") as tmp:
-            network = networks.create(world_size // ranks_per_host, rate_bps) if namespaces else None
-            out = Path(tmp) / "out.json"
-            config = {**config, "args": jsonable(settings), "out": str(out), "tty": sys.stdout.isatty()}
-            run_ranks(module, world_size, network, config, Path(tmp), name, timeout, ranks_per_host=ranks_per_host)
-            return json.loads(out.read_text())
-    finally:
-        networks.close()
+    with (Network(prefix, world_size // ranks_per_host, rate_bps) if namespaces else nullcontext()) as network, \
+            tempfile.TemporaryDirectory(prefix=f"{name}_") as tmp:
+        out, commands = Path(tmp) / "out.json", []
+        config = {**config, "args": jsonable(settings), "out": str(out), "tty": sys.stdout.isatty(),
+                  "world_size": world_size, "master_addr": Network.address(0) if network else "127.0.0.1",
+                  "port": GLOO_PORT if network else free_port(), "ifname": RANK_IFNAME if network else None}
+        for rank in range(world_size):
+            path = Path(tmp) / f"config-{name}-r{rank}.json"
+            path.write_text(json.dumps({**config, "rank": rank}))
+            commands.append([sys.executable, "-m", module, "--worker", str(path)])
+        run_on_hosts(commands, network, Path(tmp), [f"{name}-r{rank}" for rank in range(world_size)], timeout,
+                     ranks_per_host=ranks_per_host)
+        return json.loads(out.read_text())
 
 
 def as_rank(config: dict, work, timeout_arg: str | None = None) -> None:
-    """In a worker: joins the group, runs ``work(args, rank, world_size, config)`` and, on rank 0, writes what it
-    returns (unless None) to ``config["out"]``."""
+    """In a worker that ``run_group`` started: one intra-op thread (the ranks share the cores), the run's Gloo group
+    (with the timeout in seconds that its args name ``timeout_arg``; None: torch's default), then
+    ``work(args, rank, world_size, config)``; on rank 0, what it returns (unless None) goes to ``config["out"]``."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
     from gtopk_ext.utils import destroy_process_group
 
-    args, rank, world_size = join_group(config, timeout_arg)
+    torch.set_num_threads(1)
+    args, rank, world_size = argparse.Namespace(**config["args"]), config["rank"], config["world_size"]
+    timeout = {} if timeout_arg is None else {"timeout": timedelta(seconds=getattr(args, timeout_arg))}
+    dist.init_process_group("gloo", init_method=f"tcp://{config['master_addr']}:{config['port']}", rank=rank,
+                            world_size=world_size, **timeout)
     try:
         result = work(args, rank, world_size, config)
         if rank == 0 and result is not None:

@@ -1,13 +1,6 @@
-"""The methods the training benchmarks compare, by name, and the one way each builds gtopk_ext's hook state.
-
-DDP hooks (``recipe``): ``ddp``, ``fp16``, ``bf16``, ``powersgd-<rank>``, ``floor`` (no communication: the compute
-floor), ``<collective>-<d>`` (gtopk_ext's hook, Gaussian-k at density d on the sparse path every compressed step;
-``hook-<collective>-<d>`` is the same),
-``gtopk-<d>-sync`` (each bucket finished inside the hook call), ``dgc-<d>[-<path>]`` and ``dgc-pt-<d>`` (momentum
-correction and Deep Gradient Compression's warm-up, per-tensor selection for the latter; the ``--dgc-*`` flags,
-``--dgc-path`` the path policy, ``auto`` by default as in the hook).
-Local methods (``parse_local``, run by ``LocalExchange``): ``postlocal-<H>`` (PyTorch's local SGD), ``diloco-<H>``
-(SparseLocalSGD, density 1, dense), ``sparse-<collective>-<d>-<H>[-compact]`` (SparseLocalSGD).
+"""The methods the training benchmarks compare, by name (``METHODS``: a new method is one entry), and the one way
+each builds gtopk_ext's hook state. A DDP method is a ``Recipe`` (its hook on the DDP model), a local method a
+``LocalMethod`` (run by ``LocalExchange`` around the inner optimizer).
 """
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations against dist.GradBucket.
@@ -66,60 +59,32 @@ def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: in
 
 # ------------------------------------------------------------------------------------------ what a method sent
 
+@dataclass(frozen=True)
 class Accounting:
     """A method's own count of what it sent: ``bytes_sent()`` after a step gives this rank's bytes in that step;
-    ``buckets()`` the number of buckets its hook saw (None when the hook does not say)."""
+    ``buckets()`` the number of buckets its hook saw and ``paths()`` the latest step's path of each (None when the
+    hook does not say); ``state``: gtopk_ext's hook state."""
 
-    def bytes_sent(self) -> int:
-        return 0
-
-    def buckets(self) -> Optional[int]:
-        return None
-
-    def paths(self) -> Optional[str]:
-        """The latest step's path of each bucket (None when the method has no paths)."""
-        return None
+    bytes_sent: Callable[[], int] = lambda: 0
+    buckets: Callable[[], Optional[int]] = lambda: None
+    paths: Callable[[], Optional[str]] = lambda: None
+    state: Optional[gx.SparseGradState] = None
 
 
-class DenseAccounting(Accounting):
-    """Hooks that allreduce every element (DDP's own, fp16/bf16 compression): the model's size on the wire."""
-
-    def __init__(self, numel: int, wire_bytes: int, world_size: int):
-        self.per_step = ring_allreduce_bytes(numel * wire_bytes, world_size)
-
-    def bytes_sent(self) -> int:
-        return self.per_step
+def gtopk_ext_accounting(state: gx.SparseGradState) -> Accounting:
+    return Accounting(lambda: state.stats()["total"]["bytes_sent"], lambda: len(state.stats()["buckets"]),
+                      lambda: ",".join(bucket["path"] for bucket in state.stats()["buckets"].values()), state)
 
 
-class PowerSGDAccounting(Accounting):
+def powersgd_accounting(state: powerSGD_hook.PowerSGDState, numel: int, world_size: int) -> Accounting:
     """PowerSGD counts the elements it allreduces (P, Q and the uncompressed tensors) as it goes; a step that adds
     none ran its dense warm-up."""
+    counted = [0]
 
-    def __init__(self, state: powerSGD_hook.PowerSGDState, numel: int, world_size: int):
-        self.state, self.world_size, self.counted = state, world_size, 0
-        self.dense = ring_allreduce_bytes(numel * 4, world_size)
-
-    def bytes_sent(self) -> int:
-        total = self.state.total_numel_after_compression
-        numel, self.counted = total - self.counted, total
-        return ring_allreduce_bytes(numel * 4, self.world_size) if numel else self.dense
-
-    def buckets(self) -> Optional[int]:
-        return len(self.state.error_dict)
-
-
-class GtopkExtAccounting(Accounting):
-    def __init__(self, state: gx.SparseGradState):
-        self.state = state
-
-    def bytes_sent(self) -> int:
-        return self.state.stats()["total"]["bytes_sent"]
-
-    def buckets(self) -> Optional[int]:
-        return len(self.state.stats()["buckets"])
-
-    def paths(self) -> Optional[str]:
-        return ",".join(bucket["path"] for bucket in self.state.stats()["buckets"].values())
+    def bytes_sent() -> int:
+        added, counted[0] = state.total_numel_after_compression - counted[0], state.total_numel_after_compression
+        return ring_allreduce_bytes((added or numel) * 4, world_size)
+    return Accounting(bytes_sent, lambda: len(state.error_dict))
 
 
 # ------------------------------------------------------------------------------------------------- DDP hooks
@@ -140,29 +105,32 @@ def allreduce_recipe(label: str, hook=None, wire_bytes: int = 4) -> Recipe:
     def attach(ddp, world_size, args):
         if hook is not None:
             ddp.register_comm_hook(None, hook)
-        return DenseAccounting(numel_of(ddp), wire_bytes, world_size)
+        return Accounting(lambda: ring_allreduce_bytes(numel_of(ddp) * wire_bytes, world_size))
     return Recipe(label, attach)
 
 
 def powersgd_recipe(rank: int) -> Recipe:
     """PowerSGD with one bucket: with several on Gloo, its hook's future callbacks allreduce P and Q on Gloo's
     threads while the autograd thread issues the next bucket's allreduce, so ranks issue their collectives in
-    different orders (bench/peers.py's docstring)."""
+    different orders; the group then fails ("Received data size doesn't match expected size") or hangs until its
+    timeout (2 and 4 ranks, 8 buckets: every run, at the first compressed step)."""
     def attach(ddp, world_size, args):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=START_ITER)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return PowerSGDAccounting(state, numel_of(ddp), world_size)
+        return powersgd_accounting(state, numel_of(ddp), world_size)
     return Recipe(f"PowerSGD rank {rank} (one bucket)", attach, one_bucket=True)
+
+
+def attached(ddp: DistributedDataParallel, state: gx.SparseGradState) -> Accounting:
+    """gtopk_ext's hook with ``state`` on ``ddp``."""
+    ddp.register_comm_hook(state, gx.sparse_grad_hook)
+    return gtopk_ext_accounting(state)
 
 
 def gtopk_ext_recipe(label: str, **state_options) -> Recipe:
     """gtopk_ext's hook with ``hook_state(**state_options)``."""
-    def attach(ddp, world_size, args):
-        state = hook_state(**state_options)
-        ddp.register_comm_hook(state, gx.sparse_grad_hook)
-        return GtopkExtAccounting(state)
-    return Recipe(label, attach)
+    return Recipe(label, lambda ddp, world_size, args: attached(ddp, hook_state(**state_options)))
 
 
 def dgc_recipe(density: float, per_tensor: bool = False, path: str | None = None) -> Recipe:
@@ -178,11 +146,19 @@ def dgc_recipe(density: float, per_tensor: bool = False, path: str | None = None
                            clip_norm=args.dgc_clip_norm, per_tensor=per_tensor or args.dgc_per_tensor,
                            masking_start_iter=args.dgc_warmup, path=path or args.dgc_path,
                            min_compress_numel=args.dgc_min_compress_numel)
-        ddp.register_comm_hook(state, gx.sparse_grad_hook)
-        return GtopkExtAccounting(state)
+        return attached(ddp, state)
     label = (f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up" + (" + per-tensor" * per_tensor)
              + (f", path {path}" if path else ""))
     return Recipe(label, attach, momentum_in_hook=True)
+
+
+def recipe_method(density: float) -> Recipe:
+    """``gx.SparseGradState.recipe(density, warmup_steps=--dgc-warmup)``: the package's recipe as a user calls it."""
+    def attach(ddp, world_size, args):
+        state = gx.SparseGradState.recipe(density=density, warmup_steps=args.dgc_warmup)
+        state.stats_logging_frequency = 0
+        return attached(ddp, state)
+    return Recipe(f"gtopk_ext recipe, d={density:g}", attach, momentum_in_hook=True)
 
 
 def add_dgc_arguments(parser: argparse.ArgumentParser) -> None:
@@ -211,53 +187,44 @@ def no_communication_hook(world_size: int, bucket: dist.GradBucket) -> torch.fut
     return future
 
 
-def floor_recipe() -> Recipe:
-    def attach(ddp, world_size, args):
-        ddp.register_comm_hook(world_size, no_communication_hook)
-        return Accounting()
-    return Recipe("no communication (compute floor)", attach)
+def attach_floor(ddp: DistributedDataParallel, world_size: int, args: argparse.Namespace) -> Accounting:
+    ddp.register_comm_hook(world_size, no_communication_hook)
+    return Accounting()
+
+
+def method(name: str) -> "Recipe | LocalMethod":
+    """The method of a name; ValueError for no method."""
+    for pattern, build in METHODS.items():
+        words, parts, fields = pattern.split("-"), name.split("-"), {}
+        try:
+            for word, part in zip(words, parts, strict=True):
+                if word.startswith("<"):
+                    fields[word[1:-1]] = FIELDS[word[1:-1]](part)
+                elif word != part:
+                    raise ValueError(part)
+        except ValueError:
+            continue
+        return build(**fields)
+    raise ValueError(f"no method {name!r}; the methods: {', '.join(METHODS)}")
 
 
 def recipe(name: str) -> Optional[Recipe]:
     """The DDP method of a name, None for a local method's; ValueError for no method."""
-    fixed = {"ddp": lambda: allreduce_recipe("DDP allreduce"),
-             "fp16": lambda: allreduce_recipe("fp16_compress_hook", default_hooks.fp16_compress_hook, 2),
-             "bf16": lambda: allreduce_recipe("bf16_compress_hook", default_hooks.bf16_compress_hook, 2),
-             "floor": floor_recipe}
-    if name in fixed:
-        return fixed[name]()
-    parts = name.removeprefix("hook-").split("-")
-    if parts[0] == "powersgd" and len(parts) == 2:
-        return powersgd_recipe(int(parts[1]))
-    if parts[0] == "dgc":
-        path = parts.pop() if parts[-1] in gx.paths.MODES else None
-        if parts[1:-1] in ([], ["pt"]):
-            return dgc_recipe(density_of(parts[-1]), per_tensor=len(parts) == 3, path=path)
-    if parts[0] in SPARSE_COLLECTIVES and parts[2:] in ([], ["sync"]):
-        collective, density = parts[0], density_of(parts[1])
-        if parts[2:]:
-            return gtopk_ext_recipe(f"Gaussian-k + {collective}, d={density:g}, each bucket finished in the hook "
-                                    f"call", density=density, collective=collective, synchronous=True)
-        return gtopk_ext_recipe(f"Gaussian-k + {collective}, d={density:g}", density=density, collective=collective)
-    parse_local(name)
-    return None
+    found = method(name)
+    return found if isinstance(found, Recipe) else None
 
 
 def method_name(text: str) -> str:
-    """An argparse type: a method name that :func:`recipe` or :func:`parse_local` knows."""
+    """An argparse type: a method's name."""
     try:
-        recipe(text)
-    except (ValueError, IndexError) as error:
-        raise argparse.ArgumentTypeError(f"bad method {text!r} ({error}): expected ddp, fp16, bf16, powersgd-<rank>, "
-                                         f"floor, <collective>-<d>[-sync], dgc-<d>[-<path>], dgc-pt-<d>, "
-                                         f"postlocal-<H>, diloco-<H> or sparse-<collective>-<d>-<H>[-compact]"
-                                         ) from error
+        method(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
     return text
 
 
 def label(name: str) -> str:
-    found = recipe(name)
-    return found.label if found is not None else parse_local(name).label
+    return method(name).label
 
 
 # --------------------------------------------------------------------------------------------- local methods
@@ -266,7 +233,6 @@ def label(name: str) -> str:
 class LocalMethod:
     """A local method: ``kind`` "postlocal", "diloco" or "sparse", exchanging every ``period`` (H) steps."""
 
-    name: str
     kind: str
     period: int
     collective: str = "dense"
@@ -283,14 +249,42 @@ class LocalMethod:
         return f"SparseLocalSGD {self.collective} d={self.density:g}, H={self.period}{compact}"
 
 
-def parse_local(text: str) -> LocalMethod:
-    parts = text.split("-")
-    if parts[0] in ("postlocal", "diloco") and len(parts) == 2:
-        return LocalMethod(text, parts[0], int(parts[1]))
-    if parts[0] == "sparse" and parts[4:] in ([], ["compact"]) and len(parts) >= 4:
-        return LocalMethod(text, "sparse", int(parts[3]), parts[1], density_of(parts[2]),
-                           "compact" if parts[4:] else "plain")
-    raise ValueError("not a method of these benchmarks")
+def sparse_collective(text: str) -> str:
+    if text not in SPARSE_COLLECTIVES:
+        raise ValueError(text)
+    return text
+
+
+def path_mode(text: str) -> str:
+    if text not in gx.paths.MODES:
+        raise ValueError(text)
+    return text
+
+
+# What a <field> of a method's name holds.
+FIELDS = {"collective": sparse_collective, "d": density_of, "rank": int, "H": int, "path": path_mode}
+# Every method: the pattern of its name and what builds it from the pattern's fields.
+METHODS = {
+    "ddp": lambda: allreduce_recipe("DDP allreduce"),
+    "fp16": lambda: allreduce_recipe("fp16_compress_hook", default_hooks.fp16_compress_hook, 2),
+    "bf16": lambda: allreduce_recipe("bf16_compress_hook", default_hooks.bf16_compress_hook, 2),
+    "floor": lambda: Recipe("no communication (compute floor)", attach_floor),
+    "powersgd-<rank>": powersgd_recipe,
+    "dgc-<d>": lambda d: dgc_recipe(d),  # the --dgc-* flags
+    "dgc-<d>-<path>": lambda d, path: dgc_recipe(d, path=path),  # the recipe on one path, or auto
+    "recipe-<d>": lambda d: recipe_method(d),  # gx.SparseGradState.recipe
+    "dgc-pt-<d>": lambda d: dgc_recipe(d, per_tensor=True),
+    "<collective>-<d>": lambda collective, d: gtopk_ext_recipe(f"Gaussian-k + {collective}, d={d:g}", density=d,
+                                                               collective=collective),
+    "hook-<collective>-<d>": lambda collective, d: METHODS["<collective>-<d>"](collective, d),
+    "<collective>-<d>-sync": lambda collective, d: gtopk_ext_recipe(  # each bucket finished inside the hook call
+        f"Gaussian-k + {collective}, d={d:g}, each bucket finished in the hook call", density=d,
+        collective=collective, synchronous=True),
+    "postlocal-<H>": lambda H: LocalMethod("postlocal", H),  # PyTorch's local SGD
+    "diloco-<H>": lambda H: LocalMethod("diloco", H),  # SparseLocalSGD, density 1, dense
+    "sparse-<collective>-<d>-<H>": lambda collective, d, H: LocalMethod("sparse", H, collective, d),
+    "sparse-<collective>-<d>-<H>-compact": lambda collective, d, H: LocalMethod("sparse", H, collective, d, "compact"),
+}
 
 
 class LocalExchange:

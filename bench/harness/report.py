@@ -1,10 +1,11 @@
-"""What a benchmark writes: a JSON record with the machine it ran on, and matplotlib set up for files."""
+"""What a benchmark writes: tables, a JSON record with the machine it ran on, and matplotlib set up for files."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -26,6 +27,34 @@ def write_json(path, settings, **record) -> None:
     """``record`` with the settings it ran with and the machine, at ``path``."""
     Path(path).write_text(json.dumps({"settings": jsonable(settings), "machine": machine(), **record}, indent=1,
                                      default=str))
+    print(f"wrote {path}")
+
+
+def table(rows: list[dict], columns: list[tuple], markdown: bool = False, header: bool = True) -> str:
+    """``rows`` as a text table, or a Markdown one: ``columns`` are (title, format spec, the row's key or a function
+    of the row); None shows as "-". A column is as wide as its title, its spec's width or its widest cell; the first
+    is left-aligned."""
+    lines = [[title for title, _, _ in columns]] if header else []
+    for row in rows:
+        values = [get(row) if callable(get) else row[get] for _, _, get in columns]
+        lines.append(["-" if value is None else format(value, spec) for value, (_, spec, _) in zip(values, columns)])
+    if markdown:
+        rule = ["---"] + ["---:"] * (len(columns) - 1)
+        return "\n".join("| " + " | ".join(line) + " |" for line in lines[:1] + [rule] + lines[1:])
+    widths = [max([len(title), int(re.match(r"[<>^]?(\d*)", spec)[1] or 0)] + [len(line[i]) for line in lines])
+              for i, (title, spec, _) in enumerate(columns)]
+    return "\n".join(" ".join(text.ljust(width) if i == 0 else text.rjust(width)
+                              for i, (text, width) in enumerate(zip(line, widths))) for line in lines)
+
+
+def streamed(rows, columns: list[tuple]) -> list[dict]:
+    """``rows`` (an iterable) printed as a table a row at a time, as they come; returns them."""
+    print(table([], columns), flush=True)
+    out = []
+    for row in rows:
+        out.append(row)
+        print(table([row], columns, header=False), flush=True)
+    return out
 
 
 def pyplot():
@@ -41,6 +70,37 @@ def pyplot():
 def save(figure, path) -> None:
     figure.savefig(path, dpi=110)
     pyplot().close(figure)
+    print(f"wrote {path}")
+
+
+def finish_axis(axis) -> None:
+    """A grid, and plain numbers on log scales (0.1 and 20, not 10^-1 and 2 x 10^1, which overlap)."""
+    import matplotlib.ticker
+
+    axis.grid(True, which="both", alpha=0.3)
+    for scaled in (axis.xaxis, axis.yaxis):
+        if scaled.get_scale() == "log":
+            scaled.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+            scaled.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
+def plot_curves(runs: list[dict], path, title: str, ylabel: str, y, panels: list[tuple], yscale: str = "linear",
+                style=None) -> None:
+    """One line per run (its ``curve``, labelled ``label``) of ``y(point)`` against each panel's ``x(point)``:
+    ``panels`` are (x label, x, x scale); ``style(index, run)``: the line's matplotlib options."""
+    figure, axes = pyplot().subplots(1, len(panels), figsize=(max(9.0, 5.5 * len(panels) + 0.5), 5.5), squeeze=False)
+    for index, run in enumerate(runs):
+        for axis, (_, x, scale) in zip(axes[0], panels):
+            points = [(x(c), y(c)) for c in run["curve"] if scale != "log" or x(c) > 0]  # a log axis has no 0
+            axis.plot(*zip(*points), marker=".", label=run["label"] if axis is axes[0, 0] else None,
+                      **(style(index, run) if style else {"color": f"C{index % 10}"}))
+    for axis, (xlabel, _, scale) in zip(axes[0], panels):
+        axis.set(xlabel=xlabel, ylabel=ylabel, xscale=scale, yscale=yscale)
+        finish_axis(axis)
+    figure.suptitle(title, fontsize=8, wrap=True)
+    figure.legend(loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=3, fontsize=7, frameon=False)
+    figure.tight_layout(rect=(0, 0, 1, 0.86))
+    save(figure, path)
 
 
 def progress(total: int, rank: int, args, config: dict):

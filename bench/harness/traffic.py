@@ -5,31 +5,19 @@ from __future__ import annotations
 
 import math
 
-from gtopk_ext._contract import wire_num_pages
+import torch
+
 from gtopk_ext.costs import inner_result_slots, node_gather_bytes
+from gtopk_ext.wire import payload_size
 
 METHODS = ("dense", "allgather", "gtopk", "oktopk", "hierarchical")
 SPARSE_METHODS = ("allgather", "gtopk", "oktopk")
 WIRES = ("plain", "compact")
 
 
-def message_bytes(k: int, numel: int, wire: str = "plain", head_words: int = 1) -> int:
-    """A message of k pairs of a tensor of ``numel`` elements: ``head_words`` int32 words (the count, ...), then
-    plain: 8 bytes a pair; compact: a scale word, the page table (a word per 65,536 elements, +1), 4 bytes a pair."""
-    if wire == "plain":
-        return 4 * head_words + 8 * k
-    return 4 * (head_words + 2 + wire_num_pages(numel)) + 4 * k
-
-
-def oktopk_run_bytes(n: float, numel: int, wire: str) -> float:
-    """One Ok-Topk message of n pairs (its size travels first, as a count): plain, 8 bytes a pair; compact, a
-    message of its own with n as the head."""
-    return 8 * n if wire == "plain" else message_bytes(0, numel, wire) + 4 * n
-
-
-def check_allreduce_bytes(world_size: int) -> int:
-    """The compact wire's corruption check: one int32 allreduce (a ring's bytes)."""
-    return 2 * (world_size - 1) * 4 // world_size
+def message_bytes(k: int, numel: int, wire: str = "plain") -> int:
+    """A message of k float32 pairs of a tensor of ``numel`` elements, its count in front."""
+    return payload_size(wire, k, numel, torch.float32, head_words=1)
 
 
 def butterfly(world_size: int) -> tuple[int, bool]:
@@ -39,21 +27,16 @@ def butterfly(world_size: int) -> tuple[int, bool]:
 
 
 def bytes_per_rank(method: str, numel: int, k: int, world_size: int, wire: str = "plain") -> float:
-    """Bytes a rank sends in one exchange, the mean over the ranks, on one level of network."""
-    p = world_size
-    if method == "dense":
-        return 2 * (p - 1) * numel * 4 // p
-    if method == "allgather":
-        return (p - 1) * message_bytes(k, numel, wire)
-    check = check_allreduce_bytes(p) if wire == "compact" else 0
-    if method == "gtopk":
-        rounds, folds = butterfly(p)
-        largest, message = 1 << rounds, message_bytes(k, numel, wire)
-        extra = p - largest  # ranks folded in: each sends a message and gets one back with its mask
-        return (largest * rounds * message + extra * (2 * message + (k + 7) // 8)) / p + check
-    if method == "oktopk":
-        return 2 * (p - 1) * oktopk_run_bytes(k / p, numel, wire) + 24 * (p - 1) + check
-    raise ValueError(f"method must be one of {METHODS[:4]}, got {method!r}")
+    """Bytes a rank sends in one exchange, the mean over the ranks, on one level of network: what its link
+    carries, but for gTop-k on a P that is not a power of two, whose fold and return only the ranks beyond the
+    largest power of two take part in (each sends a message and gets one back with its mask)."""
+    terms = features(method, numel, k, world_size, 1.0, wire)
+    rounds, folds = butterfly(world_size)
+    if method != "gtopk" or not folds:
+        return terms["beta"]
+    largest, message = 1 << rounds, message_bytes(k, numel, wire)
+    check = 2 * (world_size - 1) / world_size * 4 if wire == "compact" else 0
+    return (largest * rounds * message + (world_size - largest) * (2 * message + (k + 7) // 8)) / world_size + check
 
 
 def _flat_features(method: str, numel: int, k: int, p: int, local: int, share: float, wire: str) -> dict:
@@ -75,7 +58,7 @@ def _flat_features(method: str, numel: int, k: int, p: int, local: int, share: f
                  "beta_intra": intra * message, "merge": (rounds + folds) * 2 * k * share}
         if wire == "compact":
             terms.update(encode=(rounds + 2 * folds) * k * share, decode=(2 * rounds + 3 * folds) * k * share)
-    elif method == "oktopk":
+    elif method == "oktopk":  # each of its messages carries its own header (the compact wire's page table)
         pair, header = (8, 0) if wire == "plain" else (4, message_bytes(0, numel, wire))
         terms = {"alpha": 4 * (p - 1),
                  "beta": local * (p - local) / p * 2 * k * pair + 2 * local * (p - local) * header + 24 * (p - 1),

@@ -4,6 +4,8 @@ batches, the evaluation, and the reductions over ranks that the measurements tak
 from __future__ import annotations
 
 import argparse
+import copy
+import time
 
 import torch
 import torch.distributed as dist
@@ -11,29 +13,26 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from bench.harness.methods import LocalExchange, numel_of, parse_local, recipe
+from bench.harness.methods import LocalExchange, Recipe, method as method_named, numel_of
 
 
 class Trainer:
-    """One method on this rank: ``model`` under DDP with the method's hook, or a replica under a local method
-    (bench.harness.methods); SGD with ``args.lr``, ``args.momentum`` (none where the hook applies it) and
-    ``args.nesterov`` if there is one; and the bytes this rank sent so far by the method's own count."""
+    """One method (a name of bench.harness.methods, or a Recipe) on this rank: ``model`` under DDP with the
+    method's hook, or a replica under a local method; :func:`sgd`; and the bytes this rank sent so far by the
+    method's own count."""
 
-    def __init__(self, name: str, model: nn.Module, args: argparse.Namespace, world_size: int):
-        self.model, self.trained, self.local, self.sent = model, model, None, 0
-        self.recipe = recipe(name)
-        in_optimizer = True
+    def __init__(self, method: str | Recipe, model: nn.Module, args: argparse.Namespace, world_size: int):
+        self.model, self.trained, self.local, self.sent, self.world_size = model, model, None, 0, world_size
+        found = method if isinstance(method, Recipe) else method_named(method)
+        self.recipe, self.mean = (found if isinstance(found, Recipe) else None), None
         if self.recipe is not None:
             # One bucket: a cap above the model's size (DDP's first bucket then has that cap too).
             cap_mb = numel_of(model) * 4 / 2**20 + 1 if self.recipe.one_bucket else getattr(args, "bucket_cap_mb", None)
             self.trained = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
             self.accounting = self.recipe.attach(self.trained, world_size, args)
-            in_optimizer = not self.recipe.momentum_in_hook
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=args.lr,
-                                         momentum=args.momentum if in_optimizer else 0.0,
-                                         nesterov=getattr(args, "nesterov", False) and in_optimizer)
+        self.optimizer = sgd(model, args, self.recipe is not None and self.recipe.momentum_in_hook)
         if self.recipe is None:
-            self.local = LocalExchange(parse_local(name), model, self.optimizer, args, world_size)
+            self.local = LocalExchange(found, model, self.optimizer, args, world_size)
             self.optimizer = self.local.optimizer
 
     def step(self, loss_of) -> float:
@@ -48,17 +47,66 @@ class Trainer:
             self.sent += self.accounting.bytes_sent()
         return float(loss.detach())
 
-    def finish(self) -> None:
-        """Every method ends with one model: a local method exchanges once more if its last step did not."""
-        if self.local is not None:
+    def measured_step(self, loss_of, tx, last: bool = False) -> dict:
+        """One step, started by every rank together (the slowest rank's time is the step's), the exchange that
+        leaves one model after it when ``last``: its loss, seconds, CPU seconds (all of this process's threads), the
+        bytes this rank sent, by the method's own count and by ``tx`` (an emulated_network.TxCounter), and the
+        paths its buckets took (where the method says)."""
+        dist.barrier()
+        tx_bytes, cpu, sent, start = tx.read(), time.process_time(), self.bytes_sent(), time.perf_counter()
+        loss = self.step(loss_of)
+        if last and self.local is not None:  # every method ends with one model
             self.local.finish()
+        return {"loss": loss, "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu,
+                "bytes": self.bytes_sent() - sent, "tx_bytes": tx.read() - tx_bytes,
+                "paths": self.accounting.paths() if self.local is None else None}
 
     def bytes_sent(self) -> int:
         return self.local.bytes_sent() if self.local is not None else self.sent
 
-    def synced(self) -> bool:
-        """Whether the replicas are one model now (DDP: always; a local method: right after an exchange)."""
-        return self.local is None or self.local.synced()
+    def shared_model(self) -> nn.Module:
+        """The model the ranks share: the replica where they are one model (DDP: always; a local method: right
+        after an exchange), else the mean of the replicas in a copy (an allreduce the byte counts leave out)."""
+        if self.local is None or self.local.synced():
+            return self.model
+        if self.mean is None:
+            self.mean = copy.deepcopy(self.model)
+        return load_consensus(self.model, self.mean, self.world_size)
+
+
+def sgd(model: nn.Module, args: argparse.Namespace, momentum_in_hook: bool = False) -> torch.optim.SGD:
+    """SGD with ``args.lr`` and, unless the hook applies them, ``args.momentum`` and, where given, ``args.nesterov``
+    and ``args.weight_decay``."""
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if momentum_in_hook else args.momentum,
+                           nesterov=getattr(args, "nesterov", False) and not momentum_in_hook,
+                           weight_decay=0.0 if momentum_in_hook else getattr(args, "weight_decay", 0.0))
+
+
+def train_curve(trainer: Trainer, steps: int, loss_at, evaluate, eval_every: int, tx, progress=None,
+                after_step=None) -> tuple[list[dict], list[dict]]:
+    """Trains ``trainer`` for ``steps`` measured steps on ``loss_at(step)`` (a ``loss_of(model)``), calling
+    ``after_step(step)`` after each. Returns the curve, a point at step 0, every ``eval_every`` steps and the last:
+    ``evaluate(shared model)`` (a dict), the slowest rank's training seconds so far (evaluation left out) and this
+    rank's bytes sent so far (the method's count; ``tx_bytes``: its interface's); and every step's measurements."""
+    curve, measured = [], []
+
+    def point(step: int) -> None:
+        done = measured[:step]
+        curve.append({"step": step, "seconds": float(slowest([sum(m["seconds"] for m in done)])),
+                      "bytes_sent": trainer.bytes_sent(), "tx_bytes": sum(m["tx_bytes"] for m in done),
+                      **evaluate(trainer.shared_model())})
+
+    point(0)
+    for step in range(1, steps + 1):
+        measured.append(trainer.measured_step(loss_at(step), tx, last=step == steps))
+        if after_step is not None:
+            after_step(step)
+        if step % eval_every == 0 or step == steps:
+            point(step)
+        if progress is not None:
+            progress.set_postfix(loss=f"{measured[-1]['loss']:.3f}", refresh=False)
+            progress.update()
+    return curve, measured
 
 
 def epoch_batches(epoch: int, seed: int, n_train: int, rank: int, world_size: int, batch_size: int) -> list:

@@ -16,9 +16,12 @@ import pytest
 import torch
 import torch.nn as nn
 
+import gtopk_ext as gx
 from tests.distributed import run_distributed
 
 STEPS = 3
+# Every call compresses (after the warm-up), however small the shard: what these tests check is the sparse path.
+SPARSE = gx.PathPolicy("sparse", min_compress_numel=0)
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -80,8 +83,6 @@ def train(model: nn.Module, rank: int, steps: range, after=None) -> None:
 
 
 def configs() -> list[tuple[str, str, str, int]]:
-    import gtopk_ext as gx
-
     # float16: FSDP divides before the reduce-scatter and after the hook (to avoid overflow), both linear.
     return [(collective, wire, dtype, start_iter) for collective in gx.collectives.SPARSE_COLLECTIVES
             for wire in ("plain", "compact") for dtype, start_iter in (("float32", 1), ("bfloat16", 0))
@@ -90,12 +91,11 @@ def configs() -> list[tuple[str, str, str, int]]:
 
 def conservation_case(rank: int, node_size: int, config) -> dict:
     """One configuration: every call's record and every step's full parameters."""
-    import gtopk_ext as gx
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     collective, wire, dtype, start_iter = config
     state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1, collective=collective, wire=wire,
-                               start_iter=start_iter)
+                               path=SPARSE, start_iter=start_iter)
     policy = MixedPrecisionPolicy(reduce_dtype=getattr(torch, dtype))
     model = shard(make_model(), state.shard_mesh, mp_policy=policy)
     gx.register_sparse_all_reduce(model, state)
@@ -107,8 +107,6 @@ def conservation_case(rank: int, node_size: int, config) -> dict:
 def layout_case(rank: int, node_size: int) -> list:
     """The shard FSDP hands the hook, against the layout read from its parameters: every rank feeds the same
     batch, so the node's average is the plain model's gradient, chunked along dim 0 as FSDP does."""
-    import gtopk_ext as gx
-
     mesh = gx.fsdp.node_mesh(node_size)
     reference, model = make_model(), shard(make_model(), mesh["shard"])
     reference(batch(0, 0)).square().mean().backward()
@@ -146,10 +144,9 @@ def resume_case(rank: int, node_size: int, directory: str) -> list:
     parameters), a new model and state loading it, and three more steps: bitwise the same parameters."""
     import torch.distributed.checkpoint as dcp
 
-    import gtopk_ext as gx
-
     def build():
-        state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1, collective="oktopk", wire="compact")
+        state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1, collective="oktopk", wire="compact",
+                                   path=SPARSE)
         model = shard(make_model(), state.shard_mesh)
         gx.register_sparse_all_reduce(model, state)
         return state, model
@@ -173,9 +170,7 @@ def resume_case(rank: int, node_size: int, directory: str) -> list:
 def accumulation_case(rank: int, node_size: int) -> list:
     """Microbatches under set_requires_gradient_sync(False): FSDP reduces (and calls the hook) once per step, so
     a group's iteration is its optimizer steps."""
-    import gtopk_ext as gx
-
-    state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1)
+    state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1, path=SPARSE)
     model = shard(make_model(), state.shard_mesh)
     gx.register_sparse_all_reduce(model, state)
     for micro in range(4):
@@ -188,9 +183,7 @@ def accumulation_case(rank: int, node_size: int) -> list:
 def nonfinite_case(rank: int, node_size: int) -> list:
     """An inf in node 0's gradient at the second call of a group: every replica goes dense; a finite rank sends
     its whole residual with it, the non-finite one keeps its residual."""
-    import gtopk_ext as gx
-
-    state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1)
+    state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1, path=SPARSE)
     model = shard(make_model(), state.shard_mesh)
     gx.register_sparse_all_reduce(model, state)
     calls = record(state, poison=False)
@@ -215,7 +208,6 @@ def nonfinite_case(rank: int, node_size: int) -> list:
 
 def error_cases(rank: int, node_size: int) -> dict:
     """Each bad input, and the error type and message every rank raised (the others must not hang)."""
-    import gtopk_ext as gx
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
@@ -344,15 +336,13 @@ def test_fsdp2_nodes_conserve_agree_resume_and_refuse_bad_input(tmp_path, nodes,
 def one_node_case(rank: int, world: int) -> bytes:
     """One node of all ranks: the hook leaves FSDP's average as it is (bitwise the plain FSDP2 run). Nodes of one
     rank (a (world, 1) mesh, FSDP2 as a DDP): the hook exchanges whole gradients sparsely between all ranks."""
-    import gtopk_ext as gx
-
-    state = gx.SparseFSDPState(gx.fsdp.node_mesh(world), density=0.01)
+    state = gx.SparseFSDPState(gx.fsdp.node_mesh(world), density=0.01, path=SPARSE)
     hooked, plain = shard(make_model(), state.shard_mesh), shard(make_model(), state.shard_mesh)
     gx.register_sparse_all_reduce(hooked, state)
     train(hooked, rank, range(STEPS))
     train(plain, rank, range(STEPS))
     no_op = torch.equal(full_parameters(hooked), full_parameters(plain)) and state.stats()["total"]["bytes_sent"] == 0
-    state = gx.SparseFSDPState(gx.fsdp.node_mesh(1), density=0.1)
+    state = gx.SparseFSDPState(gx.fsdp.node_mesh(1), density=0.1, path=SPARSE)
     replicated = shard(make_model(), state.shard_mesh)
     gx.register_sparse_all_reduce(replicated, state)
     train(replicated, rank, range(STEPS))

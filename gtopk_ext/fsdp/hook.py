@@ -27,7 +27,7 @@ from gtopk_ext.compressors import k_for_density
 from gtopk_ext.fsdp.layout import fsdp_modules, parameter_group, shard_layout
 from gtopk_ext.fsdp.state import GroupState, GroupStats, SparseFSDPState
 from gtopk_ext.message import SparseMessage
-from gtopk_ext.reduction import agree_plan, is_finite, reduce
+from gtopk_ext.reduction import is_finite, plan_path, reduce, reduce_dense16
 from gtopk_ext.wire import wire_named
 
 # Seeds of randomk's draws: step = call * STEPS_PER_CALL + group index, the same on every replica.
@@ -42,14 +42,16 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
 
     1. Gather: the shard's real elements, without FSDP's per-parameter padding (which is thus never selected and
        never holds residual), in float32 (the residual is float32 whatever FSDP's ``reduce_dtype``).
-    2. Plan: dense during the warm-up (``start_iter``), else sparse with k = ceil(density x real elements), the
-       density of this call (the group's iteration: its count of calls). The replicas exchange a header only
-       when the plan changes, and all raise the same error if they differ.
+    2. Plan: dense during the warm-up (``start_iter``), else k = ceil(density x real elements), the density of
+       this call (the group's iteration: its count of calls), and the path of the state's policy
+       (:func:`gtopk_ext.reduction.plan_path`; ``auto``: the cheapest of sparse, dense16 and dense as measured).
+       The replicas exchange a header only when the plan changes, and all raise the same error if they differ.
     3. Reduce (:func:`gtopk_ext.reduction.reduce`): acc = gradient + residual is compressed to k slots, reduced
        over the replicate group by the collective and divided by the number of nodes; what was not applied (not
        selected, dropped by a merge, lost to the wire's rounding) stays in the residual.
-    4. Dense paths (the warm-up, or a rank whose acc is not finite: then every rank sends its whole acc): the
-       gradient is averaged over the nodes by the dense collective.
+    4. Dense paths (the warm-up, the dense path, or a rank whose acc is not finite: then every rank sends its
+       whole acc): the gradient (plus the residual) is averaged over the nodes by the dense collective; on the
+       dense16 path in bfloat16, its rounding kept in the residual.
     5. Write back: the real elements of ``shard`` take the average (in its dtype); FSDP then applies any
        post-division of its own (float16 reduce-scatters divide in two parts: both are linear, so averaging the
        pre-divided shards over nodes gives FSDP's node average, averaged over nodes).
@@ -73,17 +75,18 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     if group.residual.device != work.device:  # CPU offload: parameters (where it was made) live on the host
         group.residual = group.residual.to(work.device)
     # 2. Plan.
-    sparse = iteration >= state.start_iter
-    density = state.density_at(iteration) if sparse else 1.0
-    k = k_for_density(density, layout.numel) if sparse else layout.numel
-    stats = group.stats = GroupStats("sparse" if sparse else "dense", layout.numel, layout.padded_numel, k,
-                                     selected=0 if sparse else layout.numel)
-    agree_plan(work, replicas, group.agreement, sparse=sparse, k=k, wire=wire_named(state.wire),
-               what="sparse_all_reduce_hook", volatile={"iter": iteration, "group": group.index},
-               traffic=stats.traffic)
-    start = perf_counter()
-    if sparse:
+    may_compress = iteration >= state.start_iter
+    density = state.density_at(iteration) if may_compress else 1.0
+    k = k_for_density(density, layout.numel) if may_compress else None
+    if may_compress:
         state.use_density(density)
+    stats = group.stats = GroupStats("dense", layout.numel, layout.padded_numel, layout.numel, selected=layout.numel)
+    stats.path = plan_path(work, replicas, group.plan, state.path_policy, state.costs, iteration=iteration, k=k,
+                           collective=state.collective_now, wire=wire_named(state.wire), what="sparse_all_reduce_hook",
+                           volatile={"iter": iteration, "group": group.index}, traffic=stats.traffic)
+    start = perf_counter()
+    if stats.path == "sparse":
+        stats.k, stats.selected = k, 0
         compressor = state.compressor_now
 
         def selected() -> SparseMessage:
@@ -103,9 +106,19 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
             stats.path, stats.k, stats.selected = "nonfinite", layout.numel, layout.numel
             if finite:  # all of the residual is in work now
                 group.residual.zero_()
-            sparse = False
-    if not sparse:  # 4. Dense.
+        else:
+            state.costs.observe_sparse(layout.numel, k, stats.select_seconds,
+                                       perf_counter() - start - stats.select_seconds)
+    elif stats.path == "dense16":  # 4. Dense, in bfloat16: all of the residual goes, the rounding stays
+        reduce_dense16(work, group.residual, replicas, stats.traffic)
+        state.costs.observe_dense16(layout.numel, perf_counter() - start)
+    if stats.path in ("dense", "nonfinite"):  # 4. Dense: a residual left by earlier sparse calls goes too
+        if stats.path == "dense":
+            work.add_(group.residual)
+            group.residual.zero_()
         collective_named("dense").reduce_dense(work, replicas, nodes, stats.traffic).wait()
+        state.costs.observe_dense(layout.numel, start, perf_counter(),
+                                  learn=stats.path == "dense" and layout.numel >= state.path_policy.min_compress_numel)
     stats.exchange_seconds = perf_counter() - start - stats.select_seconds
     # 5. Write back.
     if not in_place:

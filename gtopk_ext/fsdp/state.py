@@ -12,11 +12,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from gtopk_ext.collectives import COLLECTIVES, SPARSE_COLLECTIVES, Agreement, agree, collective_named
+from gtopk_ext.collectives import COLLECTIVES, SPARSE_COLLECTIVES, agree, collective_named
 from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, make_compressor
 from gtopk_ext.costs import Traffic
 from gtopk_ext.ddp.schedule import DensitySchedule, checked_schedule, density_at
 from gtopk_ext.fsdp.layout import ShardLayout
+from gtopk_ext.paths import CostModel, PathPlan, PathPolicy, path_policy
 from gtopk_ext.wire import wire_named
 
 MESH_DIM_NAMES = ("replicate", "shard")
@@ -48,7 +49,7 @@ def node_mesh(node_size: Optional[int] = None, device_type: str = "cpu") -> Devi
 class GroupStats:
     """What the hook did with one parameter group's shard in its latest call."""
 
-    path: str = "none"  # "sparse"; "dense" (warm-up); "nonfinite" (a rank's sum was not finite: went dense)
+    path: str = "none"  # "sparse", "dense16" or "dense" (gtopk_ext.paths); "nonfinite" (a rank's sum was not)
     numel: int = 0  # real elements
     padded_numel: int = 0  # the shard's elements
     k: int = 0  # slots sent per rank (numel on the dense paths)
@@ -62,7 +63,7 @@ class GroupStats:
 class GroupState:
     """One FSDP parameter group on this rank: ``name`` (its module's path), ``layout`` (the shard's real and
     padding elements), ``residual`` (float32, the real elements only), ``calls`` (the hook's calls so far: the
-    iteration of the density schedule and the warm-up), the plan's ``agreement``, Ok-Topk's state, the latest
+    iteration of the density schedule and the warm-up), the ``plan`` agreed and its path, Ok-Topk's state, the latest
     call's ``stats``, the run's bytes (``run_traffic``), and FSDP's parameter group (``fsdp_group``, not saved)."""
 
     index: int
@@ -70,7 +71,7 @@ class GroupState:
     layout: ShardLayout
     residual: torch.Tensor
     calls: int = 0
-    agreement: Agreement = field(default_factory=Agreement)
+    plan: PathPlan = field(default_factory=PathPlan)
     oktopk: object = None
     stats: GroupStats = field(default_factory=GroupStats)
     run_traffic: Traffic = field(default_factory=Traffic)
@@ -90,6 +91,11 @@ class SparseFSDPState:
       ``collective``: a sparse collective of :data:`gtopk_ext.collectives.COLLECTIVES`; ``wire``: ``"plain"`` or
       ``"compact"``.
     * ``start_iter``: the hook's calls before which a group is averaged densely (a warm-up).
+    * ``path``: each call's path once a group may compress (:class:`gtopk_ext.PathPolicy`, as for DDP):
+      ``"auto"`` (default) takes the cheapest of sparse, dense bfloat16 (its rounding kept in the residual) and
+      dense, as the replicas' measured costs predict, the same on every replica; ``"sparse"``, ``"dense16"`` or
+      ``"dense"`` force one; shards under ``min_compress_numel`` real elements go dense. ``costs``: this rank's
+      measured costs (:class:`gtopk_ext.paths.CostModel`).
     * ``groups``: a :class:`GroupState` per FSDP parameter group, filled by
       :func:`gtopk_ext.fsdp.register_sparse_all_reduce` (the per-shard residuals live there).
 
@@ -102,8 +108,9 @@ class SparseFSDPState:
     def __init__(self, mesh: Optional[DeviceMesh] = None, density: float = 0.01, *,
                  density_schedule: Optional[DensitySchedule] = None,
                  compressor: Union[str, Compressor] = "gaussiank", collective: str = "gtopk", wire: str = "plain",
-                 start_iter: int = 0):
+                 start_iter: int = 0, path: Union[str, PathPolicy] = "auto"):
         check_density(density)
+        policy = path_policy(path)
         schedule = checked_schedule(density_schedule)
         if collective not in SPARSE_COLLECTIVES:
             raise ValueError(f"collective must be one of the sparse collectives {SPARSE_COLLECTIVES}, got "
@@ -139,6 +146,8 @@ class SparseFSDPState:
         self.collective = collective
         self.wire = wire
         self.start_iter = start_iter
+        self.path_policy = policy
+        self.costs = CostModel()
         # The groups' states (filled at registration) and the run's world.
         self.groups: list[GroupState] = []
         self.world_size = dist.get_world_size()
@@ -175,7 +184,7 @@ class SparseFSDPState:
     def config_fields(self) -> dict[str, int]:
         """The configuration every rank must share, as header fields (checked at registration)."""
         return {"density_ppb": round(self.density * 1e9), "collective": list(COLLECTIVES).index(self.collective),
-                "wire": wire_named(self.wire).code, "start_iter": self.start_iter,
+                "wire": wire_named(self.wire).code, "start_iter": self.start_iter, "path": self.path_policy.code,
                 "compressor": COMPRESSOR_KINDS.index(self.compressor), "nodes": self.nodes,
                 "schedule": int(self.density_schedule is not None)}
 
@@ -216,7 +225,7 @@ class SparseFSDPState:
             g.calls = int(entry["calls"])
             if g.oktopk is not None and entry["oktopk"]:
                 g.oktopk.load_state_dict(entry["oktopk"])
-            g.agreement = Agreement()
+            g.plan = PathPlan()
 
     def stats(self) -> dict:
         """``{"groups": {index: {...}}, "total": {...}}``: per group the latest call's ``path``, ``calls``,

@@ -82,20 +82,22 @@ def train(model: nn.Module, rank: int, steps: range, after=None) -> None:
             after(step)
 
 
-def configs() -> list[tuple[str, str, str, int]]:
+def configs() -> list[tuple[str, str, str, int, str]]:
+    """(collective, wire, reduce dtype, start_iter, path)."""
     # float16: FSDP divides before the reduce-scatter and after the hook (to avoid overflow), both linear.
-    return [(collective, wire, dtype, start_iter) for collective in gx.collectives.SPARSE_COLLECTIVES
+    return [(collective, wire, dtype, start_iter, "sparse") for collective in gx.collectives.SPARSE_COLLECTIVES
             for wire in ("plain", "compact") for dtype, start_iter in (("float32", 1), ("bfloat16", 0))
-            ] + [("gtopk", "compact", "float16", 0)]
+            ] + [("gtopk", "compact", "float16", 0, "sparse"), ("gtopk", "plain", "float32", 1, "dense16"),
+                 ("gtopk", "plain", "bfloat16", 0, "dense")]
 
 
 def conservation_case(rank: int, node_size: int, config) -> dict:
     """One configuration: every call's record and every step's full parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    collective, wire, dtype, start_iter = config
+    collective, wire, dtype, start_iter, path = config
     state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1, collective=collective, wire=wire,
-                               path=SPARSE, start_iter=start_iter)
+                               path=gx.PathPolicy(path, min_compress_numel=0), start_iter=start_iter)
     policy = MixedPrecisionPolicy(reduce_dtype=getattr(torch, dtype))
     model = shard(make_model(), state.shard_mesh, mp_policy=policy)
     gx.register_sparse_all_reduce(model, state)
@@ -280,7 +282,7 @@ def group_checks(rank: int, world: int, node_size: int, directory: str) -> bytes
 
 def check_conservation(results: list[dict], node_size: int, config) -> list[str]:
     """Per call, over each replicate group (ranks of the same local rank)."""
-    _, _, dtype, _ = config
+    _, _, dtype, start_iter, path = config
     failures, world = [], len(results)
     nodes = world // node_size
     for local in range(node_size):
@@ -296,7 +298,7 @@ def check_conservation(results: list[dict], node_size: int, config) -> list[str]
                 failures.append(f"{where}: the average differs between replicas")
             if not all(c[7] for c in calls) or not all(bool(o.isfinite().all()) for o in outputs):
                 failures.append(f"{where}: the padding was read or written")
-            if any(c[6] != ("dense" if call < config[3] else "sparse") for c in calls):
+            if any(c[6] != ("dense" if call < start_iter else path) for c in calls):
                 failures.append(f"{where}: path {[c[6] for c in calls]}")
             went_in = sum(c[2] + c[3] for c in calls)
             came_out = nodes * outputs[0] + sum(c[5] for c in calls)

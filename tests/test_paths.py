@@ -62,7 +62,7 @@ def test_cost_model_predictions():
     times = predicted(costs, numel=numel, k=250_000, size=size, dtype=torch.float32, collective=gtopk, wire=plain)
     dense, dense_bytes = 40_000 * numel, 2 * 3 * numel * 4 // 4
     assert times["dense"] == dense
-    assert times["dense16"] == dense * (2 * 3 * 250_000 * 2) // dense_bytes
+    assert times["dense16"] == dense * (3 * (2 * 250_000 + 2 * 250_001)) // dense_bytes  # and a flag word
     assert times["sparse"] == 4 * dense * 2 * (8 + 8 * 250_000) // dense_bytes
     assert choose(times) == "dense16"
     # Tried once 4 x its bytes are below dense16's: gTop-k's 2 x 8 bytes a slot against 1.5 x 2 bytes an element,

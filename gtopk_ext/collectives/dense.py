@@ -72,17 +72,24 @@ class Dense16(Collective):
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=group)
         average = received.view(size, chunk).sum(0, dtype=torch.float32).div_(size)
-        rounded = average.to(self.wire_dtype)
+        # Each rank's chunk of the average, then a word saying whether it holds a non-finite value (only then can
+        # a rank's lost values be non-finite: its own element was, and reached the average).
+        rounded = torch.empty(chunk + 1, dtype=self.wire_dtype, device=tensor.device)
+        rounded[:chunk].copy_(average)
+        rounded[chunk] = 0.0 if bool(torch.isfinite(average).all()) else 1.0
         if lost is not None:  # this rank summed its chunk: the average's rounding there is its to keep
             start, end = rank * chunk, min((rank + 1) * chunk, numel)
-            lost[start:end].add_(average.sub_(rounded)[:max(end - start, 0)], alpha=size)
+            lost[start:end].add_(average.sub_(rounded[:chunk])[:max(end - start, 0)], alpha=size)
+        gathered = torch.empty(size, chunk + 1, dtype=self.wire_dtype, device=tensor.device)
+        _all_gather_single(gathered.view(-1), rounded, group=group)
+        for owner, part in enumerate(tensor.split(chunk)):
+            part.copy_(gathered[owner, :part.numel()])
+        if lost is not None and bool(gathered[:, chunk].any()):
             lost.nan_to_num_(0.0, 0.0, 0.0)
-        gathered = sent  # sent is no longer needed
-        _all_gather_single(gathered, rounded, group=group)
-        tensor.copy_(gathered[:numel])
         if traffic is not None:
             nbytes = self.wire_bytes(numel, numel, size, tensor.dtype)
             traffic.add(nbytes, nbytes)
 
     def wire_bytes(self, numel, k, size, dtype, wire=None):
-        return 2 * (size - 1) * -(-numel // size) * 2  # two phases, (P - 1) chunks of 2 bytes an element each
+        chunk = -(-numel // size)  # two phases, (P - 1) chunks of 2 bytes an element each (and a flag word)
+        return (size - 1) * (2 * chunk + 2 * (chunk + 1))

@@ -557,9 +557,21 @@ def first_difference(a: dict, b: dict, labels: dict) -> str | None:
     return None
 
 
+def without_structure(recorded: dict, labels: dict) -> dict:
+    """The ranks' tensors without the structure texts (state dicts that gained keys holding no tensors, such as a
+    world size, still align tensor by tensor)."""
+    return {rank: [t for t, label in zip(tensors, labels.get(rank, [])) if not label.endswith(":structure")]
+            for rank, tensors in recorded.items()}
+
+
 def command_compare(args) -> int:
     a, b = torch.load(args.a), torch.load(args.b)
     labels = a.get("__labels__", {})
+    if args.tensors_only:
+        b_labels = b.get("__labels__", {})
+        a = {n: without_structure(v, labels.get(n, {})) if not n.startswith("__") else v for n, v in a.items()}
+        b = {n: without_structure(v, b_labels.get(n, {})) if not n.startswith("__") else v for n, v in b.items()}
+        labels = {n: without_structure(per, per) for n, per in labels.items()}
     names = sorted({n for n in (*a, *b) if not n.startswith("__")}, key=lambda n: (n.split("/")[0], n))
     equal = differ = 0
     for name in names:
@@ -603,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = commands.add_parser("compare")
     sub.add_argument("a")
     sub.add_argument("b")
+    sub.add_argument("--tensors-only", action="store_true",
+                     help="leave out the structure texts of recorded state dicts (keys added since A)")
     args = parser.parse_args(argv)
     return {"dump": command_dump, "compare": command_compare, "list": command_list}[args.command](args)
 

@@ -51,6 +51,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+import gtopk_ext as gx
+
 from bench.digits import load_digits_split, make_model, mlp
 from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
@@ -166,6 +168,23 @@ def summarize(name: str, runs: list[dict], args: argparse.Namespace) -> dict:
     }
 
 
+def stage_table(runs: list[dict], args: argparse.Namespace) -> str:
+    """Per stage of the dgc methods' density warm-up (after the dense steps): each method's step time, the median
+    over seeds of the median over the stage's steps, and its ratio to DDP's where DDP ran."""
+    schedule = gx.exponential_warmup(0.01, args.dgc_warmup, args.dgc_warmup_start)
+    starts = sorted({args.dgc_dense_steps, *(start for start, _ in schedule if start > args.dgc_dense_steps)})
+    edges = [start for start in starts if start < args.steps] + [args.steps]
+    lines = ["| iterations | " + " | ".join(args.methods) + " |", "|---|" + "---:|" * len(args.methods)]
+    for begin, end in zip(edges, edges[1:]):
+        medians = {name: statistics.median(statistics.median(max(per_rank) for per_rank in
+                                                             list(zip(*run[name]["seconds"]))[begin:end])
+                                           for run in runs) for name in args.methods}
+        cells = [f"{1e3 * t:.0f}" + (f" ({t / medians['ddp']:.2f}x)" if "ddp" in medians else "")
+                 for t in medians.values()]
+        lines.append(f"| {begin}-{end - 1} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def cpu_busy_seconds() -> float:
     """Busy CPU time of the whole machine since boot (/proc/stat: everything but idle and iowait)."""
     fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
@@ -264,6 +283,8 @@ def main(argv: Optional[list] = None) -> int:
     print(f"\n{setting}; steps after the first {WARMUP_STEPS}; other processes kept "
           f"{load['other_processes_cores']:.2f} of {load['cpus']} cores busy\n")
     print(markdown_table(rows, args))
+    print(f"\nms per step in each stage of the dgc methods' warm-up (--dgc-warmup {args.dgc_warmup}):\n")
+    print(stage_table(runs, args))
     for name in args.methods:  # the hook forced to finish each bucket in the call must not change a bit
         if name.endswith("-sync") and name[:-len("-sync")] in args.methods:
             equal = all(run[name]["digest"] == run[name[:-len("-sync")]]["digest"] for run in runs)

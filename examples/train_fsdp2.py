@@ -48,6 +48,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--wire", default="plain", choices=("plain", "compact"))
     parser.add_argument("--path", default="auto", choices=("auto", "sparse", "dense16", "dense"),
                         help="each call's path (gx.PathPolicy): auto takes the cheapest as measured")
+    parser.add_argument("--min-compress-numel", type=int, default=1024,
+                        help="shards of fewer real elements always go dense")
     parser.add_argument("--start-iter", type=int, default=10, help="dense steps before the sparse ones")
     parser.add_argument("--node-size", type=int, default=None, help="ranks per node (default: $LOCAL_WORLD_SIZE)")
     parser.add_argument("--log-every", type=int, default=100)
@@ -96,7 +98,8 @@ def train(args: argparse.Namespace) -> dict:
     if args.mode == "sparse":
         mesh = gx.fsdp.node_mesh(node_size)
         state = gx.SparseFSDPState(mesh, density=args.density, collective=args.collective, wire=args.wire,
-                                   start_iter=args.start_iter, path=args.path)
+                                   start_iter=args.start_iter,
+                                   path=gx.PathPolicy(args.path, min_compress_numel=args.min_compress_numel))
         shard(model, state.shard_mesh)
         gx.register_sparse_all_reduce(model, state)
     else:

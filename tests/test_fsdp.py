@@ -321,7 +321,8 @@ def test_fsdp2_nodes_conserve_agree_resume_and_refuse_bad_input(tmp_path, nodes,
     for config in configs():
         failures += check_conservation(results, node_size, config)
         stats = results[node_size - 1]["conservation"][config]["stats"]  # the last local rank holds padding
-        if not 0 < stats["k"] < stats["numel"] < stats["padded_numel"] or not stats["bytes_sent"]:
+        k_sent = stats["k"] < stats["numel"] if config[4] == "sparse" else stats["k"] == stats["numel"]
+        if not (0 < stats["k"] and k_sent and stats["numel"] < stats["padded_numel"]) or not stats["bytes_sent"]:
             failures.append(f"{config}: stats {stats}")
     assert not failures, "\n".join(failures[:20])
     expected = {"not fsdp": "TypeError: model (Sequential) has no FSDP2 module",
@@ -363,7 +364,8 @@ def convergence_case(rank: int, world: int) -> list[dict]:
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     from examples.train_fsdp2 import parse_args, train as train_example
 
-    common = ["--steps", "200", "--width", "128", "--node-size", "2", "--log-every", "0"]
+    common = ["--steps", "200", "--width", "128", "--node-size", "2", "--log-every", "0", "--path", "sparse",
+              "--min-compress-numel", "0"]  # every group on the sparse path: what the bytes below measure
     return [train_example(parse_args(common + variant)) for variant in (
         ["--mode", "hsdp"], ["--mode", "sparse", "--density", "1.0"],
         ["--mode", "sparse", "--density", "0.05", "--wire", "compact"])]

@@ -15,7 +15,7 @@ import torch.distributed as dist  # noqa: E402
 import gtopk_ext as gx  # noqa: E402
 from tests.test_fsdp import as_bytes, check_conservation, conservation_case, from_bytes  # noqa: E402
 
-CONFIGS = [("gtopk", "plain", "float32", 1), ("oktopk", "compact", "bfloat16", 0)]
+CONFIGS = [("gtopk", "plain", "float32", 1, "sparse"), ("oktopk", "compact", "bfloat16", 0, "dense16")]
 
 
 def main() -> None:

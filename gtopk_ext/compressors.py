@@ -87,8 +87,8 @@ class Compressor:
         self.options: dict = {"backend": backend, "per_tensor": per_tensor}
 
     def with_density(self, density: float) -> "Compressor":
-        """A compressor of the same kind and options at another density."""
-        return type(self)(density, **self.options)
+        """A compressor of the same kind and options at ``density`` (this one when it is at it already)."""
+        return self if density == self.density else type(self)(density, **self.options)
 
     def k_for(self, numel: int) -> int:
         return k_for_density(self.density, numel)
@@ -228,3 +228,13 @@ def make_compressor(kind: str = "gaussiank", density: float = 0.01, **kwargs) ->
         if "unexpected keyword" not in str(error):
             raise
         raise TypeError(f"make_compressor({kind!r}): {error}") from None
+
+
+def compressor_at(compressor: "str | Compressor", density: float, **options) -> Compressor:
+    """``compressor`` at ``density``: a Compressor with its own options, or a kind made with ``options``."""
+    if isinstance(compressor, Compressor):
+        return compressor.with_density(density)
+    if compressor not in COMPRESSOR_KINDS:
+        raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS} or a gx.make_compressor(...), got "
+                         f"{compressor!r}")
+    return make_compressor(compressor, density, **options)

@@ -162,9 +162,8 @@ class PathPlan:
         self.until = 0
 
     def decide(self, policy: PathPolicy, times: dict[str, int | None], costs: dict[str, int | None],
-               iteration: int) -> str:
+               iteration: int) -> None:
         """The cheapest path, agreed on again at the next iteration when it has not been timed yet."""
         self.path = choose(times)
         timed = costs["slot"] if self.path == "sparse" else costs[self.path]
         self.until = iteration + (1 if timed is None else policy.recalibrate_every)
-        return self.path

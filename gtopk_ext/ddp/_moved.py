@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, make_compressor
+from gtopk_ext.compressors import Compressor, compressor_at
 from gtopk_ext.ddp.dgc import MomentumCorrection
 
 # The constructor arguments of earlier versions, and where each now lives.
@@ -25,17 +25,14 @@ def folded_compressor(compressor: Union[str, Compressor], density: float, moved:
     """The compressor of the state at ``density`` (the earlier arguments ``compressor_kwargs``, ``random_seed``
     and ``per_tensor`` folded in)."""
     if isinstance(compressor, Compressor):
-        return compressor.with_density(density)
-    if compressor not in COMPRESSOR_KINDS:
-        raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS} or a gx.make_compressor(...), got "
-                         f"{compressor!r}")
+        return compressor_at(compressor, density)
     kwargs = dict(moved.get("compressor_kwargs") or {})
     if moved.get("per_tensor"):
         kwargs["per_tensor"] = True
     seed = count("random_seed", moved.get("random_seed", 0))
     if compressor == "randomk":  # the draws of a bucket: seed + iter * 2^20 + bucket index
         kwargs["seed"] = kwargs.get("seed", 0) + seed
-    return make_compressor(compressor, density, **kwargs)
+    return compressor_at(compressor, density, **kwargs)
 
 
 def folded_momentum(momentum: Union[MomentumCorrection, float, None], moved: dict) -> Optional[MomentumCorrection]:

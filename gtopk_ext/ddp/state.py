@@ -187,8 +187,8 @@ class SparseGradState:
         self.run_totals = RunTotals()
         self.costs = CostModel()
         self.agreed_plans: dict[int, PathPlan] = {}
-        # Runtime: the compressor and collective of the current density, the worker (created at the first bucket),
-        # whether an iteration has begun.
+        # Runtime: the compressor of the current density, the collective (on its backend), the worker (created at
+        # the first bucket), whether an iteration has begun.
         self.compressor_now: Compressor = compressor
         self.collective_now: Collective = collective_named(collective, compressor.backend)
         self.thread: Optional[Worker] = None
@@ -283,10 +283,8 @@ class SparseGradState:
         return density_at(self.density, self.density_schedule, iteration)
 
     def use_density(self, density: float) -> None:
-        """The compressor and collective of ``density`` become the current ones."""
-        if self.compressor_now.density != density:
-            self.compressor_now = self.compressor_template.with_density(density)
-            self.collective_now = collective_named(self.collective, self.compressor_now.backend)
+        """The compressor of ``density`` becomes the current one."""
+        self.compressor_now = self.compressor_now.with_density(density)
 
     def worker(self) -> Worker:
         """The worker that runs this state's buckets, started at the first bucket (again after a close)."""

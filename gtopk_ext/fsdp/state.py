@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gtopk_ext.collectives import COLLECTIVES, SPARSE_COLLECTIVES, agree, collective_named
-from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, make_compressor
+from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, compressor_at
 from gtopk_ext.costs import Traffic
 from gtopk_ext.ddp.schedule import DensitySchedule, checked_schedule, density_at
 from gtopk_ext.fsdp.layout import ShardLayout
@@ -118,13 +118,7 @@ class SparseFSDPState:
         wire_named(wire)
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter must be an int >= 0, got {start_iter!r}")
-        if isinstance(compressor, Compressor):
-            template = compressor.with_density(float(density))
-        elif compressor in COMPRESSOR_KINDS:
-            template = make_compressor(compressor, float(density))
-        else:
-            raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS} or a gx.make_compressor(...), got "
-                             f"{compressor!r}")
+        template = compressor_at(compressor, float(density))
         if template.per_tensor:
             raise ValueError("compressor: per_tensor selection is not supported by the FSDP hook (a shard holds "
                              "pieces of parameters); make it with per_tensor=False")
@@ -151,7 +145,7 @@ class SparseFSDPState:
         # The groups' states (filled at registration) and the run's world.
         self.groups: list[GroupState] = []
         self.world_size = dist.get_world_size()
-        # Runtime: the compressor and collective of the current density.
+        # Runtime: the compressor of the current density, and the collective (on the compressor's backend).
         self.compressor_now: Compressor = template
         self.collective_now = collective_named(collective, template.backend)
 
@@ -176,10 +170,8 @@ class SparseFSDPState:
         return density_at(self.density, self.density_schedule, iteration)
 
     def use_density(self, density: float) -> None:
-        """The compressor and collective of ``density`` become the current ones."""
-        if self.compressor_now.density != density:
-            self.compressor_now = self.compressor_template.with_density(density)
-            self.collective_now = collective_named(self.collective, self.compressor_now.backend)
+        """The compressor of ``density`` becomes the current one."""
+        self.compressor_now = self.compressor_now.with_density(density)
 
     def config_fields(self) -> dict[str, int]:
         """The configuration every rank must share, as header fields (checked at registration)."""

@@ -17,7 +17,8 @@ from gtopk_ext.collectives._transport import sparse_alltoallv
 from gtopk_ext.compressors import Compressor, tensor_shares
 from gtopk_ext.costs import Traffic, inner_result_slots, node_gather_bytes, ring_allgather_bytes
 from gtopk_ext.message import SparseMessage, padding_message
-from gtopk_ext.reduction import is_finite, keep_unapplied
+from gtopk_ext.ops import is_finite
+from gtopk_ext.reduction import keep_unapplied
 from gtopk_ext.wire import Rounding, WireLike, wire_named
 
 HIERARCHICAL_INNER = SPARSE_COLLECTIVES

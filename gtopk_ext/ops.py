@@ -10,6 +10,7 @@ of the kernels.
 from __future__ import annotations
 
 import functools
+import math
 from statistics import NormalDist
 
 import torch
@@ -27,6 +28,14 @@ def z_for_density(density: float) -> float:
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density!r}")
     return NormalDist().inv_cdf(1.0 - density / 2.0) if density < 1.0 else 0.0
+
+
+def is_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element is finite (one host sync; aminmax: one vectorised pass)."""
+    if not tensor.numel():
+        return True
+    smallest, largest = torch.aminmax(tensor)
+    return math.isfinite(smallest) and math.isfinite(largest)
 
 
 def resolve_backend(device: torch.device, backend: BackendLike = None) -> str:

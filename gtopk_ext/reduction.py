@@ -11,7 +11,6 @@ applied stays in its residual: not selected, dropped by a merge, or lost to the 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,14 +28,6 @@ from gtopk_ext.wire import Rounding, Wire
 
 # Flag bits carried inside the sparse payload (every rank learns the OR).
 FLAG_NONFINITE = 1
-
-
-def is_finite(tensor: torch.Tensor) -> bool:
-    """Whether every element is finite (one host sync; aminmax: one vectorised pass)."""
-    if not tensor.numel():
-        return True
-    smallest, largest = torch.aminmax(tensor)
-    return math.isfinite(smallest) and math.isfinite(largest)
 
 
 def agree_plan(tensor: torch.Tensor, group: dist.ProcessGroup, agreement: Agreement | None, *, sparse: bool, k: int,

@@ -27,7 +27,8 @@ from gtopk_ext.compressors import k_for_density
 from gtopk_ext.fsdp.layout import fsdp_modules, parameter_group, shard_layout
 from gtopk_ext.fsdp.state import GroupState, GroupStats, SparseFSDPState
 from gtopk_ext.message import SparseMessage
-from gtopk_ext.reduction import is_finite, plan_path, reduce, reduce_dense16
+from gtopk_ext.ops import is_finite
+from gtopk_ext.reduction import plan_path, reduce, reduce_dense16
 from gtopk_ext.wire import wire_named
 
 # Seeds of randomk's draws: step = call * STEPS_PER_CALL + group index, the same on every replica.

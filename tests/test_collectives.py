@@ -351,7 +351,7 @@ def reduce_and_check_bucket(members: Members, state: gx.SparseGradState, step: i
     dist.all_reduce(local, group=members.group)
     imbalance = float((local[:numel] + members.size * output.double()).abs().max())
     scale = float(local[numel:].max())
-    if imbalance > 4 * tolerance(dtype) * scale:
+    if not imbalance <= 4 * tolerance(dtype) * scale:  # a NaN fails too
         failures.append(f"{where}: conservation broken by {imbalance:.3g} (scale {scale:.3g})")
     return failures
 

@@ -94,7 +94,7 @@ def check(group, rank: int, size: int) -> list[str]:
             total = torch.stack([entered, state.residuals[0].double()])
             dist.all_reduce(total, group=group)
             imbalance = float((total[0] - applied - total[1]).abs().max())
-            if imbalance > 1e-4:
+            if not imbalance <= 1e-4:  # a NaN fails too
                 failures.append(f"{where}: entered != applied + kept by {imbalance:.3g}")
     # Local clipping: each rank's bucket scaled to an L2 norm of at most clip_norm / sqrt(P), on every path.
     clip_norm = 5.0

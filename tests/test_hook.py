@@ -108,7 +108,7 @@ def conservation_failures(recorder: Recorder, name: str) -> list[str]:
         local = torch.cat([new.double() - grad.double() - old.double(), grad.double().abs() + old.double().abs()])
         dist.all_reduce(local)
         imbalance = local[:grad.numel()] + size * output.double()
-        if float(imbalance.abs().max()) > 1e-5 * float(local[grad.numel():].max()):
+        if not float(imbalance.abs().max()) <= 1e-5 * float(local[grad.numel():].max()):  # a NaN fails too
             failures.append(f"{name}: step {step}, bucket {index}: conservation broken by "
                             f"{float(imbalance.abs().max()):.3g}")
     return failures

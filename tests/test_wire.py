@@ -275,7 +275,7 @@ def check_collectives(members: Members) -> list[str]:
             local = torch.cat([entered - back, m.values.double().abs()])
             dist.all_reduce(local, group=members.group)
             imbalance = float((local[:msg.numel] - total.double()).abs().max())
-            if imbalance > 1e-6 * float(local[msg.numel:].max()):
+            if not imbalance <= 1e-6 * float(local[msg.numel:].max()):  # a NaN fails too
                 failures.append(f"{where} ({variant}): conservation broken by {imbalance:.3g}")
 
         # A corrupted payload from the last rank: the same error on every rank.

@@ -42,11 +42,46 @@ def _round(values: torch.Tensor, out: torch.Tensor, lost: torch.Tensor | None) -
         torch.sub(values, lost.copy_(sent), out=lost)
 
 
-def _exchange(send: torch.Tensor, receive: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> None:
-    """One step of a ring: ``send`` to the next rank while ``receive`` comes from the previous one."""
-    works = [dist.isend(send, group=group, group_dst=(rank + 1) % size),
-             dist.irecv(receive, group=group, group_src=(rank - 1) % size)]
-    for work in works:
+SEGMENT = 1 << 19  # elements of one ring message at most: the next segment travels while this one is summed
+
+
+def _reduce_scatter(parts: list[torch.Tensor], losses: list, send: torch.Tensor, receive: torch.Tensor,
+                    group: dist.ProcessGroup, rank: int, size: int) -> None:
+    """Dense16's ring reduce-scatter: at step s this rank sends chunk (rank - s) % P (its own values, then the
+    partial sum it received plus its own) and receives chunk (rank - s - 1) % P, adding its own values to it in
+    float32 in its ``parts`` (whose chunks it no longer needs once sent); each rounding's loss goes to ``losses``.
+    Each chunk travels in segments (tagged by their number), so that summing one overlaps receiving the next."""
+    if size == 1:
+        return
+    count = max(1, -(-parts[0].numel() // SEGMENT))
+    length = -(-parts[0].numel() // count)
+
+    def segment(values: torch.Tensor, j: int, n: int = length) -> torch.Tensor:  # segment j, n elements at most
+        return values[j * length:j * length + min(length, n)]
+
+    def post_receive(c: int, j: int):
+        n = segment(parts[c], j).numel()
+        return dist.irecv(segment(receive, j, n), group=group, group_src=(rank - 1) % size, tag=j)
+
+    def post_send(c: int, j: int):
+        values = segment(parts[c], j)
+        sent = segment(send, j, values.numel())
+        _round(values, sent, None if losses[c] is None else segment(losses[c], j))
+        return dist.isend(sent, group=group, group_dst=(rank + 1) % size, tag=j)
+
+    receiving = [post_receive((rank - 1) % size, j) for j in range(count)]
+    sending = [post_send(rank, j) for j in range(count)]
+    for step in range(size - 1):
+        c = (rank - step - 1) % size
+        for j in range(count):
+            receiving[j].wait()
+            values = segment(parts[c], j)
+            values.add_(segment(receive, j, values.numel()))
+            if step < size - 2:
+                receiving[j] = post_receive((c - 1) % size, j)
+                sending[j].wait()
+                sending[j] = post_send(c, j)
+    for work in sending:
         work.wait()
 
 
@@ -103,16 +138,7 @@ class Dense16(Collective):
         losses = [None] * size if lost is None else [
             lost[min(c * chunk, numel):min((c + 1) * chunk, numel)] for c in range(size)]
         send, receive, gathered = _wire_buffers(size, chunk + 1, tensor.device)
-        # 1. Reduce-scatter: at step s this rank sends chunk (rank - s) % P (its own values, then the partial sum
-        # it received plus its own) and receives chunk (rank - s - 1) % P, adding its own values to it in float32
-        # in its tensor (whose chunks it no longer needs once sent).
-        _round(parts[rank], send, losses[rank])
-        for step in range(size - 1):
-            c = (rank - step - 1) % size
-            _exchange(send[:parts[(c + 1) % size].numel()], receive[:parts[c].numel()], group, rank, size)
-            parts[c].add_(receive[:parts[c].numel()])
-            if step < size - 2:
-                _round(parts[c], send, losses[c])
+        _reduce_scatter(parts, losses, send, receive, group, rank, size)  # 1.
         # 2. This rank completed chunk (rank + 1) % P: its average, rounded, then a word saying whether the chunk
         # holds a non-finite value (only then can lost values be non-finite: an element that was reached the sum).
         mine = (rank + 1) % size

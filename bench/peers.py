@@ -228,7 +228,7 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser = cli.parser(__doc__)
     parser.add_argument("--methods", nargs="+", type=ddp_method, default=list(METHODS),
                         help=f"DDP methods (bench/harness/methods.py), e.g. {' '.join(METHODS)}, dgc-0.01-sparse, "
-                             f"recipe-0.01")
+                             f"recipe-0.01, recipe-0.01-44 (its own warm-up length)")
     parser.add_argument("--model", choices=MODELS, default="cnn",
                         help="cnn: the demo's CNN (0.6M parameters); mlp: 64-h-h-10 with about --mlp-params; "
                              f"deep: {DEEP_LAYERS} equal hidden layers with about --mlp-params")

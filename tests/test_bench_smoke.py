@@ -127,13 +127,15 @@ def peers_contestants(rank: int, world_size: int, argvs: list) -> list[dict]:
     described = []
     for argv in argvs:
         args = parse_args(["--model", "mlp", "--mlp-params", "20000", *argv])
-        dgc, ddp = (Trainer(name, build_model(args, 0), args, world_size) for name in ("dgc-0.001", "ddp"))
+        dgc, ddp, recipe = (Trainer(name, build_model(args, 0), args, world_size)
+                            for name in ("dgc-0.001", "ddp", "recipe-0.01-44"))
         state = dgc.accounting.state
         described.append({
             **{name: getattr(state, name) for name in ("start_iter", "momentum", "nesterov", "clip_norm", "per_tensor",
                                                        "min_compress_numel", "density_schedule", "masking_start_iter")},
             "dgc_optimizer": {key: dgc.optimizer.param_groups[0][key] for key in ("momentum", "nesterov")},
-            "ddp_optimizer": {key: ddp.optimizer.param_groups[0][key] for key in ("momentum", "nesterov")}})
+            "ddp_optimizer": {key: ddp.optimizer.param_groups[0][key] for key in ("momentum", "nesterov")},
+            "recipe_44": (recipe.accounting.state.density_schedule, recipe.accounting.state.masking_start_iter)})
     return described
 
 
@@ -158,6 +160,10 @@ def test_peers_dgc_options_reach_the_hook():
     assert default["dgc_optimizer"] == levers["dgc_optimizer"] == {"momentum": 0.0, "nesterov": False}
     assert default["ddp_optimizer"] == {"momentum": 0.9, "nesterov": False}
     assert levers["ddp_optimizer"] == {"momentum": 0.8, "nesterov": True}
+    # recipe-<d>-<warmup>: gx.SparseGradState.recipe with its own warm-up length, whatever --dgc-warmup says.
+    for described in (default, levers):
+        schedule, masking = described["recipe_44"]
+        assert schedule[0] == (0, 0.25) and schedule[-1] == (44, 0.01) and masking == 44
 
 
 def test_bytes_per_step_exchange_benchmark(tmp_path):

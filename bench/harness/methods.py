@@ -152,13 +152,16 @@ def dgc_recipe(density: float, per_tensor: bool = False, path: str | None = None
     return Recipe(label, attach, momentum_in_hook=True)
 
 
-def recipe_method(density: float) -> Recipe:
-    """``gx.SparseGradState.recipe(density, warmup_steps=--dgc-warmup)``: the package's recipe as a user calls it."""
+def recipe_method(density: float, warmup: int | None = None) -> Recipe:
+    """``gx.SparseGradState.recipe(density, warmup_steps=warmup)``: the package's recipe as a user calls it
+    (``warmup`` None: ``--dgc-warmup``)."""
     def attach(ddp, world_size, args):
-        state = gx.SparseGradState.recipe(density=density, warmup_steps=args.dgc_warmup)
+        state = gx.SparseGradState.recipe(density=density,
+                                          warmup_steps=args.dgc_warmup if warmup is None else warmup)
         state.stats_logging_frequency = 0
         return attached(ddp, state)
-    return Recipe(f"gtopk_ext recipe, d={density:g}", attach, momentum_in_hook=True)
+    steps = "" if warmup is None else f", {warmup}-step warm-up"
+    return Recipe(f"gtopk_ext recipe, d={density:g}{steps}", attach, momentum_in_hook=True)
 
 
 def add_dgc_arguments(parser: argparse.ArgumentParser) -> None:
@@ -262,7 +265,8 @@ def path_mode(text: str) -> str:
 
 
 # What a <field> of a method's name holds.
-FIELDS = {"collective": sparse_collective, "d": density_of, "rank": int, "H": int, "path": path_mode}
+FIELDS = {"collective": sparse_collective, "d": density_of, "rank": int, "H": int, "path": path_mode,
+          "warmup": int}
 # Every method: the pattern of its name and what builds it from the pattern's fields.
 METHODS = {
     "ddp": lambda: allreduce_recipe("DDP allreduce"),
@@ -273,6 +277,7 @@ METHODS = {
     "dgc-<d>": lambda d: dgc_recipe(d),  # the --dgc-* flags
     "dgc-<d>-<path>": lambda d, path: dgc_recipe(d, path=path),  # the recipe on one path, or auto
     "recipe-<d>": lambda d: recipe_method(d),  # gx.SparseGradState.recipe
+    "recipe-<d>-<warmup>": lambda d, warmup: recipe_method(d, warmup),  # its own warm-up: two lengths in one run
     "dgc-pt-<d>": lambda d: dgc_recipe(d, per_tensor=True),
     "<collective>-<d>": lambda collective, d: gtopk_ext_recipe(f"Gaussian-k + {collective}, d={d:g}", density=d,
                                                                collective=collective),

@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 
 from gtopk_ext.collectives._protocol import Collective
-from gtopk_ext.ops import is_finite
 from gtopk_ext.costs import Traffic, ring_allreduce_bytes
-
+from gtopk_ext.ops import is_finite
 
 # torch 2.14 renamed all_gather_into_tensor (the name older torch versions have).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _kept = threading.local()
+SEGMENT = 1 << 19  # elements of one ring message at most: the next segment travels while this one is summed
 
 
 def _wire_buffers(size: int, row: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -40,9 +40,6 @@ def _round(values: torch.Tensor, out: torch.Tensor, lost: torch.Tensor | None) -
     sent = out[:values.numel()].copy_(values)
     if lost is not None:  # in float32 first: a subtraction mixing dtypes takes 5x longer on the CPU
         torch.sub(values, lost.copy_(sent), out=lost)
-
-
-SEGMENT = 1 << 19  # elements of one ring message at most: the next segment travels while this one is summed
 
 
 def _reduce_scatter(parts: list[torch.Tensor], losses: list, send: torch.Tensor, receive: torch.Tensor,
@@ -140,7 +137,7 @@ class Dense16(Collective):
         send, receive, gathered = _wire_buffers(size, chunk + 1, tensor.device)
         _reduce_scatter(parts, losses, send, receive, group, rank, size)  # 1.
         # 2. This rank completed chunk (rank + 1) % P: its average, rounded, then a word saying whether the chunk
-        # holds a non-finite value (only then can lost values be non-finite: an element that was reached the sum).
+        # holds a non-finite value (only then can lost values be non-finite: a non-finite element reaches the sum).
         mine = (rank + 1) % size
         average = parts[mine].div_(size)
         send[average.numel():chunk].zero_()

@@ -152,12 +152,18 @@ def dgc_recipe(density: float, per_tensor: bool = False, path: str | None = None
     return Recipe(label, attach, momentum_in_hook=True)
 
 
+def recipe_state(density: float, warmup_steps: int, momentum: float) -> gx.SparseGradState:
+    """``gx.SparseGradState.recipe``: the package's recommended settings as a user calls them (the benchmarks' one
+    way to build them), without the hook's periodic log."""
+    state = gx.SparseGradState.recipe(density=density, warmup_steps=warmup_steps, momentum=momentum)
+    state.stats_logging_frequency = 0
+    return state
+
+
 def recipe_method(density: float) -> Recipe:
-    """``gx.SparseGradState.recipe(density, warmup_steps=--dgc-warmup)``: the package's recipe as a user calls it."""
+    """:func:`recipe_state` with ``warmup_steps=--dgc-warmup`` and ``momentum=--momentum``."""
     def attach(ddp, world_size, args):
-        state = gx.SparseGradState.recipe(density=density, warmup_steps=args.dgc_warmup)
-        state.stats_logging_frequency = 0
-        return attached(ddp, state)
+        return attached(ddp, recipe_state(density, args.dgc_warmup, args.momentum))
     return Recipe(f"gtopk_ext recipe, d={density:g}", attach, momentum_in_hook=True)
 
 

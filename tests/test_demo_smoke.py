@@ -3,6 +3,8 @@ default run is pinned to what docs/convergence.md states it measured."""
 
 import json
 import math
+import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -56,6 +58,24 @@ def test_demo_writes_sane_json_and_png(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])
     assert width >= 800 and height >= 600 and len(png) > 20_000
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="namespaces and tc need root and iproute2")
+def test_demo_on_emulated_links_reports_seconds_to_target(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.demo", "--rate", "1gbit", "--prefix", "gxsmokedemo", "--world-size", "2",
+         "--epochs", "1", "--methods", "dense", "gaussiank-gtopk-recipe", "--densities", "0.01", "--model", "mlp",
+         "--batch-size", "32", "--warmup-steps", "8", "--eval-every", "5", "--target", "0.3", "--no-progress",
+         "--out", str(tmp_path)], cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 Gloo processes on" in result.stdout and "1gbit links (namespaces, tbf)" in result.stdout
+    assert "s to 30%" in result.stdout
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert report["settings"]["rate"] == 1_000_000_000
+    for row, run in zip(report["table"], report["runs"]):
+        assert 0 < row["steps_to_target"] <= 22 and row["seconds_to_target"] == run["seconds_to_target"] > 0
+        assert run["eval"][-1]["tx_bytes"] > 0  # the ranks' interface counter: they talked over the emulated links
+    assert "gxsmokedemo" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
 def test_recipe_sets_the_hook_and_explicit_flags_win():

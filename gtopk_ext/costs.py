@@ -35,6 +35,13 @@ def sent_and_received(sent: int, received: int, times: int, unit: str) -> str:
             f"({format_bytes(sent / max(times, 1))} sent a {unit})")
 
 
+def latest_line(unit: str, index: int, sent: int, k: int, numel: int, rest: str) -> str:
+    """The summaries' line of the latest step or sync: its bytes sent and k (per rank) of its elements, then
+    ``rest``."""
+    return (f"latest {unit} (#{index}): sent {format_bytes(sent)}, k {k:,} of {numel:,} elements "
+            f"({k / max(numel, 1):.4g}), {rest}")
+
+
 def ring_allgather_bytes(nbytes: int, size: int) -> int:
     return (size - 1) * nbytes
 

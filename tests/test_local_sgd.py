@@ -195,15 +195,17 @@ def _case_summary(rank: int, world_size: int) -> None:
     numel = sum(p.numel() for p in model.parameters())
     last = stats["last_sync"]
     assert len(per_sync) == 2 and all(sent > 0 for sent in per_sync) and stats["bytes_sent"] == sum(per_sync)
-    assert lines[0].startswith("SparseLocalSGD: gaussiank + gtopk, density 0.25, plain wire, sync every 3 steps")
+    assert lines[0] == ("SparseLocalSGD: gtopk (gaussiank), density 0.25, plain wire, sync_every 3, outer lr 0.7, "
+                        "momentum 0.9 nesterov"), summary
     assert lines[1] == (f"run: 2 syncs in {2 * H} local steps; this rank sent {format_bytes(sum(per_sync))}, "
                         f"received {format_bytes(stats['bytes_received'])} ({format_bytes(sum(per_sync) / 2)} "
                         f"sent a sync)"), summary
     dense = ring_allreduce_bytes(4 * numel, world_size)
-    assert lines[2] == (f"dense DiLoCo would send {format_bytes(dense)} a sync ({numel:,} float32 parameters), "
-                        f"{format_bytes(2 * dense)} in all"), summary
-    assert lines[3].startswith(f"latest sync (#2): k {last['k']:,} of {numel:,} elements") and 0 < last["k"] < numel
-    assert f"sent {format_bytes(per_sync[-1])}," in lines[3] and max(map(len, lines)) <= 120, summary
+    assert lines[2] == f"dense DiLoCo would send {format_bytes(dense)} a sync, {format_bytes(2 * dense)} in all"
+    assert lines[3].startswith(f"latest sync (#2): sent {format_bytes(per_sync[-1])}, k {last['k']:,} of {numel:,} "
+                               f"elements") and 0 < last["k"] < numel, summary
+    assert f"selected {last['selected']:,}, received {format_bytes(last['bytes_received'])}, " in lines[3], summary
+    assert len(lines) == 4 and max(map(len, lines)) <= 120, summary
 
 
 def _case_resume(rank: int, world_size: int) -> None:

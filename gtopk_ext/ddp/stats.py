@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Iterable, Union
 
 import torch
 
-from gtopk_ext.costs import Traffic, format_bytes, sent_and_received
+from gtopk_ext.costs import Traffic, format_bytes, latest_line, sent_and_received
 
 if TYPE_CHECKING:
     from gtopk_ext.ddp.state import SparseGradState
@@ -78,9 +78,9 @@ def summary(state: SparseGradState) -> str:
              + sent_and_received(run["bytes_sent"], run["bytes_received"], run["steps"], "step")]
     if not stats["buckets"]:
         return "\n".join(lines + ["latest step: none yet"])
-    lines.append(f"latest step (#{stats['iter']}): sent {format_bytes(total['bytes_sent'])}, k {total['k']:,} of "
-                 f"{total['numel']:,} elements ({total['k'] / max(total['numel'], 1):.4g}), selecting "
-                 f"{1e3 * total['select_seconds']:.2f} ms, exchanging {1e3 * total['exchange_seconds']:.2f} ms")
+    lines.append(latest_line("step", stats["iter"], total["bytes_sent"], total["k"], total["numel"],
+                             f"selecting {1e3 * total['select_seconds']:.2f} ms, exchanging "
+                             f"{1e3 * total['exchange_seconds']:.2f} ms"))
     lines.append(f"  {'bucket':>6} {'path':<9} {'elements':>11} {'k':>9} {'sent':>10} {'select ms':>9} "
                  f"{'exchange ms':>11}")
     rows = list(stats["buckets"].items())

@@ -312,7 +312,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
                         metavar="METHOD", help=f"what to train with: dense (DDP's allreduce), hook-dense (the "
                         f"hook's dense collective), or the hook as <compressor>-<collective>[-mc: momentum "
-                        f"correction][-recipe: its density's recipe]; one of {', '.join(METHODS)}")
+                        f"correction][-recipe: gx.SparseGradState.recipe]; one of {', '.join(METHODS)}")
     parser.add_argument("--densities", nargs="+", type=float, default=[0.01, 0.001],
                         help="the sparse methods' densities: each runs at every one")
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training digits")

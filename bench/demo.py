@@ -1,8 +1,9 @@
 """The demo: does a model still train with sparsified gradients, and what does each method send?
 
 Trains the digits task (bench/digits.py: scikit-learn's bundled 8x8 handwritten digits, nothing downloaded) with
-real DDP on ``--world-size`` Gloo processes on this machine's CPU, once per method, density and seed, all with
-the same initial weights, data order and epochs:
+real DDP on ``--world-size`` Gloo processes on this machine's CPU, on loopback or with ``--rate`` each rank in its
+own network namespace behind an emulated link of that rate (bench/emulated_network.py; needs root), once per
+method, density and seed, all with the same initial weights, data order and epochs:
 
     dense                 DDP's default allreduce (no hook)
     hook-dense            gtopk_ext's hook with collective="dense" (its overhead over DDP, nothing sparsified)
@@ -11,23 +12,28 @@ the same initial weights, data order and epochs:
     gaussiank-gtopk       Gaussian-k threshold + gTop-k butterfly merge, O(k log P)
     gaussiank-gtopk-mc    the same with momentum correction (the hook applies the momentum, the optimizer none)
     gaussiank-allgather-mc  Gaussian-k + allgather with momentum correction
-    gaussiank-gtopk-recipe  gaussiank-gtopk-mc with the recipe of its density (``RECIPES["dgc-<density>"]``)
+    gaussiank-gtopk-recipe  gtopk_ext's recommended settings as a user gets them:
+                          ``gx.SparseGradState.recipe(density, warmup_steps=--warmup-steps, momentum=--momentum)``
 
-The default run is what a user should compare: DDP, gtopk_ext's recommended settings at densities 0.01 and 0.001
-(``gaussiank-gtopk-recipe``: ``dgc-0.01`` and ``dgc-0.001``) and, for contrast, Gaussian-k + gTop-k with the
-momentum in the optimizer (``gaussiank-gtopk``), what the recipe fixes.
+The default run is what a user should compare: DDP, gtopk_ext's recipe at densities 0.01 and 0.001
+(``gaussiank-gtopk-recipe``) and, for contrast, Gaussian-k + gTop-k with the momentum in the optimizer
+(``gaussiank-gtopk``), what the recipe fixes.
 
-Every sparse run uses the hook's error feedback, its residual warm-up (``--start-iter`` dense iterations) and a
-density warm-up: ``--warmup-steps`` iterations of density decaying geometrically from ``--warmup-density`` to the
-target (Deep Gradient Compression's schedule, through the hook's ``density_schedule``). It prints a table (final
-test accuracy, final training loss, bytes sent per rank per step as ``state.stats()`` counts them - for
-``dense``, a ring allreduce's -, time per step) and writes ``demo.json`` and ``demo.png`` (accuracy and loss
-against steps and against bytes sent) under ``--out``.
+Every sparse run uses the hook's error feedback, its residual warm-up and a density warm-up: ``--warmup-steps``
+iterations of density decaying geometrically to the target (Deep Gradient Compression's schedule, through the
+hook's ``density_schedule``). The methods but the recipe build the hook by hand from the flags (``--start-iter``
+dense iterations, the warm-up from ``--warmup-density``, ``--per-tensor``, ``--masking``, ...; ``--recipe`` sets
+them to measured presets); the recipe takes only ``--warmup-steps`` and ``--momentum``, as a user calls it.
+It prints a table (final test accuracy, final training loss, bytes sent per rank per step as ``state.stats()``
+counts them - for ``dense``, a ring allreduce's -, time per step, and the steps and training seconds (the slowest
+rank's step times, evaluation left out) to reach ``--target`` test accuracy) and writes ``demo.json`` and
+``demo.png`` (accuracy and loss against steps and against bytes sent) under ``--out``.
 
     python -m bench.demo                        # the defaults: 4 processes, CNN, densities 0.01 and 0.001
     python -m bench.demo --seeds 0 1 2          # the convergence comparison (docs/convergence.md)
     python -m bench.demo --recipe dgc-0.001 --seeds 0 1 2   # density 0.001, the settings that converge (docs/)
     python -m bench.demo --overhead             # time per step only: the hook against DDP's allreduce
+    python -m bench.demo --rate 1gbit --target 0.95   # as root: 1 Gbit/s links, seconds to 95% per method
 """
 
 from __future__ import annotations
@@ -44,10 +50,10 @@ from torch import nn
 
 import gtopk_ext as gx
 from bench.digits import load_digits_split, make_model
-from bench.emulated_network import TxCounter
+from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.methods import Recipe, attached, hook_state, recipe
+from bench.harness.methods import Recipe, attached, hook_state, recipe, recipe_state
 from bench.harness.train import Trainer, epoch_batches, evaluate, reduced, slowest, train_curve
 
 # method -> (compressor, collective, momentum correction) of the hook; None: DDP's own allreduce. With momentum
@@ -60,12 +66,11 @@ METHODS: dict[str, tuple[str, str, bool] | None] = {
     "gaussiank-gtopk": ("gaussiank", "gtopk", False),
     "gaussiank-gtopk-mc": ("gaussiank", "gtopk", True),
     "gaussiank-allgather-mc": ("gaussiank", "allgather", True),
-    "gaussiank-gtopk-recipe": ("gaussiank", "gtopk", True),  # with its density's recipe: run_args
+    "gaussiank-gtopk-recipe": ("gaussiank", "gtopk", True),  # gx.SparseGradState.recipe: make_hook_state
 }
 DEFAULT_METHODS = ("dense", "gaussiank-gtopk", "gaussiank-gtopk-recipe")
-# --recipe: measured settings of the hook (and the methods they are for), as defaults of the flags below: DGC's
-# momentum correction with its warm-up over 4 epochs of 22 steps, momentum factor masking from the end of it on.
-# Without --recipe, RECIPE_METHOD runs at each density d with the recipe f"dgc-{d:g}" (flags given still win).
+# --recipe: measured settings of the hand-built hook (and the methods they are for), as defaults of the flags below:
+# DGC's momentum correction with its warm-up over 4 epochs of 22 steps, momentum factor masking from the end of it on.
 _DGC = {"methods": ["dense", "gaussiank-gtopk-mc", "gaussiank-allgather-mc"], "warmup_steps": 88,
         "masking": "after-warmup"}
 RECIPES: dict[str, dict] = {
@@ -86,22 +91,12 @@ def momentum_in_hook(method: str) -> bool:
     return METHODS[method] is not None and METHODS[method][2]
 
 
-def run_args(args: argparse.Namespace, method: str, density: float) -> argparse.Namespace:
-    """The settings one run trains with: ``args``, with its density's recipe for RECIPE_METHOD (parse_args put
-    the recipe's values that no explicit flag overrides in ``args.recipe_settings``)."""
-    if method != RECIPE_METHOD or args.recipe is not None:
-        return args
-    return argparse.Namespace(**{**vars(args), **args.recipe_settings[recipe_for(density)]})
-
-
-def recipe_for(density: float) -> str:
-    return f"dgc-{density:g}"
-
-
 def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx.SparseGradState | None:
-    """The hook's state of one run; ``args``: run_args' for that run."""
+    """The hook's state of one run: the package's recipe for RECIPE_METHOD, else built from the flags."""
     if METHODS[method] is None:
         return None
+    if method == RECIPE_METHOD:
+        return recipe_state(density, args.warmup_steps, args.momentum)
     compressor, collective, correction = METHODS[method]
     moved = {"momentum": args.momentum, "weight_decay": args.weight_decay} if correction else {}
     if correction and args.masking == "after-warmup":  # momentum keeps its velocity through the warm-up
@@ -130,11 +125,10 @@ def batch_loss(x: torch.Tensor, y: torch.Tensor):
 
 
 def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple, method: str, density: float,
-              seed: int, progress) -> dict:
+              seed: int, tx: TxCounter, progress) -> dict:
     """One DDP training run; every rank returns the same record (losses averaged over ranks, step times as the
-    slowest rank saw them, the model evaluated after every epoch)."""
+    slowest rank saw them, the model evaluated every ``--eval-every`` steps, by default every epoch)."""
     train_x, train_y, test_x, test_y = data
-    args = run_args(args, method, density)
     trainer = demo_trainer(method, density, seed, args, world_size)
     batches = [index for epoch in range(args.epochs)
                for index in epoch_batches(epoch, seed, len(train_y), rank, world_size, args.batch_size)]
@@ -151,7 +145,8 @@ def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple,
 
     curve, measured = train_curve(trainer, len(batches), lambda step: batch_loss(train_x[batches[step - 1]],
                                                                                    train_y[batches[step - 1]]),
-                                  evaluation, len(batches) // args.epochs, TxCounter(None), progress, count_selected)
+                                  evaluation, args.eval_every or len(batches) // args.epochs, tx, progress,
+                                  count_selected)
     losses = reduced([m["loss"] for m in measured]) / world_size
     step_ms = 1e3 * slowest([m["seconds"] for m in measured])
     bytes_sent = [m["bytes"] for m in measured]
@@ -168,6 +163,7 @@ def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple,
         "bytes_per_step": statistics.median(bytes_sent[warmed_up:] or bytes_sent), "total_bytes": sum(bytes_sent),
         "ms_per_step": float(timed.median()),
         "selected_over_k": statistics.median(selected_over_k) if selected_over_k else None,
+        **report.to_target([curve], lambda point: point["test_accuracy"] >= args.target, "seconds"),
     }
 
 
@@ -185,11 +181,12 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
     runs = planned_runs(args)
     steps = args.epochs * (len(data[1]) // (world_size * args.batch_size))
     progress = report.progress(steps * len(runs), rank, args, config)
+    tx = TxCounter(config["ifname"])
     records = []
     for method, density, seed in runs:
         if progress is not None:
             progress.set_description(f"seed {seed} {method}" + (f" {density:g}" if is_sparse(method) else ""))
-        records.append(train_run(rank, world_size, args, data, method, density, seed, progress))
+        records.append(train_run(rank, world_size, args, data, method, density, seed, tx, progress))
     if progress is not None:
         progress.close()
     return records
@@ -200,7 +197,7 @@ def overhead(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]
     ``--overhead-steps`` steps after a warm-up; the slowest rank's median per round."""
     train_x, train_y, _, _ = load_digits_split(seed=0)
     configs = [(m, d) for m in args.methods for d in (args.densities if is_sparse(m) else [1.0])]
-    trainers = {config: demo_trainer(*config, 0, run_args(args, *config), world_size) for config in configs}
+    trainers = {config: demo_trainer(*config, 0, args, world_size) for config in configs}
     batches = torch.Generator().manual_seed(rank)
 
     def step_seconds(config) -> float:
@@ -208,8 +205,7 @@ def overhead(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]
         return trainers[config].measured_step(batch_loss(train_x[index], train_y[index]), TxCounter(None))["seconds"]
 
     for config in configs:
-        settings = run_args(args, *config)
-        for _ in range(settings.start_iter + settings.warmup_steps + 3):
+        for _ in range(args.start_iter + args.warmup_steps + 3):
             step_seconds(config)
     medians = {config: [] for config in configs}
     for repeat in range(args.overhead_repeats):
@@ -220,8 +216,9 @@ def overhead(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]
     return [{"method": m, "density": d, "ms_per_step_rounds": ms} for (m, d), ms in medians.items()]
 
 
-def summarize(records: list[dict]) -> list[dict]:
-    """One row per (method, density): means over seeds (and the seeds' spread of the accuracy)."""
+def summarize(records: list[dict], target: float) -> list[dict]:
+    """One row per (method, density): means over seeds (and the seeds' spread of the accuracy); the medians over
+    seeds of the steps and training seconds to ``target`` test accuracy (None unless every seed got there)."""
     rows = []
     for key in dict.fromkeys((r["method"], r["density"]) for r in records):
         group = [r for r in records if (r["method"], r["density"]) == key]
@@ -236,11 +233,13 @@ def summarize(records: list[dict]) -> list[dict]:
             "total_bytes": statistics.fmean(r["total_bytes"] for r in group),
             "ms_per_step": statistics.median(r["ms_per_step"] for r in group),
             "selected_over_k": statistics.fmean(selected) if selected else None,
+            **report.to_target([r["eval"] for r in group], lambda point: point["test_accuracy"] >= target,
+                               "seconds"),
         })
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], target: float) -> None:
     dense = next((r for r in rows if r["method"] == "dense"), None)
     print(report.table(rows, [
         ("method", "", "method"), ("density", "g", "density"), ("test acc", ".2%", "test_accuracy"),
@@ -249,7 +248,9 @@ def print_table(rows: list[dict]) -> None:
         ("train loss", ".4f", "train_loss"), ("B/step", ".0f", "bytes_per_step"),
         ("total MB", ".2f", lambda r: r["total_bytes"] / 1e6),
         ("vs dense", ".2%", lambda r: dense and r["total_bytes"] / dense["total_bytes"]),
-        ("ms/step", ".2f", "ms_per_step"), ("sel/k", ".2f", "selected_over_k")]))
+        ("ms/step", ".2f", "ms_per_step"), ("sel/k", ".2f", "selected_over_k"),
+        (f"steps to {100 * target:g}%", "g", "steps_to_target"), (f"s to {100 * target:g}%", ".1f",
+                                                                   "seconds_to_target")]))
 
 
 def mean_curve(records: list[dict], key) -> list[float]:
@@ -311,12 +312,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
                         metavar="METHOD", help=f"what to train with: dense (DDP's allreduce), hook-dense (the "
                         f"hook's dense collective), or the hook as <compressor>-<collective>[-mc: momentum "
-                        f"correction][-recipe: its density's recipe]; one of {', '.join(METHODS)}")
+                        f"correction][-recipe: gx.SparseGradState.recipe]; one of {', '.join(METHODS)}")
     parser.add_argument("--densities", nargs="+", type=float, default=[0.01, 0.001],
                         help="the sparse methods' densities: each runs at every one")
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training digits")
+    parser.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default: an epoch)")
+    parser.add_argument("--target", type=float, default=0.95,
+                        help="test accuracy whose steps and training seconds to report")
     parser.add_argument("--weight-decay", type=float, default=0.0,
-                        help="SGD's weight decay (in the hook instead, for the -mc and -recipe methods)")
+                        help=f"SGD's weight decay (in the hook instead, for the -mc methods; not {RECIPE_METHOD}'s)")
     parser.add_argument("--start-iter", type=int, default=2, help="dense iterations before the residuals start")
     parser.add_argument("--warmup-steps", type=int, default=44,
                         help="iterations of density decaying from --warmup-density to the target (0: none)")
@@ -329,20 +333,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="momentum correction's factor masking: from the first compressed step, or from the end "
                              "of the density warm-up on (the hook's masking_start_iter)")
     parser.add_argument("--recipe", choices=list(RECIPES),
-                        help="hook settings that converge at that density (see RECIPES), for every run; flags given "
-                             f"explicitly win. Without it, {RECIPE_METHOD} takes its density's recipe")
+                        help="presets of the hand-built hook's flags that converge at that density (see RECIPES), for "
+                             "every run; flags given explicitly win")
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder of demo.json and demo.png")
     parser.add_argument("--overhead", action="store_true",
                         help="measure time per step only (no training curves): the hook against DDP's allreduce")
     parser.add_argument("--overhead-steps", type=int, default=30, help="timed steps per method with --overhead")
     parser.add_argument("--overhead-repeats", type=int, default=5,
                         help="repeats of the timed steps with --overhead (the median is reported)")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before failing")
-    cli.add_worker_arg(parser)
+    cli.add_network_args(parser, prefix="gxdemo", rate=None, timeout=300,
+                         timeout_help="seconds a collective may wait before failing")
     args = parser.parse_args(argv)
     if args.recipe is not None:
         args = parse_with_preset(parser, argv, RECIPES[args.recipe])
     cli.check_positive(parser, args, "world_size", "epochs", "batch_size", "overhead_steps", "overhead_repeats")
+    if args.eval_every is not None and args.eval_every < 1:
+        parser.error(f"--eval-every must be >= 1, got {args.eval_every}")
+    if not 0 < args.target <= 1:
+        parser.error(f"--target must be an accuracy in (0, 1], got {args.target}")
     if args.start_iter < 2:
         parser.error(f"--start-iter must be >= 2 (the hook's residuals need DDP's rebuilt buckets), got "
                      f"{args.start_iter}")
@@ -354,17 +362,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.methods = list(dict.fromkeys(args.methods))
     args.densities = sorted(set(args.densities), reverse=True)
     args.seeds = list(dict.fromkeys(args.seeds))
-    # RECIPE_METHOD's settings at each density (run_args): the recipe's values that no explicit flag overrides
-    args.recipe_settings = {}
-    if args.recipe is None and RECIPE_METHOD in args.methods:
-        for density in args.densities:
-            name = recipe_for(density)
-            if name not in RECIPES:
-                parser.error(f"--methods {RECIPE_METHOD} runs each density with the recipe dgc-<density>, and there "
-                             f"is none for density {density:g} (recipes: {', '.join(RECIPES)}); or give --recipe")
-            preset = {key: value for key, value in RECIPES[name].items() if key not in ("methods", "densities")}
-            recipe_args = parse_with_preset(parser, argv, preset)
-            args.recipe_settings[name] = {"recipe": name, **{key: getattr(recipe_args, key) for key in preset}}
+    if args.weight_decay and RECIPE_METHOD in args.methods:  # the optimizer leaves it to the hook, the recipe has none
+        parser.error(f"--weight-decay is not part of {RECIPE_METHOD} (gx.SparseGradState.recipe): drop one, or use "
+                     f"gaussiank-gtopk-mc, which applies it in the hook")
     return args
 
 
@@ -383,10 +383,11 @@ def main(argv: list[str] | None = None) -> None:
     if cli.ran_as_worker(args, run_worker, "timeout"):
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    setting = (f"{args.world_size} Gloo processes on {os.cpu_count()} CPU cores, digits, {args.model}, batch "
-               f"{args.batch_size}/rank, lr {args.lr:g}, momentum {args.momentum:g}")
-    # The ranks run on loopback for as long as it takes (--timeout bounds each collective).
-    measured = run_group("bench.demo", args.world_size, args, math.inf)
+    args.rate = cli.link_rate("bench.demo", args)
+    setting = (f"{args.world_size} Gloo processes on {os.cpu_count()} CPU cores, {network_name(args.rate)}, digits, "
+               f"{args.model}, batch {args.batch_size}/rank, lr {args.lr:g}, momentum {args.momentum:g}")
+    # The ranks run for as long as it takes (--timeout bounds each collective).
+    measured = run_group("bench.demo", args.world_size, args, math.inf, rate_bps=args.rate, prefix=args.prefix)
     if args.overhead:
         rows = [{**r, "ms_per_step": statistics.median(r["ms_per_step_rounds"])} for r in measured]
         dense = next((r["ms_per_step"] for r in rows if r["method"] == "dense"), None)
@@ -400,14 +401,14 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     records = measured
-    rows = summarize(records)
+    rows = summarize(records, args.target)
     seeds = " ".join(map(str, args.seeds))
     print(f"{setting}; {args.epochs} epochs ({len(records[0]['train_loss'])} steps), seeds {seeds} (mean), "
           f"dense warm-up {args.start_iter} iterations, density warm-up {args.warmup_steps} iterations")
-    for name, values in args.recipe_settings.items():
-        print(f"{RECIPE_METHOD} at density {RECIPES[name]['densities'][0]:g}: " +
-              ", ".join(f"{key}={value}" for key, value in values.items()))
-    print_table(rows)
+    if RECIPE_METHOD in args.methods:
+        print(f"{RECIPE_METHOD}: gx.SparseGradState.recipe(density, warmup_steps={args.warmup_steps}, "
+              f"momentum={args.momentum:g})")
+    print_table(rows, args.target)
     report.write_json(args.out / "demo.json", args, table=rows, runs=records)
     plot(records, args.out / "demo.png", f"{setting}; {args.epochs} epochs, mean of seeds {seeds}")
 

@@ -14,8 +14,11 @@ held-out files, every ``--eval-every`` steps, split over the ranks, of the model
 method between its exchanges: the mean of the replicas, formed by an allreduce that no count includes).
 
 Methods (``--methods``): the names of bench/harness/methods.py, DDP hooks (``ddp``, ``fp16``, ``powersgd-2``,
-``gtopk-<d>``, ``dgc-<d>``, ``dgc-pt-<d>``) and local methods (``sparse-<coll>-<d>-<H>[-compact]``, ``diloco-<H>``,
-``postlocal-<H>``).
+``gtopk-<d>``, ``recipe-<d>``, ``dgc-<d>``, ``dgc-pt-<d>``) and local methods (``sparse-<coll>-<d>-<H>[-compact]``,
+``diloco-<H>``, ``postlocal-<H>``). ``recipe-<d>`` is the hook with momentum correction and warm-up as a user gets
+it, ``gx.SparseGradState.recipe(density=d, warmup_steps=--dgc-warmup, momentum=--momentum)``; ``dgc-<d>`` and
+``dgc-pt-<d>`` build the same kind of hook by hand from the ``--dgc-*`` flags (Nesterov off unless
+``--dgc-nesterov``, per-tensor selection, clipping, the path policy), to vary what the recipe fixes.
 
 For gtopk_ext's hook it also counts, after every compressed step, the elements of each parameter that the step
 updated (the nonzeros of its reduced gradient), grouped as embeddings, LayerNorms, attention, MLP and the output
@@ -54,7 +57,7 @@ from bench.harness.launch import run_group
 from bench.harness.methods import START_ITER, add_dgc_arguments, label, method_name, numel_of
 from bench.harness.train import Trainer, reduced, train_curve
 
-DEFAULT_METHODS = ("ddp", "fp16", "powersgd-2", "gtopk-0.01", "gtopk-0.001", "dgc-0.01", "dgc-0.001",
+DEFAULT_METHODS = ("ddp", "fp16", "powersgd-2", "gtopk-0.01", "gtopk-0.001", "recipe-0.01", "recipe-0.001",
                    "sparse-gtopk-0.05-10", "dgc-pt-0.001", "diloco-10")
 GROUPS = ("embedding", "layernorm", "attention", "mlp", "head")
 
@@ -202,7 +205,9 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
     config = model_config(args)
     trainer = Trainer(name, TransformerLM(config, args.seed), args, world_size)  # the same weights for all
     groups = [parameter_group(n) for n, _ in trainer.model.named_parameters()]
-    warmed_up = args.dgc_warmup if name.startswith("dgc-") else START_ITER  # steps before the target density
+    hook = trainer.accounting.state if trainer.local is None else None  # gtopk_ext's hook state, where it runs
+    # steps before the target density: the recipe's and the dgc methods' warm-up (the hooks with momentum in them)
+    warmed_up = args.dgc_warmup if trainer.recipe is not None and trainer.recipe.momentum_in_hook else START_ITER
     selections = []
 
     def loss_at(step: int):  # one generator per step shared by the ranks: each draws the global batch, keeps its rows
@@ -210,8 +215,8 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
                         torch.Generator().manual_seed(args.seed * 1_000_003 + step))
         return lambda model: lm_loss(model, batch[rank * args.batch_size:(rank + 1) * args.batch_size])
 
-    def count_updated(step: int) -> None:  # gtopk_ext's hook
-        if name.startswith(("gtopk-", "dgc-")) and step > warmed_up:
+    def count_updated(step: int) -> None:
+        if hook is not None and step > warmed_up:
             selections.append(updated_per_group(trainer.model, groups))
 
     curve, measured = train_curve(trainer, args.steps, loss_at,

@@ -154,16 +154,13 @@ def summarize(name: str, runs: list[dict], args: argparse.Namespace) -> dict:
         curves.append([{"step": step, "accuracy": accuracy, "train_seconds": elapsed[step]}
                        for step, accuracy in run["evals"]])
     low, median, high = statistics.quantiles(slowest, n=4, method="inclusive") if len(slowest) > 1 else slowest * 3
-    reached = [next((point for point in curve if point["accuracy"] >= args.target), None) for curve in curves]
-    all_reached = all(point is not None for point in reached)
     return {
         "method": name, "label": label(name), "ms_per_step": 1e3 * median, "ms_per_step_p25": 1e3 * low,
         "ms_per_step_p75": 1e3 * high, "cpu_ms_per_step": 1e3 * statistics.median(cpu),
         "tx_mb_per_step": statistics.fmean(tx) / 1e6 if tx else None,
         "own_mb_per_step": statistics.fmean(own) / 1e6, "buckets": runs[0]["buckets"],
         "final_accuracy": statistics.fmean(curve[-1]["accuracy"] for curve in curves),
-        "steps_to_target": statistics.median(p["step"] for p in reached) if all_reached else None,
-        "seconds_to_target": statistics.median(p["train_seconds"] for p in reached) if all_reached else None,
+        **report.to_target(curves, lambda point: point["accuracy"] >= args.target, "train_seconds"),
         "curves": curves,
     }
 

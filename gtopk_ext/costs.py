@@ -20,6 +20,28 @@ class Traffic:
         self.received += received
 
 
+def format_bytes(count: float) -> str:
+    """A byte count to read: 812 B, 4.1 kB, 2.35 MB (powers of 1000)."""
+    units, power = ("B", "kB", "MB", "GB"), 0
+    while abs(count) >= 1000 and power < len(units) - 1:
+        count, power = count / 1000, power + 1
+    return f"{count:.0f} B" if power == 0 else f"{count:.3g} {units[power]}"
+
+
+def sent_and_received(sent: int, received: int, times: int, unit: str) -> str:
+    """The summaries' run line (SparseGradState's and SparseLocalSGD's): this rank's totals and what it sent per
+    ``unit`` over ``times`` of them."""
+    return (f"this rank sent {format_bytes(sent)}, received {format_bytes(received)} "
+            f"({format_bytes(sent / max(times, 1))} sent a {unit})")
+
+
+def latest_line(unit: str, index: int, sent: int, k: int, numel: int, rest: str) -> str:
+    """The summaries' line of the latest step or sync: its bytes sent and k (per rank) of its elements, then
+    ``rest``."""
+    return (f"latest {unit} (#{index}): sent {format_bytes(sent)}, k {k:,} of {numel:,} elements "
+            f"({k / max(numel, 1):.4g}), {rest}")
+
+
 def ring_allgather_bytes(nbytes: int, size: int) -> int:
     return (size - 1) * nbytes
 

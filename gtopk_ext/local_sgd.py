@@ -31,7 +31,7 @@ import torch.distributed as dist
 from gtopk_ext._contract import FLOAT_DTYPES
 from gtopk_ext.collectives import MAX_NUMEL, SPARSE_COLLECTIVES, agree, collective_named, group_rank_and_size
 from gtopk_ext.compressors import COMPRESSOR_KINDS, check_density, make_compressor
-from gtopk_ext.costs import Traffic, ring_allreduce_bytes
+from gtopk_ext.costs import Traffic, format_bytes, latest_line, ring_allreduce_bytes, sent_and_received
 from gtopk_ext.reduction import reduce
 from gtopk_ext.resume import StateDicts, plan_resume, world_fields
 from gtopk_ext.wire import WIRES, wire_named
@@ -311,6 +311,21 @@ class SparseLocalSGD:
         compressor, before truncation to k), ``bytes_sent``, ``bytes_received`` and ``seconds``."""
         return {"local_step": self.local_step, "syncs": self.syncs, "bytes_sent": self.traffic.sent,
                 "bytes_received": self.traffic.received, "last_sync": dict(self._last)}
+
+    def summary(self) -> str:
+        """:meth:`stats` as lines to print, the bytes next to dense DiLoCo's float32 allreduce of the parameters."""
+        stats, last, numel = self.stats(), self._last, sum(shard.numel for shard in self._shards)
+        dense = ring_allreduce_bytes(4 * numel, group_rank_and_size(self.process_group)[2])  # at this group's size
+        momentum = f", momentum {self.outer_momentum:g}{' nesterov' * self.nesterov}" if self.outer_momentum else ""
+        return "\n".join([
+            f"SparseLocalSGD: {self.collective}{f' ({self.compressor})' * bool(self._compressor)}, density "
+            f"{self.density:g}, {self.wire} wire, sync_every {self.sync_every}, outer lr {self.outer_lr:g}{momentum}",
+            f"run: {stats['syncs']} syncs in {stats['local_step']} local steps; "
+            + sent_and_received(stats["bytes_sent"], stats["bytes_received"], stats["syncs"], "sync"),
+            f"dense DiLoCo would send {format_bytes(dense)} a sync, {format_bytes(dense * stats['syncs'])} in all",
+            latest_line("sync", stats["syncs"], last["bytes_sent"], last["k"], numel, f"selected {last['selected']:,}, "
+                        f"received {format_bytes(last['bytes_received'])}, {1e3 * last['seconds']:.2f} ms")
+            if last else "latest sync: none in this process yet"])
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's resumable state (copies): ``local_step``, ``syncs``, ``world_size`` and ``rank`` (with

@@ -3,6 +3,8 @@ default run is pinned to what docs/convergence.md states it measured."""
 
 import json
 import math
+import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -17,7 +19,7 @@ def test_demo_writes_sane_json_and_png(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "bench.demo", "--world-size", "2", "--epochs", "1", "--methods", "dense",
          "gaussiank-gtopk", "gaussiank-gtopk-recipe", "--densities", "0.01", "--model", "mlp", "--batch-size", "32",
-         "--warmup-steps", "8", "--no-progress", "--out", str(tmp_path)],
+         "--warmup-steps", "8", "--eval-every", "5", "--target", "0.3", "--no-progress", "--out", str(tmp_path)],
         cwd=ROOT, timeout=300, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gaussiank-gtopk" in result.stdout and "test acc" in result.stdout
@@ -25,18 +27,22 @@ def test_demo_writes_sane_json_and_png(tmp_path):
     report = json.loads((tmp_path / "demo.json").read_text())
     runs = {r["method"]: r for r in report["runs"]}
     assert set(runs) == {"dense", "gaussiank-gtopk", "gaussiank-gtopk-recipe"}
-    assert [runs[m]["recipe"] for m in runs] == [None, None, "dgc-0.01"]
-    assert "gaussiank-gtopk-recipe at density 0.01: recipe=dgc-0.01, warmup_steps=8" in result.stdout
+    assert [runs[m]["recipe"] for m in runs] == [None, None, None]
+    assert "gaussiank-gtopk-recipe: gx.SparseGradState.recipe(density, warmup_steps=8, momentum=0.9)" in result.stdout
+    assert "steps to 30%" in result.stdout and "s to 30%" in result.stdout
     steps = 1438 // (2 * 32)  # the training split's images // the global batch
     dense, sparse = runs["dense"], runs["gaussiank-gtopk"]
     for run in (dense, sparse):
         assert len(run["train_loss"]) == len(run["bytes_sent"]) == len(run["step_ms"]) == steps
         assert all(math.isfinite(v) and v > 0 for v in run["train_loss"] + run["step_ms"])
-        assert [e["step"] for e in run["eval"]] == [0, steps]
+        assert [e["step"] for e in run["eval"]] == [0, 5, 10, 15, 20, steps]
         assert run["train_loss"][-1] < run["train_loss"][0]
     # chance is 0.1; one short epoch of either method learns the digits (the sparse one more slowly)
     assert dense["final_test_accuracy"] > 0.5 and sparse["final_test_accuracy"] > 0.3
     assert runs["gaussiank-gtopk-recipe"]["final_test_accuracy"] > 0.3
+    for run in runs.values():  # the first evaluation at 30% or more: its step and the training seconds until then
+        first = next(e for e in run["eval"] if e["test_accuracy"] >= 0.3)
+        assert (run["steps_to_target"], run["seconds_to_target"]) == (first["step"], first["seconds"]) != (0, 0.0)
     assert sparse["density"] == 0.01 and dense["density"] == 1.0
     # the MLP's 0.3M parameters at density 0.01, against a ring allreduce of all of them
     assert sparse["bytes_per_step"] < dense["bytes_per_step"] / 20
@@ -45,11 +51,31 @@ def test_demo_writes_sane_json_and_png(tmp_path):
     assert 0.8 <= sparse["selected_over_k"] <= 1.25
     assert [(row["method"], row["density"]) for row in report["table"]] == [
         ("dense", 1.0), ("gaussiank-gtopk", 0.01), ("gaussiank-gtopk-recipe", 0.01)]
+    for row in report["table"]:  # one seed: its run's
+        assert row["seconds_to_target"] == runs[row["method"]]["seconds_to_target"] > 0
 
     png = (tmp_path / "demo.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])
     assert width >= 800 and height >= 600 and len(png) > 20_000
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="namespaces and tc need root and iproute2")
+def test_demo_on_emulated_links_reports_seconds_to_target(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.demo", "--rate", "1gbit", "--prefix", "gxsmokedemo", "--world-size", "2",
+         "--epochs", "1", "--methods", "dense", "gaussiank-gtopk-recipe", "--densities", "0.01", "--model", "mlp",
+         "--batch-size", "32", "--warmup-steps", "8", "--eval-every", "5", "--target", "0.3", "--no-progress",
+         "--out", str(tmp_path)], cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 Gloo processes on" in result.stdout and "1gbit links (namespaces, tbf)" in result.stdout
+    assert "s to 30%" in result.stdout
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert report["settings"]["rate"] == 1_000_000_000
+    for row, run in zip(report["table"], report["runs"]):
+        assert 0 < row["steps_to_target"] <= 22 and row["seconds_to_target"] == run["seconds_to_target"] > 0
+        assert run["eval"][-1]["tx_bytes"] > 0  # the ranks' interface counter: they talked over the emulated links
+    assert "gxsmokedemo" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
 def test_recipe_sets_the_hook_and_explicit_flags_win():
@@ -74,12 +100,12 @@ def test_recipe_sets_the_hook_and_explicit_flags_win():
     assert make_hook_state("gaussiank-gtopk-mc", 0.001, parse_args([])).masking_start_iter == 0
 
 
-def test_default_run_is_readmes_table():
-    """docs/convergence.md, first table: DDP, Gaussian-k + gTop-k with the momentum in the optimizer (the demo's
-    44-step warm-up from 0.25) and the recipe of each density, dgc-0.01 (per-tensor) and dgc-0.001, at 0.01 and
-    0.001."""
+def test_default_run_compares_the_package_recipe():
+    """The default run: DDP, Gaussian-k + gTop-k with the momentum in the optimizer (the demo's 44-step warm-up from
+    0.25), and gx.SparseGradState.recipe at 0.01 and 0.001 with the same warm-up, as a user calls it."""
     sys.path.insert(0, str(ROOT))
-    from bench.demo import make_hook_state, momentum_in_hook, parse_args, planned_runs, run_args
+    import gtopk_ext as gx
+    from bench.demo import make_hook_state, momentum_in_hook, parse_args, planned_runs
     from bench.digits import make_model
     from bench.harness.train import sgd
 
@@ -91,36 +117,40 @@ def test_default_run_is_readmes_table():
     model = make_model("mlp", 0)
     settings = {}
     for method, density, _ in planned_runs(args)[1:5]:
-        run = run_args(args, method, density)
-        state = make_hook_state(method, density, run)
-        optimizer_momentum = sgd(model, run, momentum_in_hook(method)).defaults["momentum"]
-        warmup = next(i for i in range(2, 200) if state.density_at(i) == density) - 2
-        settings[method, density] = (run.recipe, state.compressor, state.collective, state.momentum,
-                                     optimizer_momentum, state.per_tensor, warmup, state.masking_start_iter)
+        state = make_hook_state(method, density, args)
+        optimizer_momentum = sgd(model, args, momentum_in_hook(method)).defaults["momentum"]
+        warmup = next(i for i in range(0, 200) if state.density_at(i) == density)
+        settings[method, density] = (state.momentum, state.nesterov, optimizer_momentum, state.per_tensor, warmup,
+                                     state.masking_start_iter, state.path_policy.mode)
         assert state.density_at(2) == 0.25 and state.start_iter == 2 and state.clip_norm is None
     assert make_hook_state("dense", 1.0, args) is None
     assert sgd(model, args, momentum_in_hook("dense")).defaults["momentum"] == 0.9
     assert settings == {
-        # momentum in the optimizer, masking irrelevant (no momentum in the hook)
-        ("gaussiank-gtopk", 0.01): (None, "gaussiank", "gtopk", 0.0, 0.9, False, 44, 0),
-        ("gaussiank-gtopk", 0.001): (None, "gaussiank", "gtopk", 0.0, 0.9, False, 44, 0),
-        # momentum correction, DGC's warm-up over 4 epochs of 22 steps, masking from its end on
-        ("gaussiank-gtopk-recipe", 0.01): ("dgc-0.01", "gaussiank", "gtopk", 0.9, 0.0, True, 88, 90),
-        ("gaussiank-gtopk-recipe", 0.001): ("dgc-0.001", "gaussiank", "gtopk", 0.9, 0.0, False, 88, 90),
+        # momentum in the optimizer, every compressed step sparse; the warm-up from the dense steps' end
+        ("gaussiank-gtopk", 0.01): (0.0, False, 0.9, False, 46, 0, "sparse"),
+        ("gaussiank-gtopk", 0.001): (0.0, False, 0.9, False, 46, 0, "sparse"),
+        # the package's recipe: Nesterov momentum correction, masking from the warm-up's end, the path policy
+        ("gaussiank-gtopk-recipe", 0.01): (0.9, True, 0.0, False, 44, 44, "auto"),
+        ("gaussiank-gtopk-recipe", 0.001): (0.9, True, 0.0, False, 44, 44, "auto"),
     }
+    for density in (0.01, 0.001):  # the recipe method is the package's recipe, not a copy of it
+        ours, package = make_hook_state("gaussiank-gtopk-recipe", density, args), gx.SparseGradState.recipe(
+            density=density, warmup_steps=44)
+        assert ours.density_schedule == package.density_schedule
+        assert vars(ours.momentum_correction) == vars(package.momentum_correction)
 
 
-def test_recipe_method_explicit_flags_win_and_unknown_density_is_an_error(capsys):
+def test_recipe_method_takes_warmup_and_momentum_and_refuses_weight_decay(capsys):
     sys.path.insert(0, str(ROOT))
-    from bench.demo import make_hook_state, parse_args, run_args
+    from bench.demo import make_hook_state, parse_args
 
-    args = parse_args(["--no-per-tensor", "--warmup-steps", "44"])
-    for density in (0.01, 0.001):
-        state = make_hook_state("gaussiank-gtopk-recipe", density, run_args(args, "gaussiank-gtopk-recipe", density))
-        assert (state.per_tensor, state.masking_start_iter, state.momentum) == (False, 46, 0.9)
-    # --recipe given: every run uses it, the recipe method included
-    args = parse_args(["--recipe", "dgc-0.001", "--methods", "gaussiank-gtopk-recipe", "--densities", "0.01"])
-    assert run_args(args, "gaussiank-gtopk-recipe", 0.01).per_tensor is False
+    args = parse_args(["--warmup-steps", "20", "--momentum", "0.8", "--per-tensor", "--densities", "0.005"])
+    state = make_hook_state("gaussiank-gtopk-recipe", 0.005, args)
+    # the hand-built methods' flags (--per-tensor here) are not the recipe's
+    assert (state.momentum, state.masking_start_iter, state.per_tensor) == (0.8, 20, False)
+    assert state.density_at(19) > 0.005 and state.density_at(20) == 0.005
+    assert make_hook_state("gaussiank-gtopk-mc", 0.005, args).per_tensor
     with pytest.raises(SystemExit):
-        parse_args(["--densities", "0.005"])
-    assert "none for density 0.005" in capsys.readouterr().err
+        parse_args(["--weight-decay", "1e-4"])
+    assert "--weight-decay is not part of gaussiank-gtopk-recipe" in capsys.readouterr().err
+    parse_args(["--weight-decay", "1e-4", "--methods", "dense", "gaussiank-gtopk-mc"])  # applied in the hook there

@@ -180,6 +180,11 @@ def test_exponential_warmup_is_dgcs_schedule():
     assert state.density_at(99) == pytest.approx(0.25) and state.density_at(10**6) == pytest.approx(0.001)
     assert gx.exponential_warmup(0.01, 40, start_iter=2)[1] == (12, pytest.approx(0.25 * 0.04 ** 0.25))
     assert gx.exponential_warmup(0.01, 0) == [(0, 0.01)] and gx.exponential_warmup(0.5, 10) == [(0, 0.5)]
+    # fewer iterations than stages: stages share a start, and the later one holds, so the target is reached
+    short = gx.SparseGradState(density=0.01, density_schedule=gx.exponential_warmup(0.01, 2), path="sparse")
+    assert [short.density_at(i) for i in (0, 1, 2, 3)] == [pytest.approx(0.25 * 0.04 ** 0.25), 0.05, 0.01, 0.01]
+    given = gx.SparseGradState(density=0.01, density_schedule=[(5, 0.1), (0, 0.5), (5, 0.2)], path="sparse")
+    assert [given.density_at(i) for i in (0, 4, 5)] == [0.5, 0.5, 0.2]
     with pytest.raises(ValueError, match="warmup_iters must be an int >= 0"):
         gx.exponential_warmup(0.001, -1)
     with pytest.raises(ValueError, match="final_density must be a number in"):

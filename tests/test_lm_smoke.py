@@ -33,11 +33,11 @@ def test_split_depends_on_the_paths_alone():
 
 
 def test_tiny_run_writes_a_sane_report(tmp_path):
-    methods = ["ddp", "gtopk-0.01", "sparse-gtopk-0.1-2", "sparse-gtopk-0.1-2-compact", "postlocal-3"]
+    methods = ["ddp", "gtopk-0.01", "recipe-0.01", "sparse-gtopk-0.1-2", "sparse-gtopk-0.1-2-compact", "postlocal-3"]
     result = subprocess.run(
         [sys.executable, "-m", "bench.lm", "--world-size", "2", "--steps", "4", "--eval-every", "2", "--layers", "1",
          "--d-model", "32", "--seq-len", "16", "--batch-size", "4", "--val-windows", "8", "--no-progress",
-         "--methods", *methods, "--json", str(tmp_path / "lm.json")],
+         "--dgc-warmup", "2", "--methods", *methods, "--json", str(tmp_path / "lm.json")],
         cwd=ROOT, timeout=300, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "final val loss" in result.stdout
@@ -70,3 +70,8 @@ def test_tiny_run_writes_a_sane_report(tmp_path):
     updated = runs["gtopk-0.01"]["updated_per_step"]
     numel = sum(runs["gtopk-0.01"]["group_numel"].values())
     assert 0 < sum(updated.values()) <= 2 * math.ceil(0.01 * numel) + 2  # about k per bucket, far below numel
+    # gx.SparseGradState.recipe with a 2-step warm-up: the density 0.25 of steps 0-1 is dense (2 dense steps), step 2
+    # at 0.05, 3 at 0.01 (the path policy may send a step dense: at most every element), counted after the warm-up
+    assert runs["recipe-0.01"]["label"] == "gtopk_ext recipe, d=0.01"
+    assert 0 < sum(runs["recipe-0.01"]["updated_per_step"].values()) <= numel
+    assert 0 < table["recipe-0.01"]["bytes_vs_ddp"] < 1

@@ -176,6 +176,38 @@ def _case_local_sgd(rank: int, world_size: int) -> None:
             torch.testing.assert_close(_flat(model.parameters()), mean, rtol=0, atol=1e-6)
 
 
+def _case_summary(rank: int, world_size: int) -> None:
+    """summary() reads stats(): the run's bytes are the sum of every sync's, next to dense DiLoCo's allreduce."""
+    from gtopk_ext.costs import format_bytes, ring_allreduce_bytes
+
+    model = _model(seed=0)
+    outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=0.25, collective="gtopk",
+                              buffers=model.buffers())
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert outer.summary().splitlines()[-1] == "latest sync: none in this process yet"
+    per_sync = []
+    for step in range(2 * H):
+        _inner_step(model, inner, rank, step)
+        if outer.step():
+            per_sync.append(outer.stats()["last_sync"]["bytes_sent"])
+    stats, summary = outer.stats(), outer.summary()
+    lines = summary.splitlines()
+    numel = sum(p.numel() for p in model.parameters())
+    last = stats["last_sync"]
+    assert len(per_sync) == 2 and all(sent > 0 for sent in per_sync) and stats["bytes_sent"] == sum(per_sync)
+    assert lines[0] == ("SparseLocalSGD: gtopk (gaussiank), density 0.25, plain wire, sync_every 3, outer lr 0.7, "
+                        "momentum 0.9 nesterov"), summary
+    assert lines[1] == (f"run: 2 syncs in {2 * H} local steps; this rank sent {format_bytes(sum(per_sync))}, "
+                        f"received {format_bytes(stats['bytes_received'])} ({format_bytes(sum(per_sync) / 2)} "
+                        f"sent a sync)"), summary
+    dense = ring_allreduce_bytes(4 * numel, world_size)
+    assert lines[2] == f"dense DiLoCo would send {format_bytes(dense)} a sync, {format_bytes(2 * dense)} in all"
+    assert lines[3].startswith(f"latest sync (#2): sent {format_bytes(per_sync[-1])}, k {last['k']:,} of {numel:,} "
+                               f"elements") and 0 < last["k"] < numel, summary
+    assert f"selected {last['selected']:,}, received {format_bytes(last['bytes_received'])}, " in lines[3], summary
+    assert len(lines) == 4 and max(map(len, lines)) <= 120, summary
+
+
 def _case_resume(rank: int, world_size: int) -> None:
     """A run saved in the middle of a sync interval and restored into fresh objects continues bitwise, on either
     wire (the compact wire's rounding errors travel in the accumulator)."""
@@ -282,7 +314,7 @@ def _case_errors(rank: int, world_size: int) -> None:
 
 
 CASES = {case.__name__: case for case in (_case_replicas_and_conservation, _case_diloco, _case_local_sgd,
-                                          _case_resume, _case_errors)}
+                                          _case_resume, _case_errors, _case_summary)}
 
 
 def _run_cases(rank: int, world_size: int, names: list[str]) -> None:
@@ -291,7 +323,7 @@ def _run_cases(rank: int, world_size: int, names: list[str]) -> None:
 
 
 @pytest.mark.parametrize("world_size,names", [
-    (2, ["_case_replicas_and_conservation", "_case_diloco", "_case_local_sgd", "_case_errors"]),
+    (2, ["_case_replicas_and_conservation", "_case_diloco", "_case_local_sgd", "_case_errors", "_case_summary"]),
     (3, ["_case_replicas_and_conservation", "_case_diloco", "_case_resume"]),
     (4, ["_case_replicas_and_conservation", "_case_local_sgd", "_case_resume"]),
 ])

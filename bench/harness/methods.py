@@ -152,14 +152,18 @@ def dgc_recipe(density: float, per_tensor: bool = False, path: str | None = None
     return Recipe(label, attach, momentum_in_hook=True)
 
 
+def recipe_state(density: float, warmup_steps: int, momentum: float) -> gx.SparseGradState:
+    """``gx.SparseGradState.recipe``: the package's recommended settings as a user calls them (the benchmarks' one
+    way to build them), without the hook's periodic log."""
+    state = gx.SparseGradState.recipe(density=density, warmup_steps=warmup_steps, momentum=momentum)
+    state.stats_logging_frequency = 0
+    return state
+
+
 def recipe_method(density: float, warmup: int | None = None) -> Recipe:
-    """``gx.SparseGradState.recipe(density, warmup_steps=warmup)``: the package's recipe as a user calls it
-    (``warmup`` None: ``--dgc-warmup``)."""
+    """:func:`recipe_state` with ``warmup_steps=warmup`` (None: ``--dgc-warmup``) and ``momentum=--momentum``."""
     def attach(ddp, world_size, args):
-        state = gx.SparseGradState.recipe(density=density,
-                                          warmup_steps=args.dgc_warmup if warmup is None else warmup)
-        state.stats_logging_frequency = 0
-        return attached(ddp, state)
+        return attached(ddp, recipe_state(density, args.dgc_warmup if warmup is None else warmup, args.momentum))
     steps = "" if warmup is None else f", {warmup}-step warm-up"
     return Recipe(f"gtopk_ext recipe, d={density:g}{steps}", attach, momentum_in_hook=True)
 

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -45,6 +46,17 @@ def table(rows: list[dict], columns: list[tuple], markdown: bool = False, header
               for i, (title, spec, _) in enumerate(columns)]
     return "\n".join(" ".join(text.ljust(width) if i == 0 else text.rjust(width)
                               for i, (text, width) in enumerate(zip(line, widths))) for line in lines)
+
+
+def to_target(curves: list[list[dict]], reached, seconds_key: str) -> dict:
+    """``steps_to_target`` and ``seconds_to_target``: the medians over ``curves`` (one per seed; points with a
+    ``step`` and ``seconds_key``) of the first point where ``reached(point)``; both None unless every curve got
+    there."""
+    firsts = [next((point for point in curve if reached(point)), None) for curve in curves]
+    if not firsts or None in firsts:
+        return {"steps_to_target": None, "seconds_to_target": None}
+    return {"steps_to_target": statistics.median(p["step"] for p in firsts),
+            "seconds_to_target": statistics.median(p[seconds_key] for p in firsts)}
 
 
 def streamed(rows, columns: list[tuple]) -> list[dict]:

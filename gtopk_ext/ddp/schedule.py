@@ -30,7 +30,8 @@ def exponential_warmup(final_density: float, warmup_iters: int, start_density: f
 
 
 def checked_schedule(schedule) -> Union[None, Callable[[int], float], list[tuple[int, float]]]:
-    """``schedule`` checked: None, a callable, or the (start_iter, density) pairs sorted."""
+    """``schedule`` checked: None, a callable, or the (start_iter, density) pairs sorted by start_iter; of pairs
+    with the same start_iter the last one given holds (a warm-up shorter than its stages has such pairs)."""
     if schedule is None or callable(schedule):
         return schedule
     try:
@@ -42,7 +43,7 @@ def checked_schedule(schedule) -> Union[None, Callable[[int], float], list[tuple
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ValueError(f"density_schedule: start_iter must be an int >= 0, got {start!r}")
         check_density(density, f"density_schedule density for iteration {start}")
-    return sorted(entries)
+    return sorted(entries, key=lambda entry: entry[0])  # stable: the order given settles equal starts
 
 
 def density_at(density: float, schedule, iteration: int) -> float:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Iterable, Union
 
 import torch
 
-from gtopk_ext.costs import Traffic
+from gtopk_ext.costs import Traffic, format_bytes, latest_line, sent_and_received
 
 if TYPE_CHECKING:
     from gtopk_ext.ddp.state import SparseGradState
@@ -72,22 +72,20 @@ def summary(state: SparseGradState) -> str:
     """:meth:`SparseGradState.summary`: the configuration, the run's totals, the latest step and its buckets."""
     stats = state.stats()
     run, total = stats["run"], stats["total"]
-    steps = max(run["steps"], 1)
     lines = [f"SparseGradState: {state.compressor} + {state.collective}, density {state.density_at(state.iter):g}, "
              f"{state.wire} wire, error feedback {'on' if state.error_feedback else 'off'}{_momentum(state)}",
-             f"run: {run['steps']} steps ({run['compressed_steps']} compressed); this rank sent "
-             f"{_bytes(run['bytes_sent'])}, received {_bytes(run['bytes_received'])} "
-             f"({_bytes(run['bytes_sent'] / steps)} sent a step)"]
+             f"run: {run['steps']} steps ({run['compressed_steps']} compressed); "
+             + sent_and_received(run["bytes_sent"], run["bytes_received"], run["steps"], "step")]
     if not stats["buckets"]:
         return "\n".join(lines + ["latest step: none yet"])
-    lines.append(f"latest step (#{stats['iter']}): sent {_bytes(total['bytes_sent'])}, k {total['k']:,} of "
-                 f"{total['numel']:,} elements ({total['k'] / max(total['numel'], 1):.4g}), selecting "
-                 f"{1e3 * total['select_seconds']:.2f} ms, exchanging {1e3 * total['exchange_seconds']:.2f} ms")
+    lines.append(latest_line("step", stats["iter"], total["bytes_sent"], total["k"], total["numel"],
+                             f"selecting {1e3 * total['select_seconds']:.2f} ms, exchanging "
+                             f"{1e3 * total['exchange_seconds']:.2f} ms"))
     lines.append(f"  {'bucket':>6} {'path':<9} {'elements':>11} {'k':>9} {'sent':>10} {'select ms':>9} "
                  f"{'exchange ms':>11}")
     rows = list(stats["buckets"].items())
     for index, b in rows[:SUMMARY_BUCKETS]:
-        lines.append(f"  {index:>6} {b['path']:<9} {b['numel']:>11,} {b['k']:>9,} {_bytes(b['bytes_sent']):>10} "
+        lines.append(f"  {index:>6} {b['path']:<9} {b['numel']:>11,} {b['k']:>9,} {format_bytes(b['bytes_sent']):>10} "
                      f"{1e3 * b['select_seconds']:>9.2f} {1e3 * b['exchange_seconds']:>11.2f}")
     if len(rows) > SUMMARY_BUCKETS:
         lines.append(f"  ... {len(rows) - SUMMARY_BUCKETS} more buckets (state.stats()['buckets'])")
@@ -103,9 +101,3 @@ def _momentum(state: SparseGradState) -> str:
              f"clip norm {correction.clip_norm:g}" if correction.clip_norm is not None else ""]
     return "".join(f", {p}" for p in parts if p)
 
-
-def _bytes(count: float) -> str:
-    units, power = ("B", "kB", "MB", "GB"), 0
-    while abs(count) >= 1000 and power < len(units) - 1:
-        count, power = count / 1000, power + 1
-    return f"{count:.0f} B" if power == 0 else f"{count:.3g} {units[power]}"

@@ -141,7 +141,8 @@ def main() -> None:
     links = network_name(rate)
     print(f"{args.world_size} Gloo processes on {links}, digits {args.model} ({numel} parameters), batch "
           f"{args.batch_size}/rank, {args.steps} inner steps (SGD lr {args.lr}, momentum {args.momentum}), outer lr "
-          f"{args.outer_lr}, {'Nesterov ' * args.outer_nesterov}momentum {args.outer_momentum}, seed {args.seed}",
+          f"{args.outer_lr}, {'Nesterov ' * (args.outer_nesterov and args.outer_momentum > 0)}momentum "
+          f"{args.outer_momentum}, seed {args.seed}",
           flush=True)
     runs = run_group("bench.local_sgd", args.world_size, args, args.timeout, rate_bps=rate, prefix=args.prefix)
     rows = summarize(runs)

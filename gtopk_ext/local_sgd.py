@@ -14,8 +14,7 @@ reduces it with the package's collective; whatever was not applied (not selected
 stays in the accumulator. The averaged sparse pseudo-gradient drives an outer SGD step (momentum, Nesterov) on the
 global weights, which every rank then adopts, and floating-point buffers (BatchNorm statistics) are averaged
 densely: after every sync the replicas are bitwise equal. ``density=1.0`` with ``collective="dense"`` is DiLoCo;
-``outer_lr=1.0, outer_momentum=0.0, nesterov=False`` (the defaults) is plain local SGD (periodic model averaging)
-of the sparse pseudo-gradient.
+``outer_lr=1.0, outer_momentum=0.0, nesterov=False`` (the defaults) is plain local SGD (periodic model averaging).
 """
 
 from __future__ import annotations
@@ -110,12 +109,8 @@ class SparseLocalSGD:
         density: fraction of the pseudo-gradient each rank sends, in (0, 1]. ``collective="dense"`` sends all of
             it and needs ``density=1.0``.
         collective: ``"gtopk"`` (O(k log P)), ``"allgather"`` (O(kP)) or ``"dense"`` (allreduce: DiLoCo).
-        outer_lr, outer_momentum, nesterov: the outer SGD step on the global weights, as ``torch.optim.SGD``
-            takes it with the averaged pseudo-gradient as the gradient. ``nesterov`` needs a momentum. The
-            defaults (lr 1, no momentum: each sync applies the averaged sparse pseudo-gradient as it is) stayed
-            within 0.6 points of DDP's test accuracy on the digits' MLP and CNN at H = 8 and 32, densities 0.02
-            and 0.05, over 3 seeds, where DiLoCo's published step (lr 0.7, Nesterov momentum 0.9) lost up to
-            6 points or diverged (docs/local_sgd.md, "How the defaults were chosen").
+        outer_lr, outer_momentum, nesterov: the outer step, ``torch.optim.SGD``'s on the global weights with the
+            averaged pseudo-gradient as gradient (``nesterov`` needs a momentum); the defaults: docs/local_sgd.md.
         process_group: the group to reduce over (``None``: the default group).
         compressor: ``"gaussiank"`` (default), ``"topk"`` or ``"randomk"``; ``compressor_kwargs`` are its extra
             arguments (see :func:`gtopk_ext.make_compressor`).

@@ -54,7 +54,7 @@ from torch import nn
 from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.methods import START_ITER, add_dgc_arguments, label, method_name, numel_of
+from bench.harness.methods import START_ITER, add_dgc_arguments, add_outer_arguments, label, method_name, numel_of
 from bench.harness.train import Trainer, reduced, train_curve
 
 DEFAULT_METHODS = ("ddp", "fp16", "powersgd-2", "gtopk-0.01", "gtopk-0.001", "recipe-0.01", "recipe-0.001",
@@ -330,8 +330,7 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=7)
     parser.add_argument("--heads", type=int, default=4)
     add_dgc_arguments(parser)
-    parser.add_argument("--outer-lr", type=float, default=1.0, help="SparseLocalSGD and DiLoCo")
-    parser.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov when > 0")
+    add_outer_arguments(parser)
     parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's (default: its own, 25)")
     parser.add_argument("--val-percent", type=float, default=5.0, help="share of the files held out")
     parser.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len bytes")
@@ -366,8 +365,8 @@ def main(argv: Optional[list] = None) -> int:
 
 # What makes two reports one experiment (--merge): everything but the methods and how they were run.
 CONFIGURATION = ("world_size", "steps", "eval_every", "batch_size", "seq_len", "d_model", "layers", "heads", "lr",
-                 "momentum", "outer_lr", "outer_momentum", "bucket_cap_mb", "val_percent", "val_windows", "seed",
-                 "rate")
+                 "momentum", "outer_lr", "outer_momentum", "outer_nesterov", "bucket_cap_mb", "val_percent",
+                 "val_windows", "seed", "rate")
 
 
 def merged(args: argparse.Namespace) -> tuple[argparse.Namespace, dict]:

@@ -33,7 +33,7 @@ from bench.digits import load_digits_split, make_model
 from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.methods import LocalMethod, label, method, method_name, numel_of
+from bench.harness.methods import LocalMethod, add_outer_arguments, label, method, method_name, numel_of
 from bench.harness.train import Trainer, evaluate, train_curve
 from gtopk_ext.collectives import ring_allreduce_bytes
 
@@ -62,8 +62,9 @@ def equal_bytes_period(sparse: LocalMethod, numel: int, world_size: int) -> int:
 def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, data: tuple, tx: TxCounter) -> dict:
     train_x, train_y, test_x, test_y = data
     shard = torch.arange(rank, len(train_y), world_size)
-    batches = torch.Generator().manual_seed(1000 + rank)  # the same batches for every method
-    trainer = Trainer(args.periods.get(name, name), make_model(args.model), args, world_size)
+    # the same batches for every method; seed 0 draws the batches of the runs recorded before --seed
+    batches = torch.Generator().manual_seed(1000 + rank + 100_003 * args.seed)
+    trainer = Trainer(args.periods.get(name, name), make_model(args.model, args.seed), args, world_size)
 
     def loss_at(step: int):
         index = shard[torch.randint(0, len(shard), (args.batch_size,), generator=batches)]
@@ -121,11 +122,8 @@ def line_style(index: int, run: dict) -> dict:
 def main() -> None:
     parser = cli.parser(__doc__)
     cli.add_common(parser, world_size=4, steps=640, eval_every=32, batch_size=32, model="mlp", lr=0.05, momentum=0.9,
-                   json=None, plot=None)
-    # DiLoCo's published outer step (lr 0.7, Nesterov 0.9, for H = 500 AdamW steps of a language model)
-    # overshoots on this task; lr 1 without momentum does best for every local method here.
-    parser.add_argument("--outer-lr", type=float, default=1.0, help="DiLoCo and SparseLocalSGD")
-    parser.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov when > 0")
+                   seed=0, json=None, plot=None)
+    add_outer_arguments(parser)
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                         type=lambda text: text if text == "diloco-equal" else method_name(text))
     cli.add_network_args(parser, prefix="gxlocalsgd", rate="100mbit", timeout=3600.0)
@@ -143,7 +141,9 @@ def main() -> None:
     links = network_name(rate)
     print(f"{args.world_size} Gloo processes on {links}, digits {args.model} ({numel} parameters), batch "
           f"{args.batch_size}/rank, {args.steps} inner steps (SGD lr {args.lr}, momentum {args.momentum}), outer lr "
-          f"{args.outer_lr}, Nesterov momentum {args.outer_momentum}", flush=True)
+          f"{args.outer_lr}, {'Nesterov ' * (args.outer_nesterov and args.outer_momentum > 0)}momentum "
+          f"{args.outer_momentum}, seed {args.seed}",
+          flush=True)
     runs = run_group("bench.local_sgd", args.world_size, args, args.timeout, rate_bps=rate, prefix=args.prefix)
     rows = summarize(runs)
     print(report.table(rows, COLUMNS))

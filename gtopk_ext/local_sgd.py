@@ -2,7 +2,7 @@
 this package's compressors and collectives.
 
     outer = gx.SparseLocalSGD(model.parameters(), sync_every=32, density=0.02, collective="gtopk",
-                              outer_lr=0.7, outer_momentum=0.9, nesterov=True, buffers=model.buffers())
+                              outer_lr=1.0, outer_momentum=0.0, nesterov=False, buffers=model.buffers())
     for x, y in loader:
         inner_opt.zero_grad(); loss_fn(model(x), y).backward(); inner_opt.step()
         outer.step()          # every sync_every calls: compress the pseudo-gradient, reduce, outer step
@@ -14,7 +14,7 @@ reduces it with the package's collective; whatever was not applied (not selected
 stays in the accumulator. The averaged sparse pseudo-gradient drives an outer SGD step (momentum, Nesterov) on the
 global weights, which every rank then adopts, and floating-point buffers (BatchNorm statistics) are averaged
 densely: after every sync the replicas are bitwise equal. ``density=1.0`` with ``collective="dense"`` is DiLoCo;
-``outer_lr=1.0, outer_momentum=0.0, nesterov=False`` is plain local SGD (periodic model averaging).
+``outer_lr=1.0, outer_momentum=0.0, nesterov=False`` (the defaults) is plain local SGD (periodic model averaging).
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ class SparseLocalSGD:
         density: fraction of the pseudo-gradient each rank sends, in (0, 1]. ``collective="dense"`` sends all of
             it and needs ``density=1.0``.
         collective: ``"gtopk"`` (O(k log P)), ``"allgather"`` (O(kP)) or ``"dense"`` (allreduce: DiLoCo).
-        outer_lr, outer_momentum, nesterov: the outer SGD step on the global weights, as ``torch.optim.SGD``
-            takes it with the averaged pseudo-gradient as the gradient. ``nesterov`` needs a momentum.
+        outer_lr, outer_momentum, nesterov: the outer step, ``torch.optim.SGD``'s on the global weights with the
+            averaged pseudo-gradient as gradient (``nesterov`` needs a momentum); the defaults: docs/local_sgd.md.
         process_group: the group to reduce over (``None``: the default group).
         compressor: ``"gaussiank"`` (default), ``"topk"`` or ``"randomk"``; ``compressor_kwargs`` are its extra
             arguments (see :func:`gtopk_ext.make_compressor`).
@@ -134,8 +134,8 @@ class SparseLocalSGD:
     """
 
     def __init__(self, params: Iterable[torch.Tensor], sync_every: int = 32, density: float = 0.02,
-                 collective: str = "gtopk", outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, process_group: dist.ProcessGroup | None = None, *,
+                 collective: str = "gtopk", outer_lr: float = 1.0, outer_momentum: float = 0.0,
+                 nesterov: bool = False, process_group: dist.ProcessGroup | None = None, *,
                  compressor: str = "gaussiank", compressor_kwargs: dict | None = None,
                  buffers: Iterable[torch.Tensor] = (), wire: str = "plain"):
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:

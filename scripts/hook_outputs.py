@@ -363,8 +363,10 @@ def run_local_sgd(rank: int, size: int, seed: int, rec: Recording, *, collective
     step, the state_dict() at the end."""
     torch.manual_seed(seed + rank)  # different on every rank: construction adopts rank 0's
     model = SmallNet()
+    # The outer step named (the defaults before 0.3.0): recordings across the default change stay comparable, and
+    # the state holds a Nesterov momentum.
     outer = gx.SparseLocalSGD(model.parameters(), sync_every=2, density=density, collective=collective, wire=wire,
-                              buffers=model.buffers())
+                              outer_lr=0.7, outer_momentum=0.9, nesterov=True, buffers=model.buffers())
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(STEPS):
         g = generator(seed, rank, step)

@@ -164,10 +164,9 @@ def _case_diloco(rank: int, world_size: int) -> None:
 
 
 def _case_local_sgd(rank: int, world_size: int) -> None:
-    """outer_lr 1 without momentum is plain local SGD: each sync leaves the mean of the replicas."""
+    """The default outer step (lr 1, no momentum) is plain local SGD: each sync leaves the mean of the replicas."""
     model = _model(seed=0)
-    outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=1.0, collective="dense", outer_lr=1.0,
-                              outer_momentum=0.0, nesterov=False)
+    outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=1.0, collective="dense")
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(3 * H):
         _inner_step(model, inner, rank, step)
@@ -219,7 +218,8 @@ def _resume(rank: int, wire: str) -> None:
     def build(seed: int):
         model = _model(seed)
         outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=0.1, collective="gtopk",
-                                  outer_lr=0.7, outer_momentum=0.9, buffers=model.buffers(), wire=wire)
+                                  outer_lr=0.7, outer_momentum=0.9, nesterov=True, buffers=model.buffers(),
+                                  wire=wire)
         return model, torch.optim.AdamW(model.parameters(), lr=0.01), outer
 
     model, inner, outer = build(0)
@@ -268,7 +268,7 @@ def _case_errors(rank: int, world_size: int) -> None:
     _expect_error(ValueError, r"outer_lr must be a number in \(0, inf\), got nan", make(outer_lr=float("nan")))
     _expect_error(ValueError, r"outer_momentum must be a number in \[0, 1\), got 1.0", make(outer_momentum=1.0))
     _expect_error(ValueError, r"outer_momentum must be a number in \[0, 1\), got -0.1", make(outer_momentum=-0.1))
-    _expect_error(ValueError, r"nesterov=True needs outer_momentum > 0", make(outer_momentum=0.0))
+    _expect_error(ValueError, r"nesterov=True needs outer_momentum > 0", make(nesterov=True))
     _expect_error(TypeError, r"nesterov must be a bool, got 'yes'", make(nesterov="yes"))
     _expect_error(ValueError, r"compressor must be one of .*, got 'sort'", make(compressor="sort"))
     _expect_error(ValueError, r"wire must be one of \('plain', 'compact'\), got 'zip'", make(wire="zip"))

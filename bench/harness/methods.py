@@ -296,6 +296,16 @@ METHODS = {
 }
 
 
+def add_outer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The outer step of DiLoCo and SparseLocalSGD (the ``diloco-`` and ``sparse-`` methods)."""
+    # DiLoCo's published outer step (lr 0.7, Nesterov 0.9, for H = 500 AdamW steps of a language model)
+    # overshoots on the digits (docs/local_sgd.md); lr 1 without momentum did best for every local method there.
+    parser.add_argument("--outer-lr", type=float, default=1.0, help="the outer SGD's learning rate")
+    parser.add_argument("--outer-momentum", type=float, default=0.0, help="the outer SGD's momentum")
+    parser.add_argument("--outer-nesterov", action=argparse.BooleanOptionalAction, default=True,
+                        help="Nesterov momentum (when --outer-momentum > 0)")
+
+
 class LocalExchange:
     """A local method's exchange around its inner optimizer: PyTorch's local SGD (``PostLocalSGDOptimizer`` with
     ``PeriodicModelAverager``: the weights averaged every H steps, from the first), DiLoCo or SparseLocalSGD (a
@@ -315,7 +325,8 @@ class LocalExchange:
             self.optimizer = inner
             self.outer = gx.SparseLocalSGD(model.parameters(), sync_every=method.period, density=method.density,
                                            collective=method.collective, outer_lr=args.outer_lr,
-                                           outer_momentum=args.outer_momentum, nesterov=args.outer_momentum > 0,
+                                           outer_momentum=args.outer_momentum,
+                                           nesterov=args.outer_nesterov and args.outer_momentum > 0,
                                            wire=method.wire)
 
     def after_step(self) -> None:

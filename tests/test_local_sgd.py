@@ -181,7 +181,7 @@ def _case_summary(rank: int, world_size: int) -> None:
 
     model = _model(seed=0)
     outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=0.25, collective="gtopk",
-                              buffers=model.buffers())
+                              outer_lr=0.7, outer_momentum=0.9, nesterov=True, buffers=model.buffers())
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     assert outer.summary().splitlines()[-1] == "latest sync: none in this process yet"
     per_sync = []

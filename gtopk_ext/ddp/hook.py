@@ -25,8 +25,8 @@ from gtopk_ext.ddp.selection import STEPS_PER_ITER, parameter_maxima, select
 from gtopk_ext.ddp.state import BucketStats, SparseGradState
 from gtopk_ext.hierarchical import hierarchical_allreduce
 from gtopk_ext.message import SparseMessage
-from gtopk_ext.paths import PathPlan
 from gtopk_ext.ops import is_finite
+from gtopk_ext.paths import PathPlan
 from gtopk_ext.reduction import FLAG_NONFINITE, Outcome, plan_path, reduce, reduce_dense16
 from gtopk_ext.wire import Rounding, wire_named
 

@@ -239,20 +239,21 @@ class SparseGradState:
         return self.loss_scaling.scale
 
     @classmethod
-    def recipe(cls, density: float = 0.01, warmup_steps: int = 20, process_group: Optional[dist.ProcessGroup] = None,
+    def recipe(cls, density: float = 0.01, warmup_steps: int = 44, process_group: Optional[dist.ProcessGroup] = None,
                momentum: float = 0.9, **options) -> "SparseGradState":
         """The settings that train as fast per step as dense SGD with momentum, at a fraction of its bytes
-        (measured in docs/performance.md's race, where a 20-step warm-up reached 95% sooner in seconds than a
-        44-step one, in more steps): two dense steps, then Deep Gradient Compression's exponential
-        warm-up of the density from 0.25 to ``density`` over ``warmup_steps`` steps (``path="auto"`` sends a
-        dense step in bfloat16 wherever a sparse one would cost more), and momentum correction with Nesterov
+        (measured in docs/performance.md's race, where a 44-step warm-up reached 95% in DDP's steps on every seed,
+        and sooner in seconds than a 20-step one, which took 10-15 steps more): two dense steps, then Deep Gradient
+        Compression's exponential warm-up of the density from 0.25 to ``density`` over ``warmup_steps`` steps
+        (``path="auto"`` sends a dense step in bfloat16 wherever a sparse one would cost more: about what
+        fp16_compress_hook costs), and momentum correction with Nesterov
         momentum ``momentum`` in the hook, its masking from the warm-up's end. ``options``: other arguments
         (``collective``, ``compressor``, ``wire``, ...).
 
         The hook then applies the momentum: train with an optimizer WITHOUT momentum or weight decay, e.g.
         ``torch.optim.SGD(model.parameters(), lr)`` (one with momentum is reported before its first step)::
 
-            state = gx.SparseGradState.recipe(density=0.01, warmup_steps=20)
+            state = gx.SparseGradState.recipe(density=0.01, warmup_steps=44)
             ddp_model.register_comm_hook(state, gx.sparse_grad_hook)
         """
         schedule = exponential_warmup(density, warmup_steps, start_density=max(density, 0.25))

@@ -342,8 +342,8 @@ class SparseLocalSGD:
     def load_state_dict(self, state_dict: StateDicts, on_world_size_change: str = "error") -> None:
         """Restores :meth:`state_dict`'s output; with the model's and the inner optimizer's states restored too,
         training continues bitwise as if it had not stopped. Momentum or an accumulator that the saved optimizer
-        did not have (another ``outer_momentum`` or ``collective``) start at zero. A state saved with the other
-        wire loads too: the accumulator means the same on both (the wire's rounding errors are in it).
+        did not have (another ``outer_momentum`` or ``collective``) start at zero; a saved momentum this optimizer
+        has none for raises. A state saved with the other wire loads too (its rounding errors are in the accumulator).
 
         The accumulator is per rank. At another world size than the saved one, ``on_world_size_change`` says
         what becomes of it, on every rank alike (the global weights and the outer momentum, the same on every
@@ -367,6 +367,8 @@ class SparseLocalSGD:
             value = state_dict[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}")
+        if state_dict.get("momentum") and not self._momentum:  # dropping it would change what the run does
+            raise ValueError("state_dict holds an outer momentum: construct with its outer_momentum (this one: 0.0)")
         vectors = {"global": self._global, "momentum": self._momentum, "accumulator": self._accumulator}
         restored = {name: self._checked_vectors(state_dict, name, mine) for name, mine in vectors.items()}
         if plan.policy is not None:
@@ -382,11 +384,9 @@ class SparseLocalSGD:
         self._send_accumulators = plan.policy == "fold"
 
     @staticmethod
-    def _checked_vectors(state_dict: dict[str, Any], name: str,
-                         mine: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    def _checked_vectors(state_dict: dict[str, Any], name: str, mine: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """state_dict[name] when this optimizer keeps such vectors and the state has them (checked), else None."""
-        saved = state_dict.get(name) or []
-        if not mine or not saved:
+        if not mine or not (saved := state_dict.get(name)):
             return None
         if len(saved) != len(mine) or any(not isinstance(s, torch.Tensor) or s.shape != m.shape
                                           for s, m in zip(saved, mine)):

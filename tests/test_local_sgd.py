@@ -311,6 +311,10 @@ def _case_errors(rank: int, world_size: int) -> None:
                   lambda: outer.load_state_dict({**before, "wire": "zip"}))
     _expect_error(KeyError, r"state_dict is missing \['global'\]",
                   lambda: outer.load_state_dict({k: v for k, v in before.items() if k != "global"}))
+    with_momentum = gx.SparseLocalSGD(params, sync_every=H, density=0.1, outer_momentum=0.9).state_dict()
+    _expect_error(ValueError,
+                  r"state_dict holds an outer momentum: construct with its outer_momentum \(this one: 0.0\)",
+                  lambda: outer.load_state_dict(with_momentum))
 
 
 CASES = {case.__name__: case for case in (_case_replicas_and_conservation, _case_diloco, _case_local_sgd,

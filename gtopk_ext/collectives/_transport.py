@@ -3,6 +3,8 @@ count exchanges, and the signs of a corrupted payload."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -143,9 +145,30 @@ def mask_from_bytes(raw: torch.Tensor, k: int) -> torch.Tensor:
     return ((raw.unsqueeze(1) >> shifts) & 1).view(-1)[:k].bool()
 
 
-def in_sorted(sorted_indices: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Whether each of ``indices`` is one of ``sorted_indices`` (ascending)."""
-    if sorted_indices.numel() == 0:
-        return torch.zeros(indices.shape, dtype=torch.bool, device=indices.device)
-    found = torch.searchsorted(sorted_indices, indices).clamp_(max=sorted_indices.numel() - 1)
-    return sorted_indices[found] == indices
+def in_set(set_indices: torch.Tensor, queries: list[torch.Tensor], numel: int,
+           used: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """For each tensor of ``queries``, whether each of its indices is one of ``set_indices`` (``used``: the mask of
+    the slots of ``set_indices`` that count; None: all); every index in [0, ``numel``). A bitmap over the index
+    space, zeroed again after use and kept per thread and device: O(k) a call, where a binary search is O(k log k)
+    (a tenth of a sparse step at density 0.01, most of one at 0.25)."""
+    slots = set_indices.long() if used is None else torch.where(used, set_indices, numel).long()
+    marks = _bitmap(numel + 1, set_indices.device)
+    marks.index_fill_(0, slots, True)
+    try:
+        return [marks.index_select(0, q) for q in queries]
+    finally:
+        marks.index_fill_(0, slots, False)
+
+
+_bitmaps = threading.local()
+
+
+def _bitmap(numel: int, device: torch.device) -> torch.Tensor:
+    """A zeroed bool tensor of at least ``numel`` elements on ``device``, this thread's own."""
+    kept = getattr(_bitmaps, "by_device", None)
+    if kept is None:
+        kept = _bitmaps.by_device = {}
+    marks = kept.get(device)
+    if marks is None or marks.numel() < numel:
+        marks = kept[device] = torch.zeros(numel, dtype=torch.bool, device=device)
+    return marks[:numel]

@@ -9,7 +9,7 @@ from gtopk_ext import ops
 from gtopk_ext.backends import BackendLike
 from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, carried_dtype,
                                              group_rank_and_size, payload_head)
-from gtopk_ext.collectives._transport import (allreduce_invalid, exchange, mask_from_bytes, mask_to_bytes,
+from gtopk_ext.collectives._transport import (allreduce_invalid, exchange, in_set, mask_from_bytes, mask_to_bytes,
                                               raise_if_corrupt, recv_from, send_to)
 from gtopk_ext.costs import Traffic
 from gtopk_ext.message import SparseMessage
@@ -99,7 +99,7 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         raised = None if flags is None else raised.bitwise_or_(folded_head[1:])
         tracked.append((folded_indices, torch.ones(k, dtype=torch.bool, device=device)))
         indices, values, count = ops.merge_topk(indices, values, folded_indices, folded_values, k, backend=backend)
-        _mark_survivors(tracked, indices, count)
+        _mark_survivors(tracked, indices, count, numel)
     for bit in range(butterfly.bit_length() - 1):
         peer = rank ^ (1 << bit)
         payload, sent_indices, sent_values = wire.pack(indices, values, payload_head(count, raised), numel, backend)
@@ -118,7 +118,7 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
             indices, values, count = ops.merge_topk(indices, values, peer_indices, peer_values, k, backend=backend)
         else:
             indices, values, count = ops.merge_topk(peer_indices, peer_values, indices, values, k, backend=backend)
-        _mark_survivors(tracked + [(i, alive) for i, _, alive in kept_errors], indices, count)
+        _mark_survivors(tracked + [(i, alive) for i, _, alive in kept_errors], indices, count, numel)
     if size != butterfly and (compact or folded < size):  # glob, as the wire carries it to the folded ranks
         payload, sent_indices, sent_values = wire.pack(indices, values, payload_head(count, raised), numel, backend)
         if compact:  # every rank takes glob as the wire carries it; rank 0 keeps the rounding error
@@ -145,16 +145,13 @@ def _in_slot_order(mask: torch.Tensor, order: torch.Tensor | None) -> torch.Tens
 
 
 def _mark_survivors(tracked: list[tuple[torch.Tensor, torch.Tensor]], kept_indices: torch.Tensor,
-                    union_size: torch.Tensor) -> None:
-    """A contribution whose index left the set in this merge is out of every later sum too. The kept indices
-    ascend up to the union's size; the padding after them is replaced by a sentinel above every index so that a
-    binary search finds the survivors without reading the size on the host."""
-    k = kept_indices.numel()
-    in_use = torch.arange(k, device=kept_indices.device) < union_size
-    sorted_kept = torch.where(in_use, kept_indices, torch.iinfo(torch.int32).max)
-    for slot_indices, applied in tracked:
-        found = sorted_kept[torch.searchsorted(sorted_kept, slot_indices).clamp_(max=k - 1)]
-        applied &= found == slot_indices
+                    union_size: torch.Tensor, numel: int) -> None:
+    """A contribution whose index left the set in this merge is out of every later sum too. The kept indices are
+    those of the first ``union_size`` slots (the rest is padding), read on the device: no host sync."""
+    in_use = torch.arange(kept_indices.numel(), device=kept_indices.device) < union_size
+    found = in_set(kept_indices, [slot_indices for slot_indices, _ in tracked], numel, in_use)
+    for (_, applied), survived in zip(tracked, found):
+        applied &= survived
 
 
 class GTopK(Collective):

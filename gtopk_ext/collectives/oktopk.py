@@ -15,7 +15,7 @@ from gtopk_ext.backends import BackendLike
 from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, carried_dtype,
                                              group_rank_and_size)
 from gtopk_ext.collectives._transport import (allreduce_counts, allreduce_invalid, exchange_counts, gather_counts,
-                                              in_sorted, raise_if_corrupt, sparse_alltoallv)
+                                              in_set, raise_if_corrupt, sparse_alltoallv)
 from gtopk_ext.costs import Traffic
 from gtopk_ext.message import SparseMessage
 from gtopk_ext.wire import Rounding, WireLike, rounding_error, wire_named
@@ -284,12 +284,12 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
         best = _largest(glob_values, k)
         glob_indices, glob_values = glob_indices[best], glob_values[best]
     applied = torch.zeros(k, dtype=torch.bool, device=device)
-    applied[:used] = in_sorted(glob_indices, msg.indices[:used])
+    applied[:used] = in_set(glob_indices, [msg.indices[:used]], numel)[0]
     if compact:
         raise_if_corrupt(allreduce_invalid(invalid, group, traffic), "oktopk_allreduce")
         if rounding is not None:
             for error_indices, errors in sent_errors:
-                rounding.add(error_indices, torch.where(in_sorted(glob_indices, error_indices), errors, 0))
+                rounding.add(error_indices, torch.where(in_set(glob_indices, [error_indices], numel)[0], errors, 0))
     padding = k - glob_indices.numel()
     glob = SparseMessage(torch.cat([glob_values, glob_values.new_zeros(padding)]),
                          torch.cat([glob_indices, glob_indices.new_zeros(padding)]),

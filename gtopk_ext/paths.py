@@ -3,9 +3,11 @@ whose rounding stays in the residual, or a dense allreduce in the tensor's dtype
 model of this group predicts cheapest, so that a sparse step that does not pay (a warm-up at density 0.25: more
 pairs than a dense 16-bit message has elements, and their merges on the CPU) goes dense instead.
 
-The model is learned from the steps themselves: each rank times the paths it takes (seconds per element selected
-and per dense element, seconds per slot exchanged) and reports its figures in the header the ranks exchange when a
-tensor's plan changes (a new density, or every ``recalibrate_every`` iterations). Every rank then takes the mean
+The model is learned from the steps themselves, per tensor: each rank times the paths a tensor takes (seconds per
+element selected and per dense element, seconds per slot exchanged) and reports its figures in the header the ranks
+exchange when the tensor's plan changes (a new density, or every ``recalibrate_every`` iterations). Figures are
+kept per tensor because a small tensor's time is mostly latency: its seconds per slot would predict a large
+tensor's exchange many times too dear. Every rank then takes the mean
 of the reported integers and decides by integer arithmetic: the same path on every rank, with no collective of
 its own, and no header at all in a steady step.
 """
@@ -71,17 +73,15 @@ def path_policy(path) -> PathPolicy:
 
 
 class CostModel:
-    """This rank's measured costs, in seconds: ``select`` per element of a compressed tensor, ``slot`` per slot of
-    a sparse exchange (bytes, merges and waiting together), ``dense16`` and ``dense`` per element of the dense
-    paths (None: not measured yet). ``dense`` is timed from issue to completion, less the time the backend was
-    still busy with the previous dense tensor (``busy_until``)."""
+    """This rank's measured costs of one tensor's paths, in seconds: ``select`` per element of the tensor
+    compressed, ``slot`` per slot of a sparse exchange (bytes, merges and waiting together), ``dense16`` and
+    ``dense`` per element of the dense paths (None: not measured yet)."""
 
-    __slots__ = ("select", "slot", "dense16", "dense", "busy_until")
+    __slots__ = ("select", "slot", "dense16", "dense")
     FIGURES = ("select", "slot", "dense16", "dense")
 
     def __init__(self):
         self.select = self.slot = self.dense16 = self.dense = None
-        self.busy_until = 0.0
 
     def _observe(self, figure: str, seconds: float, units: int) -> None:
         if units > 0 and seconds >= 0:
@@ -95,17 +95,27 @@ class CostModel:
     def observe_dense16(self, numel: int, seconds: float) -> None:
         self._observe("dense16", seconds, numel)
 
-    def observe_dense(self, numel: int, start: float, end: float, learn: bool = True) -> None:
-        """A dense allreduce issued at ``start`` and completed at ``end`` (``perf_counter``): the backend runs
-        them in order, so its own time starts when the previous one ended. ``learn``: whether it is timed (a
-        small tensor's time is mostly latency, not a cost per element)."""
-        if learn:
-            self._observe("dense", end - max(start, self.busy_until), numel)
-        self.busy_until = end
+    def observe_dense(self, numel: int, seconds: float) -> None:
+        self._observe("dense", seconds, numel)
 
     def report(self) -> dict[str, int]:
         return {f"cost_{name}": _UNKNOWN if getattr(self, name) is None else round(getattr(self, name) * _PS)
                 for name in self.FIGURES}
+
+
+class DenseQueue:
+    """When the backend's dense allreduces, which run one after another, last finished: an allreduce issued at
+    ``start`` and completed at ``end`` (``perf_counter``) took ``end - max(start, busy_until)`` of its own."""
+
+    __slots__ = ("busy_until",)
+
+    def __init__(self):
+        self.busy_until = 0.0
+
+    def own_seconds(self, start: float, end: float) -> float:
+        seconds = end - max(start, self.busy_until)
+        self.busy_until = end
+        return seconds
 
 
 def agreed_costs(headers: list[dict[str, int]]) -> dict[str, int | None]:
@@ -150,16 +160,17 @@ def choose(times: dict[str, int | None]) -> str:
 
 class PathPlan:
     """What the ranks agreed for one tensor reduced step after step: the ``agreement`` of its header, the
-    ``path`` decided with it, and, for ``auto``, the ``round`` of agreement (a header field) and the iteration
-    ``until`` which it holds."""
+    ``path`` decided with it, and, for ``auto``, the ``round`` of agreement (a header field), the iteration
+    ``until`` which it holds and this rank's measured ``costs`` of the tensor's paths."""
 
-    __slots__ = ("agreement", "path", "round", "until")
+    __slots__ = ("agreement", "path", "round", "until", "costs")
 
     def __init__(self):
         self.agreement = Agreement()
         self.path = "dense"
         self.round = 0
         self.until = 0
+        self.costs = CostModel()
 
     def decide(self, policy: PathPolicy, times: dict[str, int | None], costs: dict[str, int | None],
                iteration: int) -> None:

@@ -23,7 +23,7 @@ from gtopk_ext.collectives import Agreement, Collective, Dense16, agree
 from gtopk_ext.collectives._protocol import message_fields
 from gtopk_ext.costs import Traffic
 from gtopk_ext.message import SparseMessage, padding_message
-from gtopk_ext.paths import CostModel, PathPlan, PathPolicy, agreed_costs, predicted
+from gtopk_ext.paths import PathPlan, PathPolicy, agreed_costs, predicted
 from gtopk_ext.wire import Rounding, Wire
 
 # Flag bits carried inside the sparse payload (every rank learns the OR).
@@ -40,13 +40,14 @@ def agree_plan(tensor: torch.Tensor, group: dist.ProcessGroup, agreement: Agreem
     agree(fields, group, tensor.device, what, traffic=traffic, agreement=agreement, volatile=volatile)
 
 
-def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, policy: PathPolicy,
-              costs: CostModel, *, iteration: int, k: int | None, collective: Collective, wire: Wire, what: str,
+def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, policy: PathPolicy, *,
+              iteration: int, k: int | None, collective: Collective, wire: Wire, what: str,
               volatile: dict[str, int] | None = None, traffic: Traffic | None = None) -> str:
     """Step 1 with a path policy: the ranks check they share the plan (:func:`agree_plan`, with the policy) and
     all take the same path for ``tensor`` this step: ``"sparse"``, ``"dense16"`` or ``"dense"``. ``k``: the
     step's k, or None when the tensor may not compress this step (a warm-up; it then goes dense). With
-    ``auto`` the header also carries each rank's measured ``costs``, and the path follows from their mean."""
+    ``auto`` the header also carries each rank's measured costs of the tensor (``plan.costs``), and the path
+    follows from their mean."""
     numel, size = tensor.numel(), dist.get_world_size(group)
     compress = k is not None and numel >= max(policy.min_compress_numel, 1)
     auto = compress and policy.mode == "auto"
@@ -55,7 +56,7 @@ def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, po
     fields = {**message_fields(numel, tensor.dtype, compress, k if compress else numel, wire),
               "policy": policy.code, "round": plan.round if auto else 0}
     headers = agree(fields, group, tensor.device, what, traffic=traffic, agreement=plan.agreement,
-                    volatile=volatile, reported=costs.report())
+                    volatile=volatile, reported=plan.costs.report())
     if not compress:
         plan.path = "dense"
     elif not auto:

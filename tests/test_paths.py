@@ -11,7 +11,7 @@ import torch.distributed as dist
 import gtopk_ext as gx
 from gtopk_ext.collectives import Dense16, Traffic, dense
 from gtopk_ext.ddp import reduce_buffer
-from gtopk_ext.paths import CostModel, PathPolicy, agreed_costs, choose, predicted
+from gtopk_ext.paths import DenseQueue, PathPlan, PathPolicy, agreed_costs, choose, predicted
 from tests.distributed import run_distributed
 from tests.test_collectives import Members, equal_on_every_rank
 
@@ -89,11 +89,30 @@ def test_agreed_costs_are_the_mean_of_the_ranks():
     headers = [{"cost_select": 10, "cost_slot": 5, "cost_dense16": -1, "cost_dense": 7},
                {"cost_select": 20, "cost_slot": 6, "cost_dense16": 3, "cost_dense": 8}]
     assert agreed_costs(headers) == {"select": 15, "slot": 5, "dense16": None, "dense": 7}
-    model = CostModel()
-    model.observe_dense(1000, start=1.0, end=1.5)
-    model.observe_dense(1000, start=1.1, end=1.7)  # queued behind the first: its own time is 0.2 s
-    assert model.dense == pytest.approx(0.5 * 0.5e-3 + 0.5 * 0.2e-3)
-    assert model.report()["cost_dense16"] == -1
+    queue, plan = DenseQueue(), PathPlan()
+    plan.costs.observe_dense(1000, queue.own_seconds(start=1.0, end=1.5))
+    plan.costs.observe_dense(1000, queue.own_seconds(start=1.1, end=1.7))  # queued behind the first: 0.2 s its own
+    assert plan.costs.dense == pytest.approx(0.5 * 0.5e-3 + 0.5 * 0.2e-3)
+    assert plan.costs.report()["cost_dense16"] == -1
+
+
+def test_each_tensor_is_predicted_from_its_own_measurements():
+    """A small tensor's exchange is mostly latency: its seconds per slot must not price a large tensor's (an FSDP
+    group of 20k elements once made a 8.4M-element group's sparse exchange look 1.7 s long, so it stayed dense)."""
+    gtopk, plain = gx.collectives.GTopK(), gx.wire.wire_named("plain")
+    small, large = PathPlan(), PathPlan()
+    for plan, numel in ((small, 20_000), (large, 8_400_000)):
+        plan.costs.observe_dense(numel, 8e-9 * numel + 2e-3)  # 1 Gbit/s and 2 ms of latency
+    small.costs.observe_sparse(20_000, 205, 0.0, 4e-3)  # 19.5 us a slot: latency
+    size, k = 2, 84_000
+    [costs] = [agreed_costs([plan.costs.report()]) for plan in (large,)]
+    assert costs["slot"] is None  # untimed: predicted from its bytes on its own link
+    assert choose(predicted(costs, numel=8_400_000, k=k, size=size, dtype=torch.float32, collective=gtopk,
+                            wire=plain)) == "sparse"
+    # The small tensor's figure, had it priced the large one, would have kept it dense (19.5 us x 84k = 1.6 s).
+    mixed = {**costs, "slot": agreed_costs([small.costs.report()])["slot"]}
+    assert choose(predicted(mixed, numel=8_400_000, k=k, size=size, dtype=torch.float32, collective=gtopk,
+                            wire=plain)) != "sparse"
 
 
 # --------------------------------------------------------------------------------------------- real groups
@@ -179,17 +198,18 @@ def check_auto(members: Members) -> list[str]:
     state.stats_logging_frequency = 0
     paths, sent = [], []
     for step in range(12):
+        costs = state.agreed_plans[0].costs if step else None  # the bucket's, once it has been reduced
         if step == 2:  # the dense steps timed a slow link on some ranks; a sparse slot is dear on every rank
-            state.costs.dense = 1e-6 * (me + 1)
+            costs.dense = 1e-6 * (me + 1)
             # rank 0 alone would go sparse; the mean of the ranks says dense16
-            state.costs.select, state.costs.slot, state.costs.dense16 = 1e-9, 1e-9 if me == 0 else 1e-3, None
+            costs.select, costs.slot, costs.dense16 = 1e-9, 1e-9 if me == 0 else 1e-3, None
         if step == 6:  # the link got slower than a slot, from now on
-            state.costs.dense, state.costs.dense16, state.costs.slot = 1.0, 1.0, 1e-9
+            costs.dense, costs.dense16, costs.slot = 1.0, 1.0, 1e-9
         failures += conserved_step(members, state, step, f"{members.name}, auto step {step}")
         paths.append(state.stats()["buckets"][0]["path"])
         sent.append(state.stats()["buckets"][0]["bytes_sent"])
         if step == 6:  # measured again (each path's figure is the mean of what it timed)
-            state.costs.dense, state.costs.dense16, state.costs.slot = 1.0, 1.0, 1e-9
+            costs.dense, costs.dense16, costs.slot = 1.0, 1.0, 1e-9
     gathered = [None] * members.size
     dist.all_gather_object(gathered, paths, group=members.group)
     if any(p != paths for p in gathered):

@@ -141,8 +141,8 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
     if may_compress:
         state.use_density(density)
     stats = state.bucket_stats[index] = BucketStats("dense", numel, numel, selected=numel)
-    path = plan_path(tensor, group, state.agreed_plans.setdefault(index, PathPlan()), state.path_policy,
-                     state.costs, iteration=state.iter, k=k, collective=state.collective_now,
+    plan = state.agreed_plans.setdefault(index, PathPlan())
+    path = plan_path(tensor, group, plan, state.path_policy, iteration=state.iter, k=k, collective=state.collective_now,
                      wire=wire_named(state.wire), what="sparse_grad_hook",
                      volatile={"iter": state.iter, "bucket_index": index}, traffic=stats.traffic)
     stats.path = path
@@ -153,13 +153,13 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
             dgc.increment(state.momentum_correction, state.velocity_store, _velocities_before(state), tensor, index,
                           layout, parameters, [1.0] * len(layout or [None]), sent_whole=True)
         if path == "dense16":
-            return _reduce_dense16(state, tensor, index, layout, stats)
+            return _reduce_dense16(state, tensor, index, layout, stats, plan)
         if state.error_feedback and state.residual_store.holds_any(index, layout):
             _flush_into(state, tensor, index, layout)
-        return _dense_allreduce(state, tensor, group, size, stats)
+        return _dense_allreduce(state, tensor, group, size, stats, plan)
     stats.k, stats.selected = k, 0
     if state.hierarchical is not None:
-        return _reduce_hierarchical(state, tensor, index, layout, k, stats)
+        return _reduce_hierarchical(state, tensor, index, layout, k, stats, plan)
     start = perf_counter()
     residual = state.residual_store.residual(index, tensor, layout) if state.error_feedback else None
     # max |grad| of each parameter: one pass that tells both whether acc = grad + residual can be non-finite and
@@ -198,8 +198,8 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
             del state.residuals[index]
             state.residual_bounds.pop(index, None)
             state.loss_scaling.record_taken(index, None, residual)
-        return _dense_allreduce(state, tensor, group, size, stats)
-    state.costs.observe_sparse(numel, k, stats.select_seconds, stats.exchange_seconds)
+        return _dense_allreduce(state, tensor, group, size, stats, plan)
+    plan.costs.observe_sparse(numel, k, stats.select_seconds, stats.exchange_seconds)
 
     # 4. Keep.
     if residual is not None:
@@ -210,7 +210,7 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
 
 
 def _reduce_hierarchical(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout, k: int,
-                         stats: BucketStats) -> torch.futures.Future:
+                         stats: BucketStats, plan: PathPlan) -> torch.futures.Future:
     """Steps 2-5 of :func:`sparse_grad_hook` with ``hierarchical=``: the collective selects, from this rank's
     shard of its node's sum, and raises the non-finite flag inside its payloads."""
     group, size = state.thread.group, dist.get_world_size(state.thread.group)
@@ -232,8 +232,8 @@ def _reduce_hierarchical(state: SparseGradState, tensor: torch.Tensor, index: in
         stats.path, stats.k, stats.selected = "nonfinite", tensor.numel(), tensor.numel()
         if residual is not None and _accumulation_is_finite(state, tensor, residual, maxima, index):
             _flush_into(state, tensor, index, layout)
-        return _dense_allreduce(state, tensor, group, size, stats)
-    state.costs.observe_sparse(tensor.numel(), k, 0.0, stats.exchange_seconds)
+        return _dense_allreduce(state, tensor, group, size, stats, plan)
+    plan.costs.observe_sparse(tensor.numel(), k, 0.0, stats.exchange_seconds)
     tensor.copy_(result.average)
     if residual is not None:
         kept = Outcome(result.msg, result.applied, rounding.pairs(residual.dtype, residual.device))
@@ -257,18 +257,16 @@ def _draw_step(state: SparseGradState, index: int) -> int:
 
 
 def _dense_allreduce(state: SparseGradState, tensor: torch.Tensor, group: dist.ProcessGroup, size: int,
-                     stats: BucketStats) -> torch.futures.Future:
-    timed = tensor.numel() >= state.min_compress_numel  # a small bucket's time is mostly latency
-
+                     stats: BucketStats, plan: PathPlan) -> torch.futures.Future:
     def done(start: float, end: float) -> None:
         stats.exchange_seconds = end - start
-        state.costs.observe_dense(tensor.numel(), start, end, learn=timed)
+        plan.costs.observe_dense(tensor.numel(), state.dense_queue.own_seconds(start, end))
 
     return DenseAllreduce().reduce_dense(tensor, group, size, stats.traffic, on_done=done)
 
 
 def _reduce_dense16(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout,
-                    stats: BucketStats) -> torch.futures.Future:
+                    stats: BucketStats, plan: PathPlan) -> torch.futures.Future:
     """Step 5 on the dense bfloat16 path: all of grad + residual is sent, the rounding stays in the residual. A
     parameter this rank did not use keeps its residual out, as on the sparse path."""
     start = perf_counter()
@@ -283,7 +281,7 @@ def _reduce_dense16(state: SparseGradState, tensor: torch.Tensor, index: int, la
     for part, saved in held:  # the part now holds the chunk's rounding, if this rank summed it
         part.add_(saved)
     stats.exchange_seconds = perf_counter() - start
-    state.costs.observe_dense16(tensor.numel(), stats.exchange_seconds)
+    plan.costs.observe_dense16(tensor.numel(), stats.exchange_seconds)
     return _done(tensor)
 
 

@@ -20,7 +20,7 @@ from gtopk_ext.ddp.residuals import ResidualStore
 from gtopk_ext.ddp.schedule import DensitySchedule, checked_schedule, density_at, exponential_warmup
 from gtopk_ext.ddp.stats import BucketStats, RunTotals, step_stats, summary
 from gtopk_ext.hierarchical import HIERARCHICAL_INNER, Hierarchical
-from gtopk_ext.paths import CostModel, PathPlan, PathPolicy, path_policy
+from gtopk_ext.paths import DenseQueue, PathPlan, PathPolicy, path_policy
 from gtopk_ext.resume import StateDicts
 from gtopk_ext.wire import wire_named
 
@@ -79,9 +79,9 @@ class SparseGradState:
       Ok-Topk's regions and threshold).
     - Statistics and agreement: ``iter`` (iterations done; advanced on ``bucket.is_last()``), ``bucket_stats``
       (per bucket, the latest :class:`BucketStats`), ``run_totals`` (:class:`gtopk_ext.ddp.stats.RunTotals`),
-      ``costs`` (:class:`gtopk_ext.paths.CostModel`: this rank's measured costs of the paths), ``agreed_plans``
-      (per bucket, the :class:`gtopk_ext.paths.PathPlan` of its plan and path: while it stays, no header is
-      exchanged).
+      ``agreed_plans`` (per bucket, the :class:`gtopk_ext.paths.PathPlan` of its plan and path, and this rank's
+      measured costs of its paths: while the plan stays, no header is exchanged), ``dense_queue``
+      (:class:`gtopk_ext.paths.DenseQueue`: when the dense allreduces, queued one after another, last finished).
 
     What is guaranteed, with error feedback on: every element of ``grad + residual`` on every rank is either in
     the average this step returns or in the new residual (nothing is lost), in float32, bfloat16 and float16
@@ -185,7 +185,7 @@ class SparseGradState:
         self.iter = 0
         self.bucket_stats: dict[int, BucketStats] = {}
         self.run_totals = RunTotals()
-        self.costs = CostModel()
+        self.dense_queue = DenseQueue()
         self.agreed_plans: dict[int, PathPlan] = {}
         # Runtime: the compressor of the current density, the collective (on its backend), the worker (created at
         # the first bucket), whether an iteration has begun.

@@ -82,7 +82,7 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     if may_compress:
         state.use_density(density)
     stats = group.stats = GroupStats("dense", layout.numel, layout.padded_numel, layout.numel, selected=layout.numel)
-    stats.path = plan_path(work, replicas, group.plan, state.path_policy, state.costs, iteration=iteration, k=k,
+    stats.path = plan_path(work, replicas, group.plan, state.path_policy, iteration=iteration, k=k,
                            collective=state.collective_now, wire=wire_named(state.wire), what="sparse_all_reduce_hook",
                            volatile={"iter": iteration, "group": group.index}, traffic=stats.traffic)
     start = perf_counter()
@@ -108,18 +108,17 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
             if finite:  # all of the residual is in work now
                 group.residual.zero_()
         else:
-            state.costs.observe_sparse(layout.numel, k, stats.select_seconds,
+            group.plan.costs.observe_sparse(layout.numel, k, stats.select_seconds,
                                        perf_counter() - start - stats.select_seconds)
     elif stats.path == "dense16":  # 4. Dense, in bfloat16: all of the residual goes, the rounding stays
         reduce_dense16(work, group.residual, replicas, stats.traffic)
-        state.costs.observe_dense16(layout.numel, perf_counter() - start)
+        group.plan.costs.observe_dense16(layout.numel, perf_counter() - start)
     if stats.path in ("dense", "nonfinite"):  # 4. Dense: a residual left by earlier sparse calls goes too
         if stats.path == "dense":
             work.add_(group.residual)
             group.residual.zero_()
         collective_named("dense").reduce_dense(work, replicas, nodes, stats.traffic).wait()
-        state.costs.observe_dense(layout.numel, start, perf_counter(),
-                                  learn=stats.path == "dense" and layout.numel >= state.path_policy.min_compress_numel)
+        group.plan.costs.observe_dense(layout.numel, perf_counter() - start)
     stats.exchange_seconds = perf_counter() - start - stats.select_seconds
     # 5. Write back.
     if not in_place:

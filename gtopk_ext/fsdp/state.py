@@ -17,7 +17,7 @@ from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, c
 from gtopk_ext.costs import Traffic
 from gtopk_ext.ddp.schedule import DensitySchedule, checked_schedule, density_at
 from gtopk_ext.fsdp.layout import ShardLayout
-from gtopk_ext.paths import CostModel, PathPlan, PathPolicy, path_policy
+from gtopk_ext.paths import PathPlan, PathPolicy, path_policy
 from gtopk_ext.wire import wire_named
 
 MESH_DIM_NAMES = ("replicate", "shard")
@@ -94,8 +94,8 @@ class SparseFSDPState:
     * ``path``: each call's path once a group may compress (:class:`gtopk_ext.PathPolicy`, as for DDP):
       ``"auto"`` (default) takes the cheapest of sparse, dense bfloat16 (its rounding kept in the residual) and
       dense, as the replicas' measured costs predict, the same on every replica; ``"sparse"``, ``"dense16"`` or
-      ``"dense"`` force one; shards under ``min_compress_numel`` real elements go dense. ``costs``: this rank's
-      measured costs (:class:`gtopk_ext.paths.CostModel`).
+      ``"dense"`` force one; shards under ``min_compress_numel`` real elements go dense. Each group's plan
+      (``GroupState.plan``) holds this rank's measured costs of its paths.
     * ``groups``: a :class:`GroupState` per FSDP parameter group, filled by
       :func:`gtopk_ext.fsdp.register_sparse_all_reduce` (the per-shard residuals live there).
 
@@ -141,7 +141,6 @@ class SparseFSDPState:
         self.wire = wire
         self.start_iter = start_iter
         self.path_policy = policy
-        self.costs = CostModel()
         # The groups' states (filled at registration) and the run's world.
         self.groups: list[GroupState] = []
         self.world_size = dist.get_world_size()

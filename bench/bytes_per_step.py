@@ -1,29 +1,9 @@
-"""Bytes per training step of the collectives: dense allreduce, TopK-SGD allgather, gTop-k and Ok-Topk.
-
-A DDP model (an MLP 784-h1-h2-10, by default 1M parameters; DDP's default buckets) trains on P Gloo processes
-with ``sparse_grad_hook``; after the dense warm-up, the hook's own counters (``state.stats()``) give the bytes
-each rank sent and received in one step: exact for the point-to-point messages, and for the backend's
-allreduce and allgather what a ring algorithm moves (2(P-1)/P and (P-1) times the buffer). Header agreement
-bytes (a few dozen per bucket) are included. Every collective the hook offers is measured.
-
-``--exchange`` measures the collectives themselves instead of the hook: the model trains on the dense average
-of the ranks' gradients, and each sparse collective reduces the same flattened gradient of every step (one
-message, Gaussian-k, with its own error-feedback residual; Ok-Topk with one OkTopkState), counted by its
-``Traffic``: the median step, and the mean, which includes Ok-Topk's re-estimations (every 32 steps).
-
-``--wire plain compact`` measures each sparse collective with each wire format (gtopk_ext/wire.py); the dense
-allreduce has none. The compact wire's rounding errors go back into the residuals, as in the hook.
-
-``--counters`` (as root) runs the ranks in network namespaces instead (bench/emulated_network.py: a veth link
-each, unshaped) and checks ``stats()`` against the kernel: the bytes each rank's interface sent
-(``/sys/class/net/eth0/statistics/tx_bytes`` in its namespace) during the measured steps (each started by a
-barrier that is not counted), divided by what ``stats()`` counted for them. TCP/IP headers and ACKs put the ratio
-a little above 1.
+"""Bytes per training step of the collectives (dense allreduce, TopK-SGD's allgather, gTop-k, Ok-Topk) on an MLP
+trained with DDP on Gloo processes: through the hook (its ``stats()``), or with --exchange each collective on the
+whole gradient (its ``Traffic``); --counters (as root) checks ``stats()`` against each rank's interface counter in a
+network namespace. docs/collectives.md and docs/scaling.md.
 
     python -m bench.bytes_per_step --world-sizes 4 8 --density 0.01 --json bytes_per_step.json
-    python -m bench.bytes_per_step --exchange --hidden 2048 768 --world-sizes 2 4 8 --steps 40
-    python -m bench.bytes_per_step --hidden 2048 768 --world-sizes 8 --wire plain compact
-    python -m bench.bytes_per_step --counters --hidden 2048 768 --world-sizes 8 --steps 10 --wire plain compact
 """
 
 from __future__ import annotations
@@ -31,17 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from bench.digits import mlp
-from bench.emulated_network import TxCounter, check_can_emulate
+from bench.emulated_network import TxCounter
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.methods import gtopk_ext_recipe, numel_of
+from bench.harness.methods import Recipe, attached, hook_state, numel_of
 from bench.harness.train import Trainer
 from gtopk_ext.ddp import COLLECTIVES as HOOK_COLLECTIVES
 
@@ -64,7 +43,8 @@ def measure(rank: int, world_size: int, density: float, steps: int, hidden: tupl
     bytes the interface of ``counter`` sent over those steps (0 where it counts none)."""
     results = {}
     for collective, wire in runs(collectives, wires):
-        recipe = gtopk_ext_recipe(collective, density=density, collective=collective, wire=wire, start_iter=WARMUP)
+        recipe = Recipe(collective, lambda ddp, world_size, args: attached(ddp, hook_state(
+            density, collective=collective, wire=wire, start_iter=WARMUP)))
         trainer = Trainer(recipe, mlp(list(hidden), inputs=784), argparse.Namespace(lr=0.01, momentum=0.0), world_size)
         generator = torch.Generator().manual_seed(rank)
         measured, received = [], []
@@ -140,8 +120,8 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
     return every
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = cli.parser(__doc__)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--steps", type=int, default=3, help="compressed steps measured (median)")
@@ -156,16 +136,19 @@ def main() -> None:
     parser.add_argument("--prefix", default="gxbytes", help="name prefix of the namespaces --counters creates")
     parser.add_argument("--json", help="write the rows here")
     cli.add_worker_arg(parser)
-    args = parser.parse_args()
-    if cli.ran_as_worker(args, run_worker):
-        return
+    args = parser.parse_args(argv)
+    cli.check(parser, args, positive=("steps",), unit=("density",))
     if args.counters and args.exchange:
         parser.error("--counters measures the hook; leave out --exchange")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if cli.ran_as_worker(args, run_worker):
+        return
     if args.counters:
-        reason = check_can_emulate()
-        if reason:
-            print(f"bytes_per_step --counters cannot run: {reason}", file=sys.stderr)
-            sys.exit(2)
+        cli.require_emulation("bytes_per_step --counters")
     # the hook: the collectives it offers
     collectives = COLLECTIVES if args.exchange else tuple(c for c in COLLECTIVES if c in HOOK_COLLECTIVES)
     rows = []

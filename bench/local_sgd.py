@@ -1,21 +1,7 @@
-"""Local SGD benchmark: SparseLocalSGD against DiLoCo (its dense case), PyTorch's local SGD
-(``PostLocalSGDOptimizer`` with ``PeriodicModelAverager``), DDP and gtopk_ext's gradient hook, on P Gloo processes,
-each rank behind an emulated link of ``--rate`` (bench/emulated_network.py: its own network namespace, tbf; needs
-root) or, with ``--loopback``, on 127.0.0.1.
-
-The task is the demo's (bench/digits.py): scikit-learn's bundled digits and its MLP. Every method starts from the
-same weights, takes the same number of inner steps with the same inner optimizer on the same batches (each rank
-its own shard), one method after the other in one process group. Per method, every ``--eval-every`` steps:
-validation loss and accuracy of the consensus model (the mean of the replicas, formed by an allreduce that is not
-counted; after a sync the replicas are that model already), the training seconds so far (the slowest rank's
-time in its steps and syncs, evaluation excluded) and the bytes a rank sent so far: from the method's own count
-(DDP and PyTorch's averager: a ring allreduce of the model per exchange; gtopk_ext: its ``stats()``) and, on the
-emulated network, from the rank's interface counter (TCP/IP headers included). Local methods sync after their
-last step when it is not a sync step already, so every method ends with one model.
-
-Methods (``--methods``): the names of bench/harness/methods.py (``ddp``, ``hook-<collective>-<density>``,
-``postlocal-<H>``, ``diloco-<H>``, ``sparse-<collective>-<density>-<H>[-compact]``), and ``diloco-equal``: DiLoCo
-with the H that gives it about the bytes of the first ``sparse-`` method in the list.
+"""Local SGD: SparseLocalSGD against DiLoCo (its dense case), PyTorch's local SGD, DDP and gtopk_ext's gradient
+hook on the digits, one method after the other from the same weights on the same batches, each rank behind an
+emulated link (as root) or on loopback: validation loss against training seconds and bytes. docs/local_sgd.md.
+``diloco-equal`` is DiLoCo with the H that gives it about the bytes of the first ``sparse-`` method.
 
     python -m bench.local_sgd --rate 100mbit --json local_sgd_100mbit.json --plot local_sgd_100mbit.png
     python -m bench.local_sgd --loopback --steps 64 --methods ddp diloco-8 sparse-gtopk-0.01-8
@@ -33,7 +19,7 @@ from bench.digits import load_digits_split, make_model
 from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.methods import LocalMethod, add_outer_arguments, label, method, method_name, numel_of
+from bench.harness.methods import LocalMethod, add_outer_arguments, method, method_name, numel_of
 from bench.harness.train import Trainer, evaluate, train_curve
 from gtopk_ext.collectives import ring_allreduce_bytes
 
@@ -57,8 +43,6 @@ def equal_bytes_period(sparse: LocalMethod, numel: int, world_size: int) -> int:
     return max(1, round(sparse.period * sync_bytes(dense, numel, world_size) / sync_bytes(sparse, numel, world_size)))
 
 
-# ------------------------------------------------------------------------------------------------ worker side
-
 def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, data: tuple, tx: TxCounter) -> dict:
     train_x, train_y, test_x, test_y = data
     shard = torch.arange(rank, len(train_y), world_size)
@@ -75,7 +59,7 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
         return {"val_loss": loss, "accuracy": accuracy}
 
     curve, _ = train_curve(trainer, args.steps, loss_at, evaluation, args.eval_every, tx)
-    return {"method": name, "label": label(args.periods.get(name, name)), "curve": curve}
+    return {"method": name, "label": method(args.periods.get(name, name)).label, "curve": curve}
 
 
 def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> list:
@@ -91,8 +75,6 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
                   f"{final['bytes_sent'] / 1e6:.2f} MB", flush=True)
     return runs
 
-
-# ------------------------------------------------------------------------------------------------ driver side
 
 def summarize(runs: list[dict]) -> list[dict]:
     ddp = next((r["curve"][-1] for r in runs if r["method"] == "ddp"), None)
@@ -119,7 +101,7 @@ def line_style(index: int, run: dict) -> dict:
             "linestyle": {"hook": ":", "postlocal": "--", "diloco": "--"}.get(kind, "-")}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = cli.parser(__doc__)
     cli.add_common(parser, world_size=4, steps=640, eval_every=32, batch_size=32, model="mlp", lr=0.05, momentum=0.9,
                    seed=0, json=None, plot=None)
@@ -127,31 +109,38 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                         type=lambda text: text if text == "diloco-equal" else method_name(text))
     cli.add_network_args(parser, prefix="gxlocalsgd", rate="100mbit", timeout=3600.0)
-    args = parser.parse_args()
-    if cli.ran_as_worker(args, run_worker):
-        return
-    numel = numel_of(make_model(args.model))
+    args = parser.parse_args(argv)
+    cli.check(parser, args, positive=("world_size", "steps", "eval_every", "batch_size"))
     args.periods = {}  # diloco-equal is DiLoCo with this H
     if "diloco-equal" in args.methods:
         sparse = next((method(t) for t in args.methods if t.startswith("sparse-")), None)
         if sparse is None:
             parser.error("diloco-equal needs a sparse-<collective>-<density>-<H> method in --methods")
-        args.periods["diloco-equal"] = f"diloco-{equal_bytes_period(sparse, numel, args.world_size)}"
+        period = equal_bytes_period(sparse, numel_of(make_model(args.model)), args.world_size)
+        args.periods["diloco-equal"] = f"diloco-{period}"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if cli.ran_as_worker(args, run_worker):
+        return
     rate = cli.link_rate("local_sgd", args)
     links = network_name(rate)
-    print(f"{args.world_size} Gloo processes on {links}, digits {args.model} ({numel} parameters), batch "
-          f"{args.batch_size}/rank, {args.steps} inner steps (SGD lr {args.lr}, momentum {args.momentum}), outer lr "
-          f"{args.outer_lr}, {'Nesterov ' * (args.outer_nesterov and args.outer_momentum > 0)}momentum "
-          f"{args.outer_momentum}, seed {args.seed}",
-          flush=True)
+    print(f"{args.world_size} Gloo processes on {links}, digits {args.model} "
+          f"({numel_of(make_model(args.model))} parameters), batch {args.batch_size}/rank, {args.steps} inner steps "
+          f"(SGD lr {args.lr}, momentum {args.momentum}), outer lr {args.outer_lr}, "
+          f"{'Nesterov ' * (args.outer_nesterov and args.outer_momentum > 0)}momentum {args.outer_momentum}, "
+          f"seed {args.seed}", flush=True)
     runs = run_group("bench.local_sgd", args.world_size, args, args.timeout, rate_bps=rate, prefix=args.prefix)
     rows = summarize(runs)
     print(report.table(rows, COLUMNS))
     if args.plot:  # validation loss against training seconds and MB sent per rank
+        panels = [(x_label, x, "log", "validation loss", lambda c: c["val_loss"], "log")
+                  for x_label, x in (("training seconds (slowest rank)", lambda c: c["seconds"]),
+                                     ("MB sent per rank", lambda c: c["bytes_sent"] / 1e6))]
         report.plot_curves(runs, args.plot, f"{args.world_size} ranks, {links}, digits {args.model}, {args.steps} "
-                           f"inner steps", "validation loss", lambda c: c["val_loss"],
-                           [("training seconds (slowest rank)", lambda c: c["seconds"], "log"),
-                            ("MB sent per rank", lambda c: c["bytes_sent"] / 1e6, "log")], "log", line_style)
+                           f"inner steps", panels, line_style)
     if args.json:
         report.write_json(args.json, args, runs=runs, table=rows)
 

@@ -1,38 +1,9 @@
-"""Against the hooks users already have: gtopk_ext's hook next to DDP's allreduce, ``fp16_compress_hook``,
-``bf16_compress_hook`` and PowerSGD, and a no-communication compute floor, training the same model on the same
-batches in one Gloo process group, each rank behind an emulated link (bench/emulated_network.py: its own network
-namespace, ``tc tbf`` at ``--rate``; needs root) or, with ``--loopback``, on 127.0.0.1.
-
-Every method has its own DDP model from the same initial weights and gets the same batches; the methods take
-their steps interleaved, the order rotated every step, each step started by a barrier, so machine load and
-network drift hit all alike. Per method:
-
-- ms/step: the slowest rank's zero_grad + forward + backward (DDP's wait for every bucket included) + optimizer
-  step; median and p25-p75 over the steps after the first ``WARMUP_STEPS`` (DDP rebuilds its buckets after the
-  first; the hooks run dense warm-up iterations). Evaluation is outside every timed step.
-- MB sent per rank per step: from the rank's interface counter (tx_bytes in its namespace, TCP/IP headers and
-  ACKs included; not on loopback) read around that method's steps, and from the method's own accounting
-  (gtopk_ext: ``state.stats()``; PowerSGD: ring allreduces of the elements it counts; DDP and the fp16/bf16
-  hooks: a ring allreduce of the model).
-- CPU ms/step per rank: the process's CPU time (all threads: Gloo's and any hook's worker count) over the step.
-- test accuracy every ``--eval-every`` steps (rank 0's replica), and the steps and training seconds (sum of the
-  slowest rank's step times) to reach ``--target``.
-- the machine's load from other processes during the run: all busy CPU time (/proc/stat) minus the ranks' and
-  this driver's own, in cores.
-
-PowerSGD runs with one bucket (bench/harness/methods.py's ``powersgd_recipe`` says why); every other method keeps
-DDP's default buckets, as a user would (or ``--bucket-cap-mb``). gtopk_ext's hook runs each bucket on its
-communication thread while the backward pass goes on; the ``-sync`` methods force it to finish each bucket inside
-the hook call, which shows what the overlap is worth.
-
-The floor's hook divides the bucket by the world size and returns: no communication, each rank trains on its own
-data. Its accuracy is that of rank 0's replica trained alone; its step time is the compute floor.
+"""Against the hooks users already have: gtopk_ext's hook beside DDP's allreduce, fp16/bf16_compress_hook, PowerSGD
+and a no-communication floor, one model each from the same weights on the same batches, steps interleaved, each rank
+behind an emulated link (as root) or on loopback: step time, bytes, CPU time, accuracy. docs/performance.md.
 
     python -m bench.peers --json peers.json --plot peers.png             # CNN, 4 ranks, 1 Gbit/s
-    python -m bench.peers --model mlp --steps 40 --methods ddp fp16 powersgd-1 gtopk-0.01 gtopk-0.001 floor
     python -m bench.peers --loopback --world-size 2 --steps 10            # no root: no namespaces, no shaping
-    python -m bench.peers --rate 20mbit --world-size 2 --model deep --bucket-cap-mb 2 \
-        --methods gtopk-0.01 gtopk-0.01-sync --steps 20                    # what the hook's overlap is worth
 """
 
 import argparse
@@ -58,7 +29,7 @@ from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.gradients import wide_mlp
 from bench.harness.launch import run_group
-from bench.harness.methods import START_ITER, add_dgc_arguments, label, method_name, numel_of, recipe
+from bench.harness.methods import START_ITER, add_dgc_arguments, method, method_name, numel_of
 from bench.harness.train import Trainer, epoch_batches, evaluate, gathered
 
 WARMUP_STEPS = START_ITER + 1  # steps left out of the timing and byte statistics
@@ -69,8 +40,6 @@ METHODS = ("ddp", "fp16", "bf16", "powersgd-1", "powersgd-2", "powersgd-4",
            *(f"{collective}-{d:g}" for collective in ("gtopk", "allgather", "oktopk") for d in (0.01, 0.001)),
            "dgc-0.01", "dgc-0.001", "recipe-0.01", "gtopk-0.01-sync", "gtopk-0.001-sync", "floor")
 
-
-# ------------------------------------------------------------------------------------------------ worker side
 
 def build_model(args: argparse.Namespace, seed: int) -> nn.Module:
     if args.model == "cnn":
@@ -136,8 +105,6 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
     return {"parameters": numel_of(build_model(args, 0)), "runs": runs}
 
 
-# ------------------------------------------------------------------------------------------------ driver side
-
 def summarize(name: str, runs: list[dict], args: argparse.Namespace) -> dict:
     """One method's row from every seed's measurements (per step: the slowest rank's time, the mean over ranks of
     CPU time and bytes; pooled over the steps after the warm-up of every seed)."""
@@ -155,7 +122,7 @@ def summarize(name: str, runs: list[dict], args: argparse.Namespace) -> dict:
                        for step, accuracy in run["evals"]])
     low, median, high = statistics.quantiles(slowest, n=4, method="inclusive") if len(slowest) > 1 else slowest * 3
     return {
-        "method": name, "label": label(name), "ms_per_step": 1e3 * median, "ms_per_step_p25": 1e3 * low,
+        "method": name, "label": method(name).label, "ms_per_step": 1e3 * median, "ms_per_step_p25": 1e3 * low,
         "ms_per_step_p75": 1e3 * high, "cpu_ms_per_step": 1e3 * statistics.median(cpu),
         "tx_mb_per_step": statistics.fmean(tx) / 1e6 if tx else None,
         "own_mb_per_step": statistics.fmean(own) / 1e6, "buckets": runs[0]["buckets"],
@@ -214,16 +181,17 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     curves = [{"method": row["method"], "label": row["label"],
                "curve": [{key: statistics.fmean(p[key] for p in seeds) for key in ("train_seconds", "accuracy")}
                          for seeds in zip(*row["curves"])]} for row in rows]  # per eval: one point per seed
-    report.plot_curves(curves, path, title, "test accuracy (%)", lambda c: 100 * c["accuracy"],
-                       [("training seconds (slowest rank's steps, evaluation excluded)",
-                         lambda c: c["train_seconds"], "linear")],
+    report.plot_curves(curves, path, title, [("training seconds (slowest rank's steps, evaluation excluded)",
+                                              lambda c: c["train_seconds"], "linear", "test accuracy (%)",
+                                              lambda c: 100 * c["accuracy"], "linear")],
                        style=lambda i, r: {"color": "black", "linestyle": "--"} if r["method"] == "floor" else
                        {"color": f"C{i % 10}"})
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser = cli.parser(__doc__)
-    parser.add_argument("--methods", nargs="+", type=ddp_method, default=list(METHODS),
+    parser.add_argument("--methods", nargs="+", type=lambda text: method_name(text, ddp_only=True),
+                        default=list(METHODS),
                         help=f"DDP methods (bench/harness/methods.py), e.g. {' '.join(METHODS)}, dgc-0.01-sparse, "
                              f"recipe-0.01, recipe-0.01-44 (its own warm-up length)")
     parser.add_argument("--model", choices=MODELS, default="cnn",
@@ -241,22 +209,14 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     add_dgc_arguments(parser)
     cli.add_network_args(parser, prefix="gxpeers")
     args = parser.parse_args(argv)
-    cli.check_positive(parser, args, "world_size", "steps", "eval_every", "batch_size", "mlp_params")
+    cli.check(parser, args, positive=("world_size", "steps", "eval_every", "batch_size", "mlp_params"),
+              unit=("target",))
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps left out of the statistics, got "
                      f"{args.steps}")
-    if not 0 < args.target <= 1:
-        parser.error(f"--target must be an accuracy in (0, 1], got {args.target}")
     args.methods = list(dict.fromkeys(args.methods))
     args.seeds = list(dict.fromkeys(args.seeds))
     return args
-
-
-def ddp_method(text: str) -> str:
-    """An argparse type: a DDP method's name (not a local method's)."""
-    if recipe(method_name(text)) is None:
-        raise argparse.ArgumentTypeError(f"{text} is a local method: bench.peers compares DDP hooks")
-    return text
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -1,10 +1,5 @@
-"""Selection benchmark: Gaussian-k (fused threshold + compaction + residual update) versus torch.topk.
-
-Every method does the whole error-feedback step on ``acc = residual + grad``: select k = ceil(density * n)
-elements, and leave the unsent rest in the residual. In the same run it times the physical floor
-``residual.add_(grad)`` (two arrays read, one written: the least any error-feedback compressor must move), and
-interleaves the methods repetition by repetition so that machine noise hits all alike. Reported: medians, the
-speed-up over the torch.topk path and the multiple of the floor.
+"""Selection: Gaussian-k's whole error-feedback step (threshold, compaction, residual update) against torch.topk's
+and the floor residual.add_(grad), the methods interleaved repetition by repetition. docs/selection.md.
 
     python -m bench.selection                                # CPU, n = 2^20 .. 10^8, density 0.001 .. 0.05
     python -m bench.selection --device cuda --backend triton # a GPU: CUDA events, the Triton kernels
@@ -19,7 +14,7 @@ import statistics
 
 import torch
 
-from bench.harness import report
+from bench.harness import cli, report
 from bench.harness.selection import time_methods
 from gtopk_ext.compressors import make_compressor
 
@@ -27,11 +22,16 @@ DEFAULT_SIZES = [2**20, 2**24, 25_000_000, 100_000_000]
 DEFAULT_DENSITIES = [0.001, 0.01, 0.05]
 
 
-def measure(n: int, density: float, dtype: torch.dtype, device: torch.device, backend: str | None,
-            repeats: int, seed: int = 0) -> dict:
-    generator = torch.Generator().manual_seed(seed)
+def inputs(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded gradient and residual."""
+    generator = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=generator).to(device=device, dtype=dtype)
-    initial_residual = (0.1 * torch.randn(n, generator=generator)).to(device=device, dtype=dtype)
+    return grad, (0.1 * torch.randn(n, generator=generator)).to(device=device, dtype=dtype)
+
+
+def measure(n: int, density: float, dtype: torch.dtype, device: torch.device, backend: str | None,
+            repeats: int) -> dict:
+    grad, initial_residual = inputs(n, dtype, device)
     k, times = time_methods(grad, initial_residual, density, backend, repeats)
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     return {
@@ -47,13 +47,11 @@ def measure(n: int, density: float, dtype: torch.dtype, device: torch.device, ba
 
 def profile_step(n: int, density: float, dtype: torch.dtype, device: torch.device, backend: str | None,
                  calls: int = 10) -> str:
-    """torch.profiler's view of ``calls`` Gaussian-k steps: each operator's and kernel's time (on a GPU, device
-    time first) and the kernels launched per step, which set the fixed cost that dominates below ~10M elements."""
+    """torch.profiler's view of ``calls`` Gaussian-k steps: each operator's and kernel's time and the kernels
+    launched per step, which set the fixed cost that dominates below ~10M elements."""
     from torch.profiler import ProfilerActivity, profile
 
-    generator = torch.Generator().manual_seed(0)
-    grad = torch.randn(n, generator=generator).to(device=device, dtype=dtype)
-    initial_residual = (0.1 * torch.randn(n, generator=generator)).to(device=device, dtype=dtype)
+    grad, initial_residual = inputs(n, dtype, device)
     residual = initial_residual.clone()
     compressor = make_compressor("gaussiank", density, backend=backend)
     compressor.compress(grad, residual)  # warm-up: compilation, allocator
@@ -81,8 +79,8 @@ LEGEND = ("(times: median ms; topk/gk: speed-up of Gaussian-k over the torch.top
           "of residual.add_(grad))")
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = cli.parser(__doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
     parser.add_argument("--densities", type=float, nargs="+", default=DEFAULT_DENSITIES)
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
@@ -92,8 +90,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--json", default="bench/results/selection.json", help="where to write the rows")
     parser.add_argument("--profile", action="store_true",
                         help="instead of timing, profile the Gaussian-k step at the first size and density")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     if args.profile:

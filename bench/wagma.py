@@ -1,21 +1,6 @@
-"""WAGMA benchmark: throughput, test accuracy and replica spread of DDP gradient allreduce, synchronous group
-model averaging and wait-avoiding group model averaging, with injected irregular step times, on P Gloo processes,
-each rank behind an emulated link of ``--rate`` (bench/emulated_network.py: its own network namespace, tbf; needs
-root, else loopback) or, with ``--loopback``, on 127.0.0.1.
-
-The task is the demo's (bench/digits.py): scikit-learn's bundled digits and its MLP (or CNN), small enough that the
-injected delays dominate the step time. Every rank trains on its own shard with the same seeds for every method.
-Delay scenarios (``--scenarios``, each with its own draws, the same for every method):
-
-- ``random``: every rank, every step, sleeps with probability ``--delay-probability`` a time drawn uniformly from
-  ``--delay-ms`` (default 100-300 ms), independently of the other ranks;
-- ``straggler``: ``--slow-rank`` sleeps ``--sleep-ms`` every step (a persistently slow machine).
-
-Throughput is steps per second of the whole job (steps / the slowest rank's wall time, the last ``finish()``
-included); accuracy is that of the globally averaged model after the same number of steps. Spread: just before
-each global average, the root-mean-square distance of the ranks' weights from their mean, averaged over the run,
-relative to ``no-group`` (the same global averages with no group averages in between: how far the replicas would
-drift apart without them). Methods run interleaved, ``--repeats`` times; the table shows medians.
+"""WAGMA: throughput, test accuracy and replica spread of DDP's gradient allreduce, synchronous and wait-avoiding
+group model averaging, and global averages alone (no-group), with injected irregular step times (random delays, a
+straggler), on the digits, each rank behind an emulated link (as root) or on loopback. docs/wagma.md.
 
     python -m bench.wagma --loopback --json wagma.json --plot wagma.png
 """
@@ -155,7 +140,7 @@ def plot(tables: dict[str, list[dict]], path: str, title: str) -> None:
     report.save(fig, path)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = cli.parser(__doc__)
     cli.add_common(parser, world_size=4, steps=200, batch_size=32, model="mlp", lr=0.05, momentum=0.9, json=None,
                    plot=None)
@@ -171,9 +156,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     cli.add_network_args(parser, prefix="gxwagma")
-    args = parser.parse_args()
-    if cli.ran_as_worker(args, run_worker):
-        return
+    args = parser.parse_args(argv)
+    cli.check(parser, args, positive=("world_size", "steps", "batch_size", "group_size", "global_period", "repeats"))
     if args.slow_rank is None:
         args.slow_rank = args.world_size - 1
     if not 0 <= args.slow_rank < args.world_size:
@@ -182,6 +166,13 @@ def main() -> None:
         parser.error(f"--group-size {args.group_size} must divide --world-size {args.world_size}")
     if not 0 <= args.delay_probability <= 1 or not 0 <= args.delay_ms[0] <= args.delay_ms[1]:
         parser.error("--delay-probability must be in [0, 1] and --delay-ms LOW HIGH with 0 <= LOW <= HIGH")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if cli.ran_as_worker(args, run_worker):
+        return
 
     rate = cli.link_rate("wagma", args)
     links = network_name(rate)

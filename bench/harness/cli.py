@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from bench.digits import MODELS
-from bench.emulated_network import parse_rate, runs_on_loopback
+from bench.emulated_network import check_can_emulate, parse_rate, runs_on_loopback
 from bench.harness.launch import as_rank
 
 
@@ -27,6 +28,7 @@ COMMON = {"world_size": ({"type": int}, "Gloo processes (DDP ranks)"),
           "model": ({"choices": MODELS}, "the digits model (bench/digits.py)"),
           "seed": ({"type": int}, "initial weights and batches"),
           "seeds": ({"type": int, "nargs": "+"}, "one run per seed (initial weights and batches)"),
+          "densities": ({"type": float, "nargs": "+"}, "densities of the sparse methods"),
           "json": ({"type": Path}, "write the settings and every measurement here"),
           "plot": ({"type": Path}, "write the figure here (PNG)")}
 
@@ -68,6 +70,14 @@ def link_rate(program: str, args: argparse.Namespace) -> int | None:
     return None if runs_on_loopback(program, asked) else args.rate
 
 
+def require_emulation(program: str) -> None:
+    """Exits with status 2, saying why, where the emulated network cannot run."""
+    reason = check_can_emulate()
+    if reason:
+        print(f"{program} cannot run: {reason}", file=sys.stderr)
+        sys.exit(2)
+
+
 def ran_as_worker(args: argparse.Namespace, work, timeout_arg: str | None = None) -> bool:
     """With --worker: runs this rank's ``work`` (launch.as_rank) and says so."""
     if args.worker:
@@ -75,7 +85,14 @@ def ran_as_worker(args: argparse.Namespace, work, timeout_arg: str | None = None
     return bool(args.worker)
 
 
-def check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
-    for name in names:
-        if getattr(args, name) < 1:
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace, positive=(), unit=()) -> None:
+    """Refuses, naming the flag, a value of ``positive`` below 1 or one of ``unit`` (a number or list) outside
+    (0, 1]."""
+    for name in positive:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in unit:
+        values = getattr(args, name)
+        for value in values if isinstance(values, list) else [values]:
+            if not 0 < value <= 1:
+                parser.error(f"--{name.replace('_', '-')} must be in (0, 1], got {value}")

@@ -32,9 +32,8 @@ def write_json(path, settings, **record) -> None:
 
 
 def table(rows: list[dict], columns: list[tuple], markdown: bool = False, header: bool = True) -> str:
-    """``rows`` as a text table, or a Markdown one: ``columns`` are (title, format spec, the row's key or a function
-    of the row); None shows as "-". A column is as wide as its title, its spec's width or its widest cell; the first
-    is left-aligned."""
+    """``rows`` as a text or Markdown table. ``columns``: (title, format spec, the row's key or a function of the
+    row); None shows as "-". A column is as wide as its title, its spec's width or its widest cell."""
     lines = [[title for title, _, _ in columns]] if header else []
     for row in rows:
         values = [get(row) if callable(get) else row[get] for _, _, get in columns]
@@ -48,17 +47,6 @@ def table(rows: list[dict], columns: list[tuple], markdown: bool = False, header
                               for i, (text, width) in enumerate(zip(line, widths))) for line in lines)
 
 
-def to_target(curves: list[list[dict]], reached, seconds_key: str) -> dict:
-    """``steps_to_target`` and ``seconds_to_target``: the medians over ``curves`` (one per seed; points with a
-    ``step`` and ``seconds_key``) of the first point where ``reached(point)``; both None unless every curve got
-    there."""
-    firsts = [next((point for point in curve if reached(point)), None) for curve in curves]
-    if not firsts or None in firsts:
-        return {"steps_to_target": None, "seconds_to_target": None}
-    return {"steps_to_target": statistics.median(p["step"] for p in firsts),
-            "seconds_to_target": statistics.median(p[seconds_key] for p in firsts)}
-
-
 def streamed(rows, columns: list[tuple]) -> list[dict]:
     """``rows`` (an iterable) printed as a table a row at a time, as they come; returns them."""
     print(table([], columns), flush=True)
@@ -67,6 +55,16 @@ def streamed(rows, columns: list[tuple]) -> list[dict]:
         out.append(row)
         print(table([row], columns, header=False), flush=True)
     return out
+
+
+def to_target(curves: list[list[dict]], reached, seconds_key: str) -> dict:
+    """The medians over ``curves`` (one per seed) of the ``step`` and ``seconds_key`` of the first point where
+    ``reached(point)``; both None unless every curve got there."""
+    firsts = [next((point for point in curve if reached(point)), None) for curve in curves]
+    if not firsts or None in firsts:
+        return {"steps_to_target": None, "seconds_to_target": None}
+    return {"steps_to_target": statistics.median(p["step"] for p in firsts),
+            "seconds_to_target": statistics.median(p[seconds_key] for p in firsts)}
 
 
 def pyplot():
@@ -96,18 +94,18 @@ def finish_axis(axis) -> None:
             scaled.set_minor_formatter(matplotlib.ticker.NullFormatter())
 
 
-def plot_curves(runs: list[dict], path, title: str, ylabel: str, y, panels: list[tuple], yscale: str = "linear",
-                style=None) -> None:
-    """One line per run (its ``curve``, labelled ``label``) of ``y(point)`` against each panel's ``x(point)``:
-    ``panels`` are (x label, x, x scale); ``style(index, run)``: the line's matplotlib options."""
+def plot_curves(runs: list[dict], path, title: str, panels: list[tuple], style=None) -> None:
+    """One line per run (its ``curve`` of points, labelled ``label``) in each panel; ``panels``: (x label, x(point),
+    x scale, y label, y(point), y scale); ``style(index, run)``: the line's matplotlib options."""
     figure, axes = pyplot().subplots(1, len(panels), figsize=(max(9.0, 5.5 * len(panels) + 0.5), 5.5), squeeze=False)
     for index, run in enumerate(runs):
-        for axis, (_, x, scale) in zip(axes[0], panels):
-            points = [(x(c), y(c)) for c in run["curve"] if scale != "log" or x(c) > 0]  # a log axis has no 0
+        for axis, (_, x, xscale, _, y, yscale) in zip(axes[0], panels):
+            points = [(x(c), y(c)) for c in run["curve"]
+                      if (xscale != "log" or x(c) > 0) and (yscale != "log" or y(c) > 0)]  # a log axis has no 0
             axis.plot(*zip(*points), marker=".", label=run["label"] if axis is axes[0, 0] else None,
                       **(style(index, run) if style else {"color": f"C{index % 10}"}))
-    for axis, (xlabel, _, scale) in zip(axes[0], panels):
-        axis.set(xlabel=xlabel, ylabel=ylabel, xscale=scale, yscale=yscale)
+    for axis, (xlabel, _, xscale, ylabel, _, yscale) in zip(axes[0], panels):
+        axis.set(xlabel=xlabel, ylabel=ylabel, xscale=xscale, yscale=yscale)
         finish_axis(axis)
     figure.suptitle(title, fontsize=8, wrap=True)
     figure.legend(loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=3, fontsize=7, frameon=False)
@@ -116,8 +114,8 @@ def plot_curves(runs: list[dict], path, title: str, ylabel: str, y, panels: list
 
 
 def progress(total: int, rank: int, args, config: dict):
-    """Rank 0's progress bar in steps (None elsewhere, or with ``args.no_progress``). Its output is a log file
-    that the driver streams: redrawn every 0.1 s it would flood a redirect of the driver's output."""
+    """Rank 0's progress bar in steps (None elsewhere, or with ``args.no_progress``). The driver streams it from a
+    log file: redrawn every 0.1 s it would flood a redirect of the driver's output."""
     if rank != 0 or args.no_progress:
         return None
     from tqdm import tqdm

@@ -1,5 +1,5 @@
-"""The pieces of the benchmarks' training loops: one method's model and optimizer on this rank (``Trainer``), the
-batches, the evaluation, and the reductions over ranks that the measurements take."""
+"""The benchmarks' training loop: one method on this rank (``Trainer``), its measured curve, the batches, the
+evaluation, and the reductions over ranks that the measurements take."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from bench.harness.methods import LocalExchange, Recipe, method as method_named,
 
 class Trainer:
     """One method (a name of bench.harness.methods, or a Recipe) on this rank: ``model`` under DDP with the
-    method's hook, or a replica under a local method; :func:`sgd`; and the bytes this rank sent so far by the
-    method's own count."""
+    method's hook, or a replica under a local method; :func:`sgd`; the bytes this rank sent by the method's count."""
 
     def __init__(self, method: str | Recipe, model: nn.Module, args: argparse.Namespace, world_size: int):
         self.model, self.trained, self.local, self.sent, self.world_size = model, model, None, 0, world_size
@@ -48,10 +47,9 @@ class Trainer:
         return float(loss.detach())
 
     def measured_step(self, loss_of, tx, last: bool = False) -> dict:
-        """One step, started by every rank together (the slowest rank's time is the step's), the exchange that
-        leaves one model after it when ``last``: its loss, seconds, CPU seconds (all of this process's threads), the
-        bytes this rank sent, by the method's own count and by ``tx`` (an emulated_network.TxCounter), and the
-        paths its buckets took (where the method says)."""
+        """One step started by every rank together (then, when ``last``, the exchange that leaves one model): its
+        loss, seconds, CPU seconds (all threads), bytes sent by the method's count and by ``tx`` (a TxCounter), and
+        its buckets' paths."""
         dist.barrier()
         tx_bytes, cpu, sent, start = tx.read(), time.process_time(), self.bytes_sent(), time.perf_counter()
         loss = self.step(loss_of)
@@ -65,8 +63,8 @@ class Trainer:
         return self.local.bytes_sent() if self.local is not None else self.sent
 
     def shared_model(self) -> nn.Module:
-        """The model the ranks share: the replica where they are one model (DDP: always; a local method: right
-        after an exchange), else the mean of the replicas in a copy (an allreduce the byte counts leave out)."""
+        """The model the ranks share: the replica where they are one model, else the mean of the replicas in a copy
+        (an allreduce the byte counts leave out)."""
         if self.local is None or self.local.synced():
             return self.model
         if self.mean is None:
@@ -85,9 +83,9 @@ def sgd(model: nn.Module, args: argparse.Namespace, momentum_in_hook: bool = Fal
 def train_curve(trainer: Trainer, steps: int, loss_at, evaluate, eval_every: int, tx, progress=None,
                 after_step=None) -> tuple[list[dict], list[dict]]:
     """Trains ``trainer`` for ``steps`` measured steps on ``loss_at(step)`` (a ``loss_of(model)``), calling
-    ``after_step(step)`` after each. Returns the curve, a point at step 0, every ``eval_every`` steps and the last:
-    ``evaluate(shared model)`` (a dict), the slowest rank's training seconds so far (evaluation left out) and this
-    rank's bytes sent so far (the method's count; ``tx_bytes``: its interface's); and every step's measurements."""
+    ``after_step(step)`` after each. Returns the curve (a point at step 0, every ``eval_every`` steps and the last:
+    ``evaluate(shared model)``, the slowest rank's training seconds and this rank's bytes sent so far) and every
+    step's measurements."""
     curve, measured = [], []
 
     def point(step: int) -> None:
@@ -110,8 +108,8 @@ def train_curve(trainer: Trainer, steps: int, loss_at, evaluate, eval_every: int
 
 
 def epoch_batches(epoch: int, seed: int, n_train: int, rank: int, world_size: int, batch_size: int) -> list:
-    """This rank's index batches for one epoch: one shuffle shared by every rank (same seed), each global batch of
-    world_size * batch_size split by rank; the incomplete last batch is dropped."""
+    """This rank's index batches for one epoch: one shuffle shared by the ranks, each global batch split by rank;
+    the incomplete last batch is dropped."""
     order = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     global_batch = world_size * batch_size
     return [order[start + rank * batch_size: start + (rank + 1) * batch_size]
@@ -127,8 +125,7 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
 
 @torch.no_grad()
 def load_consensus(model: nn.Module, evaluation: nn.Module, world_size: int) -> nn.Module:
-    """``evaluation`` (a model of the same shape) set to the mean of the replicas of ``model`` (an allreduce that
-    the byte counts leave out)."""
+    """``evaluation`` (a model of the same shape) set to the mean of the replicas of ``model``."""
     mean = parameters_to_vector(model.parameters()).detach().clone()
     dist.all_reduce(mean)
     vector_to_parameters(mean.div_(world_size), evaluation.parameters())
@@ -156,8 +153,7 @@ def gathered(values) -> list:
 
 
 def barrier_bytes(counter, probes: int = 20) -> float:
-    """Bytes one barrier puts on this rank's link (``counter``: an emulated_network.TxCounter), to take the barriers
-    that bracket a measurement off it."""
+    """Bytes one barrier puts on this rank's link (``counter``: a TxCounter), to take off a measurement's."""
     dist.barrier()
     start = counter.read()
     for _ in range(probes):

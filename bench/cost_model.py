@@ -9,6 +9,7 @@ time per step and scaling efficiency up to P = 1024 ranks. The formulas and the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -22,18 +23,14 @@ from bench.harness import cli, report
 from bench.harness.traffic import METHODS, SPARSE_METHODS, WIRES, features
 from bench.harness.traffic import bytes_per_rank as bytes_per_rank  # part of the model: tests check it here
 
-# per-element costs fitted from the exchanges
-COMPUTE_TERMS = ("merge", "scatter", "zero", "encode", "decode", "copy")
-PAPER = {"world_size": 32, "rate_bps": 10**9, "over_dense": (2.7, 12.0), "over_allgather": (1.1, 1.7)}
-PREDICT_WORLD_SIZES = tuple(2**i for i in range(1, 11))
-PREDICT_RATES = (10**9, 10**10, 10**11)
-# Two levels: nodes of 8 ranks, one link per node to the switch, and what moves inside a node, stated:
-# (alpha s, bytes per second) of NVLink (the bus bandwidth NCCL reaches in an 8-GPU A100 node, about 230 GB/s)
-# and of PCIe 4.0 x16 (24 GB/s per GPU, halved where two GPUs share a switch).
-NODE_SIZE = 8
+COMPUTE_TERMS = ("merge", "scatter", "zero", "encode", "decode", "copy")  # per-element costs fitted
+PAPER_P, PAPER_RATE = 32, 10**9  # the gTop-k paper's point: 32 machines, 1 Gbit/s Ethernet
+PREDICT_WORLD_SIZES, RATES = tuple(2**i for i in range(1, 11)), (10**9, 10**10, 10**11)
+# Two levels: nodes of 8 ranks, one link per node to the switch, and inside a node (alpha s, bytes per second) of
+# NVLink (the bus bandwidth NCCL reaches in an 8-GPU A100 node, about 230 GB/s) and of PCIe 4.0 x16 (24 GB/s per
+# GPU, halved where two GPUs share a switch).
+NODE_SIZE, TWO_LEVEL_WORLD_SIZES = 8, tuple(2**i for i in range(4, 11))
 INTRA_LINKS = {"NVLink": (5e-6, 200e9), "PCIe": (10e-6, 12e9)}
-TWO_LEVEL_RATES = (10**9, 10**10, 10**11)
-TWO_LEVEL_WORLD_SIZES = tuple(2**i for i in range(4, 11))
 
 
 def selected_elements(method: str, numel: int, local: int = 1) -> int:
@@ -73,15 +70,9 @@ def cpu_share(row: dict) -> float:
     return max(1.0, row["world_size"] / row["cores"])
 
 
-def row_features(row: dict) -> dict[str, float]:
-    return features(row["method"], row["numel"], row["k"], row["world_size"], cpu_share(row),
-                    row.get("wire") or "plain", row.get("local_size", 1), row.get("inner") or "gtopk")
-
-
 def row_label(row: dict) -> str:
     """The method, its wire when compact, and the layout when two levels."""
-    name = row["method"] + ("/compact" if row.get("wire") == "compact" else "")
-    local = row.get("local_size", 1)
+    name, local = row["method"] + ("/compact" if row.get("wire") == "compact" else ""), row.get("local_size", 1)
     return name if local == 1 else f"{name} {row['world_size'] // local}x{local}"
 
 
@@ -103,10 +94,10 @@ def fit(rows: list[dict]) -> Fit:
     select = float(np.mean([t / n for n, t in select_rows])) if select_rows else 0.0
     rates = sorted({row["rate"] for row in rows})
     columns = ["alpha", *(f"beta:{rate}" for rate in rates), "alpha_intra", "beta_intra", *COMPUTE_TERMS]
-    design = np.zeros((len(rows), len(columns)))
-    offset = np.zeros(len(rows))
+    design, offset = np.zeros((len(rows), len(columns))), np.zeros(len(rows))
     for i, row in enumerate(rows):
-        for name, value in row_features(row).items():
+        for name, value in features(row["method"], row["numel"], row["k"], row["world_size"], cpu_share(row),
+                                    row.get("wire") or "plain", row.get("local_size", 1)).items():
             design[i, columns.index(f"beta:{row['rate']}" if name == "beta" else name)] = value
         if row["method"] == "hierarchical":
             offset[i] = select * selected_elements("hierarchical", row["numel"], row["local_size"]) * cpu_share(row)
@@ -119,8 +110,7 @@ def fit(rows: list[dict]) -> Fit:
     model = CostModel(alpha=params["alpha"], beta={rate: params[f"beta:{rate}"] for rate in rates},
                       select=select, rate_bps={row["rate"]: row["rate_bps"] for row in rows},
                       **{name: params[name] for name in (*COMPUTE_TERMS, "alpha_intra", "beta_intra")})
-    relative = predicted / measured - 1
-    labels = [row_label(row) for row in rows]
+    relative, labels = predicted / measured - 1, [row_label(row) for row in rows]
     quality = {"rows": len(rows), "r2": float(1 - np.sum((measured - predicted) ** 2)
                                               / np.sum((measured - measured.mean()) ** 2)),
                "median_abs_rel_error": float(np.median(np.abs(relative))),
@@ -220,22 +210,20 @@ def predict(model: CostModel, args: argparse.Namespace) -> dict:
     operating point; the time per step on two levels."""
     table = {(rate, p, label(method, density, wire)): args.compute_s / (args.compute_s + comm_time(
         model, method, args.numel, density, p, rate, args.compute_scale, wire=wire))
-        for rate in PREDICT_RATES for p in PREDICT_WORLD_SIZES for method, density, wire in series(args.densities)}
-    paper = {}
-    for density in args.densities:
-        key = (PAPER["rate_bps"], PAPER["world_size"])
-        paper[density] = {wire: {"over_dense": table[(*key, label("gtopk", density, wire))] / table[(*key, "dense")],
-                                 "over_allgather": table[(*key, label("gtopk", density, wire))]
-                                 / table[(*key, label("allgather", density, wire))]} for wire in WIRES}
+        for rate in RATES for p in PREDICT_WORLD_SIZES for method, density, wire in series(args.densities)}
+    def at_paper(method: str, density: float | None, wire: str = "plain") -> float:
+        return table[(PAPER_RATE, PAPER_P, label(method, density, wire))]
+
+    paper = {d: {wire: {"over_dense": at_paper("gtopk", d, wire) / at_paper("dense", None),
+                        "over_allgather": at_paper("gtopk", d, wire) / at_paper("allgather", d, wire)}
+                 for wire in WIRES} for d in args.densities}
     two_level = {}
-    for intra_name, intra in INTRA_LINKS.items():
-        for rate in TWO_LEVEL_RATES:
-            for p in TWO_LEVEL_WORLD_SIZES:
-                for method, density, wire in two_level_series(args.densities):
-                    seconds = comm_time(model, method, args.numel, density, p, rate, args.compute_scale, wire=wire,
-                                        local=NODE_SIZE, intra=intra)
-                    two_level[(intra_name, rate, p, label(method, density, wire))] = {
-                        "step_s": args.compute_s + seconds, "efficiency": args.compute_s / (args.compute_s + seconds)}
+    for (intra_name, intra), rate, p, (method, density, wire) in itertools.product(
+            INTRA_LINKS.items(), RATES, TWO_LEVEL_WORLD_SIZES, two_level_series(args.densities)):
+        seconds = comm_time(model, method, args.numel, density, p, rate, args.compute_scale, wire=wire,
+                            local=NODE_SIZE, intra=intra)
+        two_level[(intra_name, rate, p, label(method, density, wire))] = {
+            "step_s": args.compute_s + seconds, "efficiency": args.compute_s / (args.compute_s + seconds)}
     return {"table": table, "paper": paper, "two_level": two_level, "alpha": model.alpha}
 
 
@@ -283,18 +271,18 @@ def print_report(fit_result: Fit, prediction: dict, args: argparse.Namespace) ->
           f"x{model.wire_overhead():.3f}, per-element costs x{args.compute_scale:g}; one rank per machine, one link "
           f"each")
     for density in args.densities:
-        print(report.table([(rate, p) for rate in PREDICT_RATES for p in (2, 8, 32, 128, 1024)], [
+        print(report.table([(rate, p) for rate in RATES for p in (2, 8, 32, 128, 1024)], [
             ("link", "", lambda row: f"{row[0] / 1e9:g}Gb/s"), ("P", "d", lambda row: row[1]),
             *((name, ".3f", lambda row, name=name: prediction["table"][(*row, name)])
               for name in (label(*s) for s in series([density])))]))
-    print(f"\nat the paper's point (P = {PAPER['world_size']}, 1 Gbit/s): gTop-k's efficiency over")
+    print(f"\nat the paper's point (P = {PAPER_P}, 1 Gbit/s): gTop-k's efficiency over")
     for density, by_wire in prediction["paper"].items():
         for wire, ratio in by_wire.items():
             print(f"  density {density:g}, {wire:7} wire: dense x{ratio['over_dense']:.2f} (paper 2.7-12x), "
                   f"allgather x{ratio['over_allgather']:.2f} (paper 1.1-1.7x)")
     print(f"\ntwo levels: nodes of {NODE_SIZE} ranks, one link per node to the switch; step seconds (efficiency)")
     for intra_name in INTRA_LINKS:
-        for rate in TWO_LEVEL_RATES:
+        for rate in RATES:
             print(f"\n{intra_name} inside, {rate / 1e9:g} Gbit/s between nodes")
             print(report.table([label(*s) for s in two_level_series(args.densities)], [("series", "", lambda n: n)] + [
                 (f"P = {p}", "", lambda n, p=p: "{step_s:.3f} s ({efficiency:.3f})".format(
@@ -309,7 +297,7 @@ def plot(panels: list[tuple], path: Path, title: str = "", fit_result: Fit | Non
     """2 x 2 panels of scaling efficiency against P, each (world sizes, curves, efficiency_of(P, label), title, whether
     to mark the paper's point): a line per (method, density, wire) curve, plain wire solid, compact dashed; the last
     panel the fit when given."""
-    figure, axes = report.pyplot().subplots(2, 2, figsize=(12, 9))
+    figure, axes = report.figure(2, 2, (12, 9))
     for axis, (world_sizes, curves, efficiency_of, panel_title, paper) in zip(axes.flat, panels):
         for method, density, wire in curves:
             name = label(method, density, wire)
@@ -321,9 +309,9 @@ def plot(panels: list[tuple], path: Path, title: str = "", fit_result: Fit | Non
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
         if paper:
-            axis.axvline(PAPER["world_size"], color="grey", linewidth=0.8)
+            axis.axvline(PAPER_P, color="grey", linewidth=0.8)
             axis.annotate("paper: P=32, 1 Gbit/s\ngTop-k 2.7-12x dense,\n1.1-1.7x allgather",
-                          (PAPER["world_size"], 0.55), xytext=(40, 0.6), fontsize=8)
+                          (PAPER_P, 0.55), xytext=(40, 0.6), fontsize=8)
     if fit_result is not None:  # measured against modelled time per exchange
         axis, residuals = axes.flat[3], fit_result.residuals
         for method in METHODS:
@@ -345,7 +333,7 @@ def plot(panels: list[tuple], path: Path, title: str = "", fit_result: Fit | Non
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__)
+    parser = cli.parser(__doc__, densities=[0.001, 0.01])
     parser.add_argument("--json", type=Path, nargs="+", required=True,
                         help="bench/netem_scaling.py's JSON files (their rows are fitted together)")
     parser.add_argument("--numel", type=float, default=25.6e6, help="gradient elements (ResNet-50: 25.6M)")
@@ -354,7 +342,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compute-scale", type=float, default=1.0,
                         help="multiplies the fitted per-element selection/merge/scatter/coding costs (1: this "
                              "machine's CPU core; below 1 for an accelerator)")
-    cli.add_common(parser, densities=[0.001, 0.01])
     parser.add_argument("--alpha-s", type=float, default=None,
                         help="seconds per message between machines for the predictions (default: the fitted alpha, "
                              "this machine's: namespaces, tbf and shared cores)")
@@ -379,14 +366,14 @@ def main(argv: list[str] | None = None) -> int:
                f"{prediction['alpha'] * 1e6:.0f} us, per-element costs x{args.compute_scale:g}")
     if args.plot:  # one rank per machine: 1 and 10 Gbit/s at the first two densities, and the fit
         plot([(PREDICT_WORLD_SIZES, series([density]), lambda p, name, rate=rate: prediction["table"][(rate, p, name)],
-               f"{rate / 1e9:g} Gbit/s, density {density:g}", rate == PAPER["rate_bps"])
-              for rate in PREDICT_RATES[:2] for density in args.densities[:2]][:3], args.plot, setting, fit_result)
+               f"{rate / 1e9:g} Gbit/s, density {density:g}", rate == PAPER_RATE)
+              for rate in RATES[:2] for density in args.densities[:2]][:3], args.plot, setting, fit_result)
     if args.plot_two_level:  # nodes of NODE_SIZE ranks, per intra-node link and node link rate, the first density
         plot([(TWO_LEVEL_WORLD_SIZES, two_level_series(args.densities[:1]),
                lambda p, name, i=intra, r=rate: prediction["two_level"][(i, r, p, name)]["efficiency"],
                f"{intra} inside nodes of {NODE_SIZE}, {rate / 1e9:g} Gbit/s per node; density {args.densities[0]:g}",
                False)
-              for intra in INTRA_LINKS for rate in TWO_LEVEL_RATES[:2]], args.plot_two_level, setting)
+              for intra in INTRA_LINKS for rate in RATES[:2]], args.plot_two_level, setting)
     if args.out:
         report.write_json(
             args.out, args, model=asdict(fit_result.model), wire_overhead=fit_result.model.wire_overhead(),

@@ -219,9 +219,8 @@ def columns(rows: list[dict], target: float) -> list[tuple]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__)
-    cli.add_common(parser, world_size=4, seeds=[0], model="cnn", batch_size=16, lr=0.05, momentum=0.9,
-                   densities=[0.01, 0.001], no_progress=False)
+    parser = cli.parser(__doc__, world_size=4, seeds=[0], model="cnn", batch_size=16, lr=0.05, momentum=0.9,
+                        densities=[0.01, 0.001], no_progress=False)
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
                         metavar="METHOD", help=f"dense (DDP's allreduce), fp16 (fp16_compress_hook), powersgd-<rank> "
                         f"(one bucket), hook-dense (the hook's dense collective), or the hook as <compressor>-"

@@ -225,10 +225,10 @@ def write_report(args: argparse.Namespace, corpus: dict, records: list[dict]) ->
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__)
+    # --eval-every: a multiple of every local method's H
+    parser = cli.parser(__doc__, world_size=4, steps=600, eval_every=50, batch_size=8, lr=0.1, momentum=0.9, seed=0,
+                        json=None, plot=None, no_progress=False)
     parser.add_argument("--methods", nargs="+", type=method_name, default=list(DEFAULT_METHODS))
-    cli.add_common(parser, world_size=4, steps=600, eval_every=50, batch_size=8, lr=0.1, momentum=0.9, seed=0,
-                   json=None, plot=None, no_progress=False)  # --eval-every: a multiple of every local method's H
     for flag, default in (("--seq-len", 128), ("--d-model", 256), ("--layers", 7), ("--heads", 4)):
         parser.add_argument(flag, type=int, default=default, help="the transformer's")
     add_dgc_arguments(parser)

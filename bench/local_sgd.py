@@ -102,9 +102,8 @@ def line_style(index: int, run: dict) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__)
-    cli.add_common(parser, world_size=4, steps=640, eval_every=32, batch_size=32, model="mlp", lr=0.05, momentum=0.9,
-                   seed=0, json=None, plot=None)
+    parser = cli.parser(__doc__, world_size=4, steps=640, eval_every=32, batch_size=32, model="mlp", lr=0.05,
+                        momentum=0.9, seed=0, json=None, plot=None)
     add_outer_arguments(parser)
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                         type=lambda text: text if text == "diloco-equal" else method_name(text))

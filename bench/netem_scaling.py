@@ -137,10 +137,9 @@ COLUMNS = [("P", "2d", "world_size"), ("L", "2d", "local_size"), ("rate", ">8", 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__)
+    parser = cli.parser(__doc__, densities=[0.001, 0.01])
     parser.add_argument("--sizes", type=lambda s: int(float(s)), nargs="+", default=[1_000_000, 25_000_000,
                                                                                      100_000_000])
-    cli.add_common(parser, densities=[0.001, 0.01])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--rates", type=parse_rate, nargs="+", default=[parse_rate("1gbit"), parse_rate("100mbit")],
                         help="link rates (tbf), e.g. 1gbit 100mbit")

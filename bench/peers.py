@@ -135,18 +135,16 @@ def summarize(name: str, runs: list[dict], args: argparse.Namespace) -> dict:
 def stage_table(runs: list[dict], args: argparse.Namespace) -> str:
     """Per stage of the dgc methods' density warm-up (after the dense steps): each method's step time, the median
     over seeds of the median over the stage's steps, and its ratio to DDP's where DDP ran."""
-    schedule = gx.exponential_warmup(0.01, args.dgc_warmup, args.dgc_warmup_start)
-    starts = sorted({args.dgc_dense_steps, *(start for start, _ in schedule if start > args.dgc_dense_steps)})
+    starts = sorted({args.dgc_dense_steps, *(start for start, _ in gx.exponential_warmup(
+        0.01, args.dgc_warmup, args.dgc_warmup_start) if start > args.dgc_dense_steps)})
     edges = [start for start in starts if start < args.steps] + [args.steps]
-    lines = ["| iterations | " + " | ".join(args.methods) + " |", "|---|" + "---:|" * len(args.methods)]
-    for begin, end in zip(edges, edges[1:]):
-        medians = {name: statistics.median(statistics.median(max(per_rank) for per_rank in
-                                                             list(zip(*run[name]["seconds"]))[begin:end])
-                                           for run in runs) for name in args.methods}
-        cells = [f"{1e3 * t:.0f}" + (f" ({t / medians['ddp']:.2f}x)" if "ddp" in medians else "")
-                 for t in medians.values()]
-        lines.append(f"| {begin}-{end - 1} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    rows = [{"iterations": f"{begin}-{end - 1}", **{name: statistics.median(statistics.median(
+        max(per_rank) for per_rank in list(zip(*run[name]["seconds"]))[begin:end]) for run in runs)
+        for name in args.methods}} for begin, end in zip(edges, edges[1:])]
+    def cell(name: str):
+        return lambda r: f"{1e3 * r[name]:.0f}" + (f" ({r[name] / r['ddp']:.2f}x)" if "ddp" in r else "")
+    return report.table(rows, [("iterations", "", "iterations")] + [(name, "", cell(name)) for name in args.methods],
+                        markdown=True)
 
 
 def cpu_busy_seconds() -> float:
@@ -164,32 +162,19 @@ def own_cpu_seconds() -> float:
 
 
 def markdown_table(rows: list[dict], args: argparse.Namespace) -> str:
-    ddp = next((row for row in rows if row["method"] == "ddp"), None)
-    target = f"{100 * args.target:g}%"
+    ddp, target = next((row for row in rows if row["method"] == "ddp"), None), f"{100 * args.target:g}%"
     return report.table(rows, [
-        ("method", "", "label"),
-        ("ms/step (p25-p75)", "", lambda r: f"{r['ms_per_step']:.1f} ({r['ms_per_step_p25']:.1f}-"
-                                            f"{r['ms_per_step_p75']:.1f})"),
+        ("method", "", "label"), ("ms/step (p25-p75)", "", lambda r: "{ms_per_step:.1f} ({ms_per_step_p25:.1f}-"
+                                                                     "{ms_per_step_p75:.1f})".format(**r)),
         ("vs DDP", "", lambda r: ddp and f"{r['ms_per_step'] / ddp['ms_per_step']:.2f}x"),
         ("MB/rank/step wire", ".3f", "tx_mb_per_step"), ("MB/rank/step own", ".3f", "own_mb_per_step"),
         ("CPU ms/step/rank", ".1f", "cpu_ms_per_step"), ("test acc", ".1%", "final_accuracy"),
         (f"steps to {target}", "g", "steps_to_target"), (f"s to {target}", ".1f", "seconds_to_target")], markdown=True)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    """Test accuracy against training seconds, one line per method (means over seeds)."""
-    curves = [{"method": row["method"], "label": row["label"],
-               "curve": [{key: statistics.fmean(p[key] for p in seeds) for key in ("train_seconds", "accuracy")}
-                         for seeds in zip(*row["curves"])]} for row in rows]  # per eval: one point per seed
-    report.plot_curves(curves, path, title, [("training seconds (slowest rank's steps, evaluation excluded)",
-                                              lambda c: c["train_seconds"], "linear", "test accuracy (%)",
-                                              lambda c: 100 * c["accuracy"], "linear")],
-                       style=lambda i, r: {"color": "black", "linestyle": "--"} if r["method"] == "floor" else
-                       {"color": f"C{i % 10}"})
-
-
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__)
+    parser = cli.parser(__doc__, world_size=4, steps=100, eval_every=10, seeds=[0], batch_size=32, lr=0.05,
+                        momentum=0.9, json=None, plot=Path("peers.png"), no_progress=False)
     parser.add_argument("--methods", nargs="+", type=lambda text: method_name(text, ddp_only=True),
                         default=list(METHODS),
                         help=f"DDP methods (bench/harness/methods.py), e.g. {' '.join(METHODS)}, dgc-0.01-sparse, "
@@ -201,8 +186,6 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                         help="parameters of --model mlp or deep (17.1M: mlp's h = 4097)")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="DDP's bucket cap of every method but PowerSGD (default: DDP's own, 25)")
-    cli.add_common(parser, world_size=4, steps=100, eval_every=10, seeds=[0], batch_size=32, lr=0.05, momentum=0.9,
-                   json=None, plot=Path("peers.png"), no_progress=False)
     parser.add_argument("--target", type=float, default=0.9, help="test accuracy whose steps and seconds to report")
     parser.add_argument("--nesterov", action="store_true",
                         help="Nesterov momentum in the optimizer (the dgc methods': --dgc-nesterov, in the hook)")
@@ -246,7 +229,13 @@ def main(argv: Optional[list] = None) -> int:
         if name.endswith("-sync") and name[:-len("-sync")] in args.methods:
             equal = all(run[name]["digest"] == run[name[:-len("-sync")]]["digest"] for run in runs)
             print(f"\n{name[:-len('-sync')]} and {name}: parameters bitwise equal after every seed: {equal}")
-    plot(rows, args.plot, setting)
+    curves = [{"method": row["method"], "label": row["label"],  # the mean over seeds of each evaluation
+               "curve": [{key: statistics.fmean(p[key] for p in seeds) for key in ("train_seconds", "accuracy")}
+                         for seeds in zip(*row["curves"])]} for row in rows]
+    report.plot_curves(curves, args.plot, setting, [
+        ("training seconds (slowest rank's steps, evaluation excluded)", lambda c: c["train_seconds"], "linear",
+         "test accuracy (%)", lambda c: 100 * c["accuracy"], "linear")],
+        style=lambda i, r: {"color": "black", "linestyle": "--"} if r["method"] == "floor" else {"color": f"C{i % 10}"})
     if args.json:
         report.write_json(args.json, args, network=network, load=load, warmup_steps=WARMUP_STEPS,
                           parameters=measured["parameters"], table=rows, runs=runs)

@@ -133,14 +133,13 @@ def load_consensus(model: nn.Module, evaluation: nn.Module, world_size: int) -> 
 
 
 def reduced(values, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """``values`` (a number or a list) reduced over the ranks, as float64."""
+    """``values`` (a number or a list) reduced over the ranks (by default summed), as float64."""
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor, op=op)
     return tensor
 
 
 def slowest(values) -> torch.Tensor:
-    """The ranks' largest of each of ``values``."""
     return reduced(values, dist.ReduceOp.MAX)
 
 

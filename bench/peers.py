@@ -49,56 +49,45 @@ def build_model(args: argparse.Namespace, seed: int) -> nn.Module:
     return mlp([max(16, round(math.sqrt(args.mlp_params / DEEP_LAYERS)))] * DEEP_LAYERS, seed)
 
 
-def run_seed(seed: int, args: argparse.Namespace, rank: int, world_size: int, data: tuple, counter: TxCounter,
-             progress) -> dict:
-    """Every method for ``args.steps`` interleaved steps; rank 0 gets every rank's measurements."""
-    train_x, train_y, test_x, test_y = data
-    # the same initial weights for every method
-    trainers = {name: Trainer(name, build_model(args, seed), args, world_size) for name in args.methods}
-    measured = {name: [] for name in args.methods}
-    evals = {name: [] for name in args.methods}
-    per_epoch = len(train_y) // (world_size * args.batch_size)
-    batches = [index for epoch in range(-(-args.steps // per_epoch))
-               for index in epoch_batches(epoch, seed, len(train_y), rank, world_size, args.batch_size)]
-    for step in range(args.steps + 1):
-        names = args.methods[step % len(args.methods):] + args.methods[:step % len(args.methods)]
-        for name in names if step else []:  # a rotating order: no method always runs first
-            if progress is not None:
-                progress.set_description(f"seed {seed} step {step} {name}", refresh=False)
-                progress.update()
-            index = batches[step - 1]
-            measured[name].append(trainers[name].measured_step(
-                lambda model: nn.functional.cross_entropy(model(train_x[index]), train_y[index]), counter))
-        if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
-            for name in args.methods:
-                evals[name].append((step, evaluate(trainers[name].model, test_x, test_y)[0]))
-    results = {}
-    for name, steps in measured.items():
-        per_rank = gathered([[m[key] for m in steps] for key in ("seconds", "cpu_seconds", "tx_bytes", "bytes")])
-        seconds, cpu, tx, own = (list(values) for values in zip(*per_rank))  # each [rank][step]
-        results[name] = {"seconds": seconds, "cpu_seconds": cpu, "tx_bytes": tx if counter.path else None,
-                         "own_bytes": own, "buckets": trainers[name].accounting.buckets(),
-                         "paths": [m["paths"] for m in steps], "evals": evals[name],
-                         "digest": parameters_digest(trainers[name].model)}
-    return results
-
-
-def parameters_digest(model: nn.Module) -> str:
-    """A digest of the parameters' bits: equal digests, bitwise equal models."""
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+def digest(model: nn.Module) -> str:
+    """The parameters' bits: equal digests, bitwise equal models."""
+    return hashlib.sha256(b"".join(p.detach().contiguous().view(torch.uint8).numpy().tobytes()
+                                   for p in model.parameters())).hexdigest()
 
 
 def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> dict:
-    """One rank: every seed's measurements."""
-    data = load_digits_split()
-    counter = TxCounter(config["ifname"])
+    """One rank: per seed, every method for ``args.steps`` interleaved steps (a rotating order: no method always
+    runs first); rank 0 gets every rank's measurements."""
+    train_x, train_y, test_x, test_y = load_digits_split()
+    counter, runs = TxCounter(config["ifname"]), []
     progress = report.progress(len(args.seeds) * args.steps * len(args.methods), rank, args, config)
-    runs = []
-    for seed in args.seeds:
-        runs.append(run_seed(seed, args, rank, world_size, data, counter, progress))
+    per_epoch = len(train_y) // (world_size * args.batch_size)
+    for seed in args.seeds:  # the same initial weights for every method
+        trainers = {name: Trainer(name, build_model(args, seed), args, world_size) for name in args.methods}
+        measured, evals = {name: [] for name in args.methods}, {name: [] for name in args.methods}
+        batches = [index for epoch in range(-(-args.steps // per_epoch))
+                   for index in epoch_batches(epoch, seed, len(train_y), rank, world_size, args.batch_size)]
+        for step in range(args.steps + 1):
+            for name in (args.methods[step % len(args.methods):] + args.methods[:step % len(args.methods)]
+                         if step else []):
+                if progress is not None:
+                    progress.set_description(f"seed {seed} step {step} {name}", refresh=False)
+                    progress.update()
+                index = batches[step - 1]
+                measured[name].append(trainers[name].measured_step(
+                    lambda model: nn.functional.cross_entropy(model(train_x[index]), train_y[index]), counter))
+            if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
+                for name in args.methods:
+                    evals[name].append((step, evaluate(trainers[name].model, test_x, test_y)[0]))
+        runs.append({})
+        for name, steps in measured.items():  # each [rank][step]
+            seconds, cpu, tx, own = zip(*gathered([[m[key] for m in steps]
+                                                   for key in ("seconds", "cpu_seconds", "tx_bytes", "bytes")]))
+            runs[-1][name] = {"seconds": seconds, "cpu_seconds": cpu, "tx_bytes": tx if counter.path else None,
+                              "own_bytes": own, "buckets": trainers[name].accounting.buckets(),
+                              "paths": [m["paths"] for m in steps], "evals": evals[name],
+                              "digest": digest(trainers[name].model)}
+        del trainers
         gc.collect()  # DDP models sit in reference cycles: free one seed's models before the next seed's
     if progress is not None:
         progress.close()

@@ -67,7 +67,7 @@ def run_method(method: str, scenario: str, rank: int, world_size: int, args: arg
         weights = torch.stack(every)  # [rank, global step, element]
         spread = float((weights - weights.mean(0)).square().mean((0, 2)).sqrt().mean())
     # the consensus (global average) model; DDP's replicas are equal already
-    accuracy = evaluate(load_consensus(model, model, world_size), test_x, test_y)[0]
+    accuracy = evaluate(load_consensus(model, model), test_x, test_y)[0]
     return {"steps_per_s": args.steps / float(elapsed), "accuracy": accuracy, "spread": spread}
 
 

@@ -21,9 +21,9 @@ class Trainer:
     method's hook, or a replica under a local method; :func:`sgd`; the bytes this rank sent by the method's count."""
 
     def __init__(self, method: str | Recipe, model: nn.Module, args: argparse.Namespace, world_size: int):
-        self.model, self.trained, self.local, self.sent, self.world_size = model, model, None, 0, world_size
+        self.model, self.trained, self.local, self.sent, self.mean = model, model, None, 0, None
         found = method if isinstance(method, Recipe) else method_named(method)
-        self.recipe, self.mean = (found if isinstance(found, Recipe) else None), None
+        self.recipe = found if isinstance(found, Recipe) else None
         if self.recipe is not None:
             # One bucket: a cap above the model's size (DDP's first bucket then has that cap too).
             cap_mb = numel_of(model) * 4 / 2**20 + 1 if self.recipe.one_bucket else getattr(args, "bucket_cap_mb", None)
@@ -34,30 +34,25 @@ class Trainer:
             self.local = LocalExchange(found, model, self.optimizer, args, world_size)
             self.optimizer = self.local.optimizer
 
-    def step(self, loss_of) -> float:
-        """One step on ``loss_of(trained_model)``; returns the loss."""
+    def measured_step(self, loss_of, tx, last: bool = False) -> dict:
+        """One step on ``loss_of(trained model)``, started by every rank together (then, when ``last``, the exchange
+        that leaves one model): its loss, seconds, CPU seconds (all threads), bytes sent by the method's count and
+        by ``tx`` (a TxCounter), and its buckets' paths."""
+        dist.barrier()
+        tx_bytes, cpu, sent, start = tx.read(), time.process_time(), self.bytes_sent(), time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss = loss_of(self.trained)
         loss.backward()
         self.optimizer.step()
         if self.local is not None:
             self.local.after_step()
+            if last:  # every method ends with one model
+                self.local.finish()
         else:
             self.sent += self.accounting.bytes_sent()
-        return float(loss.detach())
-
-    def measured_step(self, loss_of, tx, last: bool = False) -> dict:
-        """One step started by every rank together (then, when ``last``, the exchange that leaves one model): its
-        loss, seconds, CPU seconds (all threads), bytes sent by the method's count and by ``tx`` (a TxCounter), and
-        its buckets' paths."""
-        dist.barrier()
-        tx_bytes, cpu, sent, start = tx.read(), time.process_time(), self.bytes_sent(), time.perf_counter()
-        loss = self.step(loss_of)
-        if last and self.local is not None:  # every method ends with one model
-            self.local.finish()
-        return {"loss": loss, "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu,
-                "bytes": self.bytes_sent() - sent, "tx_bytes": tx.read() - tx_bytes,
-                "paths": self.accounting.paths() if self.local is None else None}
+        return {"loss": float(loss.detach()), "seconds": time.perf_counter() - start,
+                "cpu_seconds": time.process_time() - cpu, "bytes": self.bytes_sent() - sent,
+                "tx_bytes": tx.read() - tx_bytes, "paths": self.accounting.paths() if self.local is None else None}
 
     def bytes_sent(self) -> int:
         return self.local.bytes_sent() if self.local is not None else self.sent
@@ -69,7 +64,7 @@ class Trainer:
             return self.model
         if self.mean is None:
             self.mean = copy.deepcopy(self.model)
-        return load_consensus(self.model, self.mean, self.world_size)
+        return load_consensus(self.model, self.mean)
 
 
 def sgd(model: nn.Module, args: argparse.Namespace, momentum_in_hook: bool = False) -> torch.optim.SGD:
@@ -87,23 +82,18 @@ def train_curve(trainer: Trainer, steps: int, loss_at, evaluate, eval_every: int
     ``evaluate(shared model)``, the slowest rank's training seconds and this rank's bytes sent so far) and every
     step's measurements."""
     curve, measured = [], []
-
-    def point(step: int) -> None:
-        done = measured[:step]
-        curve.append({"step": step, "seconds": float(slowest([sum(m["seconds"] for m in done)])),
-                      "bytes_sent": trainer.bytes_sent(), "tx_bytes": sum(m["tx_bytes"] for m in done),
-                      **evaluate(trainer.shared_model())})
-
-    point(0)
-    for step in range(1, steps + 1):
-        measured.append(trainer.measured_step(loss_at(step), tx, last=step == steps))
-        if after_step is not None:
-            after_step(step)
+    for step in range(steps + 1):
+        if step:
+            measured.append(trainer.measured_step(loss_at(step), tx, last=step == steps))
+            if after_step is not None:
+                after_step(step)
+            if progress is not None:
+                progress.set_postfix(loss=f"{measured[-1]['loss']:.3f}", refresh=False)
+                progress.update()
         if step % eval_every == 0 or step == steps:
-            point(step)
-        if progress is not None:
-            progress.set_postfix(loss=f"{measured[-1]['loss']:.3f}", refresh=False)
-            progress.update()
+            curve.append({"step": step, "seconds": float(slowest([sum(m["seconds"] for m in measured)])),
+                          "bytes_sent": trainer.bytes_sent(), "tx_bytes": sum(m["tx_bytes"] for m in measured),
+                          **evaluate(trainer.shared_model())})
     return curve, measured
 
 
@@ -124,11 +114,11 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
 
 
 @torch.no_grad()
-def load_consensus(model: nn.Module, evaluation: nn.Module, world_size: int) -> nn.Module:
-    """``evaluation`` (a model of the same shape) set to the mean of the replicas of ``model``."""
+def load_consensus(model: nn.Module, evaluation: nn.Module) -> nn.Module:
+    """``evaluation`` (a model of the same shape, or ``model`` itself) set to the mean of the replicas of ``model``."""
     mean = parameters_to_vector(model.parameters()).detach().clone()
     dist.all_reduce(mean)
-    vector_to_parameters(mean.div_(world_size), evaluation.parameters())
+    vector_to_parameters(mean.div_(dist.get_world_size()), evaluation.parameters())
     return evaluation
 
 

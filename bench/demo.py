@@ -306,11 +306,11 @@ def main(argv: list[str] | None = None) -> None:
     report.write_json(args.out / "demo.json", args, table=rows, runs=records)
     curves = [{"label": r["method"] + (f" d={r['density']:g}" if r["density"] < 1 else ""), "curve": r["eval"]}
               for r in rows]
-    report.plot_curves(curves, args.out / "demo.png", f"{setting}; {args.epochs} epochs, mean of seeds {seeds}", [
-        (x_label, x, scale, "test accuracy (%)", lambda p: 100 * p["test_accuracy"], "linear")
-        for x_label, x, scale in (("step", lambda p: p["step"], "linear"),
-                                  ("training seconds (slowest rank)", lambda p: p["seconds"], "linear"),
-                                  ("MB sent per rank", lambda p: p["bytes_sent"] / 1e6, "log"))])
+    report.plot_curves(curves, args.out / "demo.png", f"{setting}; {args.epochs} epochs, mean of seeds {seeds}",
+                       "test accuracy (%)", lambda p: 100 * p["test_accuracy"], [
+                           ("step", lambda p: p["step"], "linear"),
+                           ("training seconds (slowest rank)", lambda p: p["seconds"], "linear"),
+                           ("MB sent per rank", lambda p: p["bytes_sent"] / 1e6, "log")])
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ the same weights on the same batches, on loopback or emulated links (as root). d
 """
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -35,9 +36,13 @@ CONFIGURATION = ("world_size", "steps", "eval_every", "batch_size", "seq_len", "
                  "val_windows", "seed", "rate")
 
 
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
 def corpus_files(root: Optional[Path] = None) -> list[str]:
     """The standard library's ``*.py`` files as sorted paths relative to ``root`` (installed packages left out)."""
-    root = Path(sysconfig.get_paths()["stdlib"]) if root is None else root
+    root = stdlib_root() if root is None else root
     return sorted(path.relative_to(root).as_posix() for path in root.rglob("*.py")
                   if path.is_file() and not {"site-packages", "dist-packages"} & set(path.relative_to(root).parts))
 
@@ -54,9 +59,8 @@ def split_files(files: list[str], val_percent: float) -> tuple[list[str], list[s
     return [f for f, out in zip(files, held_out) if not out], [f for f, out in zip(files, held_out) if out]
 
 
-def load_bytes(files: list[str]) -> torch.Tensor:
+def load_bytes(root: Path, files: list[str]) -> torch.Tensor:
     """The files' bytes, concatenated, each followed by a NUL byte (which no source file contains)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     return torch.frombuffer(bytearray(b"".join((root / f).read_bytes() + b"\0" for f in files)), dtype=torch.uint8)
 
 
@@ -64,6 +68,19 @@ def windows(stream: torch.Tensor, count: int, length: int, generator: torch.Gene
     """``count`` random windows of ``length`` bytes of ``stream`` as token ids: [count, length] int64."""
     starts = torch.randint(0, len(stream) - length, (count,), generator=generator)
     return stream[starts.unsqueeze(1) + torch.arange(length)].long()
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab: int = 256
+    seq_len: int = 128
+    d_model: int = 256
+    layers: int = 7
+    heads: int = 4
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(seq_len=args.seq_len, d_model=args.d_model, layers=args.layers, heads=args.heads)
 
 
 class Block(nn.Module):
@@ -86,19 +103,19 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    """A decoder-only transformer over bytes (``args``' --seq-len, --d-model, --layers, --heads): token and learned
-    position embeddings, pre-LN blocks, a final LayerNorm and an untied output head; GPT-2's initialisation."""
+    """A decoder-only transformer over bytes: token and learned position embeddings, pre-LN blocks, a final
+    LayerNorm and an untied output head; GPT-2's initialisation."""
 
-    def __init__(self, args: argparse.Namespace, seed: int = 0):
+    def __init__(self, config: ModelConfig, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
-        self.token_embedding = nn.Embedding(256, args.d_model)
-        self.position_embedding = nn.Embedding(args.seq_len, args.d_model)
-        self.blocks = nn.ModuleList(Block(args.d_model, args.heads) for _ in range(args.layers))
-        self.ln_final, self.head = nn.LayerNorm(args.d_model), nn.Linear(args.d_model, 256)
+        self.token_embedding = nn.Embedding(config.vocab, config.d_model)
+        self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
+        self.blocks = nn.ModuleList(Block(config.d_model, config.heads) for _ in range(config.layers))
+        self.ln_final, self.head = nn.LayerNorm(config.d_model), nn.Linear(config.d_model, config.vocab)
         for name, p in self.named_parameters():
             if p.dim() == 2:
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * args.layers) if name.endswith(
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.layers) if name.endswith(
                     ("attention_out.weight", "mlp.2.weight")) else 0.02)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
@@ -136,7 +153,7 @@ def validation_loss(model: nn.Module, val_batches: torch.Tensor, rank: int, worl
 
 def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, train: torch.Tensor,
                val_batches: torch.Tensor, tx: TxCounter, progress) -> dict:
-    trainer = Trainer(name, TransformerLM(args, args.seed), args, world_size)  # the same weights for all
+    trainer = Trainer(name, TransformerLM(model_config(args), args.seed), args, world_size)  # the same weights for all
     groups = [parameter_group(n) for n, _ in trainer.model.named_parameters()]
     # steps before the target density: the recipe's and the dgc methods' warm-up (the hooks with momentum in them)
     warmed_up = args.dgc_warmup if trainer.recipe is not None and trainer.recipe.momentum_in_hook else START_ITER
@@ -171,7 +188,7 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
     """One rank: every method in turn; rank 0 writes the records after each (a run cut short keeps what finished)."""
     args.json = Path(args.json) if args.json else None
     train_files, val_files = split_files(corpus_files(), args.val_percent)
-    train, val = load_bytes(train_files), load_bytes(val_files)
+    train, val = load_bytes(stdlib_root(), train_files), load_bytes(stdlib_root(), val_files)
     corpus = {"files": len(train_files) + len(val_files), "train_files": len(train_files), "val_files": len(val_files),
               "train_bytes": len(train), "val_bytes": len(val), "val_file_list": val_files}
     val_batches = windows(val, args.val_windows, args.seq_len + 1, torch.Generator().manual_seed(12345))
@@ -213,15 +230,16 @@ COLUMNS = [("method", "", "label"), ("final val loss", ".4f", "final_val_loss"),
 def setting(args: argparse.Namespace, corpus: dict) -> str:
     return (f"{args.world_size} ranks, Gloo on {network_name(args.rate)}, Python {platform.python_version()} stdlib "
             f"({corpus['train_files']} training files, {corpus['val_files']} held out), byte-level transformer "
-            f"({numel_of(TransformerLM(args)) / 1e6:.2f}M parameters, d={args.d_model}, {args.layers} layers, "
-            f"{args.heads} heads), sequence {args.seq_len}, batch {args.batch_size}/rank, {args.steps} steps, SGD lr "
-            f"{args.lr:g} momentum {args.momentum:g}, seed {args.seed}")
+            f"({numel_of(TransformerLM(model_config(args))) / 1e6:.2f}M parameters, d={args.d_model}, {args.layers} "
+            f"layers, {args.heads} heads), sequence {args.seq_len}, batch {args.batch_size}/rank, {args.steps} steps, "
+            f"SGD lr {args.lr:g} momentum {args.momentum:g}, seed {args.seed}")
 
 
 def write_report(args: argparse.Namespace, corpus: dict, records: list[dict]) -> None:
     """The JSON report (the corpus is this Python's standard library)."""
-    report.write_json(args.json, args, setting=setting(args, corpus), parameters=numel_of(TransformerLM(args)),
-                      python=platform.python_version(), corpus=corpus, table=summarize(records), runs=records)
+    report.write_json(args.json, args, setting=setting(args, corpus),
+                      parameters=numel_of(TransformerLM(model_config(args))), python=platform.python_version(),
+                      corpus=corpus, table=summarize(records), runs=records)
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
@@ -286,11 +304,11 @@ def main(argv: Optional[list] = None) -> int:
     print(f"\n{title}\n")
     print(report.table(summarize(records), COLUMNS, markdown=True))
     if args.plot:  # validation loss against steps, training seconds and MB sent per rank
-        report.plot_curves(records, args.plot, title, [
-            (x_label, x, scale, "validation loss (nats per byte)", lambda c: min(c["val_loss"], 6.0), "linear")
-            for x_label, x, scale in (("step", lambda c: c["step"], "linear"),
-                                      ("training seconds (slowest rank)", lambda c: c.get("seconds", math.nan),
-                                       "linear"), ("MB sent per rank", lambda c: c["bytes_sent"] / 1e6, "log"))],
+        report.plot_curves(records, args.plot, title, "validation loss (nats per byte)",
+                           lambda c: min(c["val_loss"], 6.0),
+                           [("step", lambda c: c["step"], "linear"),
+                            ("training seconds (slowest rank)", lambda c: c.get("seconds", math.nan), "linear"),
+                            ("MB sent per rank", lambda c: c["bytes_sent"] / 1e6, "log")],
                            style=lambda i, r: {"color": "black", "linewidth": 2} if r["method"] == "ddp" else
                            {"color": f"C{i % 10}"})
     return 0

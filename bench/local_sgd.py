@@ -109,10 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot:  # validation loss against training seconds and MB sent per rank
         kinds = [run["method"].split("-")[0] for run in runs]
         report.plot_curves(runs, args.plot, f"{args.world_size} ranks, {network_name(rate)}, digits {args.model}, "
-                           f"{args.steps} inner steps", [
-                               (x_label, x, "log", "validation loss", lambda c: c["val_loss"], "log")
-                               for x_label, x in (("training seconds (slowest rank)", lambda c: c["seconds"]),
-                                                  ("MB sent per rank", lambda c: c["bytes_sent"] / 1e6))],
+                           f"{args.steps} inner steps", "validation loss", lambda c: c["val_loss"],
+                           [("training seconds (slowest rank)", lambda c: c["seconds"], "log"),
+                            ("MB sent per rank", lambda c: c["bytes_sent"] / 1e6, "log")], "log",
                            lambda i, run: {"color": "black" if kinds[i] in ("ddp", "hook") else f"C{i % 10}",
                                            "linestyle": {"hook": ":", "postlocal": "--", "diloco": "--"}.get(
                                                kinds[i], "-")})

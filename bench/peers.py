@@ -221,10 +221,11 @@ def main(argv: Optional[list] = None) -> int:
     curves = [{"method": row["method"], "label": row["label"],  # the mean over seeds of each evaluation
                "curve": [{key: statistics.fmean(p[key] for p in seeds) for key in ("train_seconds", "accuracy")}
                          for seeds in zip(*row["curves"])]} for row in rows]
-    report.plot_curves(curves, args.plot, setting, [
-        ("training seconds (slowest rank's steps, evaluation excluded)", lambda c: c["train_seconds"], "linear",
-         "test accuracy (%)", lambda c: 100 * c["accuracy"], "linear")],
-        style=lambda i, r: {"color": "black", "linestyle": "--"} if r["method"] == "floor" else {"color": f"C{i % 10}"})
+    report.plot_curves(curves, args.plot, setting, "test accuracy (%)", lambda c: 100 * c["accuracy"],
+                       [("training seconds (slowest rank's steps, evaluation excluded)", lambda c: c["train_seconds"],
+                         "linear")],
+                       style=lambda i, r: {"color": "black", "linestyle": "--"} if r["method"] == "floor" else
+                       {"color": f"C{i % 10}"})
     if args.json:
         report.write_json(args.json, args, network=network, load=load, warmup_steps=WARMUP_STEPS,
                           parameters=measured["parameters"], table=rows, runs=runs)

@@ -28,29 +28,30 @@ COMMON = {"world_size": ({"type": int}, "Gloo processes (DDP ranks)"),
 
 def parser(doc: str, **common) -> argparse.ArgumentParser:
     """A benchmark's parser: the first paragraph of its module's doc, each flag's default in --help, and the COMMON
-    flags named with these defaults (``no_progress``: --no-progress, where it draws a progress bar)."""
+    flags named, with these defaults."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for name, default in common.items():
+    add_common(parser, **common)
+    return parser
+
+
+def add_common(parser: argparse.ArgumentParser, **defaults) -> None:
+    """The COMMON flags named, with these defaults, and --no-progress where the benchmark draws a progress bar."""
+    for name, default in defaults.items():
         if name == "no_progress":
             parser.add_argument("--no-progress", action="store_true", help="no progress bar")
         else:
             parser.add_argument("--" + name.replace("_", "-"), default=default, help=COMMON[name][1],
                                 **COMMON[name][0])
-    return parser
 
 
 def add_network_args(parser: argparse.ArgumentParser, prefix: str, rate: str | None = "1gbit",
                      timeout: float = 1800.0, timeout_help: str = "seconds the whole job may take") -> None:
-    """--rate, --loopback (not when ``rate`` is None: loopback is then the default), --prefix, --timeout, --worker."""
-    if rate is None:
-        parser.add_argument("--rate", type=parse_rate, default=None,
-                            help="every rank in its own network namespace behind a link of this rate, e.g. 100mbit "
-                                 "(needs root; default: loopback, no shaping)")
-    else:
-        parser.add_argument("--rate", type=parse_rate, default=parse_rate(rate),
-                            help="every rank in its own network namespace behind a link of this rate (needs root)")
-        parser.add_argument("--loopback", action="store_true", help="plain processes on 127.0.0.1, no shaping")
+    """--rate (``rate`` None: loopback by default), --loopback (it wins over --rate), --prefix, --timeout, --worker."""
+    parser.add_argument("--rate", type=parse_rate, default=parse_rate(rate) if rate else None,
+                        help="every rank in its own network namespace behind a link of this rate, e.g. 100mbit "
+                             "(needs root; none: loopback)")
+    parser.add_argument("--loopback", action="store_true", help="plain processes on 127.0.0.1, no shaping")
     parser.add_argument("--prefix", default=prefix, help="name prefix of the namespaces this run creates")
     parser.add_argument("--timeout", type=float, default=timeout, help=timeout_help)
     add_worker_arg(parser)

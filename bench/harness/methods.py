@@ -28,9 +28,8 @@ def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: in
                nesterov: bool = False, weight_decay: float = 0.0, masking_start_iter: int = 0,
                clip_norm: float | None = None, path="sparse", min_compress_numel: int | None = None,
                **options) -> gx.SparseGradState:
-    """gtopk_ext's hook state built by hand: ``density`` after ``warmup_steps`` iterations of DGC's geometric
-    warm-up from ``warmup_density`` (from iteration ``warmup_from``); momentum correction or local clipping; ``path``:
-    the path policy (by default every compressed step sparse); ``options``: SparseGradState's."""
+    """gtopk_ext's hook state built by hand (by default every compressed step sparse), with DGC's warm-up from
+    ``warmup_density`` over ``warmup_steps`` iterations from ``warmup_from``; ``options``: SparseGradState's."""
     schedule = (gx.exponential_warmup(density, warmup_steps, warmup_density, start_iter=warmup_from)
                 if warmup_steps else density)
     correction = (gx.MomentumCorrection(momentum, nesterov=nesterov, weight_decay=weight_decay,
@@ -54,8 +53,7 @@ def recipe_state(density: float, warmup_steps: int, momentum: float) -> gx.Spars
 
 @dataclass(frozen=True)
 class Accounting:
-    """A method's own count: ``bytes_sent()`` after a step, this rank's bytes in it; ``buckets()``, the buckets its
-    hook saw; ``paths()``, the latest step's path of each (None: not said); ``state``: gtopk_ext's hook state."""
+    """A method's own count: this rank's bytes in the last step, its hook's buckets and their last paths."""
 
     bytes_sent: Callable[[], int] = lambda: 0
     buckets: Callable[[], Optional[int]] = lambda: None
@@ -65,8 +63,7 @@ class Accounting:
 
 @dataclass(frozen=True)
 class Recipe:
-    """One DDP method: ``attach(ddp_model, world_size, args)`` registers its hook (or none) and returns its
-    accounting; ``one_bucket``: DDP with a single bucket; ``momentum_in_hook``: the optimizer runs without it."""
+    """One DDP method: ``attach(ddp_model, world_size, args)`` registers its hook (or none), returns its Accounting."""
 
     label: str
     attach: Callable
@@ -256,8 +253,8 @@ def add_outer_arguments(parser: argparse.ArgumentParser) -> None:
 
 class LocalExchange:
     """A local method around its inner optimizer (use :attr:`optimizer`, call :meth:`after_step` after each step):
-    PyTorch's local SGD (``PostLocalSGDOptimizer``: the weights averaged every H steps, from the first; a ring
-    allreduce of the model each), or DiLoCo and SparseLocalSGD (a sync after every H-th step; their own count)."""
+    PyTorch's local SGD (the weights averaged every H steps, from the first), or SparseLocalSGD (a sync after every
+    H-th step), and the bytes this rank sent (a ring allreduce of the model per average; SparseLocalSGD's count)."""
 
     def __init__(self, method: LocalMethod, model: torch.nn.Module, inner: torch.optim.Optimizer,
                  args: argparse.Namespace, world_size: int):

@@ -82,13 +82,14 @@ def save(figure, path) -> None:
     print(f"wrote {path}")
 
 
-def plot_curves(runs: list[dict], path, title: str, panels: list[tuple], style=None) -> None:
-    """One line per run (its ``curve`` of points, labelled ``label``) in each panel; ``panels``: (x label, x(point),
-    x scale, y label, y(point), y scale); ``style(index, run)``: the line's matplotlib options."""
+def plot_curves(runs: list[dict], path, title: str, ylabel: str, y, panels: list[tuple], yscale: str = "linear",
+                style=None) -> None:
+    """One line per run (its ``curve`` of points, labelled ``label``) of ``y(point)`` against each panel's
+    ``x(point)``: ``panels`` are (x label, x, x scale); ``style(index, run)``: the line's matplotlib options."""
     import matplotlib.ticker
 
     fig, axes = figure(1, len(panels), (max(9.0, 5.5 * len(panels) + 0.5), 5.5))
-    for axis, (xlabel, x, xscale, ylabel, y, yscale) in zip(axes[0], panels):
+    for axis, (xlabel, x, xscale) in zip(axes[0], panels):
         for index, run in enumerate(runs):
             points = [(x(c), y(c)) for c in run["curve"]
                       if (xscale != "log" or x(c) > 0) and (yscale != "log" or y(c) > 0)]  # a log axis has no 0

@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_demo_writes_sane_json_and_png(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "bench.demo", "--world-size", "2", "--epochs", "1", "--methods", "dense", "fp16",
-         "powersgd-2", "gaussiank-gtopk", "gaussiank-gtopk-recipe", "--densities", "0.01", "--model", "mlp", "--batch-size", "32",
-         "--warmup-steps", "8", "--eval-every", "5", "--target", "0.3", "--no-progress", "--out", str(tmp_path)],
+         "powersgd-2", "gaussiank-gtopk", "gaussiank-gtopk-recipe", "--densities", "0.01", "--model", "mlp",
+         "--batch-size", "32", "--warmup-steps", "8", "--eval-every", "5", "--target", "0.3", "--no-progress",
+         "--out", str(tmp_path)],
         cwd=ROOT, timeout=300, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gaussiank-gtopk" in result.stdout and "test acc" in result.stdout

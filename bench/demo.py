@@ -1,10 +1,8 @@
 """The demo: the digits trained with real DDP on Gloo processes, once per method, density and seed, from the same
-weights on the same batches: test accuracy, bytes sent, time per step and the steps and seconds to --target.
+weights on the same batches: test accuracy, bytes sent, time per step and the steps and seconds to --target. With
+--rate each rank sits behind an emulated link (as root). docs/convergence.md.
 
-Methods, flags and results: docs/convergence.md. With --rate each rank sits behind an emulated link (as root).
-
-    python -m bench.demo                  # DDP, fp16_compress_hook, PowerSGD, gtopk_ext's recipe at 0.01 and 0.001
-    python -m bench.demo --rate 1gbit     # as root: 1 Gbit/s links; "s to 95%" is the race in seconds
+    python -m bench.demo --rate 1gbit     # DDP, fp16_compress_hook, PowerSGD, gtopk_ext's recipe at 0.01 and 0.001
 """
 
 from __future__ import annotations

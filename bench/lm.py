@@ -2,7 +2,6 @@
 downloaded; the held-out files are a function of their paths), with real DDP on Gloo processes, once per method from
 the same weights on the same batches, on loopback or emulated links (as root). docs/language_model.md.
 
-    python -m bench.lm --steps 160 --seq-len 64 --eval-every 20 --json lm.json --plot lm.png
     python -m bench.lm --world-size 2 --steps 4 --methods ddp gtopk-0.01 --layers 1 --d-model 32   # seconds
 """
 

@@ -3,7 +3,6 @@ hook on the digits, one method after the other from the same weights on the same
 emulated link (as root) or on loopback: validation loss against training seconds and bytes. docs/local_sgd.md.
 ``diloco-equal`` is DiLoCo with the H that gives it about the bytes of the first ``sparse-`` method.
 
-    python -m bench.local_sgd --rate 100mbit --json local_sgd_100mbit.json --plot local_sgd_100mbit.png
     python -m bench.local_sgd --loopback --steps 64 --methods ddp diloco-8 sparse-gtopk-0.01-8
 """
 

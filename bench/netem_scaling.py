@@ -3,7 +3,6 @@ wire) over links limited with ``tc tbf``, each rank in its own network namespace
 link; with --local-size L, nodes of L ranks and the hierarchical collective. Time per exchange, bytes and selection
 time feed bench/cost_model.py. Needs root, ``ip`` and ``tc`` (else exit status 2). docs/scaling.md.
 
-    python -m bench.netem_scaling --json bench_netem.json          # full run, both wires: 3 sizes, P = 2, 4, 8
     python -m bench.netem_scaling --loopback --sizes 100000 --world-sizes 2   # no namespaces, no shaping
     python -m bench.netem_scaling --cleanup                          # what killed runs left behind
 """

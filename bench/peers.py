@@ -2,7 +2,6 @@
 and a no-communication floor, one model each from the same weights on the same batches, steps interleaved, each rank
 behind an emulated link (as root) or on loopback: step time, bytes, CPU time, accuracy. docs/performance.md.
 
-    python -m bench.peers --json peers.json --plot peers.png             # CNN, 4 ranks, 1 Gbit/s
     python -m bench.peers --loopback --world-size 2 --steps 10            # no root: no namespaces, no shaping
 """
 

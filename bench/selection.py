@@ -1,7 +1,6 @@
 """Selection: Gaussian-k's whole error-feedback step (threshold, compaction, residual update) against torch.topk's
 and the floor residual.add_(grad), the methods interleaved repetition by repetition. docs/selection.md.
 
-    python -m bench.selection                                # CPU, n = 2^20 .. 10^8, density 0.001 .. 0.05
     python -m bench.selection --device cuda --backend triton # a GPU: CUDA events, the Triton kernels
     python -m bench.selection --device cuda --profile --sizes 25000000 --densities 0.001   # where the time goes
 """

@@ -2,8 +2,7 @@
 how much of the exact top-k it captures, on synthetic and real gradients, with the accurate mode's time relative to
 the torch.topk path and to residual.add_(grad) in the same run. docs/selection.md.
 
-    python -m bench.threshold_accuracy                  # the full table (a few minutes on 2 cores)
-    python -m bench.threshold_accuracy --sizes 1000000 --skip-real
+    python -m bench.threshold_accuracy --sizes 1000000 --skip-real      # a smaller run, synthetic gradients only
 """
 
 from __future__ import annotations

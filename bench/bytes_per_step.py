@@ -1,29 +1,9 @@
-"""Bytes per training step of the collectives: dense allreduce, TopK-SGD allgather, gTop-k and Ok-Topk.
-
-A DDP model (an MLP 784-h1-h2-10, by default 1M parameters; DDP's default buckets) trains on P Gloo processes
-with ``sparse_grad_hook``; after the dense warm-up, the hook's own counters (``state.stats()``) give the bytes
-each rank sent and received in one step: exact for the point-to-point messages, and for the backend's
-allreduce and allgather what a ring algorithm moves (2(P-1)/P and (P-1) times the buffer). Header agreement
-bytes (a few dozen per bucket) are included. Every collective the hook offers is measured.
-
-``--exchange`` measures the collectives themselves instead of the hook: the model trains on the dense average
-of the ranks' gradients, and each sparse collective reduces the same flattened gradient of every step (one
-message, Gaussian-k, with its own error-feedback residual; Ok-Topk with one OkTopkState), counted by its
-``Traffic``: the median step, and the mean, which includes Ok-Topk's re-estimations (every 32 steps).
-
-``--wire plain compact`` measures each sparse collective with each wire format (gtopk_ext/wire.py); the dense
-allreduce has none. The compact wire's rounding errors go back into the residuals, as in the hook.
-
-``--counters`` (as root) runs the ranks in network namespaces instead (bench/emulated_network.py: a veth link
-each, unshaped) and checks ``stats()`` against the kernel: the bytes each rank's interface sent
-(``/sys/class/net/eth0/statistics/tx_bytes`` in its namespace) during the measured steps (each started by a
-barrier that is not counted), divided by what ``stats()`` counted for them. TCP/IP headers and ACKs put the ratio
-a little above 1.
+"""Bytes per training step of the collectives (dense allreduce, TopK-SGD's allgather, gTop-k, Ok-Topk) on an MLP
+trained with DDP on Gloo processes: through the hook (its ``stats()``), or with --exchange each collective on the
+whole gradient (its ``Traffic``); --counters (as root) checks ``stats()`` against each rank's interface counter in a
+network namespace. docs/collectives.md and docs/scaling.md.
 
     python -m bench.bytes_per_step --world-sizes 4 8 --density 0.01 --json bytes_per_step.json
-    python -m bench.bytes_per_step --exchange --hidden 2048 768 --world-sizes 2 4 8 --steps 40
-    python -m bench.bytes_per_step --hidden 2048 768 --world-sizes 8 --wire plain compact
-    python -m bench.bytes_per_step --counters --hidden 2048 768 --world-sizes 8 --steps 10 --wire plain compact
 """
 
 from __future__ import annotations
@@ -31,18 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import gtopk_ext as gx
 from bench.digits import mlp
-from bench.emulated_network import TxCounter, check_can_emulate
+from bench.emulated_network import TxCounter
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.methods import gtopk_ext_recipe, numel_of
+from bench.harness.methods import Recipe, attached, hook_state, numel_of
 from bench.harness.train import Trainer
+from gtopk_ext.collectives import OkTopkState, Traffic, ring_allreduce_bytes
 from gtopk_ext.ddp import COLLECTIVES as HOOK_COLLECTIVES
 
 COLLECTIVES = ("dense", "allgather", "gtopk", "oktopk")
@@ -53,22 +34,23 @@ def batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(32, 784, generator=generator), torch.randint(0, 10, (32,), generator=generator)
 
 
-def runs(collectives: tuple[str, ...], wires: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(collective, wire) pairs to measure: every sparse collective with every wire, dense once (plain)."""
-    return [(c, w) for c in collectives for w in (("plain",) if c == "dense" else wires)]
+def runs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(collective, wire) of every measurement: each sparse collective with each wire, dense once (plain); through
+    the hook, the collectives it offers."""
+    collectives = [c for c in COLLECTIVES if args.exchange or c in HOOK_COLLECTIVES]
+    return [(c, w) for c in collectives for w in (("plain",) if c == "dense" else args.wire)]
 
 
-def measure(rank: int, world_size: int, density: float, steps: int, hidden: tuple[int, int],
-            collectives: tuple[str, ...], wires: tuple[str, ...], counter: TxCounter) -> dict:
-    """Per (collective, wire): bytes from ``stats()`` per compressed step (median) and over all of them, and the
-    bytes the interface of ``counter`` sent over those steps (0 where it counts none)."""
+def measure(args: argparse.Namespace, rank: int, world_size: int, counter: TxCounter) -> dict:
+    """Per (collective, wire), through the hook: ``stats()``'s bytes per compressed step (median) and over all of
+    them, and what ``counter``'s interface sent over those steps (0 where it counts none)."""
     results = {}
-    for collective, wire in runs(collectives, wires):
-        recipe = gtopk_ext_recipe(collective, density=density, collective=collective, wire=wire, start_iter=WARMUP)
-        trainer = Trainer(recipe, mlp(list(hidden), inputs=784), argparse.Namespace(lr=0.01, momentum=0.0), world_size)
-        generator = torch.Generator().manual_seed(rank)
-        measured, received = [], []
-        for step in range(WARMUP + steps):
+    for collective, wire in runs(args):
+        recipe = Recipe(collective, lambda ddp, world_size, _: attached(ddp, hook_state(
+            args.density, collective=collective, wire=wire, start_iter=WARMUP)))
+        trainer = Trainer(recipe, mlp(args.hidden, inputs=784), argparse.Namespace(lr=0.01, momentum=0.0), world_size)
+        generator, measured, received = torch.Generator().manual_seed(rank), [], []
+        for step in range(WARMUP + args.steps):
             x, y = batch(generator)
             measured.append(trainer.measured_step(lambda model: nn.functional.cross_entropy(model(x), y), counter))
             received.append(trainer.accounting.state.stats()["total"]["bytes_received"])
@@ -83,43 +65,32 @@ def measure(rank: int, world_size: int, density: float, steps: int, hidden: tupl
     return results
 
 
-def measure_exchanges(rank: int, world_size: int, density: float, steps: int, hidden: tuple[int, int],
-                      collectives: tuple[str, ...], wires: tuple[str, ...]) -> dict:
-    """Bytes of each collective on the model's whole flattened gradient, step by step (see the module doc)."""
-    import gtopk_ext as gx
-    from gtopk_ext.collectives import OkTopkState, Traffic, ring_allreduce_bytes
-
-    model = mlp(list(hidden), inputs=784)
-    parameters = list(model.parameters())
-    numel = sum(p.numel() for p in parameters)
-    optimizer = torch.optim.SGD(parameters, lr=0.01)
-    compressor = gx.make_compressor("gaussiank", density)
-    measured = runs(collectives, wires)
-    residuals = {run: torch.zeros(numel) for run in measured if run[0] != "dense"}
-    oktopk_states = {run: OkTopkState() for run in measured}
-    generator = torch.Generator().manual_seed(rank)
-    sent: dict[tuple[str, str], list[int]] = {run: [] for run in measured}
-    for _ in range(steps):
+def measure_exchanges(args: argparse.Namespace, rank: int, world_size: int) -> dict:
+    """Per (collective, wire): its ``Traffic`` on the whole flattened gradient of every step (Gaussian-k, its own
+    residual; Ok-Topk with one OkTopkState), the median and the mean (Ok-Topk's re-estimations, every 32 steps); the
+    model follows the dense average."""
+    model = mlp(args.hidden, inputs=784)
+    numel, optimizer = numel_of(model), torch.optim.SGD(model.parameters(), lr=0.01)
+    compressor, measured = gx.make_compressor("gaussiank", args.density), runs(args)
+    residuals, states = {run: torch.zeros(numel) for run in measured}, {run: OkTopkState() for run in measured}
+    generator, sent = torch.Generator().manual_seed(rank), {run: [] for run in measured}
+    for _ in range(args.steps):
         x, y = batch(generator)
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
-        grad = torch.cat([p.grad.reshape(-1) for p in parameters])
-        for run in measured:
-            collective, wire = run
+        grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        for (collective, wire), residual in residuals.items():
             if collective == "dense":
-                sent[run].append(ring_allreduce_bytes(4 * numel, world_size))
+                sent[collective, wire].append(ring_allreduce_bytes(4 * numel, world_size))
                 continue
-            traffic, residual = Traffic(), residuals[run]
-            collective_now = gx.collectives.collective_named(collective)
-            gx.reduction.reduce(grad, residual, lambda: compressor.compress(grad, residual), collective_now,
-                                dist.group.WORLD, k=compressor.k_for(numel), wire=gx.wire.wire_named(wire),
-                                backend=None, traffic=traffic, state=oktopk_states[run], out=torch.empty_like(grad))
-            sent[run].append(traffic.sent)
-        dist.all_reduce(grad)  # the model follows the dense average, the same for every collective
-        offset = 0
-        for p in parameters:
-            p.grad.copy_(grad[offset:offset + p.numel()].view_as(p).div_(world_size))
-            offset += p.numel()
+            traffic = Traffic()
+            gx.reduction.reduce(grad, residual, lambda: compressor.compress(grad, residual),
+                                gx.collectives.collective_named(collective), dist.group.WORLD,
+                                k=compressor.k_for(numel), wire=gx.wire.wire_named(wire), backend=None,
+                                traffic=traffic, state=states[collective, wire], out=torch.empty_like(grad))
+            sent[collective, wire].append(traffic.sent)
+        dist.all_reduce(grad)
+        torch.nn.utils.vector_to_parameters(grad.div_(world_size), [p.grad for p in model.parameters()])
         optimizer.step()
     return {run: {"parameters": numel, "buckets": 1, "k": numel if run[0] == "dense" else compressor.k_for(numel),
                   "bytes_sent": statistics.median(sent[run]), "bytes_sent_mean": statistics.mean(sent[run]),
@@ -127,23 +98,18 @@ def measure_exchanges(rank: int, world_size: int, density: float, steps: int, hi
 
 
 def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> list:
-    """One rank: every rank's measurements (``measure`` with the interface's counter in a namespace, or
-    ``measure_exchanges``), as [collective, wire, result] lists."""
-    options = (rank, world_size, args.density, args.steps, tuple(args.hidden), tuple(config["collectives"]),
-               tuple(args.wire))
-    if args.exchange:
-        results = measure_exchanges(*options)
-    else:
-        results = measure(*options, counter=TxCounter(config["ifname"]))
+    """One rank: every rank's measurements, as [collective, wire, result] lists."""
+    results = (measure_exchanges(args, rank, world_size) if args.exchange
+               else measure(args, rank, world_size, TxCounter(config["ifname"])))
     every = [None] * world_size
     dist.all_gather_object(every, [[*key, value] for key, value in results.items()])
     return every
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--density", type=float, default=0.01)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = cli.parser(__doc__)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[4, 8], help="one group of each")
+    parser.add_argument("--density", type=float, default=0.01, help="the sparse collectives'")
     parser.add_argument("--steps", type=int, default=3, help="compressed steps measured (median)")
     parser.add_argument("--hidden", type=int, nargs=2, default=[1024, 256], metavar=("H1", "H2"),
                         help="the MLP's hidden widths (2048 768: 3.2M parameters)")
@@ -156,30 +122,32 @@ def main() -> None:
     parser.add_argument("--prefix", default="gxbytes", help="name prefix of the namespaces --counters creates")
     parser.add_argument("--json", help="write the rows here")
     cli.add_worker_arg(parser)
-    args = parser.parse_args()
-    if cli.ran_as_worker(args, run_worker):
-        return
+    args = parser.parse_args(argv)
+    cli.check(parser, args, positive=("steps",), unit=("density",))
     if args.counters and args.exchange:
         parser.error("--counters measures the hook; leave out --exchange")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if cli.ran_as_worker(args, run_worker):
+        return
     if args.counters:
-        reason = check_can_emulate()
-        if reason:
-            print(f"bytes_per_step --counters cannot run: {reason}", file=sys.stderr)
-            sys.exit(2)
-    # the hook: the collectives it offers
-    collectives = COLLECTIVES if args.exchange else tuple(c for c in COLLECTIVES if c in HOOK_COLLECTIVES)
+        cli.require_emulation("bytes_per_step --counters")
     rows = []
-    for world_size in args.world_sizes:
-        # with --counters, each rank in its own namespace (one unshaped link each)
+    for world_size in args.world_sizes:  # with --counters, each rank in its own namespace (an unshaped link each)
         per_rank = [{(collective, wire): value for collective, wire, value in ranks}
                     for ranks in run_group("bench.bytes_per_step", world_size, args, 1800.0, namespaces=args.counters,
-                                           prefix=args.prefix, collectives=list(collectives))]
-        for collective, wire in runs(collectives, tuple(args.wire)):
-            ranks = [r[collective, wire] for r in per_rank]
-            rows.append({"world_size": world_size, "collective": collective, "wire": wire, "density": args.density,
-                         "level": "exchange" if args.exchange else "hook",
-                         "parameters": ranks[0]["parameters"], "buckets": ranks[0]["buckets"], "k": ranks[0]["k"],
-                         "sent_mean": statistics.mean(r["bytes_sent"] for r in ranks),
+                                           prefix=args.prefix)]
+        for run in runs(args):
+            ranks = [r[run] for r in per_rank]
+
+            def mean(key: str) -> float:
+                return statistics.mean(r[key] for r in ranks)
+            rows.append({"world_size": world_size, "collective": run[0], "wire": run[1], "density": args.density,
+                         "level": "exchange" if args.exchange else "hook", "parameters": ranks[0]["parameters"],
+                         "buckets": ranks[0]["buckets"], "k": ranks[0]["k"], "sent_mean": mean("bytes_sent"),
                          "sent_max": max(r["bytes_sent"] for r in ranks),
                          "sent_mean_all_steps": statistics.mean(r.get("bytes_sent_mean", r["bytes_sent"])
                                                                 for r in ranks),
@@ -187,8 +155,8 @@ def main() -> None:
                          "seconds_median": None if args.exchange else statistics.median(r["seconds"] for r in ranks),
                          "interface_over_stats": statistics.mean(r["interface_bytes_steps"] / r["stats_bytes_steps"]
                                                                  for r in ranks) if args.counters else None,
-                         "interface_per_step_mean": statistics.mean(r["interface_bytes_steps"] for r in ranks)
-                         / args.steps if args.counters else None})
+                         "interface_per_step_mean": mean("interface_bytes_steps") / args.steps
+                         if args.counters else None})
 
     def ratio(row: dict, name: str, wire: str) -> float | None:  # row's bytes over those of a method of its P
         other = next((r for r in rows if (r["world_size"], r["collective"], r["wire"]) == (row["world_size"], name,

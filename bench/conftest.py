@@ -1,6 +1,5 @@
 """Options of the pytest-benchmark suite (bench/test_kernels_benchmark.py): sizes and densities to run.
 
-    pytest bench --benchmark-only                                  # the default sizes
     pytest bench --benchmark-only --kernel-sizes 1048576 --kernel-densities 0.01 --benchmark-save=base
     pytest bench --benchmark-only --benchmark-compare               # against the last saved run
 """
@@ -14,13 +13,10 @@ def pytest_addoption(parser):
     group.addoption("--kernel-rounds", type=int, default=5, help="timed rounds per benchmark (after one warm-up)")
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
+OPTIONS = {"n": ("--kernel-sizes", lambda text: int(float(text))), "density": ("--kernel-densities", float)}
 
 
 def pytest_generate_tests(metafunc):
-    config = metafunc.config
-    if "n" in metafunc.fixturenames:
-        metafunc.parametrize("n", [int(x) for x in _floats(config.getoption("--kernel-sizes"))])
-    if "density" in metafunc.fixturenames:
-        metafunc.parametrize("density", _floats(config.getoption("--kernel-densities")))
+    for name, (option, kind) in OPTIONS.items():
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, [kind(x) for x in metafunc.config.getoption(option).split(",") if x])

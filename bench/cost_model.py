@@ -1,47 +1,6 @@
 """Alpha-beta cost model of dense allreduce, TopK-SGD's allgather, gTop-k, Ok-Topk (plain and compact wire) and the
-hierarchical collective, on one level of network or two (nodes of ``local`` ranks: fast links inside, a slower
-link from each node to the switch), fitted to the measurements of bench/netem_scaling.py; it predicts time per
-step and scaling efficiency up to P = 1024 ranks.
-
-One exchange on P ranks, n gradient elements, k = ceil(density * n) selected. A message of k pairs carries, on
-the plain wire, a 4-byte count and 8 bytes a pair; on the compact wire (gtopk_ext/wire.py) the count, a scale
-word, a page table of 4 bytes per 65,536 elements (+4) and 4 bytes a pair: m(k) bytes. One level (local = 1):
-
-    dense      2(P-1) alpha + 2(P-1)/P * 4n beta                              (ring allreduce)
-    allgather  (P-1) (alpha + m(k) beta) + scatter * Pk + zero * n            (ring allgather, decompress)
-    gtopk      log2(P) (alpha + m(k) beta + merge * 2k)                       (butterfly, a merge per round)
-    oktopk     4(P-1) alpha + (2(P-1)/P k * pair + 24(P-1)) beta + merge * 2k (counts, reduce-scatter, counts,
-                                                                               allgatherv; sums and cut)
-
-gTop-k on a P that is not a power of two adds a fold and a return (2 messages, and k/8 bytes of applied mask);
-Ok-Topk's compact messages each carry their own page table (2(P-1) of them). With the compact wire gTop-k and
-Ok-Topk also allreduce one int32 (the corruption check: 2(P-1) alpha on Gloo's ring), and every pair encoded or
-decoded costs ``encode`` or ``decode``: allgather encodes k and decodes (P+1)k (its own payload, then all P),
-gTop-k per round encodes k and decodes 2k, Ok-Topk encodes k and decodes (1 + 2(P-1)/P)k. The sparse methods
-also select: select * n (Gaussian-k, measured one rank at a time). Ok-Topk's term is its steady step (the
-regions and the threshold it re-estimates every 32 steps, a few KB, are left out; its kept sums taken as k,
-spread evenly over the regions).
-
-Two levels: P = N nodes x L ranks (consecutive ranks share a node); inside a node alpha_intra and beta_intra,
-and the node's one link to the switch carries what all its L ranks send off the node at once. Flat collectives:
-dense and allgather rings are as slow as their inter-node hops; gTop-k's first log2(L) rounds stay inside the
-node and its last log2(N) rounds put L sets on the node's link at once; Ok-Topk sends L(P-L)/P of its pairs off
-the node. The hierarchical collective (gtopk_ext.hierarchical.hierarchical_allreduce):
-
-    hierarchical  2(L-1) alpha_intra + (L-1) 4n/L beta_intra  (dense reduce-scatter inside the node)
-                  + (L-1) g beta_intra                      (allgather inside the node: g = the bytes of a shard's
-                                                             result, index-value pairs when fewer)
-                  + copy * n + select * n/L                 (its passes over the whole gradient: the sum with the
-                                                             residual, the reduce-scatter's inputs, the result)
-                  + inner(n/L, k/L, N ranks) with the node's link carrying L of its messages
-
-beta is fitted per link rate; on the 2-core machine that measured, P ranks share the cores, so the compute terms
-of measured rows are scaled by max(1, P / cores). The fit is non-negative least squares on relative errors
-(times span 4 decades).
-
-Scaling efficiency = t_compute / (t_compute + t_comm) with no overlap of computation and communication, as the
-gTop-k paper (Shi et al., ICDCS 2019) defines it; its published figures (32 machines, 1 Gbit/s Ethernet):
-gTop-k's scaling efficiency is 2.7-12x dense S-SGD's and 1.1-1.7x allgather Top-k S-SGD's.
+hierarchical collective, on one level of network or two, fitted to bench/netem_scaling.py's measurements; it predicts
+time per step and scaling efficiency up to P = 1024 ranks. The formulas and the results: docs/scaling.md.
 
     python -m bench.cost_model --json bench_netem.json bench_two_level.json --plot scaling_model.png \
         --plot-two-level scaling_two_level.png --out bench_cost_model.json
@@ -50,6 +9,7 @@ gTop-k's scaling efficiency is 2.7-12x dense S-SGD's and 1.1-1.7x allgather Top-
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -63,18 +23,14 @@ from bench.harness import cli, report
 from bench.harness.traffic import METHODS, SPARSE_METHODS, WIRES, features
 from bench.harness.traffic import bytes_per_rank as bytes_per_rank  # part of the model: tests check it here
 
-# per-element costs fitted from the exchanges
-COMPUTE_TERMS = ("merge", "scatter", "zero", "encode", "decode", "copy")
-PAPER = {"world_size": 32, "rate_bps": 10**9, "over_dense": (2.7, 12.0), "over_allgather": (1.1, 1.7)}
-PREDICT_WORLD_SIZES = tuple(2**i for i in range(1, 11))
-PREDICT_RATES = (10**9, 10**10, 10**11)
-# Two levels: nodes of 8 ranks, one link per node to the switch, and what moves inside a node, stated:
-# (alpha s, bytes per second) of NVLink (the bus bandwidth NCCL reaches in an 8-GPU A100 node, about 230 GB/s)
-# and of PCIe 4.0 x16 (24 GB/s per GPU, halved where two GPUs share a switch).
-NODE_SIZE = 8
+COMPUTE_TERMS = ("merge", "scatter", "zero", "encode", "decode", "copy")  # per-element costs fitted
+PAPER_P, PAPER_RATE = 32, 10**9  # the gTop-k paper's point: 32 machines, 1 Gbit/s Ethernet
+PREDICT_WORLD_SIZES, RATES = tuple(2**i for i in range(1, 11)), (10**9, 10**10, 10**11)
+# Two levels: nodes of 8 ranks, one link per node to the switch, and inside a node (alpha s, bytes per second) of
+# NVLink (the bus bandwidth NCCL reaches in an 8-GPU A100 node, about 230 GB/s) and of PCIe 4.0 x16 (24 GB/s per
+# GPU, halved where two GPUs share a switch).
+NODE_SIZE, TWO_LEVEL_WORLD_SIZES = 8, tuple(2**i for i in range(4, 11))
 INTRA_LINKS = {"NVLink": (5e-6, 200e9), "PCIe": (10e-6, 12e9)}
-TWO_LEVEL_RATES = (10**9, 10**10, 10**11)
-TWO_LEVEL_WORLD_SIZES = tuple(2**i for i in range(4, 11))
 
 
 def selected_elements(method: str, numel: int, local: int = 1) -> int:
@@ -114,15 +70,9 @@ def cpu_share(row: dict) -> float:
     return max(1.0, row["world_size"] / row["cores"])
 
 
-def row_features(row: dict) -> dict[str, float]:
-    return features(row["method"], row["numel"], row["k"], row["world_size"], cpu_share(row),
-                    row.get("wire") or "plain", row.get("local_size", 1), row.get("inner") or "gtopk")
-
-
 def row_label(row: dict) -> str:
     """The method, its wire when compact, and the layout when two levels."""
-    name = row["method"] + ("/compact" if row.get("wire") == "compact" else "")
-    local = row.get("local_size", 1)
+    name, local = row["method"] + ("/compact" if row.get("wire") == "compact" else ""), row.get("local_size", 1)
     return name if local == 1 else f"{name} {row['world_size'] // local}x{local}"
 
 
@@ -144,10 +94,10 @@ def fit(rows: list[dict]) -> Fit:
     select = float(np.mean([t / n for n, t in select_rows])) if select_rows else 0.0
     rates = sorted({row["rate"] for row in rows})
     columns = ["alpha", *(f"beta:{rate}" for rate in rates), "alpha_intra", "beta_intra", *COMPUTE_TERMS]
-    design = np.zeros((len(rows), len(columns)))
-    offset = np.zeros(len(rows))
+    design, offset = np.zeros((len(rows), len(columns))), np.zeros(len(rows))
     for i, row in enumerate(rows):
-        for name, value in row_features(row).items():
+        for name, value in features(row["method"], row["numel"], row["k"], row["world_size"], cpu_share(row),
+                                    row.get("wire") or "plain", row.get("local_size", 1)).items():
             design[i, columns.index(f"beta:{row['rate']}" if name == "beta" else name)] = value
         if row["method"] == "hierarchical":
             offset[i] = select * selected_elements("hierarchical", row["numel"], row["local_size"]) * cpu_share(row)
@@ -160,8 +110,7 @@ def fit(rows: list[dict]) -> Fit:
     model = CostModel(alpha=params["alpha"], beta={rate: params[f"beta:{rate}"] for rate in rates},
                       select=select, rate_bps={row["rate"]: row["rate_bps"] for row in rows},
                       **{name: params[name] for name in (*COMPUTE_TERMS, "alpha_intra", "beta_intra")})
-    relative = predicted / measured - 1
-    labels = [row_label(row) for row in rows]
+    relative, labels = predicted / measured - 1, [row_label(row) for row in rows]
     quality = {"rows": len(rows), "r2": float(1 - np.sum((measured - predicted) ** 2)
                                               / np.sum((measured - measured.mean()) ** 2)),
                "median_abs_rel_error": float(np.median(np.abs(relative))),
@@ -261,23 +210,32 @@ def predict(model: CostModel, args: argparse.Namespace) -> dict:
     operating point; the time per step on two levels."""
     table = {(rate, p, label(method, density, wire)): args.compute_s / (args.compute_s + comm_time(
         model, method, args.numel, density, p, rate, args.compute_scale, wire=wire))
-        for rate in PREDICT_RATES for p in PREDICT_WORLD_SIZES for method, density, wire in series(args.densities)}
-    paper = {}
-    for density in args.densities:
-        key = (PAPER["rate_bps"], PAPER["world_size"])
-        paper[density] = {wire: {"over_dense": table[(*key, label("gtopk", density, wire))] / table[(*key, "dense")],
-                                 "over_allgather": table[(*key, label("gtopk", density, wire))]
-                                 / table[(*key, label("allgather", density, wire))]} for wire in WIRES}
+        for rate in RATES for p in PREDICT_WORLD_SIZES for method, density, wire in series(args.densities)}
+    def at_paper(method: str, density: float | None, wire: str = "plain") -> float:
+        return table[(PAPER_RATE, PAPER_P, label(method, density, wire))]
+
+    paper = {d: {wire: {"over_dense": at_paper("gtopk", d, wire) / at_paper("dense", None),
+                        "over_allgather": at_paper("gtopk", d, wire) / at_paper("allgather", d, wire)}
+                 for wire in WIRES} for d in args.densities}
     two_level = {}
-    for intra_name, intra in INTRA_LINKS.items():
-        for rate in TWO_LEVEL_RATES:
-            for p in TWO_LEVEL_WORLD_SIZES:
-                for method, density, wire in two_level_series(args.densities):
-                    seconds = comm_time(model, method, args.numel, density, p, rate, args.compute_scale, wire=wire,
-                                        local=NODE_SIZE, intra=intra)
-                    two_level[(intra_name, rate, p, label(method, density, wire))] = {
-                        "step_s": args.compute_s + seconds, "efficiency": args.compute_s / (args.compute_s + seconds)}
+    for (intra_name, intra), rate, p, (method, density, wire) in itertools.product(
+            INTRA_LINKS.items(), RATES, TWO_LEVEL_WORLD_SIZES, two_level_series(args.densities)):
+        seconds = comm_time(model, method, args.numel, density, p, rate, args.compute_scale, wire=wire,
+                            local=NODE_SIZE, intra=intra)
+        two_level[(intra_name, rate, p, label(method, density, wire))] = {
+            "step_s": args.compute_s + seconds, "efficiency": args.compute_s / (args.compute_s + seconds)}
     return {"table": table, "paper": paper, "two_level": two_level, "alpha": model.alpha}
+
+
+# The fitted costs the report prints: (name, unit scale, what it is).
+COSTS = [("alpha", 1e6, "us per message (between nodes)"), ("alpha_intra", 1e6, "us per message inside a node"),
+         ("beta_intra", 1e9, "ns per byte inside a node (an emulated node: its loopback)"),
+         ("select", 1e9, "ns: Gaussian-k selection, per gradient element"),
+         ("merge", 1e9, "ns: gTop-k merge, per element merged"),
+         ("scatter", 1e9, "ns: allgather scatter-add, per pair"),
+         ("zero", 1e9, "ns: allgather dense output, per element"),
+         ("encode", 1e9, "ns: compact wire, per pair encoded"), ("decode", 1e9, "ns: compact wire, per pair decoded"),
+         ("copy", 1e9, "ns: hierarchical, per gradient element (its dense passes)")]
 
 
 def print_report(fit_result: Fit, prediction: dict, args: argparse.Namespace) -> None:
@@ -286,133 +244,96 @@ def print_report(fit_result: Fit, prediction: dict, args: argparse.Namespace) ->
           f"{quality['median_abs_rel_error']:.1%}, max {quality['max_abs_rel_error']:.1%}; per method:")
     for name, error in quality["per_method_median_abs_rel_error"].items():
         print(f"  {name:28} {error:6.1%}")
-    print(f"  alpha  {model.alpha * 1e6:9.1f} us per message (between nodes)")
     for rate, beta in model.beta.items():
         bps = model.rate_bps[rate]
-        nominal = f" (nominal {8 / bps * 1e9:.3f}: x{beta * bps / 8:.3f})" if bps else ""
-        print(f"  beta   {beta * 1e9:9.3f} ns per byte at {rate}{nominal}")
-    print(f"  alpha_intra {model.alpha_intra * 1e6:.1f} us per message, beta_intra {model.beta_intra * 1e9:.3f} ns "
-          f"per byte (inside an emulated node: its loopback)")
-    for name, text in (("select", "Gaussian-k selection, per gradient element"),
-                       ("merge", "gTop-k merge, per element merged"),
-                       ("scatter", "allgather scatter-add, per pair"),
-                       ("zero", "allgather dense output, per element"),
-                       ("encode", "compact wire, per pair encoded"),
-                       ("decode", "compact wire, per pair decoded"),
-                       ("copy", "hierarchical, per gradient element (its dense passes)")):
-        print(f"  {name:7}{getattr(model, name) * 1e9:9.3f} ns  {text}")
+        print(f"  beta   {beta * 1e9:9.3f} ns per byte at {rate}" + (
+            f" (nominal {8 / bps * 1e9:.3f}: x{beta * bps / 8:.3f})" if bps else ""))
+    for name, scale, text in COSTS:
+        print(f"  {name:11} {getattr(model, name) * scale:9.3f} {text}")
+
+    def bandwidth(value: float | None) -> str:
+        return "never" if value is None else f"{value / 1e9:.3g} GB/s"
+
     comparisons = hierarchical_against_flat(fit_result)
     if comparisons:
-        print("\nhierarchical against flat gTop-k (measured ms per exchange, model in brackets), and the intra-node "
-              "bandwidth above which the model makes hierarchical faster (every cost as fitted; the links alone: "
-              "per-element costs 0, NVLink's alpha inside):")
-
-        def bandwidth(value: float | None) -> str:
-            return "never" if value is None else f"{value / 1e9:.3g} GB/s"
-
-        for c in comparisons:
-            print(f"  {c['world_size'] // c['local_size']}x{c['local_size']} {c['rate']:>8} n={c['numel']} "
-                  f"d={c['density']:g}: hierarchical {c['hierarchical_s'] * 1e3:.1f} "
-                  f"({c['hierarchical_model_s'] * 1e3:.1f}), flat {c['flat_gtopk_s'] * 1e3:.1f} "
-                  f"({c['flat_gtopk_model_s'] * 1e3:.1f}); break-even {bandwidth(c['break_even_Bps_as_measured'])}, "
-                  f"{bandwidth(c['break_even_Bps_links_only'])}")
+        print("\nhierarchical against flat gTop-k, ms per exchange measured (model), and the intra-node bandwidth "
+              "above which the model makes hierarchical faster: every cost as fitted; the links alone (per-element "
+              "costs 0, NVLink's alpha inside)")
+        print(report.table(comparisons, [
+            ("layout", "", lambda c: f"{c['world_size'] // c['local_size']}x{c['local_size']}"), ("link", "", "rate"),
+            ("n", "d", "numel"), ("d", "g", "density"),
+            ("hierarchical", "", lambda c: f"{c['hierarchical_s'] * 1e3:.1f} ({c['hierarchical_model_s'] * 1e3:.1f})"),
+            ("flat", "", lambda c: f"{c['flat_gtopk_s'] * 1e3:.1f} ({c['flat_gtopk_model_s'] * 1e3:.1f})"),
+            ("break-even", "", lambda c: bandwidth(c["break_even_Bps_as_measured"])),
+            ("links alone", "", lambda c: bandwidth(c["break_even_Bps_links_only"]))]))
     print(f"\npredicted scaling efficiency: n = {args.numel / 1e6:g}M, compute {args.compute_s * 1e3:g} ms per "
           f"iteration, no overlap, alpha {prediction['alpha'] * 1e6:.0f} us, wire overhead "
           f"x{model.wire_overhead():.3f}, per-element costs x{args.compute_scale:g}; one rank per machine, one link "
           f"each")
     for density in args.densities:
-        print(report.table([(rate, p) for rate in PREDICT_RATES for p in (2, 8, 32, 128, 1024)], [
+        print(report.table([(rate, p) for rate in RATES for p in (2, 8, 32, 128, 1024)], [
             ("link", "", lambda row: f"{row[0] / 1e9:g}Gb/s"), ("P", "d", lambda row: row[1]),
             *((name, ".3f", lambda row, name=name: prediction["table"][(*row, name)])
               for name in (label(*s) for s in series([density])))]))
-    print(f"\nat the paper's point (P = {PAPER['world_size']}, 1 Gbit/s): gTop-k's efficiency over")
+    print(f"\nat the paper's point (P = {PAPER_P}, 1 Gbit/s): gTop-k's efficiency over")
     for density, by_wire in prediction["paper"].items():
         for wire, ratio in by_wire.items():
             print(f"  density {density:g}, {wire:7} wire: dense x{ratio['over_dense']:.2f} (paper 2.7-12x), "
                   f"allgather x{ratio['over_allgather']:.2f} (paper 1.1-1.7x)")
-    print(f"\ntwo levels: nodes of {NODE_SIZE} ranks, one link per node to the switch; step seconds "
-          f"(efficiency) at P = 32, 256, 1024")
+    print(f"\ntwo levels: nodes of {NODE_SIZE} ranks, one link per node to the switch; step seconds (efficiency)")
     for intra_name in INTRA_LINKS:
-        for rate in TWO_LEVEL_RATES:
-            print(f"  {intra_name} inside, {rate / 1e9:g} Gbit/s between nodes:")
-            for name in (label(*s) for s in two_level_series(args.densities)):
-                cells = [prediction["two_level"][(intra_name, rate, p, name)] for p in (32, 256, 1024)]
-                print(f"    {name:28} " + "  ".join(f"{c['step_s']:8.3f} s ({c['efficiency']:.3f})" for c in cells))
+        for rate in RATES:
+            print(f"\n{intra_name} inside, {rate / 1e9:g} Gbit/s between nodes")
+            print(report.table([label(*s) for s in two_level_series(args.densities)], [("series", "", lambda n: n)] + [
+                (f"P = {p}", "", lambda n, p=p: "{step_s:.3f} s ({efficiency:.3f})".format(
+                    **prediction["two_level"][(intra_name, rate, p, n)])) for p in (32, 256, 1024)]))
 
 
 COLOURS = {"dense": "black", "allgather": "tab:blue", "gtopk": "tab:red", "oktopk": "tab:green",
            "hierarchical": "tab:purple"}
 
 
-def plot_fit(axis, fit_result: Fit) -> None:
-    for method in METHODS:
-        for wire, marker in (("plain", "o"), ("compact", "^")):
-            points = [r for r in fit_result.residuals if r["method"] == method and r["wire"] == wire]
-            if points:
-                axis.scatter([r["measured_s"] for r in points], [r["predicted_s"] for r in points], s=12,
-                             marker=marker, color=COLOURS[method], label=f"{method} {wire}")
-    times = [r["measured_s"] for r in fit_result.residuals] + [r["predicted_s"] for r in fit_result.residuals]
-    bounds = [min(times) / 2, max(times) * 2]
-    axis.plot(bounds, bounds, color="grey", linewidth=0.8)
-    axis.set(xscale="log", yscale="log", xlabel="measured s per exchange (emulated network)",
-             ylabel="model s per exchange")
-    axis.set_title(f"fit: {fit_result.quality['rows']} exchanges, R^2 {fit_result.quality['r2']:.3f}, median "
-                   f"|error| {fit_result.quality['median_abs_rel_error']:.0%}", fontsize=10)
-    axis.legend(fontsize=6)
-
-
-def plot_efficiency(axis, world_sizes, curves: list[tuple[str, float | None, str]], efficiency_of, title: str) -> None:
-    """Efficiency against P of each (method, density, wire) curve: ``efficiency_of(P, label)``; plain wire solid,
-    compact dashed."""
-    for method, density, wire in curves:
-        name = label(method, density, wire)
-        axis.plot(world_sizes, [efficiency_of(p, name) for p in world_sizes], color=COLOURS[method],
-                  linestyle="-" if wire == "plain" else "--", marker="o", markersize=3, label=name)
-    axis.set_xscale("log", base=2)
-    axis.set(ylim=(0, 1.02), xlabel="ranks P", ylabel="scaling efficiency")
-    axis.set_title(title, fontsize=9)
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=7)
-
-
-def plot(fit_result: Fit, prediction: dict, args: argparse.Namespace, path: Path) -> None:
-    """One level: efficiency against P (one rank per machine) at 1 and 10 Gbit/s for the first two densities,
-    and the fit."""
-    figure, axes = report.pyplot().subplots(2, 2, figsize=(12, 9))
-    panels = [(rate, density) for rate in PREDICT_RATES[:2] for density in args.densities[:2]][:3]
-    for axis, (rate, density) in zip(axes.flat, panels):
-        plot_efficiency(axis, PREDICT_WORLD_SIZES, series([density]),
-                        lambda p, name: prediction["table"][(rate, p, name)],
-                        f"{rate / 1e9:g} Gbit/s, density {density:g}: n = {args.numel / 1e6:g}M, compute "
-                        f"{args.compute_s * 1e3:g} ms,\nalpha {prediction['alpha'] * 1e6:.0f} us, per-element costs "
-                        f"x{args.compute_scale:g}")
-        if rate == PAPER["rate_bps"]:
-            axis.axvline(PAPER["world_size"], color="grey", linewidth=0.8)
+def plot(panels: list[tuple], path: Path, title: str = "", fit_result: Fit | None = None) -> None:
+    """2 x 2 panels of scaling efficiency against P, each (world sizes, curves, efficiency_of(P, label), title, whether
+    to mark the paper's point): a line per (method, density, wire) curve, plain wire solid, compact dashed; the last
+    panel the fit when given."""
+    figure, axes = report.figure(2, 2, (12, 9))
+    for axis, (world_sizes, curves, efficiency_of, panel_title, paper) in zip(axes.flat, panels):
+        for method, density, wire in curves:
+            name = label(method, density, wire)
+            axis.plot(world_sizes, [efficiency_of(p, name) for p in world_sizes], color=COLOURS[method],
+                      linestyle="-" if wire == "plain" else "--", marker="o", markersize=3, label=name)
+        axis.set_xscale("log", base=2)
+        axis.set(ylim=(0, 1.02), xlabel="ranks P", ylabel="scaling efficiency")
+        axis.set_title(panel_title, fontsize=9)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+        if paper:
+            axis.axvline(PAPER_P, color="grey", linewidth=0.8)
             axis.annotate("paper: P=32, 1 Gbit/s\ngTop-k 2.7-12x dense,\n1.1-1.7x allgather",
-                          (PAPER["world_size"], 0.55), xytext=(40, 0.6), fontsize=8)
-    plot_fit(axes.flat[3], fit_result)
+                          (PAPER_P, 0.55), xytext=(40, 0.6), fontsize=8)
+    if fit_result is not None:  # measured against modelled time per exchange
+        axis, residuals = axes.flat[3], fit_result.residuals
+        for method in METHODS:
+            for wire, marker in (("plain", "o"), ("compact", "^")):
+                points = [r for r in residuals if r["method"] == method and r["wire"] == wire]
+                if points:
+                    axis.scatter([r["measured_s"] for r in points], [r["predicted_s"] for r in points], s=12,
+                                 marker=marker, color=COLOURS[method], label=f"{method} {wire}")
+        times = [r[key] for r in residuals for key in ("measured_s", "predicted_s")]
+        axis.plot([min(times) / 2, max(times) * 2], [min(times) / 2, max(times) * 2], color="grey", linewidth=0.8)
+        axis.set(xscale="log", yscale="log", xlabel="measured s per exchange (emulated network)",
+                 ylabel="model s per exchange")
+        axis.set_title(f"fit: {fit_result.quality['rows']} exchanges, R^2 {fit_result.quality['r2']:.3f}, median "
+                       f"|error| {fit_result.quality['median_abs_rel_error']:.0%}", fontsize=10)
+        axis.legend(fontsize=6)
+    figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     report.save(figure, path)
 
 
-def plot_two_level(prediction: dict, args: argparse.Namespace, path: Path) -> None:
-    """Two levels: efficiency against P for nodes of NODE_SIZE ranks, per intra-node link and node link rate, at
-    the first density."""
-    density = args.densities[0]
-    figure, axes = report.pyplot().subplots(2, 2, figsize=(12, 9))
-    for axis, (intra, rate) in zip(axes.flat, [(i, r) for i in INTRA_LINKS for r in TWO_LEVEL_RATES[:2]]):
-        plot_efficiency(axis, TWO_LEVEL_WORLD_SIZES, two_level_series([density]),
-                        lambda p, name: prediction["two_level"][(intra, rate, p, name)]["efficiency"],
-                        f"{intra} inside nodes of {NODE_SIZE}, {rate / 1e9:g} Gbit/s per node; density {density:g}")
-    figure.suptitle(f"n = {args.numel / 1e6:g}M, compute {args.compute_s * 1e3:g} ms per iteration, no overlap, "
-                    f"alpha {prediction['alpha'] * 1e6:.0f} us between nodes, per-element costs "
-                    f"x{args.compute_scale:g}", fontsize=10)
-    figure.tight_layout()
-    report.save(figure, path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = cli.parser(__doc__)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = cli.parser(__doc__, densities=[0.001, 0.01])
     parser.add_argument("--json", type=Path, nargs="+", required=True,
                         help="bench/netem_scaling.py's JSON files (their rows are fitted together)")
     parser.add_argument("--numel", type=float, default=25.6e6, help="gradient elements (ResNet-50: 25.6M)")
@@ -421,7 +342,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute-scale", type=float, default=1.0,
                         help="multiplies the fitted per-element selection/merge/scatter/coding costs (1: this "
                              "machine's CPU core; below 1 for an accelerator)")
-    parser.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01])
     parser.add_argument("--alpha-s", type=float, default=None,
                         help="seconds per message between machines for the predictions (default: the fitted alpha, "
                              "this machine's: namespaces, tbf and shared cores)")
@@ -431,17 +351,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.numel < 1 or args.compute_s <= 0 or args.compute_scale < 0 or (args.alpha_s or 0) < 0:
         parser.error("--numel must be >= 1, --compute-s > 0, --compute-scale >= 0 and --alpha-s >= 0")
-    if not all(0 < d <= 1 for d in args.densities):
-        parser.error(f"--densities must be in (0, 1], got {args.densities}")
+    cli.check(parser, args, unit=("densities",))
     args.numel = int(args.numel)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     fit_result = fit([row for path in args.json for row in json.loads(path.read_text())["rows"]])
     model = fit_result.model if args.alpha_s is None else replace(fit_result.model, alpha=args.alpha_s)
     prediction = predict(model, args)
     print_report(fit_result, prediction, args)
-    if args.plot:
-        plot(fit_result, prediction, args, args.plot)
-    if args.plot_two_level:
-        plot_two_level(prediction, args, args.plot_two_level)
+    setting = (f"n = {args.numel / 1e6:g}M, compute {args.compute_s * 1e3:g} ms per iteration, no overlap, alpha "
+               f"{prediction['alpha'] * 1e6:.0f} us, per-element costs x{args.compute_scale:g}")
+    if args.plot:  # one rank per machine: 1 and 10 Gbit/s at the first two densities, and the fit
+        plot([(PREDICT_WORLD_SIZES, series([density]), lambda p, name, rate=rate: prediction["table"][(rate, p, name)],
+               f"{rate / 1e9:g} Gbit/s, density {density:g}", rate == PAPER_RATE)
+              for rate in RATES[:2] for density in args.densities[:2]][:3], args.plot, setting, fit_result)
+    if args.plot_two_level:  # nodes of NODE_SIZE ranks, per intra-node link and node link rate, the first density
+        plot([(TWO_LEVEL_WORLD_SIZES, two_level_series(args.densities[:1]),
+               lambda p, name, i=intra, r=rate: prediction["two_level"][(i, r, p, name)]["efficiency"],
+               f"{intra} inside nodes of {NODE_SIZE}, {rate / 1e9:g} Gbit/s per node; density {args.densities[0]:g}",
+               False)
+              for intra in INTRA_LINKS for rate in RATES[:2]], args.plot_two_level, setting)
     if args.out:
         report.write_json(
             args.out, args, model=asdict(fit_result.model), wire_overhead=fit_result.model.wire_overhead(),

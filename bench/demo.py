@@ -1,39 +1,8 @@
-"""The demo: does a model still train with sparsified gradients, and what does each method send?
+"""The demo: the digits trained with real DDP on Gloo processes, once per method, density and seed, from the same
+weights on the same batches: test accuracy, bytes sent, time per step and the steps and seconds to --target. With
+--rate each rank sits behind an emulated link (as root). docs/convergence.md.
 
-Trains the digits task (bench/digits.py: scikit-learn's bundled 8x8 handwritten digits, nothing downloaded) with
-real DDP on ``--world-size`` Gloo processes on this machine's CPU, on loopback or with ``--rate`` each rank in its
-own network namespace behind an emulated link of that rate (bench/emulated_network.py; needs root), once per
-method, density and seed, all with the same initial weights, data order and epochs:
-
-    dense                 DDP's default allreduce (no hook)
-    hook-dense            gtopk_ext's hook with collective="dense" (its overhead over DDP, nothing sparsified)
-    topk-allgather        exact top-k (torch.topk) + allgather of every rank's k pairs   (TopK-SGD)
-    gaussiank-allgather   Gaussian-k threshold + allgather
-    gaussiank-gtopk       Gaussian-k threshold + gTop-k butterfly merge, O(k log P)
-    gaussiank-gtopk-mc    the same with momentum correction (the hook applies the momentum, the optimizer none)
-    gaussiank-allgather-mc  Gaussian-k + allgather with momentum correction
-    gaussiank-gtopk-recipe  gtopk_ext's recommended settings as a user gets them:
-                          ``gx.SparseGradState.recipe(density, warmup_steps=--warmup-steps, momentum=--momentum)``
-
-The default run is what a user should compare: DDP, gtopk_ext's recipe at densities 0.01 and 0.001
-(``gaussiank-gtopk-recipe``) and, for contrast, Gaussian-k + gTop-k with the momentum in the optimizer
-(``gaussiank-gtopk``), what the recipe fixes.
-
-Every sparse run uses the hook's error feedback, its residual warm-up and a density warm-up: ``--warmup-steps``
-iterations of density decaying geometrically to the target (Deep Gradient Compression's schedule, through the
-hook's ``density_schedule``). The methods but the recipe build the hook by hand from the flags (``--start-iter``
-dense iterations, the warm-up from ``--warmup-density``, ``--per-tensor``, ``--masking``, ...; ``--recipe`` sets
-them to measured presets); the recipe takes only ``--warmup-steps`` and ``--momentum``, as a user calls it.
-It prints a table (final test accuracy, final training loss, bytes sent per rank per step as ``state.stats()``
-counts them - for ``dense``, a ring allreduce's -, time per step, and the steps and training seconds (the slowest
-rank's step times, evaluation left out) to reach ``--target`` test accuracy) and writes ``demo.json`` and
-``demo.png`` (accuracy and loss against steps and against bytes sent) under ``--out``.
-
-    python -m bench.demo                        # the defaults: 4 processes, CNN, densities 0.01 and 0.001
-    python -m bench.demo --seeds 0 1 2          # the convergence comparison (docs/convergence.md)
-    python -m bench.demo --recipe dgc-0.001 --seeds 0 1 2   # density 0.001, the settings that converge (docs/)
-    python -m bench.demo --overhead             # time per step only: the hook against DDP's allreduce
-    python -m bench.demo --rate 1gbit --target 0.95   # as root: 1 Gbit/s links, seconds to 95% per method
+    python -m bench.demo --rate 1gbit     # DDP, fp16_compress_hook, PowerSGD, gtopk_ext's recipe at 0.01 and 0.001
 """
 
 from __future__ import annotations
@@ -42,7 +11,6 @@ import argparse
 import math
 import os
 import statistics
-from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -53,24 +21,26 @@ from bench.digits import load_digits_split, make_model
 from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.methods import Recipe, attached, hook_state, recipe, recipe_state
+from bench.harness.methods import Recipe, attached, hook_state, method as harness_method, recipe_state
 from bench.harness.train import Trainer, epoch_batches, evaluate, reduced, slowest, train_curve
 
-# method -> (compressor, collective, momentum correction) of the hook; None: DDP's own allreduce. With momentum
-# correction the hook applies --momentum and --weight-decay and the optimizer neither.
-METHODS: dict[str, tuple[str, str, bool] | None] = {
-    "dense": None,
-    "hook-dense": ("gaussiank", "dense", False),
-    "topk-allgather": ("topk", "allgather", False),
+RECIPE_METHOD = "gaussiank-gtopk-recipe"  # gx.SparseGradState.recipe(density, --warmup-steps, --momentum)
+# method -> the hook built from the flags: (compressor, collective, momentum correction: the hook applies --momentum
+# and --weight-decay, the optimizer neither), or the name of a DDP method of bench/harness/methods.py.
+METHODS: dict[str, tuple[str, str, bool] | str] = {
+    "dense": "ddp", "fp16": "fp16", "powersgd-1": "powersgd-1", "powersgd-2": "powersgd-2",
+    "powersgd-4": "powersgd-4",
+    "hook-dense": ("gaussiank", "dense", False),  # the hook's overhead over DDP, nothing sparsified
+    "topk-allgather": ("topk", "allgather", False),  # TopK-SGD
     "gaussiank-allgather": ("gaussiank", "allgather", False),
     "gaussiank-gtopk": ("gaussiank", "gtopk", False),
     "gaussiank-gtopk-mc": ("gaussiank", "gtopk", True),
     "gaussiank-allgather-mc": ("gaussiank", "allgather", True),
-    "gaussiank-gtopk-recipe": ("gaussiank", "gtopk", True),  # gx.SparseGradState.recipe: make_hook_state
+    RECIPE_METHOD: ("gaussiank", "gtopk", True),
 }
-DEFAULT_METHODS = ("dense", "gaussiank-gtopk", "gaussiank-gtopk-recipe")
-# --recipe: measured settings of the hand-built hook (and the methods they are for), as defaults of the flags below:
-# DGC's momentum correction with its warm-up over 4 epochs of 22 steps, momentum factor masking from the end of it on.
+DEFAULT_METHODS = ("dense", "fp16", "powersgd-2", RECIPE_METHOD)
+# --recipe: measured presets of the hand-built hooks' flags: DGC's momentum correction with its warm-up over 4 epochs
+# of 22 steps, momentum factor masking from the end of it on.
 _DGC = {"methods": ["dense", "gaussiank-gtopk-mc", "gaussiank-allgather-mc"], "warmup_steps": 88,
         "masking": "after-warmup"}
 RECIPES: dict[str, dict] = {
@@ -80,20 +50,20 @@ RECIPES: dict[str, dict] = {
     "dgc-0.001-dense-conv": {**_DGC, "densities": [0.001], "per_tensor": True, "min_compress_numel": 20_000,
                              "warmup_steps": 44},
 }
-RECIPE_METHOD = "gaussiank-gtopk-recipe"
 
 
 def is_sparse(method: str) -> bool:
-    return METHODS[method] is not None and METHODS[method][1] != "dense"
+    return isinstance(METHODS[method], tuple) and METHODS[method][1] != "dense"
 
 
 def momentum_in_hook(method: str) -> bool:
-    return METHODS[method] is not None and METHODS[method][2]
+    return isinstance(METHODS[method], tuple) and METHODS[method][2]
 
 
 def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx.SparseGradState | None:
-    """The hook's state of one run: the package's recipe for RECIPE_METHOD, else built from the flags."""
-    if METHODS[method] is None:
+    """gtopk_ext's hook state of one run (None for the other methods): the package's recipe, or built from the
+    flags."""
+    if not isinstance(METHODS[method], tuple):
         return None
     if method == RECIPE_METHOD:
         return recipe_state(density, args.warmup_steps, args.momentum)
@@ -107,17 +77,12 @@ def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx
                       clip_norm=args.clip_norm, **moved)
 
 
-def demo_recipe(method: str, density: float, args: argparse.Namespace) -> Recipe:
-    """The DDP method of one run: DDP's own allreduce, or the hook with :func:`make_hook_state`'s state."""
-    if METHODS[method] is None:
-        return recipe("ddp")
-    return Recipe(method, lambda ddp, world_size, _: attached(ddp, make_hook_state(method, density, args)),
-                  momentum_in_hook=momentum_in_hook(method))
-
-
 def demo_trainer(method: str, density: float, seed: int, args: argparse.Namespace, world_size: int) -> Trainer:
     """One run's method on this rank; the same initial weights on every rank and for every method."""
-    return Trainer(demo_recipe(method, density, args), make_model(args.model, seed), args, world_size)
+    recipe = (harness_method(METHODS[method]) if isinstance(METHODS[method], str) else
+              Recipe(method, lambda ddp, world_size, _: attached(ddp, make_hook_state(method, density, args)),
+                     momentum_in_hook=momentum_in_hook(method)))
+    return Trainer(recipe, make_model(args.model, seed), args, world_size)
 
 
 def batch_loss(x: torch.Tensor, y: torch.Tensor):
@@ -126,8 +91,8 @@ def batch_loss(x: torch.Tensor, y: torch.Tensor):
 
 def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple, method: str, density: float,
               seed: int, tx: TxCounter, progress) -> dict:
-    """One DDP training run; every rank returns the same record (losses averaged over ranks, step times as the
-    slowest rank saw them, the model evaluated every ``--eval-every`` steps, by default every epoch)."""
+    """One training run; every rank returns the same record (losses averaged over ranks, step times the slowest
+    rank's, the model evaluated every ``--eval-every`` steps, by default every epoch)."""
     train_x, train_y, test_x, test_y = data
     trainer = demo_trainer(method, density, seed, args, world_size)
     batches = [index for epoch in range(args.epochs)
@@ -155,8 +120,6 @@ def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple,
     timed = step_ms[warmed_up:] if len(step_ms) > 2 * warmed_up else step_ms[1:]
     return {
         "method": method, "density": density if is_sparse(method) else 1.0, "seed": seed, "recipe": args.recipe,
-        "compressor": METHODS[method][0] if METHODS[method] else None,
-        "collective": METHODS[method][1] if METHODS[method] else "ddp-allreduce",
         "train_loss": losses.tolist(), "bytes_sent": bytes_sent, "step_ms": step_ms.tolist(), "eval": curve,
         "final_test_accuracy": curve[-1]["test_accuracy"],
         "final_train_loss": float(losses[-(len(batches) // args.epochs):].mean()),
@@ -181,8 +144,7 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
     runs = planned_runs(args)
     steps = args.epochs * (len(data[1]) // (world_size * args.batch_size))
     progress = report.progress(steps * len(runs), rank, args, config)
-    tx = TxCounter(config["ifname"])
-    records = []
+    tx, records = TxCounter(config["ifname"]), []
     for method, density, seed in runs:
         if progress is not None:
             progress.set_description(f"seed {seed} {method}" + (f" {density:g}" if is_sparse(method) else ""))
@@ -193,8 +155,8 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
 
 
 def overhead(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
-    """Time per step only (no evaluation): each method in turn, ``--overhead-repeats`` interleaved rounds of
-    ``--overhead-steps`` steps after a warm-up; the slowest rank's median per round."""
+    """Time per step only: ``--overhead-repeats`` interleaved rounds of ``--overhead-steps`` steps of each method
+    after a warm-up; the slowest rank's median per round."""
     train_x, train_y, _, _ = load_digits_split(seed=0)
     configs = [(m, d) for m in args.methods for d in (args.densities if is_sparse(m) else [1.0])]
     trainers = {config: demo_trainer(*config, 0, args, world_size) for config in configs}
@@ -233,88 +195,35 @@ def summarize(records: list[dict], target: float) -> list[dict]:
             "total_bytes": statistics.fmean(r["total_bytes"] for r in group),
             "ms_per_step": statistics.median(r["ms_per_step"] for r in group),
             "selected_over_k": statistics.fmean(selected) if selected else None,
+            "eval": [{key: statistics.fmean(p[key] for p in points) for key in points[0]}  # mean curve over seeds
+                     for points in zip(*(r["eval"] for r in group))],
             **report.to_target([r["eval"] for r in group], lambda point: point["test_accuracy"] >= target,
                                "seconds"),
         })
     return rows
 
 
-def print_table(rows: list[dict], target: float) -> None:
+def columns(rows: list[dict], target: float) -> list[tuple]:
     dense = next((r for r in rows if r["method"] == "dense"), None)
-    print(report.table(rows, [
-        ("method", "", "method"), ("density", "g", "density"), ("test acc", ".2%", "test_accuracy"),
-        ("(min-max)", "", lambda r: f"({100 * r['test_accuracy_min']:.1f}-{100 * r['test_accuracy_max']:.1f})"),
-        ("vs dense", "+.2f", lambda r: dense and 100 * (r["test_accuracy"] - dense["test_accuracy"])),
-        ("train loss", ".4f", "train_loss"), ("B/step", ".0f", "bytes_per_step"),
-        ("total MB", ".2f", lambda r: r["total_bytes"] / 1e6),
-        ("vs dense", ".2%", lambda r: dense and r["total_bytes"] / dense["total_bytes"]),
-        ("ms/step", ".2f", "ms_per_step"), ("sel/k", ".2f", "selected_over_k"),
-        (f"steps to {100 * target:g}%", "g", "steps_to_target"), (f"s to {100 * target:g}%", ".1f",
-                                                                   "seconds_to_target")]))
-
-
-def mean_curve(records: list[dict], key) -> list[float]:
-    """The mean over seeds of ``key(record)`` (equal-length lists)."""
-    return [statistics.fmean(values) for values in zip(*(key(r) for r in records))]
-
-
-def smooth(values: list[float], window: int) -> list[float]:
-    """Trailing moving average: the per-step loss of a small batch is too noisy to read."""
-    out, running = [], 0.0
-    for i, v in enumerate(values):
-        running += v - (values[i - window] if i >= window else 0.0)
-        out.append(running / min(i + 1, window))
-    return out
-
-
-def plot(records: list[dict], path: Path, title: str) -> None:
-    """Test accuracy and training loss (a moving average) against steps and against MB sent, means over seeds."""
-    fig, axes = report.pyplot().subplots(2, 2, figsize=(13, 8.5))
-    colors = dict(zip(METHODS, ("black", "tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
-                                "tab:brown")))
-    densities = sorted({r["density"] for r in records if r["density"] < 1.0}, reverse=True)
-    steps = len(records[0]["train_loss"])
-    window = max(1, steps // 40)
-    for key in dict.fromkeys((r["method"], r["density"]) for r in records):
-        group = [r for r in records if (r["method"], r["density"]) == key]
-        method, density = key
-        style = dict(color=colors[method], linestyle=dict(zip(densities, ("-", "--", ":", "-."))).get(density, "-"))
-        cumulative_mb = [b / 1e6 for b in accumulate(mean_curve(group, lambda r: r["bytes_sent"]))]
-        loss = smooth(mean_curve(group, lambda r: r["train_loss"]), window)
-        eval_steps = [e["step"] for e in group[0]["eval"]]
-        accuracy = [100 * a for a in mean_curve(group, lambda r: [e["test_accuracy"] for e in r["eval"]])]
-        axes[0, 0].plot(eval_steps, accuracy, marker=".", label=method if density == 1.0 else f"{method} d={density:g}",
-                        **style)
-        axes[0, 1].plot([cumulative_mb[s - 1] for s in eval_steps[1:]], accuracy[1:], marker=".", **style)
-        axes[1, 0].plot(range(1, steps + 1), loss, **style)
-        axes[1, 1].plot(cumulative_mb, loss, **style)
-    lowest_final = min(100 * r["final_test_accuracy"] for r in records)
-    for ax in axes[:, 0]:
-        ax.set(xlabel="step")
-    for ax in axes[:, 1]:
-        ax.set(xlabel="MB sent per rank (cumulative)", xscale="log")
-    for ax in axes[0]:  # the final accuracies are what differ: the axis starts a little below the lowest
-        ax.set(ylabel="test accuracy (%)", ylim=(min(max(0, lowest_final - 15), 80), 100))
-    for ax in axes[1]:
-        ax.set(ylabel=f"training loss (moving average of {window} steps)", yscale="log")
-    for ax in axes.flat:
-        report.finish_axis(ax)
-    fig.suptitle(title)
-    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.965), ncol=4, fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    report.save(fig, path)
+    return [("method", "", "method"), ("density", "g", "density"), ("test acc", ".2%", "test_accuracy"),
+            ("(min-max)", "", lambda r: f"({100 * r['test_accuracy_min']:.1f}-{100 * r['test_accuracy_max']:.1f})"),
+            ("vs dense", "+.2f", lambda r: dense and 100 * (r["test_accuracy"] - dense["test_accuracy"])),
+            ("train loss", ".4f", "train_loss"), ("B/step", ".0f", "bytes_per_step"),
+            ("total MB", ".2f", lambda r: r["total_bytes"] / 1e6),
+            ("vs dense", ".2%", lambda r: dense and r["total_bytes"] / dense["total_bytes"]),
+            ("ms/step", ".2f", "ms_per_step"), ("sel/k", ".2f", "selected_over_k"),
+            (f"steps to {100 * target:g}%", "g", "steps_to_target"),
+            (f"s to {100 * target:g}%", ".1f", "seconds_to_target")]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__)
-    cli.add_common(parser, world_size=4, seeds=[0], model="cnn", batch_size=16, lr=0.05, momentum=0.9,
-                   no_progress=False)
+    parser = cli.parser(__doc__, world_size=4, seeds=[0], model="cnn", batch_size=16, lr=0.05, momentum=0.9,
+                        densities=[0.01, 0.001], no_progress=False)
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
-                        metavar="METHOD", help=f"what to train with: dense (DDP's allreduce), hook-dense (the "
-                        f"hook's dense collective), or the hook as <compressor>-<collective>[-mc: momentum "
-                        f"correction][-recipe: gx.SparseGradState.recipe]; one of {', '.join(METHODS)}")
-    parser.add_argument("--densities", nargs="+", type=float, default=[0.01, 0.001],
-                        help="the sparse methods' densities: each runs at every one")
+                        metavar="METHOD", help=f"dense (DDP's allreduce), fp16 (fp16_compress_hook), powersgd-<rank> "
+                        f"(one bucket), hook-dense (the hook's dense collective), or the hook as <compressor>-"
+                        f"<collective>[-mc: momentum correction][-recipe: gx.SparseGradState.recipe]; one of "
+                        f"{', '.join(METHODS)}")
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training digits")
     parser.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default: an epoch)")
     parser.add_argument("--target", type=float, default=0.95,
@@ -333,7 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="momentum correction's factor masking: from the first compressed step, or from the end "
                              "of the density warm-up on (the hook's masking_start_iter)")
     parser.add_argument("--recipe", choices=list(RECIPES),
-                        help="presets of the hand-built hook's flags that converge at that density (see RECIPES), for "
+                        help="presets of the hand-built hooks' flags that converge at that density (see RECIPES), for "
                              "every run; flags given explicitly win")
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder of demo.json and demo.png")
     parser.add_argument("--overhead", action="store_true",
@@ -344,38 +253,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cli.add_network_args(parser, prefix="gxdemo", rate=None, timeout=300,
                          timeout_help="seconds a collective may wait before failing")
     args = parser.parse_args(argv)
-    if args.recipe is not None:
-        args = parse_with_preset(parser, argv, RECIPES[args.recipe])
-    cli.check_positive(parser, args, "world_size", "epochs", "batch_size", "overhead_steps", "overhead_repeats")
-    if args.eval_every is not None and args.eval_every < 1:
-        parser.error(f"--eval-every must be >= 1, got {args.eval_every}")
-    if not 0 < args.target <= 1:
-        parser.error(f"--target must be an accuracy in (0, 1], got {args.target}")
+    if args.recipe is not None:  # the preset's values as defaults: flags given explicitly win
+        parser.set_defaults(**RECIPES[args.recipe])
+        args = parser.parse_args(argv)
+    cli.check(parser, args, positive=("world_size", "epochs", "batch_size", "eval_every", "overhead_steps",
+                                      "overhead_repeats"), unit=("target", "densities", "warmup_density"))
     if args.start_iter < 2:
         parser.error(f"--start-iter must be >= 2 (the hook's residuals need DDP's rebuilt buckets), got "
                      f"{args.start_iter}")
     if args.warmup_steps < 0:
         parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
-    for density in args.densities + [args.warmup_density]:
-        if not 0 < density <= 1:
-            parser.error(f"densities must be in (0, 1], got {density}")
-    args.methods = list(dict.fromkeys(args.methods))
+    args.methods, args.seeds = list(dict.fromkeys(args.methods)), list(dict.fromkeys(args.seeds))
     args.densities = sorted(set(args.densities), reverse=True)
-    args.seeds = list(dict.fromkeys(args.seeds))
     if args.weight_decay and RECIPE_METHOD in args.methods:  # the optimizer leaves it to the hook, the recipe has none
         parser.error(f"--weight-decay is not part of {RECIPE_METHOD} (gx.SparseGradState.recipe): drop one, or use "
                      f"gaussiank-gtopk-mc, which applies it in the hook")
     return args
-
-
-def parse_with_preset(parser: argparse.ArgumentParser, argv: list[str] | None, preset: dict) -> argparse.Namespace:
-    """``argv`` parsed with ``preset``'s values as the defaults: flags given explicitly still win."""
-    saved = {name: parser.get_default(name) for name in preset}
-    parser.set_defaults(**preset)
-    try:
-        return parser.parse_args(argv)
-    finally:
-        parser.set_defaults(**saved)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -387,9 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     setting = (f"{args.world_size} Gloo processes on {os.cpu_count()} CPU cores, {network_name(args.rate)}, digits, "
                f"{args.model}, batch {args.batch_size}/rank, lr {args.lr:g}, momentum {args.momentum:g}")
     # The ranks run for as long as it takes (--timeout bounds each collective).
-    measured = run_group("bench.demo", args.world_size, args, math.inf, rate_bps=args.rate, prefix=args.prefix)
+    records = run_group("bench.demo", args.world_size, args, math.inf, rate_bps=args.rate, prefix=args.prefix)
     if args.overhead:
-        rows = [{**r, "ms_per_step": statistics.median(r["ms_per_step_rounds"])} for r in measured]
+        rows = [{**r, "ms_per_step": statistics.median(r["ms_per_step_rounds"])} for r in records]
         dense = next((r["ms_per_step"] for r in rows if r["method"] == "dense"), None)
         print(f"time per step, {setting}; median of {args.overhead_repeats} interleaved rounds of "
               f"{args.overhead_steps} steps (each round: the slowest rank's median)")
@@ -399,18 +292,23 @@ def main(argv: list[str] | None = None) -> None:
             ("vs dense", ".2f", lambda r: dense and r["ms_per_step"] / dense)]))
         report.write_json(args.out / "overhead.json", args, rows=rows)
         return
-
-    records = measured
-    rows = summarize(records, args.target)
-    seeds = " ".join(map(str, args.seeds))
+    rows, seeds = summarize(records, args.target), " ".join(map(str, args.seeds))
     print(f"{setting}; {args.epochs} epochs ({len(records[0]['train_loss'])} steps), seeds {seeds} (mean), "
           f"dense warm-up {args.start_iter} iterations, density warm-up {args.warmup_steps} iterations")
     if RECIPE_METHOD in args.methods:
         print(f"{RECIPE_METHOD}: gx.SparseGradState.recipe(density, warmup_steps={args.warmup_steps}, "
               f"momentum={args.momentum:g})")
-    print_table(rows, args.target)
+    print(report.table(rows, columns(rows, args.target)))
+    if args.rate is None:
+        print("on loopback: the bytes tell what a slow link would cost; as root, --rate 1gbit times it")
     report.write_json(args.out / "demo.json", args, table=rows, runs=records)
-    plot(records, args.out / "demo.png", f"{setting}; {args.epochs} epochs, mean of seeds {seeds}")
+    curves = [{"label": r["method"] + (f" d={r['density']:g}" if r["density"] < 1 else ""), "curve": r["eval"]}
+              for r in rows]
+    report.plot_curves(curves, args.out / "demo.png", f"{setting}; {args.epochs} epochs, mean of seeds {seeds}",
+                       "test accuracy (%)", lambda p: 100 * p["test_accuracy"], [
+                           ("step", lambda p: p["step"], "linear"),
+                           ("training seconds (slowest rank)", lambda p: p["seconds"], "linear"),
+                           ("MB sent per rank", lambda p: p["bytes_sent"] / 1e6, "log")])
 
 
 if __name__ == "__main__":

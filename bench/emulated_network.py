@@ -1,11 +1,7 @@
-"""An emulated network for multi-process benchmarks: every rank in its own network namespace, linked to a bridge
-through a veth pair whose both ends ``tc tbf`` limits to a rate, so a link behaves as a full-duplex Ethernet port
-of that rate. Needs root, ``ip`` and ``tc`` (iproute2) with tbf; everything it creates is removed on close, on
-failure and on SIGINT/SIGTERM. The addresses (10.77.0.0/24) exist only inside these namespaces.
-
-bench/harness/launch.py starts the ranks inside them: a benchmark's workers (``run_group``), or one torchrun agent
-per emulated node (``run_torchrun``: a namespace holds a node's ranks, which talk to each other over its loopback,
-unshaped); ``python -m bench.emulated_network torchrun ...`` runs a training script that way:
+"""An emulated network: every rank (or node) in its own network namespace, linked to a bridge by a veth pair that
+``tc tbf`` limits on both ends, so a link behaves as a full-duplex Ethernet port of that rate. Needs root, ``ip`` and
+``tc``; what it creates is removed on close, failure, SIGINT and SIGTERM. bench/harness/launch.py starts ranks in it;
+this module's CLI runs a training script under torchrun on emulated nodes (docs/scaling.md):
 
     python -m bench.emulated_network torchrun --nnodes 2 --nproc-per-node 2 --rate 1gbit -- \
         examples/train_ddp.py --collective hierarchical
@@ -27,6 +23,8 @@ from pathlib import Path
 
 SUBNET = "10.77.0"  # private, and only ever assigned inside this module's own namespaces
 RANK_IFNAME = "eth0"
+
+
 def parse_rate(text: str) -> int:
     """'1gbit', '100mbit', '250kbit' or a plain number of bits per second -> bits per second."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)(?:bit)?", text.strip().lower())
@@ -38,10 +36,13 @@ def parse_rate(text: str) -> int:
 def rate_name(bps: int | None) -> str:
     if bps is None:
         return "loopback"
-    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:g}{unit}"
-    return f"{bps}bit"
+    unit, scale = next(((u, s) for u, s in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)) if bps >= s), ("bit", 1))
+    return f"{bps / scale:g}{unit}"
+
+
+def network_name(rate_bps: int | None) -> str:
+    """What a run's ranks talk over: ``rate_bps`` links, or loopback (None)."""
+    return "loopback (no shaping)" if rate_bps is None else f"{rate_name(rate_bps)} links (namespaces, tbf)"
 
 
 def run_ip(*argv: str) -> None:
@@ -56,9 +57,9 @@ def unwind_on_sigterm() -> None:
 
 
 class Network:
-    """One bridge namespace and ``world_size`` host namespaces (a rank each, or a node's ranks under torchrun),
-    each linked to the bridge by a veth pair, limited to ``rate_bps`` (None: unshaped). ``close()`` deletes the
-    namespaces, which deletes every link and qdisc in them: on leaving its ``with`` block, at exit and on SIGTERM."""
+    """A bridge namespace and ``world_size`` host namespaces (a rank each, or a node's ranks), each linked to the
+    bridge by a veth pair limited to ``rate_bps`` (None: unshaped). ``close()`` deletes the namespaces, and with
+    them every link and qdisc: on leaving its ``with`` block, at exit and on SIGTERM."""
 
     def __init__(self, prefix: str, world_size: int, rate_bps: int | None = None):
         self.bridge_ns = f"{prefix}{os.getpid()}-br"
@@ -67,9 +68,25 @@ class Network:
         atexit.register(self.close)
         unwind_on_sigterm()
         try:
-            self._build()
-            if rate_bps is not None:
-                self.limit(rate_bps)
+            for ns in [self.bridge_ns, *self.rank_ns]:
+                run_ip("netns", "add", ns)
+                self.created.append(ns)
+            run_ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+            run_ip("-n", self.bridge_ns, "link", "set", "br0", "up")
+            # tbf's bucket holds 1 ms of traffic (at least a few frames): a message passes at most 1 ms early.
+            tbf = ["root", "tbf", "rate", str(rate_bps), "burst", str(max(4096, (rate_bps or 0) // 8000)),
+                   "latency", "50ms"]
+            for rank, ns in enumerate(self.rank_ns):
+                run_ip("-n", ns, "link", "add", RANK_IFNAME, "type", "veth", "peer", "name", f"p{rank}", "netns",
+                       self.bridge_ns)
+                for command in (["link", "set", f"p{rank}", "master", "br0"], ["link", "set", f"p{rank}", "up"]):
+                    run_ip("-n", self.bridge_ns, *command)
+                for command in (["addr", "add", f"{self.address(rank)}/24", "dev", RANK_IFNAME],
+                                ["link", "set", RANK_IFNAME, "up"], ["link", "set", "lo", "up"]):
+                    run_ip("-n", ns, *command)
+                if rate_bps is not None:  # both directions: rank -> bridge and bridge -> rank
+                    run_ip("netns", "exec", ns, "tc", "qdisc", "replace", "dev", RANK_IFNAME, *tbf)
+                    run_ip("netns", "exec", self.bridge_ns, "tc", "qdisc", "replace", "dev", f"p{rank}", *tbf)
         except BaseException:
             self.close()
             raise
@@ -80,50 +97,26 @@ class Network:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _add_ns(self, name: str) -> None:
-        run_ip("netns", "add", name)
-        self.created.append(name)
-
-    def _build(self) -> None:
-        self._add_ns(self.bridge_ns)
-        run_ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-        run_ip("-n", self.bridge_ns, "link", "set", "br0", "up")
-        for rank, ns in enumerate(self.rank_ns):
-            self._add_ns(ns)
-            run_ip("-n", ns, "link", "add", RANK_IFNAME, "type", "veth", "peer", "name", f"p{rank}", "netns",
-                   self.bridge_ns)
-            run_ip("-n", self.bridge_ns, "link", "set", f"p{rank}", "master", "br0")
-            run_ip("-n", self.bridge_ns, "link", "set", f"p{rank}", "up")
-            run_ip("-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", RANK_IFNAME)
-            run_ip("-n", ns, "link", "set", RANK_IFNAME, "up")
-            run_ip("-n", ns, "link", "set", "lo", "up")
-
     @staticmethod
     def address(rank: int) -> str:
         return f"{SUBNET}.{rank + 1}"
 
-    def limit(self, rate_bps: int) -> None:
-        """tbf on both ends of every link: rank -> bridge and bridge -> rank, each at ``rate_bps``."""
-        # The bucket holds 1 ms of traffic (at least a few full frames): a message passes at most 1 ms early.
-        # tbf splits larger GSO segments into frames, so a small bucket does not drop them.
-        burst = max(4096, rate_bps // 8 // 1000)
-        tbf = ["root", "tbf", "rate", str(rate_bps), "burst", str(burst), "latency", "50ms"]
-        for rank, ns in enumerate(self.rank_ns):
-            run_ip("netns", "exec", ns, "tc", "qdisc", "replace", "dev", RANK_IFNAME, *tbf)
-            run_ip("netns", "exec", self.bridge_ns, "tc", "qdisc", "replace", "dev", f"p{rank}", *tbf)
-
     def close(self) -> None:
         while self.created:
-            name = self.created.pop()
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            subprocess.run(["ip", "netns", "del", self.created.pop()], capture_output=True)
+
+    def tx_bytes(self) -> list[int]:
+        """Bytes each host has sent on its link so far."""
+        return [int(subprocess.run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{RANK_IFNAME}/statistics/"
+                                    "tx_bytes"], capture_output=True, text=True, check=True).stdout)
+                for ns in self.rank_ns]
 
 
 def cleanup_stale(prefix: str) -> list[str]:
     """Deletes the namespaces of earlier runs with this prefix whose process is gone; returns their names."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     removed = []
-    for line in listing.splitlines():
-        name = line.split()[0] if line.strip() else ""
+    for name in (line.split()[0] for line in listing.splitlines() if line.strip()):
         match = re.fullmatch(rf"{re.escape(prefix)}(\d+)-(br|r\d+)", name)
         if match and not Path(f"/proc/{match[1]}").exists():
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
@@ -135,25 +128,16 @@ def check_can_emulate() -> str | None:
     """Why the emulated network cannot run here, or None."""
     if os.geteuid() != 0:
         return "it needs root (network namespaces and tc); run it as root, or use --loopback (no shaping)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` (iproute2) is not installed; install iproute2, or use --loopback"
-    return None
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    return f"`{missing[0]}` (iproute2) is not installed; install iproute2, or use --loopback" if missing else None
 
 
 def runs_on_loopback(program: str, loopback: bool) -> bool:
     """Whether ``program`` runs on loopback: asked for, or the emulated network cannot run here (said on stderr)."""
-    if loopback:
-        return True
-    reason = check_can_emulate()
+    reason = None if loopback else check_can_emulate()
     if reason:
         print(f"{program}: no emulated network ({reason}); running on loopback", file=sys.stderr)
-    return reason is not None
-
-
-def network_name(rate_bps: int | None) -> str:
-    """What a run's ranks talk over: ``rate_bps`` links, or loopback (None)."""
-    return "loopback (no shaping)" if rate_bps is None else f"{rate_name(rate_bps)} links (namespaces, tbf)"
+    return loopback or reason is not None
 
 
 class TxCounter:
@@ -166,19 +150,12 @@ class TxCounter:
         return int(self.path.read_text()) if self.path else 0
 
 
-def node_tx_bytes(network: Network) -> list[int]:
-    """Bytes each node has sent on its link so far."""
-    return [int(subprocess.run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{RANK_IFNAME}/statistics/tx_bytes"],
-                               capture_output=True, text=True, check=True).stdout) for ns in network.rank_ns]
-
-
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from bench.harness import cli  # here: the harness imports this module
-    from bench.harness.launch import run_torchrun
 
-    parser = argparse.ArgumentParser(description="Run a training script under torchrun on emulated nodes: one "
-                                                 "network namespace and one torchrun agent per node, the node's "
-                                                 "ranks inside it, a tbf-limited link from each node to a switch.")
+    parser = argparse.ArgumentParser(description="Run a training script under torchrun on emulated nodes: a network "
+                                                 "namespace and a torchrun agent per node, the node's ranks inside it, "
+                                                 "a tbf-limited link from each node to a switch.")
     commands = parser.add_subparsers(dest="command", required=True)
     torchrun = commands.add_parser("torchrun", help="python -m bench.emulated_network torchrun [options] -- "
                                                     "script.py [script arguments]")
@@ -188,19 +165,28 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_network_args(torchrun, prefix="gxtr")
     torchrun.add_argument("script", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = parser.parse_args(argv)
-    script = args.script[1:] if args.script[:1] == ["--"] else args.script
-    if not script:
+    args.script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if not args.script:
         parser.error("name the training script after --")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from bench.harness import cli
+    from bench.harness.launch import run_torchrun
+
+    args = parse_args(argv)
     rate = cli.link_rate("bench.emulated_network", args)
     with (nullcontext() if rate is None else Network(args.prefix, args.nnodes, rate)) as network, \
             tempfile.TemporaryDirectory() as workdir:
         print(f"{args.nnodes} nodes x {args.nproc_per_node} ranks over {network_name(rate)}", flush=True)
-        before = node_tx_bytes(network) if network else []
-        run_torchrun(script, args.nnodes, args.nproc_per_node, network, Path(workdir), f"run{os.getpid()}",
+        before = network.tx_bytes() if network else []
+        run_torchrun(args.script, args.nnodes, args.nproc_per_node, network, Path(workdir), f"run{os.getpid()}",
                      args.timeout, args.max_restarts)
         if network:
-            sent = [after - b for after, b in zip(node_tx_bytes(network), before)]
+            sent = [after - b for after, b in zip(network.tx_bytes(), before)]
             print(f"bytes sent on the inter-node links: {sum(sent)} ({', '.join(map(str, sent))} per node)")
+
 
 if __name__ == "__main__":
     main()

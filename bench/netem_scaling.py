@@ -1,29 +1,10 @@
-"""Scaling on an emulated network: dense allreduce, TopK-SGD's sparse allgather, gTop-k and Ok-Topk (plain and
-compact wire) over links limited with ``tc tbf``, with the bytes each rank actually put on its link; and on two
-levels, the hierarchical collective against them.
+"""Scaling on an emulated network: dense allreduce, TopK-SGD's allgather, gTop-k and Ok-Topk (plain and compact
+wire) over links limited with ``tc tbf``, each rank in its own network namespace, with the bytes each rank put on its
+link; with --local-size L, nodes of L ranks and the hierarchical collective. Time per exchange, bytes and selection
+time feed bench/cost_model.py. Needs root, ``ip`` and ``tc`` (else exit status 2). docs/scaling.md.
 
-Every rank runs in its own network namespace behind a link of the rate under test (bench/emulated_network.py,
-names ``<prefix><pid>-...``); Gloo binds to the namespace's interface; bytes sent per rank come from the
-interface's ``tx_bytes`` counter (TCP/IP headers and ACKs included), next to the model's payload bytes.
-
-``--local-size L`` groups L consecutive ranks into a node instead: one namespace per node, its ranks talking over
-the namespace's loopback (unshaped), the node's one link limited; every method then runs on the whole group, and
-two more: ``hierarchical`` (gtopk_ext.hierarchical.hierarchical_allreduce, gTop-k between nodes, plain wire; its
-time includes its selection on the shard) and a dense allreduce inside the node (rows with world_size L), which
-pins the intra-node costs; bytes are then counted per node link.
-
-For each world size P, rate, gradient size n, density and wire: time per exchange (the slowest rank's, median over
-repetitions), bytes sent per rank, and each rank's Gaussian-k selection time (ranks select one at a time, so the
-2-core machine's contention does not inflate it). Exchanges whose predicted wire time exceeds
-``--max-wire-seconds`` are skipped and listed (by default: dense 100M and 25M on 100 Mbit/s).
-Needs root, ``ip`` and ``tc`` with tbf; without them it says so and exits with status 2. Everything it creates
-is removed on exit, on failure and on SIGINT/SIGTERM; ``--cleanup`` removes what a killed run left behind.
-
-    python -m bench.netem_scaling --json bench_netem.json          # full run, both wires: 3 sizes, P = 2, 4, 8
-    python -m bench.netem_scaling --sizes 1e6 25e6 --world-sizes 2 4 6 8 --json w.json   # 12 minutes on 2 cores
     python -m bench.netem_scaling --loopback --sizes 100000 --world-sizes 2   # no namespaces, no shaping
-    python -m bench.netem_scaling --local-size 2 --world-sizes 4 --sizes 4e6 --wires plain
-    python -m bench.netem_scaling --cleanup
+    python -m bench.netem_scaling --cleanup                          # what killed runs left behind
 """
 
 from __future__ import annotations
@@ -34,41 +15,27 @@ import statistics
 import sys
 import time
 
-from bench.emulated_network import TxCounter, check_can_emulate, cleanup_stale, parse_rate, rate_name
+from bench.emulated_network import TxCounter, cleanup_stale, parse_rate, rate_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
 from bench.harness.traffic import METHODS, WIRES, bytes_per_rank, features
 
 
-def plan_exchange(model_bytes: float, rate_bps: int | None,
-                  args: argparse.Namespace) -> tuple[float | None, int, str | None]:
-    """(predicted wire seconds, repetitions, why it is skipped or None), the same on every rank. Repetitions fill
-    ``--seconds-per-config`` of predicted wire time, between 1 and ``--repeats``."""
-    if rate_bps is None:
-        return None, args.repeats, None
-    predicted = model_bytes * 8 / rate_bps
-    if predicted > args.max_wire_seconds:
-        return predicted, 0, f"predicted {predicted:.0f} s per exchange > --max-wire-seconds {args.max_wire_seconds:g}"
-    return predicted, max(1, min(args.repeats, int(args.seconds_per_config / max(predicted, 1e-9)))), None
-
-
-# ----------------------------------------------------------------------------------------------- worker side
-
 def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> list[dict]:
-    """One rank: measures every configuration."""
+    """One rank: every configuration, each on the same gradient; on a link, as many repetitions as fill
+    ``--seconds-per-config`` of predicted wire time (1 to ``--repeats``), none past ``--max-wire-seconds``."""
     import torch
     import torch.distributed as dist
 
     import gtopk_ext as gx
     from bench.harness.train import barrier_bytes, gathered, slowest
 
-    counter = TxCounter(config["ifname"])
+    counter, rate = TxCounter(config["ifname"]), config["link_rate"]
     one_barrier = barrier_bytes(counter)  # each measurement is bracketed by barriers: not the exchange's traffic
 
     def measure(exchange, repeats: int) -> dict:
-        times = []
         dist.barrier()
-        start_bytes = counter.read()
+        times, start_bytes = [], counter.read()
         for _ in range(repeats):
             dist.barrier()
             start_time = time.perf_counter()
@@ -76,42 +43,42 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
             times.append(time.perf_counter() - start_time)
         dist.barrier()
         sent_per_rank = gathered((counter.read() - start_bytes - (repeats + 1) * one_barrier) / repeats)
-        slowest_times = slowest(times).tolist()
-        return {"time_s": statistics.median(slowest_times), "times_s": slowest_times,
+        times = slowest(times).tolist()
+        return {"time_s": statistics.median(times), "times_s": times,
                 "tx_bytes": statistics.mean(sent_per_rank) if counter.path else None,
                 "tx_bytes_per_rank": sent_per_rank if counter.path else None}
 
-    # Warm-up: every exchange once on a small message with the collectives' header checks on (hierarchical: also
-    # creates the node groups).
+    # Warm-up: every exchange once, the collectives' header checks on (hierarchical: also makes the node groups).
     warm = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
     for method, _, wire, _ in configurations(args, world_size):
-        exchange_for(method, warm, gx.make_compressor("gaussiank", density=0.01), wire, None, args.local_size,
-                     check=True)()
+        exchange_for(method, warm, gx.make_compressor("gaussiank", density=0.01), wire, None, args.local_size, True)()
     node_group = gx.hierarchical.node_groups(dist.group.WORLD, args.local_size)[0] if args.local_size > 1 else None
-
     rows = []
     for numel in args.sizes:
         grad = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + 1))
-        compressors, select_s = {}, {}
-        for density in args.densities:
-            compressors[density] = gx.make_compressor("gaussiank", density=density)
+        compressors = {density: gx.make_compressor("gaussiank", density=density) for density in args.densities}
+        select_s = {}
+        for density, compressor in compressors.items():
             for turn in range(world_size):  # one rank at a time: the selection time of an idle machine
                 dist.barrier()
                 if turn == rank:
                     start_time = time.perf_counter()
-                    compressors[density].compress(grad)
+                    compressor.compress(grad)
                     elapsed = time.perf_counter() - start_time
             select_s[density] = statistics.median(gathered(elapsed))
         for method, density, wire, group_size in configurations(args, world_size):
-            k = numel if density is None else compressors[density].k_for(numel)
-            local = min(args.local_size, group_size)
+            k, local = numel if density is None else compressors[density].k_for(numel), min(args.local_size, group_size)
             model_bytes = (bytes_per_rank(method, numel, k, group_size, wire) if local == 1
                            else features(method, numel, k, group_size, 1.0, wire, local).get("beta", 0.0))
-            predicted, repeats, skip = plan_exchange(model_bytes, config["link_rate"], args)
+            predicted = None if rate is None else model_bytes * 8 / rate
+            skip = (f"predicted {predicted:.0f} s per exchange > --max-wire-seconds {args.max_wire_seconds:g}"
+                    if predicted is not None and predicted > args.max_wire_seconds else None)
+            repeats = (0 if skip else args.repeats if predicted is None
+                       else max(1, min(args.repeats, int(args.seconds_per_config / max(predicted, 1e-9)))))
             row = {"method": method, "wire": wire, "local_size": local, "numel": numel, "density": density, "k": k,
-                   "world_size": group_size, "rate_bps": config["link_rate"], "rate": rate_name(config["link_rate"]),
-                   "repeats": repeats, "model_bytes": model_bytes, "predicted_wire_s": predicted,
-                   "select_s": select_s.get(density), "cores": os.cpu_count(), "skipped": skip}
+                   "world_size": group_size, "rate_bps": rate, "rate": rate_name(rate), "repeats": repeats,
+                   "model_bytes": model_bytes, "predicted_wire_s": predicted, "select_s": select_s.get(density),
+                   "cores": os.cpu_count(), "skipped": skip}
             if skip is None:
                 row.update(measure(exchange_for(method, grad, compressors.get(density), wire,
                                                 node_group if group_size < world_size else None, args.local_size),
@@ -124,9 +91,8 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
 
 
 def configurations(args: argparse.Namespace, world_size: int) -> list[tuple[str, float | None, str, int]]:
-    """(method, density, wire, ranks it runs on) of every exchange measured on one group, in order: dense once
-    (and inside a node when there are nodes), the sparse methods per density and wire, hierarchical (only with
-    nodes; plain wire) per density."""
+    """(method, density, wire, ranks it runs on) of every exchange on one group: dense (and inside a node when there
+    are nodes), the sparse methods per density and wire, hierarchical (with nodes; plain wire) per density."""
     local, out = args.local_size, []
     for method in args.methods:
         if method == "dense":
@@ -139,11 +105,9 @@ def configurations(args: argparse.Namespace, world_size: int) -> list[tuple[str,
 
 
 def exchange_for(method: str, grad, compressor, wire: str, node_group, local: int, check: bool = False):
-    """The exchange to time: one call of the collective on ``compressor``'s message of ``grad``, with the header
-    agreement off (as the DDP hook runs it once agreed). Ok-Topk's state is primed by one call first: the exchange
-    timed is a steady step, which reuses the regions and the threshold. ``node_group``: a dense allreduce inside
-    the node instead of the whole group. Hierarchical selects inside the call (on its shard: k over the local
-    ranks)."""
+    """One call of the collective on ``compressor``'s message of ``grad``, its header agreement off (as the hook runs
+    it once agreed); Ok-Topk primed by a call, so a steady step is timed; ``node_group``: dense inside the node.
+    Hierarchical selects inside the call (on its shard)."""
     import torch.distributed as dist
 
     from gtopk_ext import collectives, hierarchical
@@ -161,8 +125,6 @@ def exchange_for(method: str, grad, compressor, wire: str, node_group, local: in
     return lambda: function(msg, check=check, wire=wire)
 
 
-# ------------------------------------------------------------------------------------------------- the driver
-
 COLUMNS = [("P", "2d", "world_size"), ("L", "2d", "local_size"), ("rate", ">8", "rate"), ("method", ">12", "method"),
            ("wire", ">7", "wire"), ("n", "10d", "numel"), ("density", "7g", "density"), ("k", "9d", "k"),
            ("reps", "4d", "repeats"), ("ms/exch", "9.1f", lambda r: r.get("time_s") and 1e3 * r["time_s"]),
@@ -173,11 +135,10 @@ COLUMNS = [("P", "2d", "world_size"), ("L", "2d", "local_size"), ("rate", ">8", 
            ("select ms", "9.1f", lambda r: r["select_s"] and 1e3 * r["select_s"]), ("skipped", "", "skipped")]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = cli.parser(__doc__)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = cli.parser(__doc__, densities=[0.001, 0.01])
     parser.add_argument("--sizes", type=lambda s: int(float(s)), nargs="+", default=[1_000_000, 25_000_000,
                                                                                      100_000_000])
-    parser.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--rates", type=parse_rate, nargs="+", default=[parse_rate("1gbit"), parse_rate("100mbit")],
                         help="link rates (tbf), e.g. 1gbit 100mbit")
@@ -201,23 +162,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the rows here")
     cli.add_worker_arg(parser)
     args = parser.parse_args(argv)
-    if cli.ran_as_worker(args, run_worker, "group_timeout"):
-        return 0
     problems = [f"--world-sizes must be >= 2 and multiples of --local-size {args.local_size}, got {p}"
                 for p in args.world_sizes if p < 2 or args.local_size < 1 or p % args.local_size]
     problems += [f"--densities must be in (0, 1], got {d}" for d in args.densities if not 0 < d <= 1]
     problems += [f"--sizes must be in [1, 2^31 - 1], got {n}" for n in args.sizes if not 0 < n < 2**31]
     if problems or args.repeats < 1:
         parser.error("; ".join(problems) or f"--repeats must be >= 1, got {args.repeats}")
-    reason = None if args.loopback and not args.cleanup else check_can_emulate()
-    if reason:
-        print(f"netem_scaling cannot run: {reason}", file=sys.stderr)
-        return 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if cli.ran_as_worker(args, run_worker, "group_timeout"):
+        return 0
+    if args.cleanup or not args.loopback:
+        cli.require_emulation("netem_scaling")
     if args.cleanup:
         removed = cleanup_stale(args.prefix)
         print(f"removed {len(removed)} namespace(s): {' '.join(removed) or '-'}")
         return 0
-
     rows: list[dict] = []
     started = time.perf_counter()
     print(report.table([], COLUMNS), flush=True)

@@ -1,38 +1,8 @@
-"""Against the hooks users already have: gtopk_ext's hook next to DDP's allreduce, ``fp16_compress_hook``,
-``bf16_compress_hook`` and PowerSGD, and a no-communication compute floor, training the same model on the same
-batches in one Gloo process group, each rank behind an emulated link (bench/emulated_network.py: its own network
-namespace, ``tc tbf`` at ``--rate``; needs root) or, with ``--loopback``, on 127.0.0.1.
+"""Against the hooks users already have: gtopk_ext's hook beside DDP's allreduce, fp16/bf16_compress_hook, PowerSGD
+and a no-communication floor, one model each from the same weights on the same batches, steps interleaved, each rank
+behind an emulated link (as root) or on loopback: step time, bytes, CPU time, accuracy. docs/performance.md.
 
-Every method has its own DDP model from the same initial weights and gets the same batches; the methods take
-their steps interleaved, the order rotated every step, each step started by a barrier, so machine load and
-network drift hit all alike. Per method:
-
-- ms/step: the slowest rank's zero_grad + forward + backward (DDP's wait for every bucket included) + optimizer
-  step; median and p25-p75 over the steps after the first ``WARMUP_STEPS`` (DDP rebuilds its buckets after the
-  first; the hooks run dense warm-up iterations). Evaluation is outside every timed step.
-- MB sent per rank per step: from the rank's interface counter (tx_bytes in its namespace, TCP/IP headers and
-  ACKs included; not on loopback) read around that method's steps, and from the method's own accounting
-  (gtopk_ext: ``state.stats()``; PowerSGD: ring allreduces of the elements it counts; DDP and the fp16/bf16
-  hooks: a ring allreduce of the model).
-- CPU ms/step per rank: the process's CPU time (all threads: Gloo's and any hook's worker count) over the step.
-- test accuracy every ``--eval-every`` steps (rank 0's replica), and the steps and training seconds (sum of the
-  slowest rank's step times) to reach ``--target``.
-- the machine's load from other processes during the run: all busy CPU time (/proc/stat) minus the ranks' and
-  this driver's own, in cores.
-
-PowerSGD runs with one bucket (bench/harness/methods.py's ``powersgd_recipe`` says why); every other method keeps
-DDP's default buckets, as a user would (or ``--bucket-cap-mb``). gtopk_ext's hook runs each bucket on its
-communication thread while the backward pass goes on; the ``-sync`` methods force it to finish each bucket inside
-the hook call, which shows what the overlap is worth.
-
-The floor's hook divides the bucket by the world size and returns: no communication, each rank trains on its own
-data. Its accuracy is that of rank 0's replica trained alone; its step time is the compute floor.
-
-    python -m bench.peers --json peers.json --plot peers.png             # CNN, 4 ranks, 1 Gbit/s
-    python -m bench.peers --model mlp --steps 40 --methods ddp fp16 powersgd-1 gtopk-0.01 gtopk-0.001 floor
     python -m bench.peers --loopback --world-size 2 --steps 10            # no root: no namespaces, no shaping
-    python -m bench.peers --rate 20mbit --world-size 2 --model deep --bucket-cap-mb 2 \
-        --methods gtopk-0.01 gtopk-0.01-sync --steps 20                    # what the hook's overlap is worth
 """
 
 import argparse
@@ -58,7 +28,7 @@ from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.gradients import wide_mlp
 from bench.harness.launch import run_group
-from bench.harness.methods import START_ITER, add_dgc_arguments, label, method_name, numel_of, recipe
+from bench.harness.methods import START_ITER, add_dgc_arguments, method, method_name, numel_of
 from bench.harness.train import Trainer, epoch_batches, evaluate, gathered
 
 WARMUP_STEPS = START_ITER + 1  # steps left out of the timing and byte statistics
@@ -70,8 +40,6 @@ METHODS = ("ddp", "fp16", "bf16", "powersgd-1", "powersgd-2", "powersgd-4",
            "dgc-0.01", "dgc-0.001", "recipe-0.01", "gtopk-0.01-sync", "gtopk-0.001-sync", "floor")
 
 
-# ------------------------------------------------------------------------------------------------ worker side
-
 def build_model(args: argparse.Namespace, seed: int) -> nn.Module:
     if args.model == "cnn":
         return make_model("cnn", seed)
@@ -80,63 +48,50 @@ def build_model(args: argparse.Namespace, seed: int) -> nn.Module:
     return mlp([max(16, round(math.sqrt(args.mlp_params / DEEP_LAYERS)))] * DEEP_LAYERS, seed)
 
 
-def run_seed(seed: int, args: argparse.Namespace, rank: int, world_size: int, data: tuple, counter: TxCounter,
-             progress) -> dict:
-    """Every method for ``args.steps`` interleaved steps; rank 0 gets every rank's measurements."""
-    train_x, train_y, test_x, test_y = data
-    # the same initial weights for every method
-    trainers = {name: Trainer(name, build_model(args, seed), args, world_size) for name in args.methods}
-    measured = {name: [] for name in args.methods}
-    evals = {name: [] for name in args.methods}
-    per_epoch = len(train_y) // (world_size * args.batch_size)
-    batches = [index for epoch in range(-(-args.steps // per_epoch))
-               for index in epoch_batches(epoch, seed, len(train_y), rank, world_size, args.batch_size)]
-    for step in range(args.steps + 1):
-        names = args.methods[step % len(args.methods):] + args.methods[:step % len(args.methods)]
-        for name in names if step else []:  # a rotating order: no method always runs first
-            if progress is not None:
-                progress.set_description(f"seed {seed} step {step} {name}", refresh=False)
-                progress.update()
-            index = batches[step - 1]
-            measured[name].append(trainers[name].measured_step(
-                lambda model: nn.functional.cross_entropy(model(train_x[index]), train_y[index]), counter))
-        if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
-            for name in args.methods:
-                evals[name].append((step, evaluate(trainers[name].model, test_x, test_y)[0]))
-    results = {}
-    for name, steps in measured.items():
-        per_rank = gathered([[m[key] for m in steps] for key in ("seconds", "cpu_seconds", "tx_bytes", "bytes")])
-        seconds, cpu, tx, own = (list(values) for values in zip(*per_rank))  # each [rank][step]
-        results[name] = {"seconds": seconds, "cpu_seconds": cpu, "tx_bytes": tx if counter.path else None,
-                         "own_bytes": own, "buckets": trainers[name].accounting.buckets(),
-                         "paths": [m["paths"] for m in steps], "evals": evals[name],
-                         "digest": parameters_digest(trainers[name].model)}
-    return results
-
-
-def parameters_digest(model: nn.Module) -> str:
-    """A digest of the parameters' bits: equal digests, bitwise equal models."""
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+def digest(model: nn.Module) -> str:
+    """The parameters' bits: equal digests, bitwise equal models."""
+    return hashlib.sha256(b"".join(p.detach().contiguous().view(torch.uint8).numpy().tobytes()
+                                   for p in model.parameters())).hexdigest()
 
 
 def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> dict:
-    """One rank: every seed's measurements."""
-    data = load_digits_split()
-    counter = TxCounter(config["ifname"])
+    """One rank: per seed, every method for ``args.steps`` interleaved steps (a rotating order: no method always
+    runs first); rank 0 gets every rank's measurements."""
+    train_x, train_y, test_x, test_y = load_digits_split()
+    counter, runs = TxCounter(config["ifname"]), []
     progress = report.progress(len(args.seeds) * args.steps * len(args.methods), rank, args, config)
-    runs = []
-    for seed in args.seeds:
-        runs.append(run_seed(seed, args, rank, world_size, data, counter, progress))
+    per_epoch = len(train_y) // (world_size * args.batch_size)
+    for seed in args.seeds:  # the same initial weights for every method
+        trainers = {name: Trainer(name, build_model(args, seed), args, world_size) for name in args.methods}
+        measured, evals = {name: [] for name in args.methods}, {name: [] for name in args.methods}
+        batches = [index for epoch in range(-(-args.steps // per_epoch))
+                   for index in epoch_batches(epoch, seed, len(train_y), rank, world_size, args.batch_size)]
+        for step in range(args.steps + 1):
+            for name in (args.methods[step % len(args.methods):] + args.methods[:step % len(args.methods)]
+                         if step else []):
+                if progress is not None:
+                    progress.set_description(f"seed {seed} step {step} {name}", refresh=False)
+                    progress.update()
+                index = batches[step - 1]
+                measured[name].append(trainers[name].measured_step(
+                    lambda model: nn.functional.cross_entropy(model(train_x[index]), train_y[index]), counter))
+            if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
+                for name in args.methods:
+                    evals[name].append((step, evaluate(trainers[name].model, test_x, test_y)[0]))
+        runs.append({})
+        for name, steps in measured.items():  # each [rank][step]
+            seconds, cpu, tx, own = zip(*gathered([[m[key] for m in steps]
+                                                   for key in ("seconds", "cpu_seconds", "tx_bytes", "bytes")]))
+            runs[-1][name] = {"seconds": seconds, "cpu_seconds": cpu, "tx_bytes": tx if counter.path else None,
+                              "own_bytes": own, "buckets": trainers[name].accounting.buckets(),
+                              "paths": [m["paths"] for m in steps], "evals": evals[name],
+                              "digest": digest(trainers[name].model)}
+        del trainers
         gc.collect()  # DDP models sit in reference cycles: free one seed's models before the next seed's
     if progress is not None:
         progress.close()
     return {"parameters": numel_of(build_model(args, 0)), "runs": runs}
 
-
-# ------------------------------------------------------------------------------------------------ driver side
 
 def summarize(name: str, runs: list[dict], args: argparse.Namespace) -> dict:
     """One method's row from every seed's measurements (per step: the slowest rank's time, the mean over ranks of
@@ -155,7 +110,7 @@ def summarize(name: str, runs: list[dict], args: argparse.Namespace) -> dict:
                        for step, accuracy in run["evals"]])
     low, median, high = statistics.quantiles(slowest, n=4, method="inclusive") if len(slowest) > 1 else slowest * 3
     return {
-        "method": name, "label": label(name), "ms_per_step": 1e3 * median, "ms_per_step_p25": 1e3 * low,
+        "method": name, "label": method(name).label, "ms_per_step": 1e3 * median, "ms_per_step_p25": 1e3 * low,
         "ms_per_step_p75": 1e3 * high, "cpu_ms_per_step": 1e3 * statistics.median(cpu),
         "tx_mb_per_step": statistics.fmean(tx) / 1e6 if tx else None,
         "own_mb_per_step": statistics.fmean(own) / 1e6, "buckets": runs[0]["buckets"],
@@ -168,18 +123,16 @@ def summarize(name: str, runs: list[dict], args: argparse.Namespace) -> dict:
 def stage_table(runs: list[dict], args: argparse.Namespace) -> str:
     """Per stage of the dgc methods' density warm-up (after the dense steps): each method's step time, the median
     over seeds of the median over the stage's steps, and its ratio to DDP's where DDP ran."""
-    schedule = gx.exponential_warmup(0.01, args.dgc_warmup, args.dgc_warmup_start)
-    starts = sorted({args.dgc_dense_steps, *(start for start, _ in schedule if start > args.dgc_dense_steps)})
+    starts = sorted({args.dgc_dense_steps, *(start for start, _ in gx.exponential_warmup(
+        0.01, args.dgc_warmup, args.dgc_warmup_start) if start > args.dgc_dense_steps)})
     edges = [start for start in starts if start < args.steps] + [args.steps]
-    lines = ["| iterations | " + " | ".join(args.methods) + " |", "|---|" + "---:|" * len(args.methods)]
-    for begin, end in zip(edges, edges[1:]):
-        medians = {name: statistics.median(statistics.median(max(per_rank) for per_rank in
-                                                             list(zip(*run[name]["seconds"]))[begin:end])
-                                           for run in runs) for name in args.methods}
-        cells = [f"{1e3 * t:.0f}" + (f" ({t / medians['ddp']:.2f}x)" if "ddp" in medians else "")
-                 for t in medians.values()]
-        lines.append(f"| {begin}-{end - 1} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    rows = [{"iterations": f"{begin}-{end - 1}", **{name: statistics.median(statistics.median(
+        max(per_rank) for per_rank in list(zip(*run[name]["seconds"]))[begin:end]) for run in runs)
+        for name in args.methods}} for begin, end in zip(edges, edges[1:])]
+    def cell(name: str):
+        return lambda r: f"{1e3 * r[name]:.0f}" + (f" ({r[name] / r['ddp']:.2f}x)" if "ddp" in r else "")
+    return report.table(rows, [("iterations", "", "iterations")] + [(name, "", cell(name)) for name in args.methods],
+                        markdown=True)
 
 
 def cpu_busy_seconds() -> float:
@@ -197,33 +150,21 @@ def own_cpu_seconds() -> float:
 
 
 def markdown_table(rows: list[dict], args: argparse.Namespace) -> str:
-    ddp = next((row for row in rows if row["method"] == "ddp"), None)
-    target = f"{100 * args.target:g}%"
+    ddp, target = next((row for row in rows if row["method"] == "ddp"), None), f"{100 * args.target:g}%"
     return report.table(rows, [
-        ("method", "", "label"),
-        ("ms/step (p25-p75)", "", lambda r: f"{r['ms_per_step']:.1f} ({r['ms_per_step_p25']:.1f}-"
-                                            f"{r['ms_per_step_p75']:.1f})"),
+        ("method", "", "label"), ("ms/step (p25-p75)", "", lambda r: "{ms_per_step:.1f} ({ms_per_step_p25:.1f}-"
+                                                                     "{ms_per_step_p75:.1f})".format(**r)),
         ("vs DDP", "", lambda r: ddp and f"{r['ms_per_step'] / ddp['ms_per_step']:.2f}x"),
         ("MB/rank/step wire", ".3f", "tx_mb_per_step"), ("MB/rank/step own", ".3f", "own_mb_per_step"),
         ("CPU ms/step/rank", ".1f", "cpu_ms_per_step"), ("test acc", ".1%", "final_accuracy"),
         (f"steps to {target}", "g", "steps_to_target"), (f"s to {target}", ".1f", "seconds_to_target")], markdown=True)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    """Test accuracy against training seconds, one line per method (means over seeds)."""
-    curves = [{"method": row["method"], "label": row["label"],
-               "curve": [{key: statistics.fmean(p[key] for p in seeds) for key in ("train_seconds", "accuracy")}
-                         for seeds in zip(*row["curves"])]} for row in rows]  # per eval: one point per seed
-    report.plot_curves(curves, path, title, "test accuracy (%)", lambda c: 100 * c["accuracy"],
-                       [("training seconds (slowest rank's steps, evaluation excluded)",
-                         lambda c: c["train_seconds"], "linear")],
-                       style=lambda i, r: {"color": "black", "linestyle": "--"} if r["method"] == "floor" else
-                       {"color": f"C{i % 10}"})
-
-
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__)
-    parser.add_argument("--methods", nargs="+", type=ddp_method, default=list(METHODS),
+    parser = cli.parser(__doc__, world_size=4, steps=100, eval_every=10, seeds=[0], batch_size=32, lr=0.05,
+                        momentum=0.9, json=None, plot=Path("peers.png"), no_progress=False)
+    parser.add_argument("--methods", nargs="+", type=lambda text: method_name(text, ddp_only=True),
+                        default=list(METHODS),
                         help=f"DDP methods (bench/harness/methods.py), e.g. {' '.join(METHODS)}, dgc-0.01-sparse, "
                              f"recipe-0.01, recipe-0.01-44 (its own warm-up length)")
     parser.add_argument("--model", choices=MODELS, default="cnn",
@@ -233,30 +174,20 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                         help="parameters of --model mlp or deep (17.1M: mlp's h = 4097)")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="DDP's bucket cap of every method but PowerSGD (default: DDP's own, 25)")
-    cli.add_common(parser, world_size=4, steps=100, eval_every=10, seeds=[0], batch_size=32, lr=0.05, momentum=0.9,
-                   json=None, plot=Path("peers.png"), no_progress=False)
     parser.add_argument("--target", type=float, default=0.9, help="test accuracy whose steps and seconds to report")
     parser.add_argument("--nesterov", action="store_true",
                         help="Nesterov momentum in the optimizer (the dgc methods': --dgc-nesterov, in the hook)")
     add_dgc_arguments(parser)
     cli.add_network_args(parser, prefix="gxpeers")
     args = parser.parse_args(argv)
-    cli.check_positive(parser, args, "world_size", "steps", "eval_every", "batch_size", "mlp_params")
+    cli.check(parser, args, positive=("world_size", "steps", "eval_every", "batch_size", "mlp_params"),
+              unit=("target",))
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps left out of the statistics, got "
                      f"{args.steps}")
-    if not 0 < args.target <= 1:
-        parser.error(f"--target must be an accuracy in (0, 1], got {args.target}")
     args.methods = list(dict.fromkeys(args.methods))
     args.seeds = list(dict.fromkeys(args.seeds))
     return args
-
-
-def ddp_method(text: str) -> str:
-    """An argparse type: a DDP method's name (not a local method's)."""
-    if recipe(method_name(text)) is None:
-        raise argparse.ArgumentTypeError(f"{text} is a local method: bench.peers compares DDP hooks")
-    return text
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -286,7 +217,14 @@ def main(argv: Optional[list] = None) -> int:
         if name.endswith("-sync") and name[:-len("-sync")] in args.methods:
             equal = all(run[name]["digest"] == run[name[:-len("-sync")]]["digest"] for run in runs)
             print(f"\n{name[:-len('-sync')]} and {name}: parameters bitwise equal after every seed: {equal}")
-    plot(rows, args.plot, setting)
+    curves = [{"method": row["method"], "label": row["label"],  # the mean over seeds of each evaluation
+               "curve": [{key: statistics.fmean(p[key] for p in seeds) for key in ("train_seconds", "accuracy")}
+                         for seeds in zip(*row["curves"])]} for row in rows]
+    report.plot_curves(curves, args.plot, setting, "test accuracy (%)", lambda c: 100 * c["accuracy"],
+                       [("training seconds (slowest rank's steps, evaluation excluded)", lambda c: c["train_seconds"],
+                         "linear")],
+                       style=lambda i, r: {"color": "black", "linestyle": "--"} if r["method"] == "floor" else
+                       {"color": f"C{i % 10}"})
     if args.json:
         report.write_json(args.json, args, network=network, load=load, warmup_steps=WARMUP_STEPS,
                           parameters=measured["parameters"], table=rows, runs=runs)

@@ -1,16 +1,8 @@
-"""Threshold accuracy: how close each selection lands to k, and how much of the exact top-k it captures.
+"""Threshold accuracy: how close each selection (Gaussian-k's paper and accurate modes, exact top-k) lands to k and
+how much of the exact top-k it captures, on synthetic and real gradients, with the accurate mode's time relative to
+the torch.topk path and to residual.add_(grad) in the same run. docs/selection.md.
 
-For Gaussian, Laplace, Student-t(3) and spiky gradients (n = 1M and 25M) and real gradients captured while training
-on the digits (the demo's CNN, 0.55M parameters, and MLPs of about 1M and 25M), at densities 0.001, 0.01 and 0.05,
-for Gaussian-k's paper mode (the 3-step correction loop), its accurate mode (the histogram threshold) and exact
-top-k:
-- count / k: elements selected before truncation to k slots;
-- recall: |sent indices ∩ exact top-k| / k;
-- norm: ||sent values||^2 / ||top-k values||^2;
-and, in the same run, the time of the accurate mode relative to the torch.topk path and to residual.add_(grad).
-
-    python -m bench.threshold_accuracy                  # the full table (a few minutes on 2 cores)
-    python -m bench.threshold_accuracy --sizes 1000000 --skip-real
+    python -m bench.threshold_accuracy --sizes 1000000 --skip-real      # a smaller run, synthetic gradients only
 """
 
 from __future__ import annotations
@@ -23,49 +15,31 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import report
-from bench.harness.gradients import SYNTHETIC, captured_gradients, synthetic_gradient, wide_mlp
-from bench.harness.selection import time_methods
+from bench.harness import cli, report
+from bench.harness.gradients import SYNTHETIC, captured_gradients, synthetic_gradient, time_methods, wide_mlp
 from gtopk_ext.compressors import make_compressor
 
 MODES = {"paper": ("gaussiank", {"mode": "paper"}), "accurate": ("gaussiank", {"mode": "accurate"}),
          "topk": ("topk", {})}
-COUNT_BOUNDS = (0.9, 1.1)
-MIN_RECALL = 0.9
-
-
-def selection_quality(grad: torch.Tensor, density: float, backend: str | None) -> dict[str, dict[str, float]]:
-    """count/k, recall and norm share of each mode on grad (no residual: the selection itself)."""
-    exact = None
-    quality = {}
-    for mode, (kind, kwargs) in MODES.items():
-        compressor = make_compressor(kind, density, backend=backend, **kwargs)
-        k = compressor.k_for(grad.numel())
-        if exact is None:  # ascending, as messages hold them: the same set then sums in the same order
-            exact = torch.topk(grad.abs(), k).indices.sort().values
-        message = compressor.compress(grad)
-        count = int(message.count)
-        sent = message.indices[: min(count, k)].long()
-        quality[mode] = {
-            "count_over_k": count / k,
-            "recall": float(torch.isin(sent, exact).sum()) / k,
-            "norm": float(grad[sent].double().square().sum() / grad[exact].double().square().sum()),
-        }
-    return quality
 
 
 def evaluate(name: str, grad: torch.Tensor, density: float, backend: str | None, repeats: int) -> dict:
-    quality = selection_quality(grad, density, backend)
+    """Per mode (no residual: the selection itself): count / k before truncation to k slots, recall (|sent indices
+    ∩ exact top-k| / k) and norm (||sent values||^2 / ||top-k values||^2); and the timed step of every method."""
+    quality, k = {}, make_compressor("topk", density).k_for(grad.numel())
+    exact = torch.topk(grad.abs(), k).indices.sort().values  # ascending, as messages hold them: the same sum order
+    for mode, (kind, options) in MODES.items():
+        message = make_compressor(kind, density, backend=backend, **options).compress(grad)
+        sent = message.indices[: min(int(message.count), k)].long()
+        quality[mode] = {"count_over_k": int(message.count) / k, "recall": float(torch.isin(sent, exact).sum()) / k,
+                         "norm": float(grad[sent].double().square().sum() / grad[exact].double().square().sum())}
     k, times = time_methods(grad, torch.zeros_like(grad), density, backend, repeats)
     ms = {method: 1e3 * statistics.median(t) for method, t in times.items()}
-    accurate = quality["accurate"]
-    return {
-        "gradient": name, "n": grad.numel(), "density": density, "k": k, "quality": quality, "median_ms": ms,
-        "accurate_over_topk_time": ms["gaussiank"] / ms["topk"],
-        "accurate_over_floor_time": ms["gaussiank"] / ms["floor"],
-        "accurate_meets_goal": COUNT_BOUNDS[0] <= accurate["count_over_k"] <= COUNT_BOUNDS[1]
-        and accurate["recall"] >= MIN_RECALL,
-    }
+    return {"gradient": name, "n": grad.numel(), "density": density, "k": k, "quality": quality, "median_ms": ms,
+            "accurate_over_topk_time": ms["gaussiank"] / ms["topk"],
+            "accurate_over_floor_time": ms["gaussiank"] / ms["floor"],
+            "accurate_meets_goal": 0.9 <= quality["accurate"]["count_over_k"] <= 1.1
+            and quality["accurate"]["recall"] >= 0.9}
 
 
 def quality(mode: str, key: str, spec: str, title: str) -> tuple:
@@ -83,9 +57,9 @@ LEGEND = ("(c/k: count before truncation / k; rec: recall of the exact top-k; no
           "0.9 <= c/k <= 1.1 and rec >= 0.9)")
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = cli.parser(__doc__)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000], help="synthetic gradients'")
     parser.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01, 0.05])
     parser.add_argument("--distributions", nargs="+", default=list(SYNTHETIC), choices=SYNTHETIC)
     parser.add_argument("--real-steps", type=int, nargs="+", default=[0, 20, 100],
@@ -93,20 +67,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--real-sizes", type=int, nargs="*", default=[1_000_000, 25_000_000],
                         help="also capture real gradients of wide MLPs of about these many parameters")
     parser.add_argument("--skip-real", action="store_true", help="no real gradients (they take a minute or two)")
-    parser.add_argument("--backend", default=None)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", default="bench/results/threshold_accuracy.json")
-    args = parser.parse_args(argv)
+    parser.add_argument("--backend", default=None, help="auto | cpu | cuda | triton (default: $GTOPK_EXT_BACKEND)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repetitions (median)")
+    parser.add_argument("--json", default="bench/results/threshold_accuracy.json", help="where to write the rows")
+    return parser.parse_args(argv)
 
-    gradients = []
-    for n in args.sizes:
-        for kind in args.distributions:
-            gradients.append((kind, synthetic_gradient(kind, n, torch.Generator().manual_seed(n))))
-    if not args.skip_real:
-        models = [("cnn", "cnn")] + [(f"mlp{size / 1e6:g}M", wide_mlp(size)) for size in args.real_sizes]
-        for name, model in models:
-            for step, grad in captured_gradients(model, tuple(args.real_steps)).items():
-                gradients.append((f"{name}-step{step}", grad))
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    gradients = [(kind, synthetic_gradient(kind, n, torch.Generator().manual_seed(n)))
+                 for n in args.sizes for kind in args.distributions]
+    for name, model in ([] if args.skip_real else [("cnn", "cnn")] + [(f"mlp{size / 1e6:g}M", wide_mlp(size))
+                                                                      for size in args.real_sizes]):
+        gradients += [(f"{name}-step{step}", grad)
+                      for step, grad in captured_gradients(model, tuple(args.real_steps)).items()]
     rows = report.streamed((evaluate(name, grad, density, args.backend, args.repeats) for name, grad in gradients
                             for density in args.densities), COLUMNS)
     print(LEGEND)

@@ -1,21 +1,6 @@
-"""WAGMA benchmark: throughput, test accuracy and replica spread of DDP gradient allreduce, synchronous group
-model averaging and wait-avoiding group model averaging, with injected irregular step times, on P Gloo processes,
-each rank behind an emulated link of ``--rate`` (bench/emulated_network.py: its own network namespace, tbf; needs
-root, else loopback) or, with ``--loopback``, on 127.0.0.1.
-
-The task is the demo's (bench/digits.py): scikit-learn's bundled digits and its MLP (or CNN), small enough that the
-injected delays dominate the step time. Every rank trains on its own shard with the same seeds for every method.
-Delay scenarios (``--scenarios``, each with its own draws, the same for every method):
-
-- ``random``: every rank, every step, sleeps with probability ``--delay-probability`` a time drawn uniformly from
-  ``--delay-ms`` (default 100-300 ms), independently of the other ranks;
-- ``straggler``: ``--slow-rank`` sleeps ``--sleep-ms`` every step (a persistently slow machine).
-
-Throughput is steps per second of the whole job (steps / the slowest rank's wall time, the last ``finish()``
-included); accuracy is that of the globally averaged model after the same number of steps. Spread: just before
-each global average, the root-mean-square distance of the ranks' weights from their mean, averaged over the run,
-relative to ``no-group`` (the same global averages with no group averages in between: how far the replicas would
-drift apart without them). Methods run interleaved, ``--repeats`` times; the table shows medians.
+"""WAGMA: throughput, test accuracy and replica spread of DDP's gradient allreduce, synchronous and wait-avoiding
+group model averaging, and global averages alone (no-group), with injected irregular step times (random delays, a
+straggler), on the digits, each rank behind an emulated link (as root) or on loopback. docs/wagma.md.
 
     python -m bench.wagma --loopback --json wagma.json --plot wagma.png
 """
@@ -41,35 +26,24 @@ METHODS = ("ddp", "group-sync", "group-wait-avoiding", "no-group")
 SCENARIOS = ("random", "straggler")
 
 
-def step_delays(scenario: str, rank: int, world_size: int, args: argparse.Namespace, repeat: int) -> list[float]:
-    """The seconds this rank sleeps at each step: the same draws for every method of a repeat."""
-    if scenario == "straggler":
-        return [args.sleep_ms / 1000 if rank == args.slow_rank else 0.0] * args.steps
-    draws = torch.Generator().manual_seed(7919 * repeat + 104_729 * rank + 1)
-    slow = torch.rand(args.steps, generator=draws) < args.delay_probability
-    low, high = args.delay_ms
-    return [float(s) * (low + (high - low) * float(u)) / 1000
-            for s, u in zip(slow, torch.rand(args.steps, generator=draws))]
-
-
 def run_method(method: str, scenario: str, rank: int, world_size: int, args: argparse.Namespace, data: tuple,
                repeat: int) -> dict:
-    """Trains one model with ``method`` for args.steps steps; returns the job's throughput, the test accuracy of
-    the averaged model and the replica spread before the global averages."""
+    """Trains one model with ``method``: the job's throughput, the test accuracy of the averaged model and the
+    replica spread before the global averages. The delays: the same draws for every method of a repeat."""
     train_x, train_y, test_x, test_y = data
     shard = torch.arange(rank, len(train_y), world_size)
-    batches = torch.Generator().manual_seed(1000 * repeat + rank)
-    delays = step_delays(scenario, rank, world_size, args, repeat)
-    model = make_model(args.model)  # the same initial weights on every rank and for every method
-    averager = None
-    if method == "ddp":
-        trained = DistributedDataParallel(model)
+    batches, draws = torch.Generator().manual_seed(1000 * repeat + rank), torch.Generator().manual_seed(
+        7919 * repeat + 104_729 * rank + 1)
+    if scenario == "straggler":
+        delays = [args.sleep_ms / 1000 if rank == args.slow_rank else 0.0] * args.steps
     else:
-        trained = model
-        averager = gx.GroupModelAverager(1 if method == "no-group" else args.group_size, args.global_period,
-                                         wait_avoiding=method != "group-sync")
+        slow, low, high = torch.rand(args.steps, generator=draws) < args.delay_probability, *args.delay_ms
+        delays = [float(s) * (low + (high - low) * float(u)) / 1000
+                  for s, u in zip(slow, torch.rand(args.steps, generator=draws))]
+    model = make_model(args.model)  # the same initial weights on every rank and for every method
+    trained, averager = (DistributedDataParallel(model), None) if method == "ddp" else (model, gx.GroupModelAverager(
+        1 if method == "no-group" else args.group_size, args.global_period, wait_avoiding=method != "group-sync"))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    loss_fn = torch.nn.CrossEntropyLoss()
     before_global = []  # this rank's weights just before each global average
     dist.barrier()
     start = time.perf_counter()
@@ -77,7 +51,7 @@ def run_method(method: str, scenario: str, rank: int, world_size: int, args: arg
         time.sleep(delays[step])
         index = shard[torch.randint(0, len(shard), (args.batch_size,), generator=batches)]
         optimizer.zero_grad()
-        loss_fn(trained(train_x[index]), train_y[index]).backward()
+        torch.nn.functional.cross_entropy(trained(train_x[index]), train_y[index]).backward()
         optimizer.step()
         if averager is not None:
             if averager.is_global_step(step):
@@ -85,27 +59,26 @@ def run_method(method: str, scenario: str, rank: int, world_size: int, args: arg
             averager.average_parameters(model.parameters())
     if averager is not None:
         averager.finish(model.parameters())
-    elapsed = slowest(time.perf_counter() - start)
-    spread = None
+    elapsed, spread = slowest(time.perf_counter() - start), None
     if before_global:
         mine = torch.stack(before_global)
-        rows = [torch.empty_like(mine) for _ in range(world_size)]
-        dist.all_gather(rows, mine)
-        weights = torch.stack(rows)  # [rank, global step, element]
+        every = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(every, mine)
+        weights = torch.stack(every)  # [rank, global step, element]
         spread = float((weights - weights.mean(0)).square().mean((0, 2)).sqrt().mean())
     # the consensus (global average) model; DDP's replicas are equal already
-    accuracy = evaluate(load_consensus(model, model, world_size), test_x, test_y)[0]
+    accuracy = evaluate(load_consensus(model, model), test_x, test_y)[0]
     return {"steps_per_s": args.steps / float(elapsed), "accuracy": accuracy, "spread": spread}
 
 
 def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> dict:
-    """One rank: every method, interleaved."""
+    """One rank: every method, interleaved, starting elsewhere each repeat."""
     data = load_digits_split()
     runs = {scenario: {method: [] for method in args.methods} for scenario in args.scenarios}
     for repeat in range(args.repeats):
         for scenario in args.scenarios:
             shift = repeat % len(args.methods)
-            for method in args.methods[shift:] + args.methods[:shift]:  # interleaved, starting elsewhere
+            for method in args.methods[shift:] + args.methods[:shift]:
                 runs[scenario][method].append(run_method(method, scenario, rank, world_size, args, data, repeat))
     return runs
 
@@ -118,32 +91,28 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
         return statistics.median(values) if values else None
 
     rates = {method: median(results, "steps_per_s") for method, results in runs.items()}
-    reference_spread = median(runs["no-group"], "spread") if "no-group" in runs else None
-    rows = []
-    for method, results in runs.items():
-        spread = median(results, "spread")
-        rows.append({"method": method, "steps_per_s": rates[method],
-                     "steps_per_s_min": min(r["steps_per_s"] for r in results),
-                     "steps_per_s_max": max(r["steps_per_s"] for r in results),
-                     "speedup_vs_ddp": rates[method] / rates["ddp"] if "ddp" in rates else None,
-                     "time_vs_group_sync": rates["group-sync"] / rates[method] if "group-sync" in rates else None,
-                     "accuracy": median(results, "accuracy"), "spread": spread,
-                     "spread_vs_no_group": spread / reference_spread if spread and reference_spread else None})
-    return rows
+    reference = median(runs["no-group"], "spread") if "no-group" in runs else None
+    return [{"method": method, "steps_per_s": rates[method],
+             "steps_per_s_min": min(r["steps_per_s"] for r in results),
+             "steps_per_s_max": max(r["steps_per_s"] for r in results),
+             "speedup_vs_ddp": rates[method] / rates["ddp"] if "ddp" in rates else None,
+             "time_vs_group_sync": rates["group-sync"] / rates[method] if "group-sync" in rates else None,
+             "accuracy": median(results, "accuracy"), "spread": median(results, "spread"),
+             "spread_vs_no_group": median(results, "spread") / reference
+             if median(results, "spread") and reference else None} for method, results in runs.items()]
 
 
 def plot(tables: dict[str, list[dict]], path: str, title: str) -> None:
     """Throughput and accuracy per method, one group of bars per scenario."""
-    fig, axes = report.pyplot().subplots(1, 2, figsize=(10, 3.8))
-    scenarios = list(tables)
-    methods = [row["method"] for row in tables[scenarios[0]]]
+    fig, (axes,) = report.figure(1, 2, (10, 3.8))
+    scenarios, methods = list(tables), [row["method"] for row in next(iter(tables.values()))]
     width = 0.8 / len(methods)
     for index, method in enumerate(methods):
         rows = [next(r for r in tables[s] if r["method"] == method) for s in scenarios]
         positions = [i + (index - (len(methods) - 1) / 2) * width for i in range(len(scenarios))]
-        axes[0].bar(positions, [r["steps_per_s"] for r in rows], width, label=method,
+        axes[0].bar(positions, [r["steps_per_s"] for r in rows], width, label=method, capsize=2,
                     yerr=[[r["steps_per_s"] - r["steps_per_s_min"] for r in rows],
-                          [r["steps_per_s_max"] - r["steps_per_s"] for r in rows]], capsize=2)
+                          [r["steps_per_s_max"] - r["steps_per_s"] for r in rows]])
         axes[1].bar(positions, [r["accuracy"] for r in rows], width, label=method)
     for axis, label in zip(axes, ("steps/s (median, min-max)", "test accuracy of the averaged model")):
         axis.set_xticks(range(len(scenarios)), [f"{s} delays" for s in scenarios])
@@ -155,48 +124,48 @@ def plot(tables: dict[str, list[dict]], path: str, title: str) -> None:
     report.save(fig, path)
 
 
-def main() -> None:
-    parser = cli.parser(__doc__)
-    cli.add_common(parser, world_size=4, steps=200, batch_size=32, model="mlp", lr=0.05, momentum=0.9, json=None,
-                   plot=None)
-    parser.add_argument("--group-size", type=int, default=2)
-    parser.add_argument("--global-period", type=int, default=20)
-    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = cli.parser(__doc__, world_size=4, steps=200, batch_size=32, model="mlp", lr=0.05, momentum=0.9,
+                        json=None, plot=None)
+    parser.add_argument("--group-size", type=int, default=2, help="ranks per group average")
+    parser.add_argument("--global-period", type=int, default=20, help="steps between two global averages")
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS), help="delays")
     parser.add_argument("--delay-probability", type=float, default=0.2,
                         help="random: the chance that a rank's step is slow")
     parser.add_argument("--delay-ms", type=float, nargs=2, default=(100.0, 300.0), metavar=("LOW", "HIGH"),
                         help="random: a slow step's extra time, uniform in [LOW, HIGH]")
     parser.add_argument("--slow-rank", type=int, default=None, help="straggler: the slow rank (default: the last)")
     parser.add_argument("--sleep-ms", type=float, default=40.0, help="straggler: its extra time per step")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of every method (medians)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     cli.add_network_args(parser, prefix="gxwagma")
-    args = parser.parse_args()
-    if cli.ran_as_worker(args, run_worker):
-        return
-    if args.slow_rank is None:
-        args.slow_rank = args.world_size - 1
+    args = parser.parse_args(argv)
+    cli.check(parser, args, positive=("world_size", "steps", "batch_size", "group_size", "global_period", "repeats"))
+    args.slow_rank = args.world_size - 1 if args.slow_rank is None else args.slow_rank
     if not 0 <= args.slow_rank < args.world_size:
         parser.error(f"--slow-rank must be in [0, {args.world_size}), got {args.slow_rank}")
     if args.world_size % args.group_size:
         parser.error(f"--group-size {args.group_size} must divide --world-size {args.world_size}")
     if not 0 <= args.delay_probability <= 1 or not 0 <= args.delay_ms[0] <= args.delay_ms[1]:
         parser.error("--delay-probability must be in [0, 1] and --delay-ms LOW HIGH with 0 <= LOW <= HIGH")
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if cli.ran_as_worker(args, run_worker):
+        return
     rate = cli.link_rate("wagma", args)
-    links = network_name(rate)
     runs = run_group("bench.wagma", args.world_size, args, args.timeout, rate_bps=rate, prefix=args.prefix)
     tables = {scenario: summarize(scenario_runs) for scenario, scenario_runs in runs.items()}
-    title = (f"{args.world_size} Gloo processes on {links}, digits, {args.model}, batch {args.batch_size}/rank, "
-             f"{args.steps} steps, group size {args.group_size}, global period {args.global_period}, "
-             f"median of {args.repeats}")
+    title = (f"{args.world_size} Gloo processes on {network_name(rate)}, digits, {args.model}, batch "
+             f"{args.batch_size}/rank, {args.steps} steps, group size {args.group_size}, global period "
+             f"{args.global_period}, median of {args.repeats}")
     print(title)
     for scenario, rows in tables.items():
-        if scenario == "random":
-            print(f"\nrandom delays: each rank's step +{args.delay_ms[0]:g}-{args.delay_ms[1]:g} ms with probability "
-                  f"{args.delay_probability:g}")
-        else:
-            print(f"\nstraggler: rank {args.slow_rank} +{args.sleep_ms:g} ms every step")
+        print(f"\nrandom delays: each rank's step +{args.delay_ms[0]:g}-{args.delay_ms[1]:g} ms with probability "
+              f"{args.delay_probability:g}" if scenario == "random" else
+              f"\nstraggler: rank {args.slow_rank} +{args.sleep_ms:g} ms every step")
         print(report.table(rows, [
             ("method", "", "method"), ("steps/s", ".2f", "steps_per_s"),
             ("(min-max)", "", lambda r: f"({r['steps_per_s_min']:.1f}-{r['steps_per_s_max']:.1f})"),

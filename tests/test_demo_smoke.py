@@ -1,5 +1,5 @@
-"""The demo is not a test; this tiny run (2 Gloo processes, 1 epoch, 3 methods) keeps it from rotting, and the
-default run is pinned to what docs/convergence.md states it measured."""
+"""The demo is not a test; this tiny run (2 Gloo processes, 1 epoch, 5 methods) keeps it from rotting, and the
+default run is pinned to what docs/convergence.md states it runs."""
 
 import json
 import math
@@ -17,17 +17,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_demo_writes_sane_json_and_png(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "bench.demo", "--world-size", "2", "--epochs", "1", "--methods", "dense",
-         "gaussiank-gtopk", "gaussiank-gtopk-recipe", "--densities", "0.01", "--model", "mlp", "--batch-size", "32",
-         "--warmup-steps", "8", "--eval-every", "5", "--target", "0.3", "--no-progress", "--out", str(tmp_path)],
+        [sys.executable, "-m", "bench.demo", "--world-size", "2", "--epochs", "1", "--methods", "dense", "fp16",
+         "powersgd-2", "gaussiank-gtopk", "gaussiank-gtopk-recipe", "--densities", "0.01", "--model", "mlp",
+         "--batch-size", "32", "--warmup-steps", "8", "--eval-every", "5", "--target", "0.3", "--no-progress",
+         "--out", str(tmp_path)],
         cwd=ROOT, timeout=300, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gaussiank-gtopk" in result.stdout and "test acc" in result.stdout
 
     report = json.loads((tmp_path / "demo.json").read_text())
     runs = {r["method"]: r for r in report["runs"]}
-    assert set(runs) == {"dense", "gaussiank-gtopk", "gaussiank-gtopk-recipe"}
-    assert [runs[m]["recipe"] for m in runs] == [None, None, None]
+    assert set(runs) == {"dense", "fp16", "powersgd-2", "gaussiank-gtopk", "gaussiank-gtopk-recipe"}
+    assert [runs[m]["recipe"] for m in runs] == [None] * 5
     assert "gaussiank-gtopk-recipe: gx.SparseGradState.recipe(density, warmup_steps=8, momentum=0.9)" in result.stdout
     assert "steps to 30%" in result.stdout and "s to 30%" in result.stdout
     steps = 1438 // (2 * 32)  # the training split's images // the global batch
@@ -46,11 +47,13 @@ def test_demo_writes_sane_json_and_png(tmp_path):
     assert sparse["density"] == 0.01 and dense["density"] == 1.0
     # the MLP's 0.3M parameters at density 0.01, against a ring allreduce of all of them
     assert sparse["bytes_per_step"] < dense["bytes_per_step"] / 20
+    assert runs["fp16"]["bytes_per_step"] == dense["bytes_per_step"] / 2 and runs["fp16"]["density"] == 1.0
+    assert 0 < runs["powersgd-2"]["bytes_per_step"] < dense["bytes_per_step"] / 20
     # dense iterations (residual warm-up), then the density warm-up, then the target density
     assert sparse["bytes_sent"][0] > sparse["bytes_sent"][5] > sparse["bytes_per_step"] == sparse["bytes_sent"][-1]
     assert 0.8 <= sparse["selected_over_k"] <= 1.25
     assert [(row["method"], row["density"]) for row in report["table"]] == [
-        ("dense", 1.0), ("gaussiank-gtopk", 0.01), ("gaussiank-gtopk-recipe", 0.01)]
+        ("dense", 1.0), ("fp16", 1.0), ("powersgd-2", 1.0), ("gaussiank-gtopk", 0.01), ("gaussiank-gtopk-recipe", 0.01)]
     for row in report["table"]:  # one seed: its run's
         assert row["seconds_to_target"] == runs[row["method"]]["seconds_to_target"] > 0
 
@@ -101,8 +104,9 @@ def test_recipe_sets_the_hook_and_explicit_flags_win():
 
 
 def test_default_run_compares_the_package_recipe():
-    """The default run: DDP, Gaussian-k + gTop-k with the momentum in the optimizer (the demo's 44-step warm-up from
-    0.25), and gx.SparseGradState.recipe at 0.01 and 0.001 with the same warm-up, as a user calls it."""
+    """The default run: DDP, fp16_compress_hook, PowerSGD rank 2 and gx.SparseGradState.recipe at 0.01 and 0.001 with
+    the demo's 44-step warm-up, as a user calls it; the hand-built Gaussian-k + gTop-k keeps its momentum in the
+    optimizer and every compressed step sparse."""
     sys.path.insert(0, str(ROOT))
     import gtopk_ext as gx
     from bench.demo import make_hook_state, momentum_in_hook, parse_args, planned_runs
@@ -112,32 +116,23 @@ def test_default_run_compares_the_package_recipe():
     args = parse_args(["--seeds", "0", "1", "2"])
     assert (args.epochs, args.world_size, args.model, args.batch_size, args.lr) == (10, 4, "cnn", 16, 0.05)
     assert [(m, d) for m, d, seed in planned_runs(args) if seed == 0] == [
-        ("dense", 1.0), ("gaussiank-gtopk", 0.01), ("gaussiank-gtopk", 0.001),
-        ("gaussiank-gtopk-recipe", 0.01), ("gaussiank-gtopk-recipe", 0.001)]
+        ("dense", 1.0), ("fp16", 1.0), ("powersgd-2", 1.0), ("gaussiank-gtopk-recipe", 0.01),
+        ("gaussiank-gtopk-recipe", 0.001)]
     model = make_model("mlp", 0)
-    settings = {}
-    for method, density, _ in planned_runs(args)[1:5]:
-        state = make_hook_state(method, density, args)
-        optimizer_momentum = sgd(model, args, momentum_in_hook(method)).defaults["momentum"]
-        warmup = next(i for i in range(0, 200) if state.density_at(i) == density)
-        settings[method, density] = (state.momentum, state.nesterov, optimizer_momentum, state.per_tensor, warmup,
-                                     state.masking_start_iter, state.path_policy.mode)
-        assert state.density_at(2) == 0.25 and state.start_iter == 2 and state.clip_norm is None
-    assert make_hook_state("dense", 1.0, args) is None
-    assert sgd(model, args, momentum_in_hook("dense")).defaults["momentum"] == 0.9
-    assert settings == {
-        # momentum in the optimizer, every compressed step sparse; the warm-up from the dense steps' end
-        ("gaussiank-gtopk", 0.01): (0.0, False, 0.9, False, 46, 0, "sparse"),
-        ("gaussiank-gtopk", 0.001): (0.0, False, 0.9, False, 46, 0, "sparse"),
-        # the package's recipe: Nesterov momentum correction, masking from the warm-up's end, the path policy
-        ("gaussiank-gtopk-recipe", 0.01): (0.9, True, 0.0, False, 44, 44, "auto"),
-        ("gaussiank-gtopk-recipe", 0.001): (0.9, True, 0.0, False, 44, 44, "auto"),
-    }
+    for method in ("dense", "fp16", "powersgd-2"):
+        assert make_hook_state(method, 1.0, args) is None and not momentum_in_hook(method)
+        assert sgd(model, args, momentum_in_hook(method)).defaults["momentum"] == 0.9
     for density in (0.01, 0.001):  # the recipe method is the package's recipe, not a copy of it
         ours, package = make_hook_state("gaussiank-gtopk-recipe", density, args), gx.SparseGradState.recipe(
             density=density, warmup_steps=44)
         assert ours.density_schedule == package.density_schedule
         assert vars(ours.momentum_correction) == vars(package.momentum_correction)
+        assert (ours.momentum, ours.nesterov, ours.masking_start_iter, ours.path_policy.mode) == (0.9, True, 44, "auto")
+        assert sgd(model, args, momentum_in_hook("gaussiank-gtopk-recipe")).defaults["momentum"] == 0.0
+        plain = make_hook_state("gaussiank-gtopk", density, args)  # the warm-up from the dense steps' end
+        assert (plain.momentum, plain.per_tensor, plain.masking_start_iter, plain.path_policy.mode) == (
+            0.0, False, 0, "sparse")
+        assert plain.density_at(2) == 0.25 and plain.density_at(45) > density == plain.density_at(46)
 
 
 def test_recipe_method_takes_warmup_and_momentum_and_refuses_weight_decay(capsys):

@@ -1,21 +1,15 @@
-"""The flags the benchmarks share and the ``--worker`` re-entry of a launched rank."""
+"""The flags the benchmarks share, the checks of their values, and the ``--worker`` re-entry of a launched rank."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from bench.digits import MODELS
-from bench.emulated_network import parse_rate, runs_on_loopback
+from bench.emulated_network import check_can_emulate, parse_rate, runs_on_loopback
 from bench.harness.launch import as_rank
-
-
-def parser(doc: str) -> argparse.ArgumentParser:
-    """A benchmark's parser: the first paragraph of its module's doc, and each flag's default in --help."""
-    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-
 
 # The flags several benchmarks share: (argparse options but the default, help).
 COMMON = {"world_size": ({"type": int}, "Gloo processes (DDP ranks)"),
@@ -27,8 +21,18 @@ COMMON = {"world_size": ({"type": int}, "Gloo processes (DDP ranks)"),
           "model": ({"choices": MODELS}, "the digits model (bench/digits.py)"),
           "seed": ({"type": int}, "initial weights and batches"),
           "seeds": ({"type": int, "nargs": "+"}, "one run per seed (initial weights and batches)"),
+          "densities": ({"type": float, "nargs": "+"}, "densities of the sparse methods"),
           "json": ({"type": Path}, "write the settings and every measurement here"),
           "plot": ({"type": Path}, "write the figure here (PNG)")}
+
+
+def parser(doc: str, **common) -> argparse.ArgumentParser:
+    """A benchmark's parser: the first paragraph of its module's doc, each flag's default in --help, and the COMMON
+    flags named, with these defaults."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_common(parser, **common)
+    return parser
 
 
 def add_common(parser: argparse.ArgumentParser, **defaults) -> None:
@@ -37,22 +41,17 @@ def add_common(parser: argparse.ArgumentParser, **defaults) -> None:
         if name == "no_progress":
             parser.add_argument("--no-progress", action="store_true", help="no progress bar")
         else:
-            options, text = COMMON[name]
-            parser.add_argument("--" + name.replace("_", "-"), default=default, help=text, **options)
+            parser.add_argument("--" + name.replace("_", "-"), default=default, help=COMMON[name][1],
+                                **COMMON[name][0])
 
 
 def add_network_args(parser: argparse.ArgumentParser, prefix: str, rate: str | None = "1gbit",
                      timeout: float = 1800.0, timeout_help: str = "seconds the whole job may take") -> None:
-    """--rate, --loopback (not when ``rate`` is None: loopback is then the default), --prefix, --timeout and the
-    hidden --worker."""
-    if rate is None:
-        parser.add_argument("--rate", type=parse_rate, default=None,
-                            help="every rank in its own network namespace behind a link of this rate, e.g. 100mbit "
-                                 "(needs root; default: loopback, no shaping)")
-    else:
-        parser.add_argument("--rate", type=parse_rate, default=parse_rate(rate),
-                            help="every rank in its own network namespace behind a link of this rate (needs root)")
-        parser.add_argument("--loopback", action="store_true", help="plain processes on 127.0.0.1, no shaping")
+    """--rate (``rate`` None: loopback by default), --loopback (it wins over --rate), --prefix, --timeout, --worker."""
+    parser.add_argument("--rate", type=parse_rate, default=parse_rate(rate) if rate else None,
+                        help="every rank in its own network namespace behind a link of this rate, e.g. 100mbit "
+                             "(needs root; none: loopback)")
+    parser.add_argument("--loopback", action="store_true", help="plain processes on 127.0.0.1, no shaping")
     parser.add_argument("--prefix", default=prefix, help="name prefix of the namespaces this run creates")
     parser.add_argument("--timeout", type=float, default=timeout, help=timeout_help)
     add_worker_arg(parser)
@@ -62,10 +61,28 @@ def add_worker_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
 
 
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace, positive=(), unit=()) -> None:
+    """Refuses, naming its flag, a value of ``positive`` below 1 or one of ``unit`` (a number or list) outside
+    (0, 1]."""
+    for name in positive:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in unit:
+        for value in getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]:
+            if not 0 < value <= 1:
+                parser.error(f"--{name.replace('_', '-')} must be in (0, 1], got {value}")
+
+
 def link_rate(program: str, args: argparse.Namespace) -> int | None:
     """The rate of the links to run on, or None for loopback (asked for, or no emulated network here)."""
-    asked = getattr(args, "loopback", False) or args.rate is None
-    return None if runs_on_loopback(program, asked) else args.rate
+    return None if runs_on_loopback(program, getattr(args, "loopback", False) or args.rate is None) else args.rate
+
+
+def require_emulation(program: str) -> None:
+    """Exits with status 2, saying why, where the emulated network cannot run."""
+    if check_can_emulate():
+        print(f"{program} cannot run: {check_can_emulate()}", file=sys.stderr)
+        sys.exit(2)
 
 
 def ran_as_worker(args: argparse.Namespace, work, timeout_arg: str | None = None) -> bool:
@@ -73,9 +90,3 @@ def ran_as_worker(args: argparse.Namespace, work, timeout_arg: str | None = None
     if args.worker:
         as_rank(json.loads(args.worker.read_text()), work, timeout_arg)
     return bool(args.worker)
-
-
-def check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
-    for name in names:
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -1,6 +1,5 @@
-"""The one way the benchmarks start processes: ``python -m <module> --worker <config>`` once per rank
-(``run_group``) or one torchrun agent per node (``run_torchrun``), on loopback or each rank (or node)
-in its own network namespace of bench/emulated_network.py, and rank 0's result back."""
+"""The one way the benchmarks start processes: ``python -m <module> --worker <config>`` once per rank (``run_group``)
+or one torchrun agent per node (``run_torchrun``), on loopback or in the namespaces of bench/emulated_network.py."""
 
 from __future__ import annotations
 
@@ -56,9 +55,8 @@ def wait_all(procs: list[subprocess.Popen], logs: list, timeout: float) -> None:
 
 def run_on_hosts(commands: list[list[str]], network: Network | None, workdir: Path, names: list[str],
                  timeout: float, env: dict[str, str] | None = None, ranks_per_host: int = 1) -> list[str]:
-    """Runs ``commands[i]`` inside host namespace i // ``ranks_per_host`` (on this machine's loopback without a
-    network) with Gloo bound to its interface, logging to ``log-<names[i]>.txt`` in ``workdir``. Streams the first
-    one's output; raises with a failing one's log; returns every log."""
+    """Runs ``commands[i]`` in host namespace i // ``ranks_per_host`` (without a network: on loopback), Gloo bound
+    to its interface, logging to ``workdir/log-<names[i]>.txt``; streams the first log, returns every log."""
     unwind_on_sigterm()  # the finally below kills the processes
     procs, logs = [], []
     try:
@@ -83,10 +81,8 @@ def run_on_hosts(commands: list[list[str]], network: Network | None, workdir: Pa
 
 def run_torchrun(script: list[str], nnodes: int, nproc_per_node: int, network: Network | None, workdir: Path,
                  name: str, timeout: float, max_restarts: int = 0, env: dict[str, str] | None = None) -> list[str]:
-    """Runs ``script`` (the script and its arguments) under one torchrun agent per node, each inside the node's
-    namespace with Gloo bound to its interface, or all on loopback without a network; the agents find each other
-    by c10d rendezvous at the first node, whose agent hosts the store. Streams the first node's output; raises with
-    a failing node's log; returns every node's log."""
+    """Runs ``script`` (and its arguments) under one torchrun agent per node, each in its node's namespace (or all
+    on loopback); the agents meet by c10d rendezvous at the first node's. Returns every node's log."""
     endpoint = f"{Network.address(0)}:{RDZV_PORT}" if network else f"127.0.0.1:{free_port()}"
     commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
                  str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", name,
@@ -99,12 +95,11 @@ def run_torchrun(script: list[str], nnodes: int, nproc_per_node: int, network: N
 
 def run_group(module: str, world_size: int, settings, timeout: float, *, rate_bps: int | None = None,
               namespaces: bool = False, prefix: str = "gx", ranks_per_host: int = 1, **config):
-    """Runs ``python -m <module> --worker <file>`` once per rank on loopback, or (``rate_bps`` given, or
-    ``namespaces``) each host of ``ranks_per_host`` ranks in its own namespace (named ``<prefix><pid>-...``)
-    behind a link of ``rate_bps`` (None: unshaped), the ranks sharing a host talking over its loopback. The file
-    holds ``config`` plus ``args`` (``settings``), ``out``, ``tty`` (whether the driver's output is a terminal),
-    ``rank``, ``world_size``, ``master_addr``, ``port`` and ``ifname`` (the interface whose bytes a rank may count;
-    None on loopback). Streams rank 0's output; raises with a failing rank's log; returns what rank 0 wrote (JSON)."""
+    """Runs ``python -m <module> --worker <file>`` once per rank, on loopback or (``rate_bps`` given, or
+    ``namespaces``) each host of ``ranks_per_host`` ranks in its own namespace behind a link of ``rate_bps`` (None:
+    unshaped). The file holds ``config``, ``args`` (``settings``), where rank 0 writes its result, the rank and the
+    group's address; ``ifname``: the interface whose bytes a rank may count (None on loopback). Returns rank 0's
+    result."""
     namespaces = namespaces or rate_bps is not None
     if namespaces:
         cleanup_stale(prefix)
@@ -125,9 +120,9 @@ def run_group(module: str, world_size: int, settings, timeout: float, *, rate_bp
 
 
 def as_rank(config: dict, work, timeout_arg: str | None = None) -> None:
-    """In a worker that ``run_group`` started: one intra-op thread (the ranks share the cores), the run's Gloo group
-    (with the timeout in seconds that its args name ``timeout_arg``; None: torch's default), then
-    ``work(args, rank, world_size, config)``; on rank 0, what it returns (unless None) goes to ``config["out"]``."""
+    """In a worker of ``run_group``: one intra-op thread (the ranks share the cores), the Gloo group (timeout: the
+    seconds in ``args.<timeout_arg>``, or torch's), then ``work(args, rank, world_size, config)``, whose result
+    rank 0 writes."""
     from datetime import timedelta
 
     import torch

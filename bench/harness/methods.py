@@ -1,7 +1,5 @@
-"""The methods the training benchmarks compare, by name (``METHODS``: a new method is one entry), and the one way
-each builds gtopk_ext's hook state. A DDP method is a ``Recipe`` (its hook on the DDP model), a local method a
-``LocalMethod`` (run by ``LocalExchange`` around the inner optimizer).
-"""
+"""The methods the training benchmarks compare, by name (``METHODS``: a new method is one entry). A DDP method is a
+``Recipe`` (its hook on the DDP model), a local method a ``LocalMethod`` (run by ``LocalExchange``)."""
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations against dist.GradBucket.
 import argparse
@@ -14,23 +12,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 from torch.distributed.optim import PostLocalSGDOptimizer
-from torch.nn.parallel import DistributedDataParallel
 
 import gtopk_ext as gx
 from gtopk_ext.collectives import ring_allreduce_bytes
 
 START_ITER = 2  # dense iterations of every compressing hook (PowerSGD and gtopk_ext need at least 2)
-SPARSE_COLLECTIVES = gx.collectives.SPARSE_COLLECTIVES
 
 
 def numel_of(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def density_of(text: str) -> float:
-    density = float(text)
-    gx.compressors.check_density(density)
-    return density
 
 
 def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: int = 0, warmup_density: float = 0.25,
@@ -38,11 +28,8 @@ def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: in
                nesterov: bool = False, weight_decay: float = 0.0, masking_start_iter: int = 0,
                clip_norm: float | None = None, path="sparse", min_compress_numel: int | None = None,
                **options) -> gx.SparseGradState:
-    """gtopk_ext's hook state: density ``density`` after ``warmup_steps`` iterations of density decaying
-    geometrically from ``warmup_density`` (DGC's schedule) that start at iteration ``warmup_from``; momentum
-    correction with ``momentum`` (and its options) or local clipping at ``clip_norm``; ``path``: every compressed
-    step sparse (what a method named after a collective and a density measures), or another path policy;
-    ``options``: the other SparseGradState arguments."""
+    """gtopk_ext's hook state built by hand (by default every compressed step sparse), with DGC's warm-up from
+    ``warmup_density`` over ``warmup_steps`` iterations from ``warmup_from``; ``options``: SparseGradState's."""
     schedule = (gx.exponential_warmup(density, warmup_steps, warmup_density, start_iter=warmup_from)
                 if warmup_steps else density)
     correction = (gx.MomentumCorrection(momentum, nesterov=nesterov, weight_decay=weight_decay,
@@ -57,13 +44,16 @@ def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: in
     return state
 
 
-# ------------------------------------------------------------------------------------------ what a method sent
+def recipe_state(density: float, warmup_steps: int, momentum: float) -> gx.SparseGradState:
+    """``gx.SparseGradState.recipe`` as a user calls it, without the hook's periodic log."""
+    state = gx.SparseGradState.recipe(density=density, warmup_steps=warmup_steps, momentum=momentum)
+    state.stats_logging_frequency = 0
+    return state
+
 
 @dataclass(frozen=True)
 class Accounting:
-    """A method's own count of what it sent: ``bytes_sent()`` after a step gives this rank's bytes in that step;
-    ``buckets()`` the number of buckets its hook saw and ``paths()`` the latest step's path of each (None when the
-    hook does not say); ``state``: gtopk_ext's hook state."""
+    """A method's own count: this rank's bytes in the last step, its hook's buckets and their last paths."""
 
     bytes_sent: Callable[[], int] = lambda: 0
     buckets: Callable[[], Optional[int]] = lambda: None
@@ -71,34 +61,26 @@ class Accounting:
     state: Optional[gx.SparseGradState] = None
 
 
-def gtopk_ext_accounting(state: gx.SparseGradState) -> Accounting:
+@dataclass(frozen=True)
+class Recipe:
+    """One DDP method: ``attach(ddp_model, world_size, args)`` registers its hook (or none), returns its Accounting."""
+
+    label: str
+    attach: Callable
+    one_bucket: bool = False
+    momentum_in_hook: bool = False
+
+
+def attached(ddp, state: gx.SparseGradState) -> Accounting:
+    """gtopk_ext's hook with ``state`` on ``ddp``, counted by its ``stats()``."""
+    ddp.register_comm_hook(state, gx.sparse_grad_hook)
     return Accounting(lambda: state.stats()["total"]["bytes_sent"], lambda: len(state.stats()["buckets"]),
                       lambda: ",".join(bucket["path"] for bucket in state.stats()["buckets"].values()), state)
 
 
-def powersgd_accounting(state: powerSGD_hook.PowerSGDState, numel: int, world_size: int) -> Accounting:
-    """PowerSGD counts the elements it allreduces (P, Q and the uncompressed tensors) as it goes; a step that adds
-    none ran its dense warm-up."""
-    counted = [0]
-
-    def bytes_sent() -> int:
-        added, counted[0] = state.total_numel_after_compression - counted[0], state.total_numel_after_compression
-        return ring_allreduce_bytes((added or numel) * 4, world_size)
-    return Accounting(bytes_sent, lambda: len(state.error_dict))
-
-
-# ------------------------------------------------------------------------------------------------- DDP hooks
-
-@dataclass(frozen=True)
-class Recipe:
-    """One DDP method: ``attach(ddp_model, world_size, args)`` registers its hook (or none) and returns its
-    accounting; ``one_bucket``: the DDP model is built with a single bucket; ``momentum_in_hook``: the hook applies
-    the momentum (momentum correction), so the optimizer runs without it."""
-
-    label: str
-    attach: Callable[[DistributedDataParallel, int, argparse.Namespace], Accounting]
-    one_bucket: bool = False
-    momentum_in_hook: bool = False
+def hook_recipe(label: str, state: Callable, momentum_in_hook: bool = False) -> Recipe:
+    """gtopk_ext's hook with the state ``state(args)`` makes."""
+    return Recipe(label, lambda ddp, world_size, args: attached(ddp, state(args)), momentum_in_hook=momentum_in_hook)
 
 
 def allreduce_recipe(label: str, hook=None, wire_bytes: int = 4) -> Recipe:
@@ -110,62 +92,35 @@ def allreduce_recipe(label: str, hook=None, wire_bytes: int = 4) -> Recipe:
 
 
 def powersgd_recipe(rank: int) -> Recipe:
-    """PowerSGD with one bucket: with several on Gloo, its hook's future callbacks allreduce P and Q on Gloo's
-    threads while the autograd thread issues the next bucket's allreduce, so ranks issue their collectives in
-    different orders; the group then fails ("Received data size doesn't match expected size") or hangs until its
-    timeout (2 and 4 ranks, 8 buckets: every run, at the first compressed step)."""
+    """PowerSGD with one bucket: with several on Gloo its hook's callbacks allreduce P and Q on Gloo's threads while
+    the autograd thread issues the next bucket's allreduce, so the ranks' collectives go out of order and the group
+    fails ("Received data size doesn't match expected size") or hangs (every run, at the first compressed step)."""
     def attach(ddp, world_size, args):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=START_ITER)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return powersgd_accounting(state, numel_of(ddp), world_size)
+        counted, numel = [0], numel_of(ddp)
+
+        def bytes_sent() -> int:  # the elements it allreduced since the last call; none: a dense warm-up step
+            added, counted[0] = state.total_numel_after_compression - counted[0], state.total_numel_after_compression
+            return ring_allreduce_bytes((added or numel) * 4, world_size)
+        return Accounting(bytes_sent, lambda: len(state.error_dict))
     return Recipe(f"PowerSGD rank {rank} (one bucket)", attach, one_bucket=True)
 
 
-def attached(ddp: DistributedDataParallel, state: gx.SparseGradState) -> Accounting:
-    """gtopk_ext's hook with ``state`` on ``ddp``."""
-    ddp.register_comm_hook(state, gx.sparse_grad_hook)
-    return gtopk_ext_accounting(state)
-
-
-def gtopk_ext_recipe(label: str, **state_options) -> Recipe:
-    """gtopk_ext's hook with ``hook_state(**state_options)``."""
-    return Recipe(label, lambda ddp, world_size, args: attached(ddp, hook_state(**state_options)))
-
-
 def dgc_recipe(density: float, per_tensor: bool = False, path: str | None = None) -> Recipe:
-    """gtopk_ext with Deep Gradient Compression's momentum correction (the optimizer's momentum moves into the
-    hook) and its exponential sparsity warm-up from ``--dgc-warmup-start`` over the first ``--dgc-warmup``
-    iterations, with momentum factor masking after the warm-up (during it most elements are sent nearly every
-    step: masking would train them without momentum; bench.demo measured it); ``per_tensor`` (or
-    ``--dgc-per-tensor``): each parameter selects its share of k. The other levers are the ``--dgc-*`` options
-    (:func:`add_dgc_arguments`); ``path``: the path policy's mode (None: ``--dgc-path``)."""
-    def attach(ddp, world_size, args):
-        state = hook_state(density, start_iter=args.dgc_dense_steps, warmup_steps=args.dgc_warmup,
-                           warmup_density=args.dgc_warmup_start, momentum=args.momentum, nesterov=args.dgc_nesterov,
-                           clip_norm=args.dgc_clip_norm, per_tensor=per_tensor or args.dgc_per_tensor,
-                           masking_start_iter=args.dgc_warmup, path=path or args.dgc_path,
-                           min_compress_numel=args.dgc_min_compress_numel)
-        return attached(ddp, state)
-    label = (f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up" + (" + per-tensor" * per_tensor)
-             + (f", path {path}" if path else ""))
-    return Recipe(label, attach, momentum_in_hook=True)
-
-
-def recipe_state(density: float, warmup_steps: int, momentum: float) -> gx.SparseGradState:
-    """``gx.SparseGradState.recipe``: the package's recommended settings as a user calls them (the benchmarks' one
-    way to build them), without the hook's periodic log."""
-    state = gx.SparseGradState.recipe(density=density, warmup_steps=warmup_steps, momentum=momentum)
-    state.stats_logging_frequency = 0
-    return state
-
-
-def recipe_method(density: float, warmup: int | None = None) -> Recipe:
-    """:func:`recipe_state` with ``warmup_steps=warmup`` (None: ``--dgc-warmup``) and ``momentum=--momentum``."""
-    def attach(ddp, world_size, args):
-        return attached(ddp, recipe_state(density, args.dgc_warmup if warmup is None else warmup, args.momentum))
-    steps = "" if warmup is None else f", {warmup}-step warm-up"
-    return Recipe(f"gtopk_ext recipe, d={density:g}{steps}", attach, momentum_in_hook=True)
+    """Deep Gradient Compression's momentum correction (the optimizer's momentum moves into the hook), its warm-up
+    over ``--dgc-warmup`` iterations and momentum factor masking after it (during it most elements are sent nearly
+    every step: masking would train them without momentum); the other ``--dgc-*`` levers."""
+    return hook_recipe(
+        f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up" + (" + per-tensor" * per_tensor)
+        + (f", path {path}" if path else ""),
+        lambda args: hook_state(density, start_iter=args.dgc_dense_steps, warmup_steps=args.dgc_warmup,
+                                warmup_density=args.dgc_warmup_start, momentum=args.momentum,
+                                nesterov=args.dgc_nesterov, clip_norm=args.dgc_clip_norm,
+                                per_tensor=per_tensor or args.dgc_per_tensor, masking_start_iter=args.dgc_warmup,
+                                path=path or args.dgc_path, min_compress_numel=args.dgc_min_compress_numel),
+        momentum_in_hook=True)
 
 
 def add_dgc_arguments(parser: argparse.ArgumentParser) -> None:
@@ -194,9 +149,69 @@ def no_communication_hook(world_size: int, bucket: dist.GradBucket) -> torch.fut
     return future
 
 
-def attach_floor(ddp: DistributedDataParallel, world_size: int, args: argparse.Namespace) -> Accounting:
+def attach_floor(ddp, world_size: int, args: argparse.Namespace) -> Accounting:
     ddp.register_comm_hook(world_size, no_communication_hook)
     return Accounting()
+
+
+@dataclass(frozen=True)
+class LocalMethod:
+    """A local method: ``kind`` "postlocal", "diloco" or "sparse", exchanging every ``period`` (H) steps."""
+
+    kind: str
+    period: int
+    collective: str = "dense"
+    density: float = 1.0
+    wire: str = "plain"
+
+    @property
+    def label(self) -> str:
+        compact = ", compact wire" if self.wire == "compact" else ""
+        return {"postlocal": "PyTorch PostLocalSGD", "diloco": "DiLoCo (dense)"}.get(
+            self.kind, f"SparseLocalSGD {self.collective} d={self.density:g}") + f", H={self.period}{compact}"
+
+
+def one_of(choices) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(text)
+        return text
+    return parse
+
+
+def density_of(text: str) -> float:
+    gx.compressors.check_density(float(text))
+    return float(text)
+
+
+# What a <field> of a method's name holds.
+FIELDS = {"collective": one_of(gx.collectives.SPARSE_COLLECTIVES), "d": density_of, "rank": int, "H": int,
+          "path": one_of(gx.paths.MODES), "warmup": int}
+# Every method: the pattern of its name and what builds it from the pattern's fields.
+METHODS = {
+    "ddp": lambda: allreduce_recipe("DDP allreduce"),
+    "fp16": lambda: allreduce_recipe("fp16_compress_hook", default_hooks.fp16_compress_hook, 2),
+    "bf16": lambda: allreduce_recipe("bf16_compress_hook", default_hooks.bf16_compress_hook, 2),
+    "floor": lambda: Recipe("no communication (compute floor)", attach_floor),
+    "powersgd-<rank>": powersgd_recipe,
+    "dgc-<d>": lambda d: dgc_recipe(d),  # the --dgc-* flags
+    "dgc-<d>-<path>": lambda d, path: dgc_recipe(d, path=path),  # the recipe on one path, or auto
+    "recipe-<d>": lambda d: hook_recipe(  # gx.SparseGradState.recipe, --dgc-warmup steps of warm-up
+        f"gtopk_ext recipe, d={d:g}", lambda args: recipe_state(d, args.dgc_warmup, args.momentum), True),
+    "recipe-<d>-<warmup>": lambda d, warmup: hook_recipe(  # its own warm-up: two lengths in one run
+        f"gtopk_ext recipe, d={d:g}, {warmup}-step warm-up", lambda args: recipe_state(d, warmup, args.momentum), True),
+    "dgc-pt-<d>": lambda d: dgc_recipe(d, per_tensor=True),
+    "<collective>-<d>": lambda collective, d: hook_recipe(f"Gaussian-k + {collective}, d={d:g}",
+                                                          lambda args: hook_state(d, collective=collective)),
+    "hook-<collective>-<d>": lambda collective, d: METHODS["<collective>-<d>"](collective, d),
+    "<collective>-<d>-sync": lambda collective, d: hook_recipe(  # each bucket finished inside the hook call
+        f"Gaussian-k + {collective}, d={d:g}, each bucket finished in the hook call",
+        lambda args: hook_state(d, collective=collective, synchronous=True)),
+    "postlocal-<H>": lambda H: LocalMethod("postlocal", H),  # PyTorch's local SGD
+    "diloco-<H>": lambda H: LocalMethod("diloco", H),  # SparseLocalSGD, density 1, dense
+    "sparse-<collective>-<d>-<H>": lambda collective, d, H: LocalMethod("sparse", H, collective, d),
+    "sparse-<collective>-<d>-<H>-compact": lambda collective, d, H: LocalMethod("sparse", H, collective, d, "compact"),
+}
 
 
 def method(name: str) -> "Recipe | LocalMethod":
@@ -215,85 +230,15 @@ def method(name: str) -> "Recipe | LocalMethod":
     raise ValueError(f"no method {name!r}; the methods: {', '.join(METHODS)}")
 
 
-def recipe(name: str) -> Optional[Recipe]:
-    """The DDP method of a name, None for a local method's; ValueError for no method."""
-    found = method(name)
-    return found if isinstance(found, Recipe) else None
-
-
-def method_name(text: str) -> str:
-    """An argparse type: a method's name."""
+def method_name(text: str, ddp_only: bool = False) -> str:
+    """An argparse type: a method's name (with ``ddp_only``, a DDP method's)."""
     try:
-        method(text)
+        found = method(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from error
+    if ddp_only and not isinstance(found, Recipe):
+        raise argparse.ArgumentTypeError(f"{text} is a local method: only DDP hooks here")
     return text
-
-
-def label(name: str) -> str:
-    return method(name).label
-
-
-# --------------------------------------------------------------------------------------------- local methods
-
-@dataclass(frozen=True)
-class LocalMethod:
-    """A local method: ``kind`` "postlocal", "diloco" or "sparse", exchanging every ``period`` (H) steps."""
-
-    kind: str
-    period: int
-    collective: str = "dense"
-    density: float = 1.0
-    wire: str = "plain"
-
-    @property
-    def label(self) -> str:
-        if self.kind == "postlocal":
-            return f"PyTorch PostLocalSGD, H={self.period}"
-        if self.kind == "diloco":
-            return f"DiLoCo (dense), H={self.period}"
-        compact = ", compact wire" if self.wire == "compact" else ""
-        return f"SparseLocalSGD {self.collective} d={self.density:g}, H={self.period}{compact}"
-
-
-def sparse_collective(text: str) -> str:
-    if text not in SPARSE_COLLECTIVES:
-        raise ValueError(text)
-    return text
-
-
-def path_mode(text: str) -> str:
-    if text not in gx.paths.MODES:
-        raise ValueError(text)
-    return text
-
-
-# What a <field> of a method's name holds.
-FIELDS = {"collective": sparse_collective, "d": density_of, "rank": int, "H": int, "path": path_mode,
-          "warmup": int}
-# Every method: the pattern of its name and what builds it from the pattern's fields.
-METHODS = {
-    "ddp": lambda: allreduce_recipe("DDP allreduce"),
-    "fp16": lambda: allreduce_recipe("fp16_compress_hook", default_hooks.fp16_compress_hook, 2),
-    "bf16": lambda: allreduce_recipe("bf16_compress_hook", default_hooks.bf16_compress_hook, 2),
-    "floor": lambda: Recipe("no communication (compute floor)", attach_floor),
-    "powersgd-<rank>": powersgd_recipe,
-    "dgc-<d>": lambda d: dgc_recipe(d),  # the --dgc-* flags
-    "dgc-<d>-<path>": lambda d, path: dgc_recipe(d, path=path),  # the recipe on one path, or auto
-    "recipe-<d>": lambda d: recipe_method(d),  # gx.SparseGradState.recipe
-    "recipe-<d>-<warmup>": lambda d, warmup: recipe_method(d, warmup),  # its own warm-up: two lengths in one run
-    "dgc-pt-<d>": lambda d: dgc_recipe(d, per_tensor=True),
-    "<collective>-<d>": lambda collective, d: gtopk_ext_recipe(f"Gaussian-k + {collective}, d={d:g}", density=d,
-                                                               collective=collective),
-    "hook-<collective>-<d>": lambda collective, d: METHODS["<collective>-<d>"](collective, d),
-    "<collective>-<d>-sync": lambda collective, d: gtopk_ext_recipe(  # each bucket finished inside the hook call
-        f"Gaussian-k + {collective}, d={d:g}, each bucket finished in the hook call", density=d,
-        collective=collective, synchronous=True),
-    "postlocal-<H>": lambda H: LocalMethod("postlocal", H),  # PyTorch's local SGD
-    "diloco-<H>": lambda H: LocalMethod("diloco", H),  # SparseLocalSGD, density 1, dense
-    "sparse-<collective>-<d>-<H>": lambda collective, d, H: LocalMethod("sparse", H, collective, d),
-    "sparse-<collective>-<d>-<H>-compact": lambda collective, d, H: LocalMethod("sparse", H, collective, d, "compact"),
-}
 
 
 def add_outer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -307,53 +252,43 @@ def add_outer_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class LocalExchange:
-    """A local method's exchange around its inner optimizer: PyTorch's local SGD (``PostLocalSGDOptimizer`` with
-    ``PeriodicModelAverager``: the weights averaged every H steps, from the first), DiLoCo or SparseLocalSGD (a
-    sync after every H-th step), and the bytes this rank sent so far (a ring allreduce of the model per average;
-    SparseLocalSGD's own count). Use :attr:`optimizer` as the inner optimizer and call :meth:`after_step` after
-    each of its steps."""
+    """A local method around its inner optimizer (use :attr:`optimizer`, call :meth:`after_step` after each step):
+    PyTorch's local SGD (the weights averaged every H steps, from the first), or SparseLocalSGD (a sync after every
+    H-th step), and the bytes this rank sent (a ring allreduce of the model per average; SparseLocalSGD's count)."""
 
     def __init__(self, method: LocalMethod, model: torch.nn.Module, inner: torch.optim.Optimizer,
                  args: argparse.Namespace, world_size: int):
-        self.method, self.model, self.world_size = method, model, world_size
-        self.model_bytes = 4 * numel_of(model)
-        self.outer, self.counted, self.steps, self.finished = None, 0, 0, False
+        self.method, self.model, self.optimizer, self.outer = method, model, inner, None
+        self.average_bytes = ring_allreduce_bytes(4 * numel_of(model), world_size)
+        self.counted, self.steps, self.finished = 0, 0, False
         if method.kind == "postlocal":
-            self.optimizer = PostLocalSGDOptimizer(optim=inner, averager=PeriodicModelAverager(period=method.period,
-                                                                                               warmup_steps=0))
+            self.optimizer = PostLocalSGDOptimizer(inner, PeriodicModelAverager(period=method.period, warmup_steps=0))
         else:
-            self.optimizer = inner
             self.outer = gx.SparseLocalSGD(model.parameters(), sync_every=method.period, density=method.density,
                                            collective=method.collective, outer_lr=args.outer_lr,
                                            outer_momentum=args.outer_momentum,
-                                           nesterov=args.outer_nesterov and args.outer_momentum > 0,
-                                           wire=method.wire)
+                                           nesterov=args.outer_nesterov and args.outer_momentum > 0, wire=method.wire)
 
     def after_step(self) -> None:
         self.steps += 1
         if self.outer is not None:
             self.outer.step()
         elif self.synced():
-            self.counted += ring_allreduce_bytes(self.model_bytes, self.world_size)
+            self.counted += self.average_bytes
 
     def synced(self) -> bool:
         """Whether the replicas are one model now (right after an average or a sync, or :meth:`finish`)."""
-        if self.finished:
-            return True
-        if self.outer is not None:
-            return self.steps % self.method.period == 0
-        return (self.steps - 1) % self.method.period == 0
+        return self.finished or (self.steps - (self.outer is None)) % self.method.period == 0
 
     def finish(self) -> None:
         """Exchanges once more when the last step was not an exchange: every method ends with one model."""
-        if self.synced():
-            return
-        if self.outer is not None:
-            self.outer.sync()
-        else:
-            average_parameters(self.model.parameters(), dist.group.WORLD)
-            self.counted += ring_allreduce_bytes(self.model_bytes, self.world_size)
-        self.finished = True
+        if not self.synced():
+            if self.outer is not None:
+                self.outer.sync()
+            else:
+                average_parameters(self.model.parameters(), dist.group.WORLD)
+                self.counted += self.average_bytes
+            self.finished = True
 
     def bytes_sent(self) -> int:
         return self.outer.stats()["bytes_sent"] if self.outer is not None else self.counted

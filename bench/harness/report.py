@@ -1,4 +1,4 @@
-"""What a benchmark writes: tables, a JSON record with the machine it ran on, and matplotlib set up for files."""
+"""What a benchmark writes: tables, a JSON record with the machine it ran on, and figures."""
 
 from __future__ import annotations
 
@@ -11,13 +11,6 @@ import sys
 from pathlib import Path
 
 
-def machine() -> dict:
-    import torch
-
-    return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-            "cpus": os.cpu_count()}
-
-
 def jsonable(settings) -> dict:
     """An argparse namespace (or dict) as JSON can hold it: paths as strings."""
     items = settings.items() if isinstance(settings, dict) else vars(settings).items()
@@ -26,15 +19,18 @@ def jsonable(settings) -> dict:
 
 def write_json(path, settings, **record) -> None:
     """``record`` with the settings it ran with and the machine, at ``path``."""
-    Path(path).write_text(json.dumps({"settings": jsonable(settings), "machine": machine(), **record}, indent=1,
+    import torch
+
+    machine = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+               "cpus": os.cpu_count()}
+    Path(path).write_text(json.dumps({"settings": jsonable(settings), "machine": machine, **record}, indent=1,
                                      default=str))
     print(f"wrote {path}")
 
 
-def table(rows: list[dict], columns: list[tuple], markdown: bool = False, header: bool = True) -> str:
-    """``rows`` as a text table, or a Markdown one: ``columns`` are (title, format spec, the row's key or a function
-    of the row); None shows as "-". A column is as wide as its title, its spec's width or its widest cell; the first
-    is left-aligned."""
+def table(rows: list, columns: list[tuple], markdown: bool = False, header: bool = True) -> str:
+    """``rows`` as a text or Markdown table. ``columns``: (title, format spec, the row's key or a function of the
+    row); None shows as "-". A column is as wide as its title, its spec's width or its widest cell."""
     lines = [[title for title, _, _ in columns]] if header else []
     for row in rows:
         values = [get(row) if callable(get) else row[get] for _, _, get in columns]
@@ -48,17 +44,6 @@ def table(rows: list[dict], columns: list[tuple], markdown: bool = False, header
                               for i, (text, width) in enumerate(zip(line, widths))) for line in lines)
 
 
-def to_target(curves: list[list[dict]], reached, seconds_key: str) -> dict:
-    """``steps_to_target`` and ``seconds_to_target``: the medians over ``curves`` (one per seed; points with a
-    ``step`` and ``seconds_key``) of the first point where ``reached(point)``; both None unless every curve got
-    there."""
-    firsts = [next((point for point in curve if reached(point)), None) for curve in curves]
-    if not firsts or None in firsts:
-        return {"steps_to_target": None, "seconds_to_target": None}
-    return {"steps_to_target": statistics.median(p["step"] for p in firsts),
-            "seconds_to_target": statistics.median(p[seconds_key] for p in firsts)}
-
-
 def streamed(rows, columns: list[tuple]) -> list[dict]:
     """``rows`` (an iterable) printed as a table a row at a time, as they come; returns them."""
     print(table([], columns), flush=True)
@@ -69,55 +54,62 @@ def streamed(rows, columns: list[tuple]) -> list[dict]:
     return out
 
 
-def pyplot():
-    """matplotlib.pyplot drawing to files only (no display needed)."""
+def to_target(curves: list[list[dict]], reached, seconds_key: str) -> dict:
+    """The medians over ``curves`` (one per seed) of the ``step`` and ``seconds_key`` of the first point where
+    ``reached(point)``; both None unless every curve got there."""
+    firsts = [next((point for point in curve if reached(point)), None) for curve in curves]
+    if not firsts or None in firsts:
+        return {"steps_to_target": None, "seconds_to_target": None}
+    return {"steps_to_target": statistics.median(p["step"] for p in firsts),
+            "seconds_to_target": statistics.median(p[seconds_key] for p in firsts)}
+
+
+def figure(rows: int, columns: int, size: tuple[float, float]):
+    """A matplotlib figure drawn to files only (no display needed) and its axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt
+    return plt.subplots(rows, columns, figsize=size, squeeze=False)
 
 
 def save(figure, path) -> None:
+    import matplotlib.pyplot as plt
+
     figure.savefig(path, dpi=110)
-    pyplot().close(figure)
+    plt.close(figure)
     print(f"wrote {path}")
-
-
-def finish_axis(axis) -> None:
-    """A grid, and plain numbers on log scales (0.1 and 20, not 10^-1 and 2 x 10^1, which overlap)."""
-    import matplotlib.ticker
-
-    axis.grid(True, which="both", alpha=0.3)
-    for scaled in (axis.xaxis, axis.yaxis):
-        if scaled.get_scale() == "log":
-            scaled.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-            scaled.set_minor_formatter(matplotlib.ticker.NullFormatter())
 
 
 def plot_curves(runs: list[dict], path, title: str, ylabel: str, y, panels: list[tuple], yscale: str = "linear",
                 style=None) -> None:
-    """One line per run (its ``curve``, labelled ``label``) of ``y(point)`` against each panel's ``x(point)``:
-    ``panels`` are (x label, x, x scale); ``style(index, run)``: the line's matplotlib options."""
-    figure, axes = pyplot().subplots(1, len(panels), figsize=(max(9.0, 5.5 * len(panels) + 0.5), 5.5), squeeze=False)
-    for index, run in enumerate(runs):
-        for axis, (_, x, scale) in zip(axes[0], panels):
-            points = [(x(c), y(c)) for c in run["curve"] if scale != "log" or x(c) > 0]  # a log axis has no 0
+    """One line per run (its ``curve`` of points, labelled ``label``) of ``y(point)`` against each panel's
+    ``x(point)``: ``panels`` are (x label, x, x scale); ``style(index, run)``: the line's matplotlib options."""
+    import matplotlib.ticker
+
+    fig, axes = figure(1, len(panels), (max(9.0, 5.5 * len(panels) + 0.5), 5.5))
+    for axis, (xlabel, x, xscale) in zip(axes[0], panels):
+        for index, run in enumerate(runs):
+            points = [(x(c), y(c)) for c in run["curve"]
+                      if (xscale != "log" or x(c) > 0) and (yscale != "log" or y(c) > 0)]  # a log axis has no 0
             axis.plot(*zip(*points), marker=".", label=run["label"] if axis is axes[0, 0] else None,
                       **(style(index, run) if style else {"color": f"C{index % 10}"}))
-    for axis, (xlabel, _, scale) in zip(axes[0], panels):
-        axis.set(xlabel=xlabel, ylabel=ylabel, xscale=scale, yscale=yscale)
-        finish_axis(axis)
-    figure.suptitle(title, fontsize=8, wrap=True)
-    figure.legend(loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=3, fontsize=7, frameon=False)
-    figure.tight_layout(rect=(0, 0, 1, 0.86))
-    save(figure, path)
+        axis.set(xlabel=xlabel, ylabel=ylabel, xscale=xscale, yscale=yscale)
+        axis.grid(True, which="both", alpha=0.3)
+        for scaled in (axis.xaxis, axis.yaxis):  # plain numbers on log scales: 0.1 and 20, not 10^-1 and 2 x 10^1
+            if scaled.get_scale() == "log":
+                scaled.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+                scaled.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    fig.suptitle(title, fontsize=8, wrap=True)
+    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.86))
+    save(fig, path)
 
 
 def progress(total: int, rank: int, args, config: dict):
-    """Rank 0's progress bar in steps (None elsewhere, or with ``args.no_progress``). Its output is a log file
-    that the driver streams: redrawn every 0.1 s it would flood a redirect of the driver's output."""
+    """Rank 0's progress bar in steps (None elsewhere, or with ``args.no_progress``). The driver streams it from a
+    log file: redrawn every 0.1 s it would flood a redirect of the driver's output."""
     if rank != 0 or args.no_progress:
         return None
     from tqdm import tqdm

@@ -1,5 +1,5 @@
-"""What each collective puts on the links in one exchange: the byte and message counts of bench/cost_model.py's
-formulas (its docstring states them), which bench/netem_scaling.py also prints beside what it measured."""
+"""What each collective puts on the links in one exchange: the byte and message counts of the cost model's formulas
+(docs/scaling.md states them), which bench/netem_scaling.py also prints beside what it measured."""
 
 from __future__ import annotations
 
@@ -40,8 +40,7 @@ def bytes_per_rank(method: str, numel: int, k: int, world_size: int, wire: str =
 
 
 def _flat_features(method: str, numel: int, k: int, p: int, local: int, share: float, wire: str) -> dict:
-    """Coefficients of one exchange on p ranks in nodes of ``local`` (see the module doc); alpha and beta are the
-    inter-node link's."""
+    """Coefficients of one exchange on p ranks in nodes of ``local``; alpha and beta are the inter-node link's."""
     message = message_bytes(k, numel, wire)
     if method == "dense":
         return {"alpha": 2 * (p - 1), "beta": 2 * (p - 1) / p * 4 * numel}
@@ -76,8 +75,8 @@ def _flat_features(method: str, numel: int, k: int, p: int, local: int, share: f
 def features(method: str, numel: int, k: int, world_size: int, share: float, wire: str = "plain", local: int = 1,
              inner: str = "gtopk") -> dict[str, float]:
     """The coefficients of alpha, beta (the link between nodes, or every rank's link when local = 1),
-    alpha_intra, beta_intra and the per-element costs in one exchange's time, selection excluded (see the module
-    doc). ``share``: how many ranks share one core (compute terms take that much longer); ``local``: ranks per
+    alpha_intra, beta_intra and the per-element costs in one exchange's time, selection excluded (docs/scaling.md).
+    ``share``: how many ranks share one core (compute terms take that much longer); ``local``: ranks per
     node; ``inner``: the hierarchical collective's sparse collective between nodes."""
     if wire not in WIRES:
         raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")

@@ -1,5 +1,5 @@
-"""The pieces of the benchmarks' training loops: one method's model and optimizer on this rank (``Trainer``), the
-batches, the evaluation, and the reductions over ranks that the measurements take."""
+"""The benchmarks' training loop: one method on this rank (``Trainer``), its measured curve, the batches, the
+evaluation, and the reductions over ranks that the measurements take."""
 
 from __future__ import annotations
 
@@ -18,13 +18,12 @@ from bench.harness.methods import LocalExchange, Recipe, method as method_named,
 
 class Trainer:
     """One method (a name of bench.harness.methods, or a Recipe) on this rank: ``model`` under DDP with the
-    method's hook, or a replica under a local method; :func:`sgd`; and the bytes this rank sent so far by the
-    method's own count."""
+    method's hook, or a replica under a local method; :func:`sgd`; the bytes this rank sent by the method's count."""
 
     def __init__(self, method: str | Recipe, model: nn.Module, args: argparse.Namespace, world_size: int):
-        self.model, self.trained, self.local, self.sent, self.world_size = model, model, None, 0, world_size
+        self.model, self.trained, self.local, self.sent, self.mean = model, model, None, 0, None
         found = method if isinstance(method, Recipe) else method_named(method)
-        self.recipe, self.mean = (found if isinstance(found, Recipe) else None), None
+        self.recipe = found if isinstance(found, Recipe) else None
         if self.recipe is not None:
             # One bucket: a cap above the model's size (DDP's first bucket then has that cap too).
             cap_mb = numel_of(model) * 4 / 2**20 + 1 if self.recipe.one_bucket else getattr(args, "bucket_cap_mb", None)
@@ -35,43 +34,37 @@ class Trainer:
             self.local = LocalExchange(found, model, self.optimizer, args, world_size)
             self.optimizer = self.local.optimizer
 
-    def step(self, loss_of) -> float:
-        """One step on ``loss_of(trained_model)``; returns the loss."""
+    def measured_step(self, loss_of, tx, last: bool = False) -> dict:
+        """One step on ``loss_of(trained model)``, started by every rank together (then, when ``last``, the exchange
+        that leaves one model): its loss, seconds, CPU seconds (all threads), bytes sent by the method's count and
+        by ``tx`` (a TxCounter), and its buckets' paths."""
+        dist.barrier()
+        tx_bytes, cpu, sent, start = tx.read(), time.process_time(), self.bytes_sent(), time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss = loss_of(self.trained)
         loss.backward()
         self.optimizer.step()
         if self.local is not None:
             self.local.after_step()
+            if last:  # every method ends with one model
+                self.local.finish()
         else:
             self.sent += self.accounting.bytes_sent()
-        return float(loss.detach())
-
-    def measured_step(self, loss_of, tx, last: bool = False) -> dict:
-        """One step, started by every rank together (the slowest rank's time is the step's), the exchange that
-        leaves one model after it when ``last``: its loss, seconds, CPU seconds (all of this process's threads), the
-        bytes this rank sent, by the method's own count and by ``tx`` (an emulated_network.TxCounter), and the
-        paths its buckets took (where the method says)."""
-        dist.barrier()
-        tx_bytes, cpu, sent, start = tx.read(), time.process_time(), self.bytes_sent(), time.perf_counter()
-        loss = self.step(loss_of)
-        if last and self.local is not None:  # every method ends with one model
-            self.local.finish()
-        return {"loss": loss, "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu,
-                "bytes": self.bytes_sent() - sent, "tx_bytes": tx.read() - tx_bytes,
-                "paths": self.accounting.paths() if self.local is None else None}
+        return {"loss": float(loss.detach()), "seconds": time.perf_counter() - start,
+                "cpu_seconds": time.process_time() - cpu, "bytes": self.bytes_sent() - sent,
+                "tx_bytes": tx.read() - tx_bytes, "paths": self.accounting.paths() if self.local is None else None}
 
     def bytes_sent(self) -> int:
         return self.local.bytes_sent() if self.local is not None else self.sent
 
     def shared_model(self) -> nn.Module:
-        """The model the ranks share: the replica where they are one model (DDP: always; a local method: right
-        after an exchange), else the mean of the replicas in a copy (an allreduce the byte counts leave out)."""
+        """The model the ranks share: the replica where they are one model, else the mean of the replicas in a copy
+        (an allreduce the byte counts leave out)."""
         if self.local is None or self.local.synced():
             return self.model
         if self.mean is None:
             self.mean = copy.deepcopy(self.model)
-        return load_consensus(self.model, self.mean, self.world_size)
+        return load_consensus(self.model, self.mean)
 
 
 def sgd(model: nn.Module, args: argparse.Namespace, momentum_in_hook: bool = False) -> torch.optim.SGD:
@@ -85,33 +78,28 @@ def sgd(model: nn.Module, args: argparse.Namespace, momentum_in_hook: bool = Fal
 def train_curve(trainer: Trainer, steps: int, loss_at, evaluate, eval_every: int, tx, progress=None,
                 after_step=None) -> tuple[list[dict], list[dict]]:
     """Trains ``trainer`` for ``steps`` measured steps on ``loss_at(step)`` (a ``loss_of(model)``), calling
-    ``after_step(step)`` after each. Returns the curve, a point at step 0, every ``eval_every`` steps and the last:
-    ``evaluate(shared model)`` (a dict), the slowest rank's training seconds so far (evaluation left out) and this
-    rank's bytes sent so far (the method's count; ``tx_bytes``: its interface's); and every step's measurements."""
+    ``after_step(step)`` after each. Returns the curve (a point at step 0, every ``eval_every`` steps and the last:
+    ``evaluate(shared model)``, the slowest rank's training seconds and this rank's bytes sent so far) and every
+    step's measurements."""
     curve, measured = [], []
-
-    def point(step: int) -> None:
-        done = measured[:step]
-        curve.append({"step": step, "seconds": float(slowest([sum(m["seconds"] for m in done)])),
-                      "bytes_sent": trainer.bytes_sent(), "tx_bytes": sum(m["tx_bytes"] for m in done),
-                      **evaluate(trainer.shared_model())})
-
-    point(0)
-    for step in range(1, steps + 1):
-        measured.append(trainer.measured_step(loss_at(step), tx, last=step == steps))
-        if after_step is not None:
-            after_step(step)
+    for step in range(steps + 1):
+        if step:
+            measured.append(trainer.measured_step(loss_at(step), tx, last=step == steps))
+            if after_step is not None:
+                after_step(step)
+            if progress is not None:
+                progress.set_postfix(loss=f"{measured[-1]['loss']:.3f}", refresh=False)
+                progress.update()
         if step % eval_every == 0 or step == steps:
-            point(step)
-        if progress is not None:
-            progress.set_postfix(loss=f"{measured[-1]['loss']:.3f}", refresh=False)
-            progress.update()
+            curve.append({"step": step, "seconds": float(slowest([sum(m["seconds"] for m in measured)])),
+                          "bytes_sent": trainer.bytes_sent(), "tx_bytes": sum(m["tx_bytes"] for m in measured),
+                          **evaluate(trainer.shared_model())})
     return curve, measured
 
 
 def epoch_batches(epoch: int, seed: int, n_train: int, rank: int, world_size: int, batch_size: int) -> list:
-    """This rank's index batches for one epoch: one shuffle shared by every rank (same seed), each global batch of
-    world_size * batch_size split by rank; the incomplete last batch is dropped."""
+    """This rank's index batches for one epoch: one shuffle shared by the ranks, each global batch split by rank;
+    the incomplete last batch is dropped."""
     order = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     global_batch = world_size * batch_size
     return [order[start + rank * batch_size: start + (rank + 1) * batch_size]
@@ -126,24 +114,22 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
 
 
 @torch.no_grad()
-def load_consensus(model: nn.Module, evaluation: nn.Module, world_size: int) -> nn.Module:
-    """``evaluation`` (a model of the same shape) set to the mean of the replicas of ``model`` (an allreduce that
-    the byte counts leave out)."""
+def load_consensus(model: nn.Module, evaluation: nn.Module) -> nn.Module:
+    """``evaluation`` (a model of the same shape, or ``model`` itself) set to the mean of the replicas of ``model``."""
     mean = parameters_to_vector(model.parameters()).detach().clone()
     dist.all_reduce(mean)
-    vector_to_parameters(mean.div_(world_size), evaluation.parameters())
+    vector_to_parameters(mean.div_(dist.get_world_size()), evaluation.parameters())
     return evaluation
 
 
 def reduced(values, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """``values`` (a number or a list) reduced over the ranks, as float64."""
+    """``values`` (a number or a list) reduced over the ranks (by default summed), as float64."""
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor, op=op)
     return tensor
 
 
 def slowest(values) -> torch.Tensor:
-    """The ranks' largest of each of ``values``."""
     return reduced(values, dist.ReduceOp.MAX)
 
 
@@ -156,8 +142,7 @@ def gathered(values) -> list:
 
 
 def barrier_bytes(counter, probes: int = 20) -> float:
-    """Bytes one barrier puts on this rank's link (``counter``: an emulated_network.TxCounter), to take the barriers
-    that bracket a measurement off it."""
+    """Bytes one barrier puts on this rank's link (``counter``: a TxCounter), to take off a measurement's."""
     dist.barrier()
     start = counter.read()
     for _ in range(probes):

@@ -1,0 +1,240 @@
+"""FSDP2 inside each node, and between nodes either FSDP2's own dense all-reduce (HSDP: a 2-D mesh) or gtopk_ext's
+sparse hook (a 1-D shard mesh and ``gx.register_sparse_all_reduce``), on bench.lm's language model (its model,
+corpus, batches and validation loss); issue 30's benchmark. A torchrun worker, run by torchrun agents as nodes
+on emulated links (as root: each node a network namespace behind a ``tc tbf`` link; or ``--loopback``):
+
+    python -m bench.emulated_network torchrun --nnodes 2 --nproc-per-node 2 --rate 1gbit -- \\
+        -m bench.fsdp_lm --steps 100 --json fsdp_lm.json --plot fsdp_lm.png
+
+Methods (``--methods``): ``hsdp``; ``sparse-<d>`` (density d after ``--start-iter`` dense steps); ``recipe-<d>``
+(the DDP recipe's schedule: ``--start-iter`` dense steps, then DGC's exponential warm-up from 0.25 to d over
+``--warmup-steps`` steps; the momentum stays in the optimizer: the FSDP hook has no momentum correction); either
+with ``-<path>`` appended, the hook's path policy (default ``auto``: the cheapest as measured, which may send a
+shard dense or in bfloat16; ``sparse-0.01-sparse`` forces the sparse path). Every method starts from the same
+weights and trains on the same batches (bench.lm's).
+
+Per method: the step time (every step between two barriers: the slowest rank's; the median over the steady steps,
+those after the method's warm-up and ``--settle`` more), the bytes each node sent on its link (its namespace's
+interface counter, TCP/IP headers and acknowledgements included, one barrier per step taken off; emulated links
+only) and by the method's own count (the hook's ``state.stats()``; for HSDP a ring all-reduce of the padded float32
+shards), per steady step and for the whole run, the paths the hook's groups took, and the validation loss against
+steps and training seconds. Rank 0 prints a markdown table and writes ``--json`` (after every method) and ``--plot``
+(paths relative to the repository's root, where the ranks run).
+"""
+
+import argparse
+import math
+import os
+import re
+import statistics
+import subprocess
+import time
+import warnings
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import gtopk_ext as gx
+from bench.emulated_network import RANK_IFNAME, TxCounter
+from bench.harness import cli, report
+from bench.harness.train import barrier_bytes, gathered, sgd
+from bench.lm import (TransformerLM, corpus_files, load_bytes, lm_loss, model_config, split_files, stdlib_root,
+                      validation_loss, windows)
+from gtopk_ext.costs import ring_allreduce_bytes
+from gtopk_ext.paths import MODES
+
+# Under bench.emulated_network, Gloo is bound to the node's link; elsewhere there is no link to count.
+EMULATED = os.environ.get("GLOO_SOCKET_IFNAME") == RANK_IFNAME
+# The logits are a view (Linear on [B, T, d]); lm_loss only reshapes them, never writes to them in place.
+warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor")
+
+
+def parsed(name: str) -> tuple[str, float, str]:
+    """A method's (kind, density, path): ``hsdp`` (no hook; density 1), or ``sparse-<density>`` or
+    ``recipe-<density>`` with an optional ``-<path>`` (default ``auto``)."""
+    kind, _, rest = name.partition("-")
+    density, _, path = rest.partition("-")
+    try:
+        if name == "hsdp":
+            return kind, 1.0, ""
+        if kind in ("sparse", "recipe") and 0 < float(density) <= 1 and path in ("", *MODES):
+            return kind, float(density), path or "auto"
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"hsdp, sparse-<density>[-<path>] or recipe-<density>[-<path>] (path: one of "
+                                     f"{MODES}), got {name!r}")
+
+
+def method_name(text: str) -> str:
+    return parsed(text) and text
+
+
+def parse_args(argv=None):
+    parser = cli.parser(__doc__)
+    parser.add_argument("--methods", nargs="+", type=method_name, default=["hsdp", "sparse-0.01", "sparse-0.001"])
+    cli.add_common(parser, steps=100, eval_every=20, batch_size=8, lr=0.1, momentum=0.9, seed=0, json=None, plot=None)
+    # Sequences of 64: docs/language_model.md's configuration (at 128, lr 0.1 lifts the loss above its start for
+    # the first twenty-odd steps).
+    for flag, default in (("--seq-len", 64), ("--d-model", 256), ("--layers", 7), ("--heads", 4),
+                          ("--val-windows", 128), ("--start-iter", 2), ("--warmup-steps", 44), ("--settle", 3)):
+        parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--val-percent", type=float, default=5.0)
+    parser.add_argument("--collective", default="gtopk", choices=gx.collectives.SPARSE_COLLECTIVES)
+    parser.add_argument("--wire", default="plain", choices=("plain", "compact"))
+    return parser.parse_args(argv)
+
+
+def build(name: str, mesh, args):
+    """The method's sharded model and its hook state (None for HSDP), and its steps before the steady state."""
+    model = TransformerLM(model_config(args), args.seed)  # the same weights on every rank and for every method
+    kind, density, path = parsed(name)
+    state, warmup = None, 0
+    if kind != "hsdp":
+        schedule = gx.exponential_warmup(density, args.warmup_steps, max(density, 0.25)) if kind == "recipe" else None
+        state = gx.SparseFSDPState(mesh, density, density_schedule=schedule, collective=args.collective,
+                                   wire=args.wire, start_iter=args.start_iter, path=path)
+        warmup = args.start_iter + (args.warmup_steps if kind == "recipe" else 0)
+    shard_mesh = mesh if state is None else state.shard_mesh  # HSDP: FSDP2 all-reduces over the 2-D mesh's rows
+    for block in model.blocks:
+        fully_shard(block, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+    if state is not None:
+        gx.register_sparse_all_reduce(model, state)
+    return model, state, warmup + args.settle
+
+
+def run_method(name: str, mesh, args, train: torch.Tensor, val_batches: torch.Tensor, tx: TxCounter) -> dict:
+    rank, world, node_size = dist.get_rank(), dist.get_world_size(), mesh.size(1)
+    model, state, first_steady = build(name, mesh, args)
+    optimizer = sgd(model, args)
+    # HSDP's own count: a ring all-reduce over the nodes of each padded float32 shard (dim 0 padded by FSDP)
+    hsdp_bytes = ring_allreduce_bytes(4 * sum(math.ceil(p.shape[0] / node_size) * math.prod(p.shape[1:])
+                                              for p in model.parameters()), mesh.size(0))
+    barrier_tx, counted = barrier_bytes(tx), lambda: state.stats()["total"]["run_bytes_sent"] if state else 0
+    steps, paths, curve = [], Counter(), [{"step": 0, **validation_loss(model, val_batches, rank, world)}]
+    for step in range(1, args.steps + 1):
+        batch = windows(train, world * args.batch_size, args.seq_len + 1,  # bench.lm's batches
+                        torch.Generator().manual_seed(args.seed * 1_000_003 + step))[
+            rank * args.batch_size:(rank + 1) * args.batch_size]
+        dist.barrier()
+        begin, link, hook = time.perf_counter(), tx.read(), counted()
+        loss = lm_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.barrier()  # the step ends when the slowest rank's does
+        steps.append([time.perf_counter() - begin, tx.read() - link - barrier_tx,
+                      counted() - hook if state else hsdp_bytes, loss.item()])
+        if state and step > first_steady:
+            paths.update(g["path"] for g in state.stats()["groups"].values())
+        if step % args.eval_every == 0 or step == args.steps:
+            curve.append({"step": step, **validation_loss(model, val_batches, rank, world)})
+            if rank == 0:
+                print(f"{name} step {step}: validation loss {curve[-1]['val_loss']:.4f}", flush=True)
+    every = torch.tensor(gathered(steps))  # [rank, step, (seconds, link bytes, counted bytes, loss)]
+    seconds = every[:, :, 0].max(0).values.tolist()
+    link = every[::node_size, :, 1].T.tolist()  # a node's: its first rank's counter
+    sent = every[:, :, 2].reshape(-1, node_size, args.steps).sum(1).T.tolist()  # per node: its ranks' sum
+    all_paths = [None] * world
+    dist.all_gather_object(all_paths, dict(paths))
+    for point in curve:
+        point.update(seconds=sum(seconds[:point["step"]]),  # and a node's bytes so far (the mean over the nodes)
+                     link_bytes=sum(map(statistics.mean, link[:point["step"]])),
+                     bytes_sent=sum(map(statistics.mean, sent[:point["step"]])))
+    return {"method": name, "label": name, "first_steady_step": first_steady + 1, "curve": curve,
+            "final_val_loss": curve[-1]["val_loss"], "step_seconds": seconds, "link_bytes_per_node": link,
+            "bytes_sent_per_node": sent, "train_loss": every[:, :, 3].mean(0).tolist(),
+            "paths": dict(sum((Counter(p) for p in all_paths), Counter())),  # over the ranks' steady group calls
+            "last_paths": {g["name"]: g["path"] for g in state.stats()["groups"].values()} if state else None,
+            "parameters": sum(p.numel() for p in model.parameters()), "load_average": os.getloadavg()}
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per method; a node's figures are the mean over the nodes; ratios to HSDP where it ran."""
+    rows = []
+    for r in records:
+        steady = slice(r["first_steady_step"] - 1, None)
+        rows.append({"method": r["method"], "final_val_loss": r["final_val_loss"],
+                     "step_s": median(r["step_seconds"][steady]),
+                     "link_step": median(map(statistics.mean, r["link_bytes_per_node"][steady])),
+                     "sent_step": median(map(statistics.mean, r["bytes_sent_per_node"][steady])),
+                     "link_run": sum(map(statistics.mean, r["link_bytes_per_node"])),
+                     "sent_run": sum(map(statistics.mean, r["bytes_sent_per_node"])),
+                     "seconds": sum(r["step_seconds"]),
+                     "paths": ", ".join(f"{path} {n}" for path, n in sorted(r["paths"].items())) or None})
+    hsdp = next((row for row in rows if row["method"] == "hsdp"), None)
+    for row in rows:
+        for key in ("final_val_loss", "step_s", "link_step", "sent_step", "link_run", "sent_run"):
+            row[key + "_vs_hsdp"] = row[key] / hsdp[key] if hsdp and row[key] and hsdp[key] else None
+    return rows
+
+
+def median(values):
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
+def ratio(key):
+    return lambda row: row[key] and f"{row[key]:.3g}x"
+
+
+def mb(key):
+    return lambda row: row[key] / 1e6 if row[key] else None  # no link counted on loopback
+
+
+COLUMNS = [("method", "", "method"), ("final val loss", ".4f", "final_val_loss"),
+           ("vs HSDP", "", ratio("final_val_loss_vs_hsdp")), ("steady step s", ".3f", "step_s"),
+           ("vs HSDP", "", ratio("step_s_vs_hsdp")), ("link MB/node/step", ".3f", mb("link_step")),
+           ("vs HSDP", "", ratio("link_step_vs_hsdp")), ("counted MB/node/step", ".3f", mb("sent_step")),
+           ("link MB/node, run", ".1f", mb("link_run")), ("counted MB/node, run", ".1f", mb("sent_run")),
+           ("training s", ".1f", "seconds"), ("paths (steady group calls)", "", "paths")]
+
+
+def link_name() -> str:
+    """The emulated link's rate (the tbf of this namespace's interface), or loopback."""
+    if not EMULATED:
+        return "loopback"
+    qdisc = subprocess.run(["tc", "qdisc", "show", "dev", RANK_IFNAME], capture_output=True, text=True).stdout
+    rate = re.search(r"tbf .* rate (\S+)", qdisc)
+    return f"{rate[1]}/s links (tbf)" if rate else "unshaped links"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    dist.init_process_group("gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mesh = gx.fsdp.node_mesh()  # nodes of $LOCAL_WORLD_SIZE ranks (torchrun's agents)
+        if args.val_windows % world:
+            raise SystemExit(f"--val-windows ({args.val_windows}) must be a multiple of the world size ({world}): "
+                             f"FSDP's forward is a collective of the node")
+        train_files, val_files = split_files(corpus_files(), args.val_percent)
+        train, val = load_bytes(stdlib_root(), train_files), load_bytes(stdlib_root(), val_files)
+        val_batches = windows(val, args.val_windows, args.seq_len + 1, torch.Generator().manual_seed(12345))
+        tx = TxCounter(RANK_IFNAME if EMULATED else None)
+        records, link = [], link_name()
+        title = (f"{mesh.size(0)} nodes x {mesh.size(1)} ranks, Gloo on {link}; byte-level transformer "
+                 f"d={args.d_model}, {args.layers} layers, {args.heads} heads, sequence {args.seq_len}, batch "
+                 f"{args.batch_size}/rank, {args.steps} steps, SGD lr {args.lr:g} momentum {args.momentum:g}, "
+                 f"{args.collective} {args.wire}")
+        for name in args.methods:
+            records.append(run_method(name, mesh, args, train, val_batches, tx))
+            if rank == 0 and args.json:
+                report.write_json(args.json, args, setting=title, link=link, table=summarize(records), runs=records)
+        if rank == 0:
+            print(f"\n{title}, {records[0]['parameters'] / 1e6:.2f}M parameters\n")
+            print(report.table(summarize(records), COLUMNS, markdown=True))
+            if args.plot:
+                report.plot_curves(records, args.plot, title, "validation loss (nats per byte)",
+                                   lambda c: c["val_loss"], [("step", lambda c: c["step"], "linear"),
+                                                             ("training seconds (slowest rank)",
+                                                              lambda c: c["seconds"], "linear")])
+    finally:
+        gx.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

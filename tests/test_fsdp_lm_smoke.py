@@ -1,0 +1,56 @@
+"""bench/fsdp_lm.py is not a test; this keeps it from rotting: a tiny run under two torchrun agents as two nodes of
+two ranks, on loopback (and, as root, on emulated 1 Gbit/s links), writes a sane report."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from bench.emulated_network import Network, parse_rate
+from bench.harness.launch import run_torchrun
+
+TINY = ["--steps", "6", "--eval-every", "3", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch-size",
+        "4", "--val-windows", "8", "--start-iter", "2", "--settle", "1", "--methods", "hsdp", "sparse-0.05-sparse"]
+
+
+def check_report(path, emulated: bool) -> None:
+    report = json.loads(path.read_text())
+    runs = {run["method"]: run for run in report["runs"]}
+    rows = {row["method"]: row for row in report["table"]}
+    assert list(runs) == ["hsdp", "sparse-0.05-sparse"]
+    assert report["link"].startswith("1Gbit" if emulated else "loopback")
+    for run in runs.values():
+        losses = [point["val_loss"] for point in run["curve"]]
+        assert [point["step"] for point in run["curve"]] == [0, 3, 6] and all(map(math.isfinite, losses))
+        assert losses[-1] < losses[0], run["curve"]  # it trains
+        assert len(run["step_seconds"]) == 6 and all(s > 0 for s in run["step_seconds"])
+        assert [len(node) for node in run["bytes_sent_per_node"]] == [2] * 6  # per step, each node
+    hsdp, sparse = rows["hsdp"], rows["sparse-0.05-sparse"]
+    # d = 0.05: 5% of the slots, twice the bytes per slot (index and value), one round between two nodes
+    assert 0 < 5 * sparse["sent_step"] < hsdp["sent_step"], (sparse, hsdp)
+    assert 0 < sparse["sent_run"] < hsdp["sent_run"] and sparse["sent_step_vs_hsdp"] < 0.2
+    assert runs["sparse-0.05-sparse"]["paths"] == {"sparse": 2 * 4 * 3}  # 2 groups x 4 ranks x the 3 steady steps
+    assert runs["hsdp"]["paths"] == {} and hsdp["final_val_loss_vs_hsdp"] == 1.0
+    if emulated:  # the nodes' interface counters: HSDP's dense all-reduce crosses the links, the sparse hook less
+        assert 0 < 3 * sparse["link_step"] < hsdp["link_step"] and hsdp["link_step"] >= hsdp["sent_step"]
+    else:
+        assert hsdp["link_step"] == sparse["link_step"] == 0  # nothing counted on loopback
+
+
+def test_tiny_run_on_loopback(tmp_path):
+    out = tmp_path / "fsdp_lm.json"
+    run_torchrun(["-m", "bench.fsdp_lm", *TINY, "--json", str(out)], 2, 2, None, tmp_path, "fsdp-lm", timeout=240)
+    check_report(out, emulated=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="namespaces and tc need root and iproute2")
+def test_tiny_run_on_emulated_links(tmp_path):
+    out = tmp_path / "fsdp_lm.json"
+    with Network("gxsmokefsdp", 2, parse_rate("1gbit")) as network:
+        run_torchrun(["-m", "bench.fsdp_lm", *TINY, "--json", str(out)], 2, 2, network, tmp_path, "fsdp-lm",
+                     timeout=240)
+    check_report(out, emulated=True)
+    assert "gxsmokefsdp" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

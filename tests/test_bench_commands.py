@@ -52,9 +52,23 @@ def documented() -> list[tuple[str, str]]:
 COMMANDS = documented()
 
 
+def worker_module(words: list[str]) -> tuple[str, list[str]] | None:
+    """(module, arguments) of a benchmark that bench.emulated_network's torchrun launches (``-- -m bench.x ...``)."""
+    if "--" in words and words[words.index("--") + 1:][:1] == ["-m"]:
+        rest = words[words.index("--") + 2:]
+        return (rest[0], rest[1:]) if rest[0].startswith("bench.") else None
+    return None
+
+
 def test_the_pages_show_commands_of_every_benchmark():
-    shown = {"bench.demo" if command.startswith("bash") else command.split()[2]
-             for where, command in COMMANDS if where.endswith(".md")}
+    shown = set()
+    for where, command in COMMANDS:
+        if where.endswith(".md"):
+            words = shlex.split(command)
+            shown.add("bench.demo" if words[0] == "bash" else words[2])
+            launched = worker_module(words)
+            if launched:
+                shown.add(launched[0])
     benchmarks = {f"bench.{path.stem}" for path in (ROOT / "bench").glob("*.py")
                   if hasattr(importlib.import_module(f"bench.{path.stem}"), "parse_args")}
     assert benchmarks <= shown, f"no documented command for {sorted(benchmarks - shown)}"
@@ -67,7 +81,9 @@ def test_documented_command_parses(where, command):
         module, argv = "bench.demo", demo_script_flags() + words[2:]
     else:
         module, argv = words[2], words[3:]
+    launched = worker_module(words)
     try:
-        importlib.import_module(module).parse_args(argv)
+        for name, arguments in [(module, argv), *([launched] if launched else [])]:
+            importlib.import_module(name).parse_args(arguments)
     except SystemExit as error:
         pytest.fail(f"{where}: `{command}` does not parse (exit {error.code}); see the error above")

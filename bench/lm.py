@@ -24,7 +24,7 @@ from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
 from bench.harness.methods import START_ITER, add_dgc_arguments, add_outer_arguments, method, method_name, numel_of
-from bench.harness.train import Trainer, reduced, train_curve
+from bench.harness.train import Trainer, reduced, slowest, train_curve
 
 DEFAULT_METHODS = ("ddp", "fp16", "powersgd-2", "gtopk-0.01", "gtopk-0.001", "recipe-0.01", "recipe-0.001",
                    "sparse-gtopk-0.05-10", "dgc-pt-0.001", "diloco-10")
@@ -167,11 +167,16 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
         if trainer.local is None and trainer.accounting.state is not None and step > warmed_up:
             updated.append([(g, int(torch.count_nonzero(p.grad))) for g, p in zip(groups, trainer.model.parameters())])
 
+    def stop(point: dict) -> bool:  # the race: at the target, or out of time
+        return ((args.target_loss is not None and point["val_loss"] <= args.target_loss)
+                or (args.budget is not None and point["seconds"] >= args.budget))
+
     curve, measured = train_curve(trainer, args.steps, loss_at,
                                   lambda model: validation_loss(model, val_batches, rank, world_size),
-                                  args.eval_every, tx, progress, count_updated)
+                                  args.eval_every, tx, progress, count_updated, stop)
     record = {"method": name, "label": method(name).label, "curve": curve,
               "train_loss": (reduced([m["loss"] for m in measured]) / world_size).tolist(),
+              "step_seconds": slowest([m["seconds"] for m in measured]).tolist(),
               **{key: curve[-1][key] for key in ("seconds", "bytes_sent", "tx_bytes")},
               "final_val_loss": curve[-1]["val_loss"],
               "group_numel": {g: sum(p.numel() for h, p in zip(groups, trainer.model.parameters()) if h == g)
@@ -206,9 +211,12 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
         progress.close()
 
 
-def summarize(records: list[dict]) -> list[dict]:
+def summarize(records: list[dict], target: Optional[float] = None) -> list[dict]:
     ddp = next((r for r in records if r["method"] == "ddp"), None)
     return [{"method": r["method"], "label": r["label"], "final_val_loss": r["final_val_loss"],
+             "steps": r["curve"][-1]["step"],
+             **(report.to_target([r["curve"]], lambda point: point["val_loss"] <= target, "seconds")
+                if target is not None else {}),
              "mb_sent": r["bytes_sent"] / 1e6, "tx_mb": r.get("tx_bytes", 0) / 1e6, "seconds": r["seconds"],
              "loss_vs_ddp": r["final_val_loss"] / ddp["final_val_loss"] if ddp else None,
              "bytes_vs_ddp": r["bytes_sent"] / ddp["bytes_sent"] if ddp else None,
@@ -216,7 +224,10 @@ def summarize(records: list[dict]) -> list[dict]:
                 if "updated_per_step" in r else {})} for r in records]
 
 
-COLUMNS = [("method", "", "label"), ("final val loss", ".4f", "final_val_loss"),
+# The race's columns first (with --target-loss): seconds and steps to the target, "-" where not reached.
+RACE_COLUMNS = [(f"{what} to target", "", lambda r, key=key, form=form: "-" if r[key] is None else format(r[key], form))
+                for what, key, form in (("s", "seconds_to_target", ".1f"), ("steps", "steps_to_target", "g"))]
+COLUMNS = [("method", "", "label"), ("steps", "", "steps"), ("final val loss", ".4f", "final_val_loss"),
            ("vs DDP", "", lambda r: r["loss_vs_ddp"] and f"{r['loss_vs_ddp']:.3f}x"),
            ("MB sent / rank", ".1f", "mb_sent"),
            ("bytes vs DDP", "", lambda r: r["bytes_vs_ddp"] and f"1/{1 / r['bytes_vs_ddp']:.0f}"),
@@ -238,7 +249,7 @@ def write_report(args: argparse.Namespace, corpus: dict, records: list[dict]) ->
     """The JSON report (the corpus is this Python's standard library)."""
     report.write_json(args.json, args, setting=setting(args, corpus),
                       parameters=numel_of(TransformerLM(model_config(args))), python=platform.python_version(),
-                      corpus=corpus, table=summarize(records), runs=records)
+                      corpus=corpus, table=summarize(records, args.target_loss), runs=records)
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
@@ -255,6 +266,11 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len bytes")
     cli.add_network_args(parser, prefix="gxlm", rate=None, timeout=4 * 3600.0,
                          timeout_help="Gloo's timeout and the whole run's, seconds")
+    parser.add_argument("--target-loss", type=float, default=None,
+                        help="the race's validation loss: each method's training seconds and steps to its first "
+                             "evaluation at or below it (the first columns), where the method stops")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="training seconds after which a method stops (then: not reached)")
     parser.add_argument("--merge", type=Path, nargs="+",
                         help="run nothing: the table, --json and --plot of these reports' methods together (reports "
                              "of one configuration, written by parts of --methods)")
@@ -282,7 +298,9 @@ def merged(args: argparse.Namespace) -> tuple[argparse.Namespace, dict, list[dic
     if len(set(names)) != len(names):
         raise SystemExit(f"--merge: a method appears in more than one report: {names}")
     # Reports from before --rate ran on loopback.
-    settings = argparse.Namespace(**{"rate": None, **first, "methods": names, "json": args.json, "plot": args.plot})
+    settings = argparse.Namespace(**{"rate": None, "target_loss": None, "budget": None, **first, "methods": names,
+                                     "json": args.json, "plot": args.plot,
+                                     **({"target_loss": args.target_loss} if args.target_loss is not None else {})})
     return settings, reports[0]["corpus"], records
 
 
@@ -301,8 +319,9 @@ def main(argv: Optional[list] = None) -> int:
         corpus, records = measured["corpus"], measured["records"]
     title = setting(args, corpus)
     print(f"\n{title}\n")
-    print(report.table(summarize(records), COLUMNS, markdown=True))
-    if args.plot:  # validation loss against steps, training seconds and MB sent per rank
+    columns = (RACE_COLUMNS if args.target_loss is not None else []) + COLUMNS
+    print(report.table(summarize(records, args.target_loss), columns, markdown=True))
+    if args.plot:  # validation loss against steps, training seconds and MB sent per rank; each step's time apart
         report.plot_curves(records, args.plot, title, "validation loss (nats per byte)",
                            lambda c: min(c["val_loss"], 6.0),
                            [("step", lambda c: c["step"], "linear"),
@@ -310,6 +329,11 @@ def main(argv: Optional[list] = None) -> int:
                             ("MB sent per rank", lambda c: c["bytes_sent"] / 1e6, "log")],
                            style=lambda i, r: {"color": "black", "linewidth": 2} if r["method"] == "ddp" else
                            {"color": f"C{i % 10}"})
+        timed = [{**r, "curve": [{"step": i + 1, "ms": 1e3 * t} for i, t in enumerate(r["step_seconds"])]}
+                 for r in records if "step_seconds" in r]
+        report.plot_curves(timed, args.plot.with_name(f"{args.plot.stem}_steps.png"), title,
+                           "ms per step (slowest rank)", lambda c: c["ms"], [("step", lambda c: c["step"], "linear")],
+                           yscale="log")
     return 0
 
 

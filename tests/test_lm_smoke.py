@@ -75,3 +75,35 @@ def test_tiny_run_writes_a_sane_report(tmp_path):
     assert runs["recipe-0.01"]["label"] == "gtopk_ext recipe, d=0.01"
     assert 0 < sum(runs["recipe-0.01"]["updated_per_step"].values()) <= numel
     assert 0 < table["recipe-0.01"]["bytes_vs_ddp"] < 1
+
+
+def test_race_stops_each_method_at_the_target_or_its_budget(tmp_path):
+    """--target-loss: a method stops at its first evaluation at or below it, and the table says when (seconds and
+    steps, first); --budget: one that has not reached it by then stops too and is reported as not reached. The
+    losses are those of a run without either (the same batches and weights)."""
+    common = [sys.executable, "-m", "bench.lm", "--world-size", "2", "--steps", "8", "--eval-every", "2", "--layers",
+              "1", "--d-model", "32", "--seq-len", "16", "--batch-size", "4", "--val-windows", "8", "--no-progress",
+              "--methods", "ddp", "gtopk-0.01"]
+
+    def run(name: str, *flags: str) -> tuple[str, dict, dict]:
+        result = subprocess.run([*common, *flags, "--json", str(tmp_path / name)], cwd=ROOT, timeout=300,
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        report = json.loads((tmp_path / name).read_text())
+        return (result.stdout, {r["method"]: r for r in report["runs"]},
+                {row["method"]: row for row in report["table"]})
+
+    _, free, _ = run("free.json")
+    target = free["ddp"]["curve"][2]["val_loss"]  # DDP's loss at step 4
+    first = {name: next((c["step"] for c in r["curve"] if c["val_loss"] <= target), None) for name, r in free.items()}
+    out, runs, table = run("race.json", "--target-loss", repr(target))
+    assert "| s to target | steps to target | method |" in out
+    for name, r in runs.items():
+        assert table[name]["steps_to_target"] == first[name]
+        assert r["curve"][-1]["step"] == (first[name] or 8) and len(r["step_seconds"]) == r["curve"][-1]["step"]
+        assert [c["val_loss"] for c in r["curve"]] == [c["val_loss"] for c in free[name]["curve"][:len(r["curve"])]]
+    assert table["ddp"]["seconds_to_target"] == runs["ddp"]["curve"][-1]["seconds"] > 0
+    _, runs, table = run("budget.json", "--target-loss", repr(target), "--budget", "1e-9")
+    for name, r in runs.items():  # out of time at the first evaluation after step 0
+        assert [c["step"] for c in r["curve"]] == [0, 2]
+        assert table[name]["steps_to_target"] == (first[name] if first[name] == 2 else None)

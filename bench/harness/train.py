@@ -76,11 +76,12 @@ def sgd(model: nn.Module, args: argparse.Namespace, momentum_in_hook: bool = Fal
 
 
 def train_curve(trainer: Trainer, steps: int, loss_at, evaluate, eval_every: int, tx, progress=None,
-                after_step=None) -> tuple[list[dict], list[dict]]:
+                after_step=None, stop=None) -> tuple[list[dict], list[dict]]:
     """Trains ``trainer`` for ``steps`` measured steps on ``loss_at(step)`` (a ``loss_of(model)``), calling
     ``after_step(step)`` after each. Returns the curve (a point at step 0, every ``eval_every`` steps and the last:
     ``evaluate(shared model)``, the slowest rank's training seconds and this rank's bytes sent so far) and every
-    step's measurements."""
+    step's measurements. ``stop(point)``: ends the training after that point (the same on every rank: a point's
+    figures are)."""
     curve, measured = [], []
     for step in range(steps + 1):
         if step:
@@ -94,6 +95,8 @@ def train_curve(trainer: Trainer, steps: int, loss_at, evaluate, eval_every: int
             curve.append({"step": step, "seconds": float(slowest([sum(m["seconds"] for m in measured)])),
                           "bytes_sent": trainer.bytes_sent(), "tx_bytes": sum(m["tx_bytes"] for m in measured),
                           **evaluate(trainer.shared_model())})
+            if stop is not None and stop(curve[-1]):
+                break
     return curve, measured
 
 

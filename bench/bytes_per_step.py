@@ -84,7 +84,7 @@ def measure_exchanges(args: argparse.Namespace, rank: int, world_size: int) -> d
                 sent[collective, wire].append(ring_allreduce_bytes(4 * numel, world_size))
                 continue
             traffic = Traffic()
-            gx.reduction.reduce(grad, residual, lambda: compressor.compress(grad, residual),
+            gx.reduction.reduce(grad, residual, compressor.compress(grad, residual),
                                 gx.collectives.collective_named(collective), dist.group.WORLD,
                                 k=compressor.k_for(numel), wire=gx.wire.wire_named(wire), backend=None,
                                 traffic=traffic, state=states[collective, wire], out=torch.empty_like(grad))

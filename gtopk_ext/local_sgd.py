@@ -243,12 +243,9 @@ class SparseLocalSGD:
             traffic.add(nbytes, nbytes)
             return delta.div_(size), delta.numel(), delta.numel()
         accumulator = self._accumulator[index]
-        step = self.syncs * len(self._shards) + index
-
-        def select():  # leaves accumulator = delta + old accumulator - what this rank sends
-            return self._compressor.compress(delta, accumulator, step=step)
-
-        outcome = reduce(delta, accumulator, select, self._collective, group, k=self._compressor.k_for(delta.numel()),
+        # accumulator becomes delta + old accumulator - what this rank sends
+        msg = self._compressor.compress(delta, accumulator, step=self.syncs * len(self._shards) + index)
+        outcome = reduce(delta, accumulator, msg, self._collective, group, k=msg.k,
                          wire=wire_named(self.wire), backend=self._compressor.backend.for_device(delta.device),
                          traffic=traffic)
         return delta, outcome.msg.k, int(outcome.msg.count)

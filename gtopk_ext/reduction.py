@@ -5,14 +5,14 @@ applied stays in its residual: not selected, dropped by a merge, or lost to the 
 
     agree_plan(...)               the ranks check they share the step's plan (only when it changes)
     path = plan_path(...)         ... and take the same path: sparse, dense16 or dense (gtopk_ext.paths)
-    outcome = reduce(...)         select, exchange, keep what was not applied, write the average
+    outcome = reduce(...)         exchange a compressor's message, keep what was not applied, write the average
     reduce_dense16(...)           the dense bfloat16 path, its rounding kept
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -115,26 +115,30 @@ def put_back(residual: torch.Tensor, indices: torch.Tensor, values: torch.Tensor
     ops.scatter_add_(residual, indices, values, backend=backend)
 
 
-def reduce(tensor: torch.Tensor, residual: torch.Tensor | None, select: Callable[[], SparseMessage],
-           collective: Collective, group: dist.ProcessGroup, *, k: int, wire: Wire, backend: Backend | None,
-           finite: bool = True, traffic: Traffic | None = None, state=None,
-           out: torch.Tensor | None = None) -> Outcome:
-    """Steps 2-4 of a sparse reduction of ``tensor`` (flat) over ``group``; ``out`` (default ``tensor``) becomes
-    the average over the group's ranks of what was applied.
+def reduce(tensor: torch.Tensor, residual: torch.Tensor | None, msg: SparseMessage | None, collective: Collective,
+           group: dist.ProcessGroup, *, k: int, wire: Wire, backend: Backend | None, traffic: Traffic | None = None,
+           state=None, out: torch.Tensor | None = None, **moved) -> Outcome:
+    """Steps 3-4 of a sparse reduction of ``tensor`` (flat) over ``group``, after step 2 (select): ``msg`` is
+    ``tensor + residual`` compressed to k slots, the rest left in ``residual`` (the compressor's contract), or None
+    from a rank whose sum is not finite, which raises a flag instead. ``out`` (default ``tensor``) becomes the
+    average over the group's ranks of what was applied.
 
-    2. Select: ``select()`` compresses ``tensor + residual`` to k slots and leaves the rest in ``residual`` (the
-       compressor's contract). A rank whose sum is not ``finite`` selects nothing and raises a flag instead.
     3. Exchange: ``collective`` reduces the messages; the flags ride inside its payloads.
     4. Keep: what was not applied goes back into the residual (:func:`keep_unapplied`), and ``out`` becomes the
        average. If any rank raised the flag nothing is applied: every rank must go dense, a finite rank sending
        all of ``tensor + residual`` (its ``tensor`` then holds it, its residual the same) and the others their
        tensor, their residual untouched.
     """
+    if callable(msg):  # 0.3: a select callback, and finite=
+        warnings.warn("reduction.reduce(tensor, residual, select, ..., finite=) is deprecated: pass the message "
+                      "select() returns, or None where this rank's sum is not finite", DeprecationWarning, stacklevel=2)
+        msg = msg() if moved.pop("finite", True) else None
+    if moved:
+        raise TypeError(f"reduce() got unexpected keyword argument(s) {sorted(moved)}")
     size = dist.get_world_size(group)
+    finite = msg is not None
     flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
-    if finite:
-        msg = select()
-    else:
+    if not finite:
         flags[0] = FLAG_NONFINITE
         msg = padding_message(tensor, k)
     rounding = Rounding()

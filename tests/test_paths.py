@@ -224,13 +224,31 @@ def check_auto(members: Members) -> list[str]:
     return failures
 
 
+def check_reduce_takes_the_old_callback(members: Members) -> list[str]:
+    """reduction.reduce of 0.3 took a select callback and finite=: it still works, warns, and reduces alike."""
+    results, compressor, collective = [], gx.make_compressor("gaussiank", 0.05), gx.collectives.GTopK()
+    for old in (False, True):
+        tensor, residual = gradient(members.me, 9), torch.zeros(NUMEL)
+        wire = gx.wire.wire_named("plain")
+        if old:
+            with pytest.warns(DeprecationWarning, match="reduction.reduce.*is deprecated"):
+                gx.reduction.reduce(tensor, residual, lambda: compressor.compress(tensor, residual), collective,
+                                    members.group, k=compressor.k_for(NUMEL), wire=wire, backend=None, finite=True)
+        else:
+            gx.reduction.reduce(tensor, residual, compressor.compress(tensor, residual), collective, members.group,
+                                k=compressor.k_for(NUMEL), wire=wire, backend=None)
+        results.append(torch.cat([tensor, residual]))
+    return [] if torch.equal(*results) else [f"{members.name}: the old reduce() call reduced otherwise"]
+
+
 def paths_worker(rank: int, world_size: int) -> list[str]:
     failures = []
     for size in WORLD_SIZES:
         group = dist.new_group(list(range(size)))
         if rank < size:
             members = Members(group, list(range(size)), dist.get_rank(group), f"{size} ranks")
-            failures += check_dense16(members) + check_forced_paths(members) + check_auto(members)
+            failures += (check_dense16(members) + check_forced_paths(members) + check_auto(members)
+                         + check_reduce_takes_the_old_callback(members))
     return failures
 
 

@@ -24,7 +24,6 @@ from gtopk_ext.ddp.residuals import Layout, hold_unused
 from gtopk_ext.ddp.selection import STEPS_PER_ITER, parameter_maxima, select
 from gtopk_ext.ddp.state import BucketStats, SparseGradState
 from gtopk_ext.hierarchical import hierarchical_allreduce
-from gtopk_ext.message import SparseMessage
 from gtopk_ext.ops import is_finite
 from gtopk_ext.paths import PathPlan
 from gtopk_ext.reduction import FLAG_NONFINITE, Outcome, plan_path, reduce, reduce_dense16
@@ -173,8 +172,9 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
         maxima = [0.0 if zero else m for zero, m in zip(unused, parameter_maxima(tensor, layout).tolist())]
     finite = _accumulation_is_finite(state, tensor, residual, maxima, index)
 
-    # 3. Reduce.
-    def selected() -> SparseMessage:
+    # 3. Reduce: select (unless acc is not finite: then a flag), exchange, keep what was not applied.
+    msg = None
+    if finite:
         begin = perf_counter()
         msg, bound = select(state.compressor_now, tensor, residual, maxima, layout, k, _draw_step(state, index))
         if residual is not None and bound is not None:
@@ -182,12 +182,9 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
         else:
             state.residual_bounds.pop(index, None)
         stats.select_seconds = perf_counter() - begin
-        return msg
-
     collective = state.collective_now
-    outcome = reduce(tensor, residual, selected, collective, group, k=k, wire=wire_named(state.wire),
-                     backend=state.compressor_now.backend.for_device(tensor.device), finite=finite,
-                     traffic=stats.traffic,
+    outcome = reduce(tensor, residual, msg, collective, group, k=k, wire=wire_named(state.wire),
+                     backend=state.compressor_now.backend.for_device(tensor.device), traffic=stats.traffic,
                      state=state.oktopk_states.setdefault(index, collective.new_state()) if collective.stateful
                      else None)
     stats.selected = outcome.msg.count

@@ -26,7 +26,6 @@ from gtopk_ext.collectives import DTYPE_CODES, Disagreement, agree, collective_n
 from gtopk_ext.compressors import k_for_density
 from gtopk_ext.fsdp.layout import fsdp_modules, parameter_group, shard_layout
 from gtopk_ext.fsdp.state import GroupState, GroupStats, SparseFSDPState
-from gtopk_ext.message import SparseMessage
 from gtopk_ext.ops import is_finite
 from gtopk_ext.reduction import plan_path, reduce, reduce_dense16
 from gtopk_ext.wire import wire_named
@@ -89,19 +88,16 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     if stats.path == "sparse":
         stats.k, stats.selected = k, 0
         compressor = state.compressor_now
-
-        def selected() -> SparseMessage:
+        # 3. Reduce: select, exchange, keep what was not applied. The gradient alone is checked: the residual only
+        # ever holds what finite gradients left in it.
+        finite, msg = is_finite(work), None
+        if finite:
             begin = perf_counter()
             msg = compressor.compress(work, group.residual, step=iteration * STEPS_PER_CALL + group.index)
             stats.select_seconds = perf_counter() - begin
-            return msg
-
-        # 3. Reduce.
-        # The gradient alone: the residual only ever holds what finite gradients left in it.
-        finite = is_finite(work)
-        outcome = reduce(work, group.residual, selected, state.collective_now, replicas, k=k,
+        outcome = reduce(work, group.residual, msg, state.collective_now, replicas, k=k,
                          wire=wire_named(state.wire), backend=compressor.backend.for_device(work.device),
-                         finite=finite, traffic=stats.traffic, state=group.oktopk)
+                         traffic=stats.traffic, state=group.oktopk)
         stats.selected = int(outcome.msg.count)
         if outcome.nonfinite:  # 4. a finite rank's work holds its whole acc; a non-finite one's its gradient
             stats.path, stats.k, stats.selected = "nonfinite", layout.numel, layout.numel
@@ -109,7 +105,7 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
                 group.residual.zero_()
         else:
             group.plan.costs.observe_sparse(layout.numel, k, stats.select_seconds,
-                                       perf_counter() - start - stats.select_seconds)
+                                            perf_counter() - start - stats.select_seconds)
     elif stats.path == "dense16":  # 4. Dense, in bfloat16: all of the residual goes, the rounding stays
         reduce_dense16(work, group.residual, replicas, stats.traffic)
         group.plan.costs.observe_dense16(layout.numel, perf_counter() - start)

@@ -79,8 +79,10 @@ def test_gaussiank_accurate_matches_reference(dtype, heavy_tailed):
     residual = gradient((n,), dtype, seed=6)
     oracle_residual = residual.clone()
     msg = gx.make_compressor("gaussiank", density).compress(grad, residual)
-    values, indices, count, stats = reference.gaussian_select(grad, oracle_residual, ops.z_for_density(density), k, k)
+    values, indices, count, stats = reference.gaussian_select(grad, oracle_residual, ops.z_for_density(density), k, k,
+                                                              update_residual=True)
     assert torch.equal(msg.indices, indices) and torch.equal(msg.values, values) and torch.equal(msg.count, count)
+    assert torch.equal(residual, oracle_residual)
     assert msg.stats[ops.STAT_THRESHOLD] == stats[ops.STAT_THRESHOLD]
     torch.testing.assert_close(msg.stats, stats)  # mean and std: double sums, in another order
     assert 0.9 * k <= int(msg.count) <= 1.1 * k

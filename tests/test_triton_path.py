@@ -365,6 +365,7 @@ def op_samples(device: torch.device):
         yield "compact", (grad, torch.tensor([1.5], device=device), 64)
         yield "gaussian_select", (grad, residual, 2.0, 50, 50)
         yield "gaussian_select", (grad, None, 2.0, 50, 20)
+        yield "gaussian_select", (grad, residual, 2.0, 50, 20, True)
         yield "scatter_add", (residual.clone(), indices, values)
         yield "residual_update", (residual.clone(), indices, values)
 
@@ -380,7 +381,8 @@ def compress_step(grad, residual):
     TRITON.residual_update(residual, indices, values)
     fused = TRITON.gaussian_select(grad, residual, 2.5, 40, 40)
     TRITON.residual_update(residual, fused[1], fused[0])
-    return values, indices, count, *fused
+    feedback = TRITON.gaussian_select(grad, residual, 2.5, 40, 40, update_residual=True)
+    return values, indices, count, *fused, *feedback
 
 
 @pytest.mark.parametrize("compile_backend", ["aot_eager"] + (["inductor"] if HAS_GPU else []))

@@ -226,11 +226,12 @@ def count_candidates_kernel(acc_ptr, threshold_ptr, block_counts_ptr, n, HIST_SH
 @triton.jit
 def write_selected_kernel(acc_ptr, threshold_ptr, block_counts_ptr, block_ends_ptr, values_ptr, indices_ptr,
                           count_ptr, n, capacity, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          UPDATE_ACC: tl.constexpr, BLOCK: tl.constexpr):
     """Writes block b's kept candidates in index order. block_ends = inclusive scans of block_counts' rows,
     so the scans' last entries are the totals. The first min(sure total, capacity) sure elements are kept
     and the first (capacity - that) boundary ones; an element's slot is the number of kept elements before it.
-    The last block writes the count of all candidates."""
+    The last block writes the count of all candidates. UPDATE_ACC (acc is the residual): each kept element
+    becomes acc - value in fp32, rounded once, as residual_update computes it (+0.0; NaN for an infinity)."""
     pid = tl.program_id(0)
     num_blocks = tl.num_programs(0)
     sure_end = tl.load(block_ends_ptr + pid)
@@ -254,6 +255,9 @@ def write_selected_kernel(acc_ptr, threshold_ptr, block_counts_ptr, block_ends_p
         slots = tl.minimum(sure_before, sure_slots) + tl.minimum(boundary_before, boundary_slots)
         tl.store(values_ptr + slots, acc, mask=kept)
         tl.store(indices_ptr + slots, offsets.to(tl.int32), mask=kept)
+        if UPDATE_ACC:
+            acc32 = to_float32(acc)
+            tl.store(acc_ptr + offsets, round_to_dtype(acc32 - acc32, acc.dtype), mask=kept)
 
 
 @triton.jit

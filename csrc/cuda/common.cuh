@@ -29,6 +29,8 @@ at::Tensor gaussian_threshold_cuda(const at::Tensor& grad, const std::optional<a
                                    int64_t k);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cuda(const at::Tensor& acc, const at::Tensor& threshold,
                                                             int64_t capacity);
+// residual_update's sorting scatter without its checks (scatter.cu): gaussian_select's update_residual.
+at::Tensor residual_update_unchecked(const at::Tensor& residual, const at::Tensor& indices, const at::Tensor& values);
 
 namespace {
 

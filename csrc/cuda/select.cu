@@ -74,9 +74,10 @@ __global__ void __launch_bounds__(kFinishThreads)
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_cuda(
-    const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity) {
+    const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity,
+    bool update_residual) {
   static const OpChecks<decltype(gaussian_select_cuda)> checks("gtopk_ext::gaussian_select");
-  checks(grad, residual, z, k, capacity);
+  checks(grad, residual, z, k, capacity, update_residual);
   at::Tensor stats = gaussian_threshold_cuda(grad, residual, z, k);
   const at::Tensor acc = residual.has_value() ? *residual : grad.contiguous();
   const c10::cuda::CUDAGuard guard(grad.device());
@@ -93,8 +94,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_cuda(
   fine_finish_kernel<<<1, kFinishThreads, 0, stream>>>(fine_counts.const_data_ptr<int32_t>(), k,
                                                        stats.mutable_data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  auto selection = compact_cuda(acc, stats.narrow(0, kStatThreshold, 1), capacity);
-  return {std::get<0>(selection), std::get<1>(selection), std::get<2>(selection), stats};
+  auto [values, indices, count] = compact_cuda(acc, stats.narrow(0, kStatThreshold, 1), capacity);
+  if (update_residual && residual.has_value()) residual_update_unchecked(*residual, indices, values);
+  return {values, indices, count, stats};
 }
 
 }  // namespace

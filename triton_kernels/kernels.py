@@ -32,6 +32,11 @@ FINISH_NUM_WARPS = 8
 # bell-shaped gradient see a few times less contention on the same address; the finishing kernel sums them.
 # Every atomic is relaxed: only sums are needed, and the kernel boundary orders them before any read.
 HIST_COPIES = 8
+# Each program first counts its block in a histogram of its own (tl.histogram: registers and shared memory) over
+# this many bins, the window that ends at the block's largest key (8 octaves of magnitude: nearly every element of a
+# gradient-like block), and adds it to the global one with one atomic per bin that holds any; only the elements
+# below the window (the smallest magnitudes) take one global atomic each.
+LOCAL_BINS = 256
 
 
 @triton.jit
@@ -61,9 +66,10 @@ def round_to_dtype(x, dtype: tl.constexpr):
 def moments_histogram_kernel(grad_ptr, residual_ptr, shift_ptr, partial_sum_ptr, partial_sum_sq_ptr,
                              partial_max_ptr, histogram_ptr, n, HAS_RESIDUAL: tl.constexpr,
                              USE_HISTOGRAM: tl.constexpr, HIST_COPIES: tl.constexpr, HIST_BINS: tl.constexpr,
-                             HIST_SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+                             HIST_SHIFT: tl.constexpr, LOCAL_BINS: tl.constexpr, BLOCK: tl.constexpr):
     """One block of acc = grad (+ residual, stored back rounded to the dtype): fp64 sums of acc - shift and of
-    its square, max |acc| ignoring NaN, and the histogram counts of |acc| (NaN not counted).
+    its square, max |acc| ignoring NaN, and the histogram counts of |acc| (NaN not counted), through the
+    program's own histogram of LOCAL_BINS bins (see LOCAL_BINS).
 
     shift = grad[0] (0 when empty or not finite; program 0 stores it for the finishing kernel): moments about
     a sample keep the variance of values whose |mean| dwarfs their spread (equal values give exactly 0). grad,
@@ -91,9 +97,18 @@ def moments_histogram_kernel(grad_ptr, residual_ptr, shift_ptr, partial_sum_ptr,
     not_nan = magnitude == magnitude
     tl.store(partial_max_ptr + pid, tl.max(tl.where(not_nan, magnitude, 0.0), axis=0))
     if USE_HISTOGRAM:
-        key = magnitude.to(tl.int32, bitcast=True) >> HIST_SHIFT
-        copy = pid % HIST_COPIES
-        tl.atomic_add(histogram_ptr + copy * HIST_BINS + key, 1, mask=in_range & not_nan, sem="relaxed")
+        key = magnitude.to(tl.int32, bitcast=True) >> HIST_SHIFT  # at most HIST_INF_KEY where not NaN
+        counted = in_range & not_nan
+        low = tl.maximum(tl.max(tl.where(counted, key, 0), axis=0) - (LOCAL_BINS - 1), 0)
+        local = counted & (key >= low)
+        # tl.histogram counts every lane: those outside the window go to bin 0 and are taken off it again (its
+        # mask argument is not in every Triton this must run with).
+        bins = tl.arange(0, LOCAL_BINS)
+        counts = tl.histogram(tl.where(local, key - low, 0), LOCAL_BINS)
+        counts -= tl.where(bins == 0, tl.sum((~local).to(tl.int32), axis=0), 0)
+        histogram_ptr += (pid % HIST_COPIES) * HIST_BINS
+        tl.atomic_add(histogram_ptr + low + bins, counts, mask=counts > 0, sem="relaxed")
+        tl.atomic_add(histogram_ptr + key, 1, mask=counted & ~local, sem="relaxed")
 
 
 @triton.jit

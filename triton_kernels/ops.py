@@ -123,8 +123,8 @@ def _launch_gaussian_threshold(grad: torch.Tensor, residual: Optional[torch.Tens
     hist_layout = dict(HIST_COPIES=kernels.HIST_COPIES, HIST_BINS=HIST_BINS, HIST_SHIFT=HIST_SHIFT)
     wrap_triton(kernels.moments_histogram_kernel)[(num_blocks,)](
         grad, residual if residual is not None else grad, shift, partial_sum, partial_sum_sq, partial_max, histogram, n,
-        HAS_RESIDUAL=residual is not None, USE_HISTOGRAM=use_histogram, BLOCK=kernels.BLOCK,
-        num_warps=kernels.NUM_WARPS, **hist_layout)
+        HAS_RESIDUAL=residual is not None, USE_HISTOGRAM=use_histogram, LOCAL_BINS=kernels.LOCAL_BINS,
+        BLOCK=kernels.BLOCK, num_warps=kernels.NUM_WARPS, **hist_layout)
     stats = torch.empty(NUM_STATS, dtype=torch.float32, device=device)
     wrap_triton(kernels.finish_stats_kernel)[(1,)](
         shift, partial_sum, partial_sum_sq, partial_max, num_blocks, histogram, stats, n, z, k,

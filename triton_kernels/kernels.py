@@ -35,7 +35,8 @@ HIST_COPIES = 8
 # Each program first counts its block in a histogram of its own (tl.histogram: registers and shared memory) over
 # this many bins, the window that ends at the block's largest key (8 octaves of magnitude: nearly every element of a
 # gradient-like block), and adds it to the global one with one atomic per bin that holds any; only the elements
-# below the window (the smallest magnitudes) take one global atomic each.
+# below the window (the smallest magnitudes; every finite one in a block that holds an infinity) take one global
+# atomic each. fine_count_kernel keeps one atomic per element of the threshold's bin, a few per program.
 LOCAL_BINS = 256
 
 

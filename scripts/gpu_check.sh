@@ -157,9 +157,9 @@ ops() {
   [ "${GPU_CHECK_ALL_TESTS:-0}" = 1 ] && select=()
   for file in tests/test_ops.py tests/test_triton_path.py tests/test_backends.py tests/test_compressors.py; do
     case $file in
-      */test_backends.py) cap=60 ;;
-      */test_compressors.py) cap=60 ;;
-      *) cap=120 ;;
+      */test_ops.py) cap=180 ;;
+      */test_triton_path.py) cap=150 ;;
+      *) cap=60 ;;
     esac
     pytest_file "$file" "$cap" "${select[@]}" || status=$?
   done

@@ -12,14 +12,34 @@
 #include <tuple>
 
 #include "checks.h"
+#include "cuda_path.h"
 #include "layout.h"
 #include "wire_format.h"
 
+namespace {
+
+// gtopk_ext._C.cuda_path(): the CUDA kernels' host path (cuda_path.h); ValueError for a bad $GTOPK_EXT_CUDA_PATH.
+PyObject* cuda_path_name_py(PyObject*, PyObject*) {
+  try {
+    return PyUnicode_FromString(gtopk_ext::cuda_path_name(gtopk_ext::cuda_path()));
+  } catch (const c10::Error& error) {
+    PyErr_SetString(PyExc_ValueError, error.what_without_backtrace());
+    return nullptr;
+  }
+}
+
+PyMethodDef module_methods[] = {
+    {"cuda_path", cuda_path_name_py, METH_NOARGS, "The CUDA kernels' host path: 'fused' or 'legacy'."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
 extern "C" {
 // Importing gtopk_ext._C loads this library, which runs the TORCH_LIBRARY blocks below. The module carries the
-// layout constants of layout.h, which a test compares with gtopk_ext/_contract.py.
+// layout constants of layout.h, which a test compares with gtopk_ext/_contract.py, and cuda_path().
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, module_methods};
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   const struct {
@@ -69,10 +89,12 @@ TORCH_LIBRARY(gtopk_ext, m) {
   // one call: returns (values, indices, count, stats), stats[kStatThreshold] being the refined threshold. The
   // refinement moves the threshold to the lower edge of the sub-bin (32 float patterns) of its histogram bin that
   // holds the k-th largest |acc| (histogram.h fine_threshold), so the count reaches k within that sub-bin's ties
-  // even when the bin holds many more than k.
+  // even when the bin holds many more than k. update_residual (with a residual): what was selected then leaves
+  // it, as residual_update(residual, indices, values) would do: each stored slot's element becomes acc - value,
+  // +0.0 (NaN for an infinity), with no sort (the indices are unique); error feedback in one call.
   m.def(
-      "gaussian_select(Tensor grad, Tensor(a!)? residual, float z, int k, int capacity) -> "
-      "(Tensor, Tensor, Tensor, Tensor)");
+      "gaussian_select(Tensor grad, Tensor(a!)? residual, float z, int k, int capacity, bool update_residual=False) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   // gTop-k's merge of two sparse sets: the union of their slots' indices (padding slots join index 0), each
   // index's values summed in float32 in slot order (a's slots, then b's), the k largest |sums| kept (NaN first;
   // ties to the lower index), by ascending index and padded with (0, 0). Returns (int32 indices[k], values[k]
@@ -151,7 +173,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_meta(const at::Tensor& ac
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_meta(
-    const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity) {
+    const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity,
+    bool /*update_residual*/) {
   constexpr const char* op = "gaussian_select";
   check_gaussian_threshold_args(grad, residual, z, k, op);
   TORCH_CHECK(k >= 1, op, ": k must be >= 1 (it selects at the histogram threshold), got ", k);

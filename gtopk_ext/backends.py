@@ -1,7 +1,8 @@
 """The backends that run the ops, as objects: what each supports, why it cannot run somewhere, and its kernels.
 
 * ``CPU``: the C++ kernels (``torch.ops.gtopk_ext`` on CPU tensors).
-* ``CUDA``: the CUDA kernels (``torch.ops.gtopk_ext`` on CUDA tensors; merge_topk by torch, see ``TORCH``).
+* ``CUDA``: the CUDA kernels (``torch.ops.gtopk_ext`` on CUDA tensors; merge_topk by torch, see ``TORCH``), on the
+  host path :func:`cuda_path` names.
 * ``TRITON``: the Triton kernels (``torch.ops.gtopk_ext_triton``: CUDA tensors, or any under TRITON_INTERPRET=1;
   merge_topk by torch).
 * ``TORCH``: plain torch (unique and sort): the merge of gTop-k on GPUs, on any device. It has no other op.
@@ -23,7 +24,7 @@ from typing import Union
 
 import torch
 
-from gtopk_ext import torch_kernels
+from gtopk_ext import _C, torch_kernels
 from gtopk_ext._contract import FLOAT_DTYPES
 
 BACKEND_NAMES = ("auto", "cpu", "cuda", "triton")
@@ -86,6 +87,13 @@ class CppCpuBackend(Backend):
 @functools.cache
 def cuda_kernels_built() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("gtopk_ext::compact", "CUDA")
+
+
+def cuda_path() -> str:
+    """The CUDA kernels' host path, from ``$GTOPK_EXT_CUDA_PATH`` as the library read it at its first call (once
+    per process): ``"fused"`` (default: a cached workspace, 5 launches per error-feedback selection) or
+    ``"legacy"`` (the path before it, kept until a GPU run confirms the fused one). ValueError for another value."""
+    return _C.cuda_path()
 
 
 class CudaBackend(Backend):

@@ -149,17 +149,17 @@ class GaussianK(Compressor):
 
     def _compress(self, grad, residual, k, step, backend):
         acc = residual if residual is not None else grad
-        if self.mode == "accurate":
+        if self.mode == "accurate":  # the selection and the residual's update in one op: no host sync, no sort
             values, indices, count, stats = ops.gaussian_select(grad, residual, z=self.z, k=k, capacity=k,
-                                                                backend=backend)
-        else:
-            stats = ops.gaussian_threshold(grad, residual, z=self.z, k=0, backend=backend)
-            gaussian = stats[ops.STAT_GAUSSIAN_THRESHOLD:ops.STAT_GAUSSIAN_THRESHOLD + 1]
-            # The loop can end above every element (equal values: the deviation is 0 and the count jumps between
-            # all and none): then the largest |acc| is sent rather than nothing, step after step.
-            largest = stats[ops.STAT_MAX_ABS:ops.STAT_MAX_ABS + 1]
-            threshold = torch.minimum(self._paper_correction(acc, gaussian, k), largest)
-            values, indices, count = ops.compact(acc, threshold, k, backend=backend)
+                                                                update_residual=True, backend=backend)
+            return SparseMessage(values, indices, count, acc.numel(), stats)
+        stats = ops.gaussian_threshold(grad, residual, z=self.z, k=0, backend=backend)
+        gaussian = stats[ops.STAT_GAUSSIAN_THRESHOLD:ops.STAT_GAUSSIAN_THRESHOLD + 1]
+        # The loop can end above every element (equal values: the deviation is 0 and the count jumps between
+        # all and none): then the largest |acc| is sent rather than nothing, step after step.
+        largest = stats[ops.STAT_MAX_ABS:ops.STAT_MAX_ABS + 1]
+        threshold = torch.minimum(self._paper_correction(acc, gaussian, k), largest)
+        values, indices, count = ops.compact(acc, threshold, k, backend=backend)
         return self._message(acc, residual, values, indices, count, backend, stats)
 
     @staticmethod

@@ -95,12 +95,18 @@ def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int, *,
 
 
 def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None = None, *, z: float, k: int, capacity: int,
-                    backend: BackendLike = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    update_residual: bool = False, backend: BackendLike = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`gaussian_threshold` with ``k >= 1``, its threshold refined inside its histogram bin (moved to the
     lower edge of the 32-float sub-bin holding the k-th largest |acc|), then :func:`compact` of acc at it, in one
     call: returns ``(values, indices, count, stats)``, ``stats[STAT_THRESHOLD]`` being the refined threshold.
+
+    ``update_residual`` (with a residual): what was selected then leaves the residual, exactly as
+    :func:`residual_update_` with the returned values and indices would make it (the selected elements become
+    +0.0), without its sort: error feedback in one call.
     """
-    return _run("gaussian_select", backend, grad=grad, residual=residual, z=z, k=k, capacity=capacity)
+    return _run("gaussian_select", backend, grad=grad, residual=residual, z=z, k=k, capacity=capacity,
+                update_residual=update_residual)
 
 
 def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch.Tensor, values_b: torch.Tensor,

@@ -114,11 +114,17 @@ def refined_threshold(acc: torch.Tensor, threshold: float, k: int) -> float:
     return _bits_to_float(int(in_bin[k - above - 1]) >> FINE_SHIFT << FINE_SHIFT)
 
 
-def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None, z: float, k: int, capacity: int):
+def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None, z: float, k: int, capacity: int,
+                    update_residual: bool = False):
+    """With ``update_residual`` (and a residual), what was selected leaves the residual as residual_update makes
+    it leave: each stored element becomes acc - value (+0.0; NaN for an infinity), the padding changes nothing."""
     stats = gaussian_threshold(grad, residual, z, k)
     acc = residual if residual is not None else grad
     stats[STAT_THRESHOLD] = refined_threshold(acc, float(stats[STAT_THRESHOLD]), k)
-    return (*compact(acc, stats[STAT_THRESHOLD:STAT_THRESHOLD + 1], capacity), stats)
+    values, indices, count = compact(acc, stats[STAT_THRESHOLD:STAT_THRESHOLD + 1], capacity)
+    if update_residual and residual is not None:
+        residual_update(residual, indices, values)
+    return values, indices, count, stats
 
 
 def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch.Tensor, values_b: torch.Tensor,

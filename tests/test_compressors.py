@@ -79,8 +79,10 @@ def test_gaussiank_accurate_matches_reference(dtype, heavy_tailed):
     residual = gradient((n,), dtype, seed=6)
     oracle_residual = residual.clone()
     msg = gx.make_compressor("gaussiank", density).compress(grad, residual)
-    values, indices, count, stats = reference.gaussian_select(grad, oracle_residual, ops.z_for_density(density), k, k)
+    values, indices, count, stats = reference.gaussian_select(grad, oracle_residual, ops.z_for_density(density), k, k,
+                                                              update_residual=True)
     assert torch.equal(msg.indices, indices) and torch.equal(msg.values, values) and torch.equal(msg.count, count)
+    assert torch.equal(residual, oracle_residual)
     assert msg.stats[ops.STAT_THRESHOLD] == stats[ops.STAT_THRESHOLD]
     torch.testing.assert_close(msg.stats, stats)  # mean and std: double sums, in another order
     assert 0.9 * k <= int(msg.count) <= 1.1 * k
@@ -191,3 +193,57 @@ def test_bad_arguments_are_rejected():
         compressor.compress(torch.zeros(10), torch.zeros(10, dtype=torch.float16))
     with pytest.raises(ValueError, match="contiguous=False"):
         compressor.compress(torch.zeros(10, 2), torch.zeros(2, 10).t())
+
+
+# --- on a GPU: the selection step as CUDA graphs and the launch budget need it --------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_compress_with_error_feedback_replays_in_a_cuda_graph(backend):
+    """compress (Gaussian-k, error feedback) synchronises nothing with the host, so it can be captured in a CUDA
+    graph: replayed on new gradients, it gives the eager messages and residuals bit for bit."""
+    n, density = 1_000_003, 0.001
+    compressor = gx.make_compressor("gaussiank", density, backend=backend)
+    grads = [gradient((n,), torch.float32, seed=20 + step, heavy_tailed=step == 1).cuda() for step in range(3)]
+    eager_residual = gradient((n,), torch.float32, seed=23).cuda()
+    graph_residual, static_grad = eager_residual.clone(), torch.empty_like(grads[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graphs asks: compiles, allocates
+        compressor.compress(grads[0], torch.zeros_like(graph_residual))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        msg = compressor.compress(static_grad, graph_residual)
+    for step, grad in enumerate(grads):
+        expected = compressor.compress(grad, eager_residual)
+        static_grad.copy_(grad)
+        graph.replay()
+        for name in ("values", "indices", "count", "stats"):
+            assert torch.equal(getattr(msg, name), getattr(expected, name)), (step, name)
+        assert torch.equal(graph_residual, eager_residual), step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or gx.backends.cuda_path() != "fused",
+                    reason="needs a GPU and the fused CUDA path (GTOPK_EXT_CUDA_PATH)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_compress_stays_within_its_launch_and_allocation_budget(dtype):
+    """A Gaussian-k step with error feedback on the CUDA kernels, once its workspace exists: at most 6 kernel
+    launches (csrc/cuda/select.cu counts 5) and no allocation but the message's four tensors."""
+    from torch.profiler import ProfilerActivity, profile
+
+    compressor = gx.make_compressor("gaussiank", 0.001, backend="cuda")
+    grad, residual = gradient((2_000_003,), dtype, seed=24).cuda(), gradient((2_000_003,), dtype, seed=25).cuda()
+    compressor.compress(grad, residual)
+    torch.cuda.synchronize()
+    calls = 5
+    allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            compressor.compress(grad, residual)
+        torch.cuda.synchronize()
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"] - allocated
+    device_ops = [event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(device_ops) <= 6 * calls, sorted(device_ops)
+    assert allocations == 4 * calls
+

@@ -250,6 +250,58 @@ def test_gaussian_select_matches_reference(backend):
                                     if largest is None or case[1].numel() <= largest))
 
 
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
+    """Equal bit for bit, signed zeros included (assert_identical takes -0.0 for +0.0); any NaN equals any NaN
+    (the NaN of inf - inf differs by device)."""
+    actual, expected = actual.cpu().flatten(), expected.cpu().flatten()
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, msg
+    nan = torch.isnan(actual)
+    assert torch.equal(nan, torch.isnan(expected)), f"{msg}: NaN at other places"
+    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[actual.dtype]
+    differ = actual[~nan].view(bits) != expected[~nan].view(bits)
+    assert not bool(differ.any()), (f"{msg}: {int(differ.sum())} elements differ, e.g. "
+                                    f"{actual[~nan][differ][:3].tolist()} vs {expected[~nan][differ][:3].tolist()}")
+
+
+def update_residual_cases(device):
+    """(description, grad, residual, k, capacity) for update_residual: signed zeros that a k of every element
+    selects (acc - value must be +0.0 whatever the sign), infinities (acc - value is NaN), NaNs (never selected),
+    ties and truncation (capacity < count)."""
+    zeros = torch.tensor([0.0, -0.0] * 8 + [1e-30, -1e-30, 2.0, -3.0, float("-inf"), float("nan")])
+    for dtype in DTYPES:
+        # acc = grad + (-0.0) is grad bit for bit, -0.0 included
+        grad = zeros.to(dtype)
+        residual = torch.full_like(grad, -0.0)
+        for k, capacity in ((grad.numel(), grad.numel()), (grad.numel(), 5), (3, 3)):
+            yield f"signed-zeros-{dtype}-k{k}-cap{capacity}", grad.to(device), residual.to(device), k, capacity
+    for name, grad, residual in sample_inputs(device, sizes=[7, 4097],
+                                              kinds=["gaussian", "ties", "nonfinite", "all_equal", "all_zero"]):
+        for density in (0.001, 0.05, 1.0):
+            k = max(1, int(np.ceil(density * grad.numel())))
+            for capacity in (k, max(1, k // 3)):
+                yield f"{name}-d{density}-cap{capacity}", grad, residual, k, capacity
+
+
+def test_gaussian_select_update_residual_is_residual_update(backend):
+    """update_residual leaves the residual exactly as residual_update with the selected message does (the
+    reference, and this backend's residual_update after its gaussian_select): the stored elements become +0.0
+    (NaN for an infinity), the rest stays acc, bit for bit."""
+    for name, grad, residual, k, capacity in update_residual_cases(backend_device(backend)):
+        z = ops.z_for_density(min(1.0, k / grad.numel()))
+        fused, oracle, unfused = residual.clone(), residual.clone(), residual.clone()
+        got = ops.gaussian_select(grad, fused, z=z, k=k, capacity=capacity, update_residual=True, backend=backend)
+        want = reference.gaussian_select(grad, oracle, z, k, capacity, update_residual=True)
+        apart = ops.gaussian_select(grad, unfused, z=z, k=k, capacity=capacity, backend=backend)
+        ops.residual_update_(unfused, apart[1], apart[0], backend=backend)
+        for field, actual, expected in zip(("values", "indices", "count"), got, want):
+            assert torch.equal(actual.cpu(), expected.cpu()), f"{name}: {field} differ"
+        assert_same_bits(fused, oracle, f"{name}: residual vs the reference")
+        assert_same_bits(fused, unfused, f"{name}: residual vs gaussian_select then residual_update")
+        stored = got[1][:min(int(got[2]), capacity)].long()
+        finite = torch.isfinite(got[0][:stored.numel()])
+        assert_same_bits(fused[stored[finite]], torch.zeros(int(finite.sum()), dtype=grad.dtype), f"{name}: +0.0")
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_gaussian_select_with_any_number_of_threads(threads):
     """The CPU kernel's candidate lists are per parallel range: other splits of the data give the same result."""
@@ -456,6 +508,7 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.gtopk_ext.compact, (grad, threshold, 64))
         torch.library.opcheck(torch.ops.gtopk_ext.gaussian_select, (grad, residual, 2.0, 50, 50))
         torch.library.opcheck(torch.ops.gtopk_ext.gaussian_select, (grad, None, 2.0, 50, 20))
+        torch.library.opcheck(torch.ops.gtopk_ext.gaussian_select, (grad, residual, 2.0, 50, 20, True))
         indices = torch.randint(0, 5000, (64,), generator=generator, dtype=torch.int32)
         values = torch.randn(64, generator=generator).to(dtype)
         torch.library.opcheck(torch.ops.gtopk_ext.scatter_add, (residual.clone(), indices, values))
@@ -471,7 +524,8 @@ def test_torch_compile_fullgraph():
         torch.ops.gtopk_ext.residual_update(residual, indices, values)
         fused = torch.ops.gtopk_ext.gaussian_select(grad, residual, 2.5, 40, 40)
         torch.ops.gtopk_ext.residual_update(residual, fused[1], fused[0])
-        return values, indices, count, *fused
+        feedback = torch.ops.gtopk_ext.gaussian_select(grad, residual, 2.5, 40, 40, update_residual=True)
+        return values, indices, count, *fused, *feedback
 
     grad = torch.randn(4000, generator=torch.Generator().manual_seed(6))
     residual_eager, residual_compiled = torch.zeros(4000), torch.zeros(4000)

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gtopk_ext  # noqa: F401  (registers torch.ops.gtopk_ext)
-from gtopk_ext import compressors, ops, reference, triton_kernels
+from gtopk_ext import _contract, compressors, ops, reference, triton_kernels
 from gtopk_ext.triton_kernels import kernels
 from tests.test_wire import bad_wire_calls
 
@@ -167,6 +167,28 @@ def test_edge_arguments_identical_to_cpp():
         compare_with_cpp(grad, None, k=min(k, 10))
 
 
+@pytest.mark.parametrize("kind", ["normal", "laplace", "log_uniform", "subnormal", "nonfinite", "zeros"])
+def test_per_program_histograms_sum_to_the_reference_histogram(kind):
+    """The statistics pass counts each block in a histogram of its own (the LOCAL_BINS bins below the block's
+    largest key) and adds only the elements below that window one by one: over all programs and copies the
+    counts are reference.histogram's, bin for bin, also where a block spans every exponent (log_uniform) or holds
+    only zeros, infinities and NaNs (which are not counted)."""
+    n = 3 * kernels.BLOCK + 17
+    acc = values_of(kind, n, torch.Generator().manual_seed(14)).to(TRITON_DEVICE)
+    num_blocks = triton.cdiv(n, kernels.BLOCK)
+    histogram = torch.zeros(kernels.HIST_COPIES * _contract.HIST_BINS, dtype=torch.int32, device=TRITON_DEVICE)
+    partials = [torch.empty(num_blocks, dtype=dtype, device=TRITON_DEVICE)
+                for dtype in (torch.float64, torch.float64, torch.float32)]
+    kernels.moments_histogram_kernel[(num_blocks,)](
+        acc, acc, torch.empty(1, dtype=torch.float64, device=TRITON_DEVICE), *partials, histogram, n,
+        HAS_RESIDUAL=False, USE_HISTOGRAM=True, HIST_COPIES=kernels.HIST_COPIES, HIST_BINS=_contract.HIST_BINS,
+        HIST_SHIFT=_contract.HIST_SHIFT, LOCAL_BINS=kernels.LOCAL_BINS, BLOCK=kernels.BLOCK,
+        num_warps=kernels.NUM_WARPS)
+    counts = histogram.view(kernels.HIST_COPIES, -1).sum(0).cpu()
+    expected = reference.histogram(acc.cpu())
+    assert torch.equal(counts.long(), expected), (counts - expected).nonzero().flatten()[:5].tolist()
+
+
 # --- the interpreter's arithmetic where it differs from a GPU's -------------------------------------------
 
 def test_bfloat16_residual_is_rounded_to_nearest_even():
@@ -263,8 +285,6 @@ def test_fake_kernels_check_with_the_cpp_message():
     """Every C++ op on fake tensors (what torch.compile traces: its Meta kernel) rejects what its CPU kernel
     rejects, with the same message; so do the checks that the Triton ops and the torch merge run."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from gtopk_ext import _contract
 
     calls = bad_calls(torch.device("cpu")) + merge_bad_calls() + [(name, args) for name, args, _ in bad_wire_calls()]
     assert {name for name, _ in calls} == set(_contract.op_names())
@@ -365,6 +385,7 @@ def op_samples(device: torch.device):
         yield "compact", (grad, torch.tensor([1.5], device=device), 64)
         yield "gaussian_select", (grad, residual, 2.0, 50, 50)
         yield "gaussian_select", (grad, None, 2.0, 50, 20)
+        yield "gaussian_select", (grad, residual, 2.0, 50, 20, True)
         yield "scatter_add", (residual.clone(), indices, values)
         yield "residual_update", (residual.clone(), indices, values)
 
@@ -380,7 +401,8 @@ def compress_step(grad, residual):
     TRITON.residual_update(residual, indices, values)
     fused = TRITON.gaussian_select(grad, residual, 2.5, 40, 40)
     TRITON.residual_update(residual, fused[1], fused[0])
-    return values, indices, count, *fused
+    feedback = TRITON.gaussian_select(grad, residual, 2.5, 40, 40, update_residual=True)
+    return values, indices, count, *fused, *feedback
 
 
 @pytest.mark.parametrize("compile_backend", ["aot_eager"] + (["inductor"] if HAS_GPU else []))
@@ -447,7 +469,7 @@ def test_gpu_registration_traces_and_builds_for_sm80_and_sm90():
 def test_layout_constants_are_the_cpp_ones():
     """The layout of csrc/common.h (exported by gtopk_ext._C) is the one that the Python contract, the Triton
     kernels and ops, and the reference use."""
-    from gtopk_ext import _C, _contract
+    from gtopk_ext import _C
 
     cpp = {name: getattr(_C, name) for name in _contract.LAYOUT}
     assert cpp == _contract.LAYOUT
@@ -463,8 +485,6 @@ def test_layout_constants_are_the_cpp_ones():
 def test_triton_schemas_are_the_cpp_ones():
     """Every op of gtopk_ext_triton has the schema of the C++ op of the same name (types, alias annotations,
     names, defaults), and every C++ op with a Triton kernel has its Triton op."""
-    from gtopk_ext import _contract
-
     assert sorted(triton_kernels.ops.REGISTERED) == sorted(set(_contract.op_names()) - {"merge_topk"})
     for name in triton_kernels.ops.REGISTERED:
         cpp = str(getattr(torch.ops.gtopk_ext, name).default._schema)

@@ -122,6 +122,7 @@ def op_calls(dtype: torch.dtype, numel: int) -> dict[str, list[dict]]:
                                dict(grad=tensor(), residual=None, z=2.5, k=0)],
         "compact": [dict(acc=tensor(), threshold=threshold, capacity=k)],
         "gaussian_select": [dict(grad=tensor(), residual=tensor(), z=2.5, k=k, capacity=k),
+                            dict(grad=tensor(), residual=tensor(), z=2.5, k=k, capacity=k, update_residual=True),
                             dict(grad=tensor(), residual=None, z=2.5, k=1, capacity=1)],
         "scatter_add": [dict(dense=tensor(), indices=indices, values=values)],
         "residual_update": [dict(residual=tensor(), indices=indices, values=values)],

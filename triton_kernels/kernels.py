@@ -32,6 +32,12 @@ FINISH_NUM_WARPS = 8
 # bell-shaped gradient see a few times less contention on the same address; the finishing kernel sums them.
 # Every atomic is relaxed: only sums are needed, and the kernel boundary orders them before any read.
 HIST_COPIES = 8
+# Each program first counts its block in a histogram of its own (tl.histogram: registers and shared memory) over
+# this many bins, the window that ends at the block's largest key (8 octaves of magnitude: nearly every element of a
+# gradient-like block), and adds it to the global one with one atomic per bin that holds any; only the elements
+# below the window (the smallest magnitudes; every finite one in a block that holds an infinity) take one global
+# atomic each. fine_count_kernel keeps one atomic per element of the threshold's bin, a few per program.
+LOCAL_BINS = 256
 
 
 @triton.jit
@@ -61,9 +67,10 @@ def round_to_dtype(x, dtype: tl.constexpr):
 def moments_histogram_kernel(grad_ptr, residual_ptr, shift_ptr, partial_sum_ptr, partial_sum_sq_ptr,
                              partial_max_ptr, histogram_ptr, n, HAS_RESIDUAL: tl.constexpr,
                              USE_HISTOGRAM: tl.constexpr, HIST_COPIES: tl.constexpr, HIST_BINS: tl.constexpr,
-                             HIST_SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+                             HIST_SHIFT: tl.constexpr, LOCAL_BINS: tl.constexpr, BLOCK: tl.constexpr):
     """One block of acc = grad (+ residual, stored back rounded to the dtype): fp64 sums of acc - shift and of
-    its square, max |acc| ignoring NaN, and the histogram counts of |acc| (NaN not counted).
+    its square, max |acc| ignoring NaN, and the histogram counts of |acc| (NaN not counted), through the
+    program's own histogram of LOCAL_BINS bins (see LOCAL_BINS).
 
     shift = grad[0] (0 when empty or not finite; program 0 stores it for the finishing kernel): moments about
     a sample keep the variance of values whose |mean| dwarfs their spread (equal values give exactly 0). grad,
@@ -91,9 +98,18 @@ def moments_histogram_kernel(grad_ptr, residual_ptr, shift_ptr, partial_sum_ptr,
     not_nan = magnitude == magnitude
     tl.store(partial_max_ptr + pid, tl.max(tl.where(not_nan, magnitude, 0.0), axis=0))
     if USE_HISTOGRAM:
-        key = magnitude.to(tl.int32, bitcast=True) >> HIST_SHIFT
-        copy = pid % HIST_COPIES
-        tl.atomic_add(histogram_ptr + copy * HIST_BINS + key, 1, mask=in_range & not_nan, sem="relaxed")
+        key = magnitude.to(tl.int32, bitcast=True) >> HIST_SHIFT  # at most HIST_INF_KEY where not NaN
+        counted = in_range & not_nan
+        low = tl.maximum(tl.max(tl.where(counted, key, 0), axis=0) - (LOCAL_BINS - 1), 0)
+        local = counted & (key >= low)
+        # tl.histogram counts every lane: those outside the window go to bin 0 and are taken off it again (its
+        # mask argument is not in every Triton this must run with).
+        bins = tl.arange(0, LOCAL_BINS)
+        counts = tl.histogram(tl.where(local, key - low, 0), LOCAL_BINS)
+        counts -= tl.where(bins == 0, tl.sum((~local).to(tl.int32), axis=0), 0)
+        histogram_ptr += (pid % HIST_COPIES) * HIST_BINS
+        tl.atomic_add(histogram_ptr + low + bins, counts, mask=counts > 0, sem="relaxed")
+        tl.atomic_add(histogram_ptr + key, 1, mask=counted & ~local, sem="relaxed")
 
 
 @triton.jit
@@ -226,11 +242,12 @@ def count_candidates_kernel(acc_ptr, threshold_ptr, block_counts_ptr, n, HIST_SH
 @triton.jit
 def write_selected_kernel(acc_ptr, threshold_ptr, block_counts_ptr, block_ends_ptr, values_ptr, indices_ptr,
                           count_ptr, n, capacity, HIST_SHIFT: tl.constexpr, HIST_INF_KEY: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          UPDATE_ACC: tl.constexpr, BLOCK: tl.constexpr):
     """Writes block b's kept candidates in index order. block_ends = inclusive scans of block_counts' rows,
     so the scans' last entries are the totals. The first min(sure total, capacity) sure elements are kept
     and the first (capacity - that) boundary ones; an element's slot is the number of kept elements before it.
-    The last block writes the count of all candidates."""
+    The last block writes the count of all candidates. UPDATE_ACC (acc is the residual): each kept element
+    becomes acc - value in fp32, rounded once, as residual_update computes it (+0.0; NaN for an infinity)."""
     pid = tl.program_id(0)
     num_blocks = tl.num_programs(0)
     sure_end = tl.load(block_ends_ptr + pid)
@@ -254,6 +271,9 @@ def write_selected_kernel(acc_ptr, threshold_ptr, block_counts_ptr, block_ends_p
         slots = tl.minimum(sure_before, sure_slots) + tl.minimum(boundary_before, boundary_slots)
         tl.store(values_ptr + slots, acc, mask=kept)
         tl.store(indices_ptr + slots, offsets.to(tl.int32), mask=kept)
+        if UPDATE_ACC:
+            acc32 = to_float32(acc)
+            tl.store(acc_ptr + offsets, round_to_dtype(acc32 - acc32, acc.dtype), mask=kept)
 
 
 @triton.jit

@@ -89,11 +89,12 @@ def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int) -> tuple[
 
 
 @_register("gaussian_select")
-def gaussian_select(grad: torch.Tensor, residual: Optional[torch.Tensor], z: float, k: int,
-                    capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def gaussian_select(grad: torch.Tensor, residual: Optional[torch.Tensor], z: float, k: int, capacity: int,
+                    update_residual: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(values, indices, count, stats): gaussian_threshold, its threshold refined inside its bin, then compact of
-    acc at it, on the device (more reads of acc are cheap on a GPU)."""
-    _checked("gaussian_select", grad, residual, z, k, capacity)
+    acc at it, on the device (more reads of acc are cheap on a GPU); with update_residual the kept elements leave
+    the residual in the compaction's last kernel."""
+    _checked("gaussian_select", grad, residual, z, k, capacity, update_residual)
     stats = _launch_gaussian_threshold(grad, residual, z, k)
     acc = (residual if residual is not None else grad).contiguous()
     fine = torch.zeros(FINE_BINS + 1, dtype=torch.int32, device=acc.device)  # sub-bins, then above
@@ -102,7 +103,8 @@ def gaussian_select(grad: torch.Tensor, residual: Optional[torch.Tensor], z: flo
     wrap_triton(kernels.fine_count_kernel)[(_num_blocks(acc.numel()),)](
         acc, stats, fine, acc.numel(), BLOCK=kernels.BLOCK, num_warps=kernels.NUM_WARPS, **fine_layout)
     wrap_triton(kernels.fine_finish_kernel)[(1,)](stats, fine, k, num_warps=kernels.FINISH_NUM_WARPS, **fine_layout)
-    return (*_launch_compact(acc, stats[STAT_THRESHOLD:STAT_THRESHOLD + 1], capacity), stats)
+    update_acc = update_residual and residual is not None
+    return (*_launch_compact(acc, stats[STAT_THRESHOLD:STAT_THRESHOLD + 1], capacity, update_acc), stats)
 
 
 def _launch_gaussian_threshold(grad: torch.Tensor, residual: Optional[torch.Tensor], z: float,
@@ -121,8 +123,8 @@ def _launch_gaussian_threshold(grad: torch.Tensor, residual: Optional[torch.Tens
     hist_layout = dict(HIST_COPIES=kernels.HIST_COPIES, HIST_BINS=HIST_BINS, HIST_SHIFT=HIST_SHIFT)
     wrap_triton(kernels.moments_histogram_kernel)[(num_blocks,)](
         grad, residual if residual is not None else grad, shift, partial_sum, partial_sum_sq, partial_max, histogram, n,
-        HAS_RESIDUAL=residual is not None, USE_HISTOGRAM=use_histogram, BLOCK=kernels.BLOCK,
-        num_warps=kernels.NUM_WARPS, **hist_layout)
+        HAS_RESIDUAL=residual is not None, USE_HISTOGRAM=use_histogram, LOCAL_BINS=kernels.LOCAL_BINS,
+        BLOCK=kernels.BLOCK, num_warps=kernels.NUM_WARPS, **hist_layout)
     stats = torch.empty(NUM_STATS, dtype=torch.float32, device=device)
     wrap_triton(kernels.finish_stats_kernel)[(1,)](
         shift, partial_sum, partial_sum_sq, partial_max, num_blocks, histogram, stats, n, z, k,
@@ -131,8 +133,8 @@ def _launch_gaussian_threshold(grad: torch.Tensor, residual: Optional[torch.Tens
     return stats
 
 
-def _launch_compact(acc: torch.Tensor, threshold: torch.Tensor,
-                    capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _launch_compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int,
+                    update_acc: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     acc = acc.contiguous()
     n = acc.numel()
     num_blocks = _num_blocks(n)
@@ -146,7 +148,8 @@ def _launch_compact(acc: torch.Tensor, threshold: torch.Tensor,
     indices = torch.zeros(capacity, dtype=torch.int32, device=device)
     count = torch.empty(1, dtype=torch.int32, device=device)
     wrap_triton(kernels.write_selected_kernel)[(num_blocks,)](
-        acc, threshold, block_counts, block_ends, values, indices, count, n, capacity, **layout)
+        acc, threshold, block_counts, block_ends, values, indices, count, n, capacity, UPDATE_ACC=update_acc,
+        **layout)
     return values, indices, count
 
 

@@ -51,12 +51,25 @@ float refine_threshold(float thr, int64_t k, const std::vector<RangeCandidates>&
   return fine_threshold(bin, sub_bin_reaching(total.counts.data(), total.above, k));
 }
 
+// update_residual: the stored slots leave the residual. Their indices are unique, so a parallel gather-subtract,
+// with residual_update's arithmetic (scatter.cpp): in fp32, rounded once.
+template <typename scalar_t>
+void subtract_stored(scalar_t* residual, const int32_t* indices, const scalar_t* values, int64_t stored) {
+  at::parallel_for(0, stored, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      scalar_t& element = residual[indices[j]];
+      element = static_cast<scalar_t>(static_cast<float>(element) - static_cast<float>(values[j]));
+    }
+  });
+}
+
 // gaussian_threshold, its threshold refined, then compact at it, without a second read of acc while the
 // candidates that the statistics pass recorded suffice (a range whose candidates overflowed reads acc again).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_cpu(
-    const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity) {
+    const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity,
+    bool update_residual) {
   static const OpChecks<decltype(gaussian_select_cpu)> checks("gtopk_ext::gaussian_select");
-  checks(grad, residual, z, k, capacity);
+  checks(grad, residual, z, k, capacity, update_residual);
   const at::Tensor grad_contig = grad.contiguous();
   std::vector<RangeCandidates> candidates;
   at::Tensor stats = statistics_pass(grad_contig, residual, z, k, &candidates);
@@ -76,6 +89,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_cpu(
     });
     const int64_t selected = write_selection(ranges, acc_ptr, capacity, values, indices);
     count.mutable_data_ptr<int32_t>()[0] = static_cast<int32_t>(selected);
+    if (update_residual && residual.has_value()) {
+      subtract_stored(residual->mutable_data_ptr<scalar_t>(), indices.const_data_ptr<int32_t>(),
+                      values.const_data_ptr<scalar_t>(), std::min(selected, capacity));
+    }
   });
   return {values, indices, count, stats};
 }

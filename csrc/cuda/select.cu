@@ -1,16 +1,69 @@
 // CUDA kernels of gaussian_select (schema in csrc/ops.cpp): on the GPU more reads of acc are cheap next to the
-// CPU's, so it runs gaussian_threshold, the refinement of its threshold (a counting pass, then one block), then
-// compact, in sequence on the same stream.
+// CPU's, so it runs the statistics pass (threshold.cu), the refinement of its threshold (a counting pass), then
+// compact's passes (compact.cu), in sequence on the same stream.
+//
+// Launches per call on the fused path (the default, cuda_path.h), as the code below makes them:
+//   1  accumulate_kernel: acc = grad + residual, moments, histogram; its last block: stats and the histogram
+//      threshold, the histogram zeroed
+//   1  fine_count_kernel: the threshold's bin by sub-bin; its last block: the refined threshold, the counts zeroed
+//   2  cub::DevicePartition::If: its tile-state initialisation and its single-pass partition of the indices
+//   1  merge_selected_kernel: values, indices, count, the padding slots and, with update_residual, the selected
+//      elements of the residual (acc - value)
+// = 5, plus one memset on a call that creates or grows the (device, stream)'s workspace. Allocations: the four
+// outputs (torch's caching allocator), nothing else once the workspace is large enough. No host synchronisation.
+// The legacy path (by the same reading): statistics 3 (a histogram fill, the pass, a finishing kernel), refinement
+// 3 (a fill, the pass, a finishing kernel), compact 6 (3 output fills, the partition's 2, the merge) = 12, and with
+// update_residual residual_update's sorting scatter: a fill, an arange, cub's radix sort of the k indices (its
+// histogram and scan kernels, then a memset and a kernel per 8-bit digit: about 10), 2 kernels; 16 allocations.
 #include "common.cuh"
 
 namespace gtopk_ext::cuda {
 namespace {
 
+// The sub-bin search of the refinement (histogram.h fine_threshold) over fine_counts (the threshold's bin by
+// sub-bin, then the count above the bin), done by one block: stats[kStatThreshold] becomes fine_threshold(bin,
+// sub_bin), the sub-bin found as finish_statistics finds the histogram bin (scan_from_top, then one thread's walk),
+// so that it equals sub_bin_reaching(). With zero_counts each thread then zeroes the counts it read.
+static_assert(kFineBins == kHistBins, "scan_from_top serves both levels");
+
+template <int kBlockThreads>
+__device__ void refine_threshold(int32_t* fine_counts, int64_t k, float* stats, bool zero_counts) {
+  const float threshold = stats[kStatThreshold];
+  if (!refinable(threshold)) return;  // the same for every thread
+  const int bin = hist_key(threshold);
+  const long long above_bin = load_count(fine_counts, kFineBins);
+  constexpr int kBins = bins_per_thread<kBlockThreads>();
+  const int top = kFineBins - 1 - static_cast<int>(threadIdx.x) * kBins;
+  long long own = 0;
+  // The scan synchronises the block: every thread has read the threshold and above_bin before one writes them.
+  const long long above = above_bin + scan_from_top<kBlockThreads>(fine_counts, top, own);
+  if (above_bin >= k) {
+    if (threadIdx.x == 0) stats[kStatThreshold] = fine_threshold(bin, kFineBins);
+  } else if (above < k && above + own >= k) {
+    long long total = above;
+    for (int j = 0; j < kBins; ++j) {
+      total += load_count(fine_counts, top - j);
+      if (total >= k) {
+        stats[kStatThreshold] = fine_threshold(bin, top - j);
+        break;
+      }
+    }
+  } else if (threadIdx.x == blockDim.x - 1 && above + own < k) {  // the whole bin falls short
+    stats[kStatThreshold] = fine_threshold(bin, 0);
+  }
+  if (zero_counts) {  // each thread its own counts, after its last read of them
+    for (int j = 0; j < kBins; ++j) fine_counts[top - j] = 0;
+    if (threadIdx.x == 0) fine_counts[kFineBins] = 0;
+  }
+}
+
 // Adds the count of |acc| above the threshold's bin into fine_counts[kFineBins] and those in the bin by
 // sub-bin into fine_counts[sub-bin] (histogram.h fine_threshold), through a block histogram in shared memory.
+// Fused path (blocks_done != nullptr): the last block then refines the threshold and zeroes fine_counts.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
-    fine_count_kernel(const scalar_t* acc, int64_t n, const float* stats, int32_t* fine_counts) {
+    fine_count_kernel(const scalar_t* acc, int64_t n, float* stats, int32_t* fine_counts, unsigned int* blocks_done,
+                      int64_t k) {
   __shared__ int32_t block_counts[kFineBins];
   __shared__ int32_t block_above;
   const float threshold = stats[kStatThreshold];
@@ -37,64 +90,75 @@ __global__ void __launch_bounds__(kThreads)
     if (block_counts[s] != 0) atomicAdd(&fine_counts[s], block_counts[s]);
   }
   if (threadIdx.x == 0 && block_above != 0) atomicAdd(&fine_counts[kFineBins], block_above);
+  if (blocks_done != nullptr && is_last_block(blocks_done)) refine_threshold<kThreads>(fine_counts, k, stats, true);
 }
 
-// One block: stats[kStatThreshold] becomes fine_threshold(bin, sub_bin), the sub-bin found as finish_kernel
-// finds the histogram bin (scan_from_top, then one thread's walk), so that it equals sub_bin_reaching().
-static_assert(kFineBins == kHistBins, "scan_from_top serves both levels");
-
-__global__ void __launch_bounds__(kFinishThreads)
-    fine_finish_kernel(const int32_t* fine_counts, int64_t k, float* stats) {
-  const float threshold = stats[kStatThreshold];
-  if (!refinable(threshold)) return;  // the same for every thread
-  const int bin = hist_key(threshold);
-  const long long above_bin = fine_counts[kFineBins];
-  if (above_bin >= k) {  // the same for every thread
-    __syncthreads();     // every thread has read the threshold
-    if (threadIdx.x == 0) stats[kStatThreshold] = fine_threshold(bin, kFineBins);
-    return;
-  }
-  const int top = kFineBins - 1 - static_cast<int>(threadIdx.x) * kBinsPerThread;
-  int32_t counts[kBinsPerThread];
-  long long own = 0;
-  // The scan synchronises the block: every thread has read the threshold before one writes it.
-  const long long above = above_bin + scan_from_top(fine_counts, top, counts, own);
-  if (above < k && above + own >= k) {
-    long long total = above;
-    for (int j = 0; j < kBinsPerThread; ++j) {
-      total += counts[j];
-      if (total >= k) {
-        stats[kStatThreshold] = fine_threshold(bin, top - j);
-        break;
-      }
-    }
-  } else if (threadIdx.x == blockDim.x - 1 && above + own < k) {  // the whole bin falls short
-    stats[kStatThreshold] = fine_threshold(bin, 0);
-  }
+// The legacy path's refinement: one block after the counting pass.
+__global__ void __launch_bounds__(kFinishThreads) fine_finish_kernel(int32_t* fine_counts, int64_t k, float* stats) {
+  refine_threshold<kFinishThreads>(fine_counts, k, stats, false);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_cuda(
-    const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity) {
-  static const OpChecks<decltype(gaussian_select_cuda)> checks("gtopk_ext::gaussian_select");
-  checks(grad, residual, z, k, capacity);
-  at::Tensor stats = gaussian_threshold_cuda(grad, residual, z, k);
+template <typename scalar_t>
+int fine_count_grid(int64_t n, const at::Device& device) {
+  return resident_grid(fine_count_kernel<scalar_t>, kThreads, 0, (n + kThreads - 1) / kThreads, device);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_legacy(
+    const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity,
+    bool update_residual) {
+  at::Tensor stats = gaussian_threshold_legacy(grad, residual, z, k);
   const at::Tensor acc = residual.has_value() ? *residual : grad.contiguous();
   const c10::cuda::CUDAGuard guard(grad.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t n = acc.numel();
   at::Tensor fine_counts = at::zeros({kFineBins + 1}, acc.options().dtype(at::kInt));  // sub-bins, then above
-  GTOPK_DISPATCH_FLOAT_TYPES(acc.scalar_type(), "gaussian_select_cuda", [&] {
-    const auto kernel = fine_count_kernel<scalar_t>;
-    const int grid = resident_grid(kernel, kThreads, 0, (n + kThreads - 1) / kThreads, acc.device());
-    kernel<<<grid, kThreads, 0, stream>>>(acc.const_data_ptr<scalar_t>(), n, stats.const_data_ptr<float>(),
-                                          fine_counts.mutable_data_ptr<int32_t>());
+  GTOPK_DISPATCH_FLOAT_TYPES(acc.scalar_type(), "gaussian_select_legacy", [&] {
+    fine_count_kernel<scalar_t><<<fine_count_grid<scalar_t>(n, acc.device()), kThreads, 0, stream>>>(
+        acc.const_data_ptr<scalar_t>(), n, stats.mutable_data_ptr<float>(), fine_counts.mutable_data_ptr<int32_t>(),
+        nullptr, k);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  fine_finish_kernel<<<1, kFinishThreads, 0, stream>>>(fine_counts.const_data_ptr<int32_t>(), k,
+  fine_finish_kernel<<<1, kFinishThreads, 0, stream>>>(fine_counts.mutable_data_ptr<int32_t>(), k,
                                                        stats.mutable_data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  auto selection = compact_cuda(acc, stats.narrow(0, kStatThreshold, 1), capacity);
-  return {std::get<0>(selection), std::get<1>(selection), std::get<2>(selection), stats};
+  auto [values, indices, count] = compact_legacy(acc, stats.narrow(0, kStatThreshold, 1), capacity);
+  if (update_residual && residual.has_value()) residual_update_unchecked(*residual, indices, values);
+  return {values, indices, count, stats};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_cuda(
+    const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity,
+    bool update_residual) {
+  static const OpChecks<decltype(gaussian_select_cuda)> checks("gtopk_ext::gaussian_select");
+  checks(grad, residual, z, k, capacity, update_residual);
+  if (cuda_path() == CudaPath::kLegacy) {
+    return gaussian_select_legacy(grad, residual, z, k, capacity, update_residual);
+  }
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor grad_contig = grad.contiguous();
+  const at::Tensor acc = residual.has_value() ? *residual : grad_contig;
+  const int64_t n = acc.numel();
+  // The outputs, every element of which the kernels write: no fills.
+  at::Tensor stats = at::empty({kNumStats}, acc.options().dtype(at::kFloat));
+  at::Tensor values = at::empty({capacity}, acc.options());
+  at::Tensor indices = at::empty({capacity}, acc.options().dtype(at::kInt));
+  at::Tensor count = at::empty({1}, acc.options().dtype(at::kInt));
+  float* stats_ptr = stats.mutable_data_ptr<float>();
+  // The passes run in stream order, so the statistics pass's scratch and compact's share the same bytes.
+  const size_t scratch_bytes =
+      std::max(statistics_scratch_bytes(grad_contig, residual.has_value(), k), compact_scratch_bytes(acc, capacity));
+  const WorkspaceLease workspace = lease_workspace(acc.device(), stream, scratch_bytes);
+  launch_statistics(grad_contig, residual, z, k, stats_ptr, workspace.zeroed, workspace.scratch, stream);
+  GTOPK_DISPATCH_FLOAT_TYPES(acc.scalar_type(), "gaussian_select_cuda", [&] {
+    fine_count_kernel<scalar_t><<<fine_count_grid<scalar_t>(n, acc.device()), kThreads, 0, stream>>>(
+        acc.const_data_ptr<scalar_t>(), n, stats_ptr, workspace.zeroed->fine_counts, &workspace.zeroed->blocks_done[1],
+        k);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  launch_compact(acc, stats_ptr + kStatThreshold, capacity, values, indices, count,
+                 update_residual && residual.has_value(), workspace.scratch, stream);
+  return {values, indices, count, stats};
 }
 
 }  // namespace

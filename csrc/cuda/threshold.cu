@@ -1,6 +1,7 @@
 // CUDA kernels of gaussian_threshold (schema in csrc/ops.cpp), with the semantics of csrc/cpu/threshold.cpp and
 // gtopk_ext/reference.py. No kernel synchronises with the host: the statistics are written on the device, so the
-// op can be captured in a CUDA graph and overlaps the host's work.
+// op can be captured in a CUDA graph and overlaps the host's work. Fused path: one launch, the last block of the
+// pass finishing (and zeroing the histogram it read); legacy path: the pass, then a finishing kernel.
 #include "common.cuh"
 
 namespace gtopk_ext::cuda {
@@ -35,6 +36,11 @@ __device__ __forceinline__ Moments warp_merge(Moments m) {
   return m;
 }
 
+// A block's partial, read from L2 (__ldcg): in the fused path other blocks of the same kernel wrote it.
+__device__ __forceinline__ Moments load_partial(const Moments* p) {
+  return {__ldcg(&p->count), __ldcg(&p->mean), __ldcg(&p->m2), __ldcg(&p->max_abs)};
+}
+
 // The block's merged moments, valid in thread 0. A fixed merge tree: results do not vary from run to run.
 __device__ Moments block_merge(Moments m) {
   __shared__ Moments per_warp[kWarpSize];
@@ -55,13 +61,76 @@ __device__ __forceinline__ float acc_value(float grad, float residual) {
   return kAccumulate ? static_cast<float>(static_cast<scalar_t>(residual + grad)) : grad;
 }
 
+// Merges the per-block partials (fixed order) into mean, std, max |acc| and the Gaussian threshold, and when
+// k > 0 finds the histogram threshold: each thread sums bins_per_thread() consecutive bins (thread 0 the top ones),
+// a block scan gives the count above each thread's bins, and the one thread whose bins hold the k-th largest
+// walks them as bin_reaching() does and calls threshold_in_bin(), so CPU and CUDA agree bit for bit. With
+// zero_histogram each thread then zeroes the bins it read (the fused path's workspace stays zeroed).
+template <int kBlockThreads>
+__device__ void finish_statistics(const Moments* partials, int num_partials, int32_t* histogram, double z, int64_t k,
+                                  float* stats, bool zero_histogram) {
+  Moments m{0.0, 0.0, 0.0, 0.0f};
+  for (int p = threadIdx.x; p < num_partials; p += blockDim.x) m = merge(m, load_partial(partials + p));
+  m = block_merge(m);
+  __shared__ float max_abs;
+  if (threadIdx.x == 0) {
+    const double mean = m.count > 0.0 ? m.mean : 0.0;
+    double variance = m.count > 0.0 ? m.m2 / m.count : 0.0;
+    if (variance < 0.0) variance = 0.0;
+    const double std_dev = sqrt(variance);
+    // Unfused multiply and add, as the CPU kernel computes it (-ffp-contract=off).
+    const float gaussian = static_cast<float>(__dadd_rn(fabs(mean), __dmul_rn(z, std_dev)));
+    stats[kStatMean] = static_cast<float>(mean);
+    stats[kStatStd] = static_cast<float>(std_dev);
+    stats[kStatMaxAbs] = m.max_abs;
+    stats[kStatGaussianThreshold] = gaussian;
+    if (k == 0) stats[kStatThreshold] = gaussian;
+    max_abs = m.max_abs;
+  }
+  if (k == 0) return;
+  __syncthreads();
+
+  constexpr int kBins = bins_per_thread<kBlockThreads>();
+  const int top_bin = kHistBins - 1 - static_cast<int>(threadIdx.x) * kBins;
+  long long own = 0;
+  // The bins above kHistInfKey (NaN) are never counted: zero.
+  const long long above = scan_from_top<kBlockThreads>(histogram, top_bin, own);
+  if (above < k && above + own >= k) {
+    long long total = above;
+    for (int j = 0; j < kBins; ++j) {
+      const int32_t count = load_count(histogram, top_bin - j);
+      if (total + count >= k) {
+        stats[kStatThreshold] = threshold_in_bin(top_bin - j, total, count, k, max_abs);
+        break;
+      }
+      total += count;
+    }
+  } else if (threadIdx.x == blockDim.x - 1 && above + own < k) {  // fewer than k non-NaN elements
+    stats[kStatThreshold] = threshold_in_bin(-1, above + own, 0, k, max_abs);
+  }
+  if (zero_histogram) {  // each thread its own bins, after its last read of them
+    for (int j = 0; j < kBins; ++j) histogram[top_bin - j] = 0;
+  }
+}
+
+// The fused path's finish, done by the last block of the statistics pass (blocks_done == nullptr: the legacy path,
+// which launches finish_kernel instead).
+struct LastBlockFinish {
+  unsigned int* blocks_done;
+  double z;
+  int64_t k;
+  float* stats;
+};
+
 // One grid-stride pass: residual = acc (when kAccumulate), per-block moments into partials[blockIdx.x] and, when
-// kHistogram, the counts of |acc| by hist_key() added into histogram. Each warp walks whole tiles of
+// kHistogram, the counts of |acc| by hist_key() added into histogram; then, in the fused path, the last block
+// finishes (finish_statistics, zeroing the histogram). Each warp walks whole tiles of
 // 32 * kItems elements, so the loop is warp-uniform and the histogram can use warp votes; lane l reads elements
 // tile + j * 32 + l (coalesced). grad and residual may alias: every element is read and written by one thread.
 template <typename scalar_t, bool kAccumulate, bool kHistogram>
 __global__ void __launch_bounds__(kThreads)
-    accumulate_kernel(const scalar_t* grad, scalar_t* residual, int64_t n, Moments* partials, int32_t* histogram) {
+    accumulate_kernel(const scalar_t* grad, scalar_t* residual, int64_t n, Moments* partials, int32_t* histogram,
+                      LastBlockFinish finish) {
   constexpr int kItems = items_per_thread<scalar_t>();
   constexpr int64_t kWarpTile = static_cast<int64_t>(kWarpSize) * kItems;
   extern __shared__ int32_t block_histogram[];
@@ -148,61 +217,59 @@ __global__ void __launch_bounds__(kThreads)
       if (c != 0) atomicAdd(&histogram[bin], c);
     }
   }
+  if (finish.blocks_done != nullptr && is_last_block(finish.blocks_done)) {
+    finish_statistics<kThreads>(partials, gridDim.x, histogram, finish.z, finish.k, finish.stats, true);
+  }
 }
 
-// Merges the per-block partials (fixed order) into mean, std, max |acc| and the Gaussian threshold, and when
-// k > 0 finds the histogram threshold: each thread sums kBinsPerThread consecutive bins (thread 0 the top ones),
-// a block scan gives the count above each thread's bins, and the one thread whose bins hold the k-th largest
-// walks them as bin_reaching() does and calls threshold_in_bin(), so CPU and CUDA agree bit for bit.
+// The legacy path's finish: one block after the pass.
 __global__ void __launch_bounds__(kFinishThreads)
-    finish_kernel(const Moments* partials, int num_partials, const int32_t* histogram, double z, int64_t k,
-                  float* stats) {
-  Moments m{0.0, 0.0, 0.0, 0.0f};
-  for (int p = threadIdx.x; p < num_partials; p += blockDim.x) m = merge(m, partials[p]);
-  m = block_merge(m);
-  __shared__ float max_abs;
-  if (threadIdx.x == 0) {
-    const double mean = m.count > 0.0 ? m.mean : 0.0;
-    double variance = m.count > 0.0 ? m.m2 / m.count : 0.0;
-    if (variance < 0.0) variance = 0.0;
-    const double std_dev = sqrt(variance);
-    // Unfused multiply and add, as the CPU kernel computes it (-ffp-contract=off).
-    const float gaussian = static_cast<float>(__dadd_rn(fabs(mean), __dmul_rn(z, std_dev)));
-    stats[kStatMean] = static_cast<float>(mean);
-    stats[kStatStd] = static_cast<float>(std_dev);
-    stats[kStatMaxAbs] = m.max_abs;
-    stats[kStatGaussianThreshold] = gaussian;
-    if (k == 0) stats[kStatThreshold] = gaussian;
-    max_abs = m.max_abs;
-  }
-  if (k == 0) return;
-  __syncthreads();
+    finish_kernel(const Moments* partials, int num_partials, int32_t* histogram, double z, int64_t k, float* stats) {
+  finish_statistics<kFinishThreads>(partials, num_partials, histogram, z, k, stats, false);
+}
 
-  const int top_bin = kHistBins - 1 - static_cast<int>(threadIdx.x) * kBinsPerThread;
-  int32_t counts[kBinsPerThread];
-  long long own = 0;
-  // The bins above kHistInfKey (NaN) are never counted: zero.
-  const long long above = scan_from_top(histogram, top_bin, counts, own);
-  if (above < k && above + own >= k) {
-    long long total = above;
-    for (int j = 0; j < kBinsPerThread; ++j) {
-      if (total + counts[j] >= k) {
-        stats[kStatThreshold] = threshold_in_bin(top_bin - j, total, counts[j], k, max_abs);
-        break;
-      }
-      total += counts[j];
-    }
-  } else if (threadIdx.x == blockDim.x - 1 && above + own < k) {  // fewer than k non-NaN elements
-    stats[kStatThreshold] = threshold_in_bin(-1, above + own, 0, k, max_abs);
-  }
+// The statistics pass's instance for the dtype and flags, with its dynamic shared memory and grid:
+// run(kernel, shared_bytes, grid).
+template <typename scalar_t, typename F>
+void with_statistics_kernel(bool accumulate, bool histogram, int64_t n, const at::Device& device, F&& run) {
+  dispatch_flags(accumulate, histogram, [&](auto accumulate_flag, auto histogram_flag) {
+    const auto kernel = accumulate_kernel<scalar_t, decltype(accumulate_flag)::value, decltype(histogram_flag)::value>;
+    const size_t shared_bytes = histogram_flag ? kHistBins * sizeof(int32_t) : 0;
+    const int64_t block_tile = static_cast<int64_t>(kThreads) * items_per_thread<scalar_t>();
+    run(kernel, shared_bytes, resident_grid(kernel, kThreads, shared_bytes, (n + block_tile - 1) / block_tile, device));
+  });
 }
 
 }  // namespace
 
-at::Tensor gaussian_threshold_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z,
-                                   int64_t k) {
-  static const OpChecks<decltype(gaussian_threshold_cuda)> checks("gtopk_ext::gaussian_threshold");
-  checks(grad, residual, z, k);
+size_t statistics_scratch_bytes(const at::Tensor& grad, bool accumulate, int64_t k) {
+  size_t bytes = 0;
+  GTOPK_DISPATCH_FLOAT_TYPES(grad.scalar_type(), "statistics_scratch_bytes", [&] {
+    with_statistics_kernel<scalar_t>(accumulate, k > 0, grad.numel(), grad.device(),
+                                     [&](auto, size_t, int grid) { bytes = scratch_piece(grid * sizeof(Moments)); });
+  });
+  return bytes;
+}
+
+// One launch: the pass, whose last block writes stats. grad is contiguous.
+void launch_statistics(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k,
+                       float* stats, ZeroedCounters* zeroed, char* scratch, cudaStream_t stream) {
+  const int64_t n = grad.numel();
+  GTOPK_DISPATCH_FLOAT_TYPES(grad.scalar_type(), "launch_statistics", [&] {
+    scalar_t* residual_ptr = residual.has_value() ? residual->mutable_data_ptr<scalar_t>() : nullptr;
+    with_statistics_kernel<scalar_t>(
+        residual_ptr != nullptr, k > 0, n, grad.device(), [&](auto kernel, size_t shared_bytes, int grid) {
+          Moments* partials = take_scratch<Moments>(scratch, grid);
+          kernel<<<grid, kThreads, shared_bytes, stream>>>(grad.const_data_ptr<scalar_t>(), residual_ptr, n, partials,
+                                                           k > 0 ? zeroed->histogram : nullptr,
+                                                           LastBlockFinish{&zeroed->blocks_done[0], z, k, stats});
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+  });
+}
+
+at::Tensor gaussian_threshold_legacy(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z,
+                                     int64_t k) {
   const c10::cuda::CUDAGuard guard(grad.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor grad_contig = grad.contiguous();
@@ -211,26 +278,44 @@ at::Tensor gaussian_threshold_cuda(const at::Tensor& grad, const std::optional<a
   at::Tensor histogram = k > 0 ? at::zeros({kHistBins}, grad.options().dtype(at::kInt)) : at::Tensor();
   int32_t* histogram_ptr = k > 0 ? histogram.mutable_data_ptr<int32_t>() : nullptr;
 
-  GTOPK_DISPATCH_FLOAT_TYPES(grad.scalar_type(), "gaussian_threshold_cuda", [&] {
+  GTOPK_DISPATCH_FLOAT_TYPES(grad.scalar_type(), "gaussian_threshold_legacy", [&] {
     const scalar_t* grad_ptr = grad_contig.const_data_ptr<scalar_t>();
     scalar_t* residual_ptr = residual.has_value() ? residual->mutable_data_ptr<scalar_t>() : nullptr;
-    const auto run = [&](auto accumulate, auto with_histogram) {
-      const auto kernel = accumulate_kernel<scalar_t, decltype(accumulate)::value, decltype(with_histogram)::value>;
-      const size_t shared_bytes = with_histogram ? kHistBins * sizeof(int32_t) : 0;
-      const int64_t block_tile = static_cast<int64_t>(kThreads) * items_per_thread<scalar_t>();
-      const int grid = resident_grid(kernel, kThreads, shared_bytes, (n + block_tile - 1) / block_tile, grad.device());
-      at::Tensor partials = at::empty({static_cast<int64_t>(grid * sizeof(Moments))}, grad.options().dtype(at::kByte));
-      Moments* partials_ptr = reinterpret_cast<Moments*>(partials.mutable_data_ptr());
-      kernel<<<grid, kThreads, shared_bytes, stream>>>(grad_ptr, residual_ptr, n, partials_ptr, histogram_ptr);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      finish_kernel<<<1, kFinishThreads, 0, stream>>>(partials_ptr, grid, histogram_ptr, z, k,
-                                                      stats.mutable_data_ptr<float>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    dispatch_flags(residual_ptr != nullptr, k > 0, run);
+    with_statistics_kernel<scalar_t>(
+        residual_ptr != nullptr, k > 0, n, grad.device(), [&](auto kernel, size_t shared_bytes, int grid) {
+          at::Tensor partials =
+              at::empty({static_cast<int64_t>(grid * sizeof(Moments))}, grad.options().dtype(at::kByte));
+          Moments* partials_ptr = reinterpret_cast<Moments*>(partials.mutable_data_ptr());
+          kernel<<<grid, kThreads, shared_bytes, stream>>>(grad_ptr, residual_ptr, n, partials_ptr, histogram_ptr,
+                                                           LastBlockFinish{nullptr, z, k, nullptr});
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          finish_kernel<<<1, kFinishThreads, 0, stream>>>(partials_ptr, grid, histogram_ptr, z, k,
+                                                          stats.mutable_data_ptr<float>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
   });
   return stats;
 }
+
+namespace {
+
+at::Tensor gaussian_threshold_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z,
+                                   int64_t k) {
+  static const OpChecks<decltype(gaussian_threshold_cuda)> checks("gtopk_ext::gaussian_threshold");
+  checks(grad, residual, z, k);
+  if (cuda_path() == CudaPath::kLegacy) return gaussian_threshold_legacy(grad, residual, z, k);
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor grad_contig = grad.contiguous();
+  at::Tensor stats = at::empty({kNumStats}, grad.options().dtype(at::kFloat));
+  WorkspaceLease workspace =
+      lease_workspace(grad.device(), stream, statistics_scratch_bytes(grad_contig, residual.has_value(), k));
+  launch_statistics(grad_contig, residual, z, k, stats.mutable_data_ptr<float>(), workspace.zeroed, workspace.scratch,
+                    stream);
+  return stats;
+}
+
+}  // namespace
 
 TORCH_LIBRARY_IMPL(gtopk_ext, CUDA, m) { m.impl("gaussian_threshold", &gaussian_threshold_cuda); }
 

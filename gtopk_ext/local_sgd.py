@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from gtopk_ext._contract import FLOAT_DTYPES
+from gtopk_ext._validate import check_number, tensor_list
 from gtopk_ext.collectives import MAX_NUMEL, SPARSE_COLLECTIVES, agree, collective_named, group_rank_and_size
 from gtopk_ext.compressors import COMPRESSOR_KINDS, check_density, make_compressor
 from gtopk_ext.costs import Traffic, format_bytes, latest_line, ring_allreduce_bytes, sent_and_received
@@ -74,29 +75,6 @@ def _shards(params: list[torch.Tensor]) -> list[_Shard]:
             chunks.append([])
         chunks[-1].append(p)
     return [_Shard(chunk) for chunks in by_device.values() for chunk in chunks]
-
-
-def _tensor_list(items: Iterable[torch.Tensor], name: str) -> list[torch.Tensor]:
-    if isinstance(items, torch.Tensor):
-        raise TypeError(f"{name} must be an iterable of tensors (e.g. model.{name}()), got a single tensor")
-    tensors = list(items)
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must hold tensors, got {type(t).__name__}"
-                            + (" (param groups are not supported: pass model.parameters())" if isinstance(t, dict)
-                               else ""))
-    if len({id(t) for t in tensors}) != len(tensors):
-        raise ValueError(f"{name} holds the same tensor more than once")
-    return tensors
-
-
-def _check_number(name: str, value: Any, low: float, high: float, *, low_open: bool, high_open: bool) -> float:
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-          and (value > low if low_open else value >= low) and (value < high if high_open else value <= high))
-    if not ok:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
-    return float(value)
 
 
 class SparseLocalSGD:
@@ -146,9 +124,8 @@ class SparseLocalSGD:
         if collective == "dense" and density != 1.0:
             raise ValueError(f"collective='dense' sends every element: density must be 1.0, got {density!r} "
                              f"(a sparse collective sends a fraction: {SPARSE_COLLECTIVES})")
-        self.outer_lr = _check_number("outer_lr", outer_lr, 0.0, math.inf, low_open=True, high_open=True)
-        self.outer_momentum = _check_number("outer_momentum", outer_momentum, 0.0, 1.0, low_open=False,
-                                            high_open=True)
+        self.outer_lr = check_number("outer_lr", outer_lr, 0.0, math.inf, low_open=True, high_open=True)
+        self.outer_momentum = check_number("outer_momentum", outer_momentum, 0.0, 1.0, high_open=True)
         if not isinstance(nesterov, bool):
             raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
         if nesterov and self.outer_momentum == 0.0:
@@ -160,14 +137,14 @@ class SparseLocalSGD:
                              f"compact wire is for the sparse collectives: {SPARSE_COLLECTIVES})")
         if compressor not in COMPRESSOR_KINDS:
             raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {compressor!r}")
-        self.params = _tensor_list(params, "params")
+        self.params = tensor_list(params, "params")
         if not self.params:
             raise ValueError("params is empty: pass the model's parameters")
         for i, p in enumerate(self.params):
             if p.dtype not in FLOAT_DTYPES or p.is_sparse or p.numel() == 0:
                 raise ValueError(f"params[{i}] must be a non-empty dense float32, float16 or bfloat16 tensor, got "
                                  f"{p.dtype} of shape {tuple(p.shape)}{' (sparse)' if p.is_sparse else ''}")
-        self.buffers = _tensor_list(buffers, "buffers")
+        self.buffers = tensor_list(buffers, "buffers")
         self.sync_every = sync_every
         self.density = float(density)
         self.collective = collective

@@ -365,8 +365,8 @@ def main(argv: Optional[list] = None) -> int:
 
 # What makes two reports one experiment (--merge): everything but the methods and how they were run.
 CONFIGURATION = ("world_size", "steps", "eval_every", "batch_size", "seq_len", "d_model", "layers", "heads", "lr",
-                 "momentum", "outer_lr", "outer_momentum", "outer_nesterov", "bucket_cap_mb", "val_percent",
-                 "val_windows", "seed", "rate")
+                 "momentum", "outer_lr", "outer_momentum", "outer_nesterov", "error_decay", "bucket_cap_mb",
+                 "val_percent", "val_windows", "seed", "rate")
 
 
 def merged(args: argparse.Namespace) -> tuple[argparse.Namespace, dict]:

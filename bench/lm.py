@@ -31,8 +31,8 @@ DEFAULT_METHODS = ("ddp", "fp16", "powersgd-2", "gtopk-0.01", "gtopk-0.001", "re
 GROUPS = ("embedding", "layernorm", "attention", "mlp", "head")
 # What makes two reports one experiment (--merge): everything but the methods and how they were run.
 CONFIGURATION = ("world_size", "steps", "eval_every", "batch_size", "seq_len", "d_model", "layers", "heads", "lr",
-                 "momentum", "outer_lr", "outer_momentum", "outer_nesterov", "bucket_cap_mb", "val_percent",
-                 "val_windows", "seed", "rate")
+                 "momentum", "outer_lr", "outer_momentum", "outer_nesterov", "error_decay", "bucket_cap_mb",
+                 "val_percent", "val_windows", "seed", "rate")
 
 
 def stdlib_root() -> Path:

@@ -14,7 +14,8 @@ reduces it with the package's collective; whatever was not applied (not selected
 stays in the accumulator. The averaged sparse pseudo-gradient drives an outer SGD step (momentum, Nesterov) on the
 global weights, which every rank then adopts, and floating-point buffers (BatchNorm statistics) are averaged
 densely: after every sync the replicas are bitwise equal. ``density=1.0`` with ``collective="dense"`` is DiLoCo;
-``outer_lr=1.0, outer_momentum=0.0, nesterov=False`` (the defaults) is plain local SGD (periodic model averaging).
+``outer_lr=1.0, outer_momentum=0.0, nesterov=False`` (the defaults) is plain local SGD (periodic model averaging);
+``error_decay < 1`` is SparseLoCo's decayed accumulator.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from gtopk_ext._contract import FLOAT_DTYPES
+from gtopk_ext._validate import check_number, tensor_list
 from gtopk_ext.collectives import MAX_NUMEL, SPARSE_COLLECTIVES, agree, collective_named, group_rank_and_size
 from gtopk_ext.compressors import COMPRESSOR_KINDS, check_density, make_compressor
 from gtopk_ext.costs import Traffic, format_bytes, latest_line, ring_allreduce_bytes, sent_and_received
@@ -76,29 +78,6 @@ def _shards(params: list[torch.Tensor]) -> list[_Shard]:
     return [_Shard(chunk) for chunks in by_device.values() for chunk in chunks]
 
 
-def _tensor_list(items: Iterable[torch.Tensor], name: str) -> list[torch.Tensor]:
-    if isinstance(items, torch.Tensor):
-        raise TypeError(f"{name} must be an iterable of tensors (e.g. model.{name}()), got a single tensor")
-    tensors = list(items)
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must hold tensors, got {type(t).__name__}"
-                            + (" (param groups are not supported: pass model.parameters())" if isinstance(t, dict)
-                               else ""))
-    if len({id(t) for t in tensors}) != len(tensors):
-        raise ValueError(f"{name} holds the same tensor more than once")
-    return tensors
-
-
-def _check_number(name: str, value: Any, low: float, high: float, *, low_open: bool, high_open: bool) -> float:
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-          and (value > low if low_open else value >= low) and (value < high if high_open else value <= high))
-    if not ok:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
-    return float(value)
-
-
 class SparseLocalSGD:
     r"""The outer optimizer of local SGD over a model that is not wrapped in DDP.
 
@@ -120,6 +99,11 @@ class SparseLocalSGD:
             ``"compact"`` (4 bytes a pair: float16 values after a power-of-two scale, 16-bit indices); what the
             compact wire's rounding takes off a value goes into the accumulator, so nothing is lost. The dense
             collective sends float32 and takes ``"plain"`` only.
+        error_decay: each sync first multiplies the error-feedback accumulator by this, in [0, 1], then adds the
+            pseudo-gradient (SparseLoCo's decayed accumulator, which acts as momentum). 1.0 (default) is exact
+            error feedback; below 1, ``(1 - error_decay) x old accumulator`` is dropped on purpose, not sent
+            later (its L1 norm is counted in :meth:`stats`); 0 keeps nothing. Sparse collectives only; measured:
+            docs/local_sgd.md.
 
     Construction is collective over ``process_group``: every rank checks that the others have the same
     parameters, and all adopt the first rank's parameters and buffers (as DDP does), so training starts from
@@ -127,17 +111,18 @@ class SparseLocalSGD:
     bfloat16 models), one vector per device.
 
     What is guaranteed: after every sync the parameters and buffers are bitwise equal on every rank; with a
-    sparse collective, ``sum over ranks (pseudo-gradient + old accumulator) = P x averaged pseudo-gradient +
-    sum over ranks (new accumulator)`` up to float rounding, with either wire (nothing is lost, only delayed:
-    what the compact wire's float16 rounding took off a value is in the accumulator); a non-finite
-    pseudo-gradient on any rank raises :class:`FloatingPointError` on every rank and changes nothing.
+    sparse collective, ``sum over ranks (pseudo-gradient + error_decay x old accumulator) = P x averaged
+    pseudo-gradient + sum over ranks (new accumulator)`` up to float rounding, with either wire (with
+    ``error_decay=1`` nothing is lost, only delayed: what the compact wire's float16 rounding took off a value is
+    in the accumulator; below 1 only the decayed part is lost, and counted); a non-finite pseudo-gradient on any
+    rank raises :class:`FloatingPointError` on every rank and changes nothing.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], sync_every: int = 32, density: float = 0.02,
                  collective: str = "gtopk", outer_lr: float = 1.0, outer_momentum: float = 0.0,
                  nesterov: bool = False, process_group: dist.ProcessGroup | None = None, *,
                  compressor: str = "gaussiank", compressor_kwargs: dict | None = None,
-                 buffers: Iterable[torch.Tensor] = (), wire: str = "plain"):
+                 buffers: Iterable[torch.Tensor] = (), wire: str = "plain", error_decay: float = 1.0):
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
         check_density(density)
@@ -146,9 +131,12 @@ class SparseLocalSGD:
         if collective == "dense" and density != 1.0:
             raise ValueError(f"collective='dense' sends every element: density must be 1.0, got {density!r} "
                              f"(a sparse collective sends a fraction: {SPARSE_COLLECTIVES})")
-        self.outer_lr = _check_number("outer_lr", outer_lr, 0.0, math.inf, low_open=True, high_open=True)
-        self.outer_momentum = _check_number("outer_momentum", outer_momentum, 0.0, 1.0, low_open=False,
-                                            high_open=True)
+        self.outer_lr = check_number("outer_lr", outer_lr, 0.0, math.inf, low_open=True, high_open=True)
+        self.outer_momentum = check_number("outer_momentum", outer_momentum, 0.0, 1.0, high_open=True)
+        self.error_decay = check_number("error_decay", error_decay, 0.0, 1.0)
+        if collective == "dense" and self.error_decay != 1.0:
+            raise ValueError(f"error_decay decays the accumulator of a sparse collective; collective='dense' has none "
+                             f"and takes error_decay=1.0 only, got {error_decay!r}")
         if not isinstance(nesterov, bool):
             raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
         if nesterov and self.outer_momentum == 0.0:
@@ -160,28 +148,23 @@ class SparseLocalSGD:
                              f"compact wire is for the sparse collectives: {SPARSE_COLLECTIVES})")
         if compressor not in COMPRESSOR_KINDS:
             raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {compressor!r}")
-        self.params = _tensor_list(params, "params")
+        self.params = tensor_list(params, "params")
         if not self.params:
             raise ValueError("params is empty: pass the model's parameters")
         for i, p in enumerate(self.params):
             if p.dtype not in FLOAT_DTYPES or p.is_sparse or p.numel() == 0:
                 raise ValueError(f"params[{i}] must be a non-empty dense float32, float16 or bfloat16 tensor, got "
                                  f"{p.dtype} of shape {tuple(p.shape)}{' (sparse)' if p.is_sparse else ''}")
-        self.buffers = _tensor_list(buffers, "buffers")
-        self.sync_every = sync_every
-        self.density = float(density)
-        self.collective = collective
-        self.wire = wire
-        self.nesterov = nesterov
-        self.process_group = process_group
-        self.compressor = compressor
+        self.buffers = tensor_list(buffers, "buffers")
+        self.sync_every, self.density, self.collective, self.wire = sync_every, float(density), collective, wire
+        self.nesterov, self.process_group, self.compressor = nesterov, process_group, compressor
         self._compressor = (make_compressor(compressor, self.density, **dict(compressor_kwargs or {}))
                             if collective != "dense" else None)
-        self._collective = (collective_named(collective, self._compressor.backend)
-                            if self._compressor is not None else None)
+        self._collective = collective_named(collective, self._compressor.backend) if self._compressor else None
         self.local_step = 0  # calls of step() so far
         self.syncs = 0
         self.traffic = Traffic()  # every sync's bytes, this rank
+        self.decayed = 0.0  # L1 norm of what error_decay dropped from the accumulator, this rank, all syncs
         self._last: dict[str, Any] = {}
         self._send_accumulators = False  # load_state_dict(..., "fold"): the next sync sends them whole
         self._shards = _shards(self.params)
@@ -217,6 +200,7 @@ class SparseLocalSGD:
         if diverged:
             raise FloatingPointError(f"SparseLocalSGD.sync: the pseudo-gradient of rank(s) {diverged} is not finite "
                                      f"(inner training diverged); nothing was applied")
+        decayed = self._decay()
         k = selected = 0
         for index, delta in enumerate(deltas):
             averaged, shard_k, shard_selected = self._reduce(index, delta, group, size, traffic)
@@ -227,9 +211,19 @@ class SparseLocalSGD:
         self._send_accumulators = False
         self.syncs += 1
         self.traffic.add(traffic.sent, traffic.received)
+        self.decayed += decayed
         self._last = {"numel": sum(s.numel for s in self._shards), "k": k, "selected": selected,
-                      "bytes_sent": traffic.sent, "bytes_received": traffic.received,
+                      "bytes_sent": traffic.sent, "bytes_received": traffic.received, "decayed": decayed,
                       "seconds": perf_counter() - start}
+
+    def _decay(self) -> float:
+        """Scales the accumulators by error_decay; returns the L1 norm of what it dropped, (1 - decay) x |old|."""
+        if self.error_decay == 1.0:
+            return 0.0
+        norm = sum(float(a.abs().sum(dtype=torch.float64)) for a in self._accumulator)
+        for a in self._accumulator:
+            a.mul_(self.error_decay)
+        return (1.0 - self.error_decay) * norm
 
     def _reduce(self, index: int, delta: torch.Tensor, group: dist.ProcessGroup, size: int,
                 traffic: Traffic) -> tuple[torch.Tensor, int, int]:
@@ -303,17 +297,20 @@ class SparseLocalSGD:
     # ----- statistics and checkpoints -----
 
     def stats(self) -> dict[str, Any]:
-        """``{"local_step", "syncs", "bytes_sent", "bytes_received"}`` (this rank, all syncs so far) and
-        ``"last_sync"``: the latest sync's ``numel``, ``k`` (elements sent per rank), ``selected`` (by the
-        compressor, before truncation to k), ``bytes_sent``, ``bytes_received`` and ``seconds``."""
+        """``{"local_step", "syncs", "bytes_sent", "bytes_received", "decayed"}`` (this rank, all syncs so far;
+        ``decayed``: the L1 norm of what ``error_decay`` dropped from the accumulator) and ``"last_sync"``: the
+        latest sync's ``numel``, ``k`` (elements sent per rank), ``selected`` (by the compressor, before truncation
+        to k), ``bytes_sent``, ``bytes_received``, ``decayed`` and ``seconds``."""
         return {"local_step": self.local_step, "syncs": self.syncs, "bytes_sent": self.traffic.sent,
-                "bytes_received": self.traffic.received, "last_sync": dict(self._last)}
+                "bytes_received": self.traffic.received, "decayed": self.decayed, "last_sync": dict(self._last)}
 
     def summary(self) -> str:
         """:meth:`stats` as lines to print, the bytes next to dense DiLoCo's float32 allreduce of the parameters."""
         stats, last, numel = self.stats(), self._last, sum(shard.numel for shard in self._shards)
         dense = ring_allreduce_bytes(4 * numel, group_rank_and_size(self.process_group)[2])  # at this group's size
         momentum = f", momentum {self.outer_momentum:g}{' nesterov' * self.nesterov}" if self.outer_momentum else ""
+        decay = [f"error decay {self.error_decay:g}: dropped {self.decayed:.4g} (L1 norm, this rank) in all, "
+                 f"{last.get('decayed', 0.0):.4g} in the latest sync"] if self.error_decay != 1.0 else []
         return "\n".join([
             f"SparseLocalSGD: {self.collective}{f' ({self.compressor})' * bool(self._compressor)}, density "
             f"{self.density:g}, {self.wire} wire, sync_every {self.sync_every}, outer lr {self.outer_lr:g}{momentum}",
@@ -322,17 +319,16 @@ class SparseLocalSGD:
             f"dense DiLoCo would send {format_bytes(dense)} a sync, {format_bytes(dense * stats['syncs'])} in all",
             latest_line("sync", stats["syncs"], last["bytes_sent"], last["k"], numel, f"selected {last['selected']:,}, "
                         f"received {format_bytes(last['bytes_received'])}, {1e3 * last['seconds']:.2f} ms")
-            if last else "latest sync: none in this process yet"])
+            if last else "latest sync: none in this process yet", *decay])
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's resumable state (copies): ``local_step``, ``syncs``, ``world_size`` and ``rank`` (with
-        torch.distributed initialized), ``wire``, ``numels`` (per shard),
-        ``global`` (the global weights, the same on every rank), ``momentum`` and ``accumulator`` (this rank's,
-        the compact wire's rounding errors included), one float32 vector per shard. Save it with the model's and
-        the inner optimizer's state."""
+        torch.distributed initialized), ``wire``, ``numels`` (per shard), ``decayed`` (:meth:`stats`'), ``global``
+        (the global weights, the same on every rank), ``momentum`` and ``accumulator`` (this rank's, the compact
+        wire's rounding errors included), one float32 vector per shard. Save it with the model's and the inner
+        optimizer's state."""
         return {"local_step": self.local_step, "syncs": self.syncs, **world_fields(self.process_group),
-                "wire": self.wire,
-                "numels": [s.numel for s in self._shards],
+                "wire": self.wire, "numels": [s.numel for s in self._shards], "decayed": self.decayed,
                 "global": [g.clone() for g in self._global], "momentum": [m.clone() for m in self._momentum],
                 "accumulator": [a.clone() for a in self._accumulator]}
 
@@ -347,8 +343,9 @@ class SparseLocalSGD:
         rank, always load): ``"error"`` (default) raises a ValueError naming both sizes (so does another rank's
         state_dict); ``"fold"`` takes every saved rank's state_dict as a list in rank order: this rank adds up the
         accumulators of the saved ranks ``q`` with ``q % world_size == rank`` and the next sync sends them whole
-        (dense, on every rank): nothing is lost; ``"zero"``: the accumulators start at zero (dropped). A
-        state_dict that does not record its world size (older versions) loads as this rank's."""
+        (dense, on every rank): nothing is lost; ``"zero"``: the accumulators start at zero (dropped). ``decayed``
+        follows the accumulators. A state_dict without ``world_size`` or ``decayed`` (older versions) loads as
+        this rank's, with nothing decayed."""
         plan = plan_resume(state_dict, on_world_size_change, self.process_group, "SparseLocalSGD.load_state_dict")
         state_dict = plan.replicated
         missing = {"local_step", "syncs", "numels", "global"} - set(state_dict)
@@ -374,10 +371,12 @@ class SparseLocalSGD:
             restored["accumulator"] = [sum(parts) for parts in zip(*taken)] if taken else None
         if restored["global"] is None:
             raise ValueError("state_dict['global'] is empty: expected the global weights")
+        decayed = sum(check_number("state_dict['decayed']", saved.get("decayed", 0.0), 0.0, math.inf, high_open=True)
+                      for saved in plan.own)
         for name, mine in vectors.items():
             for vector, saved in zip(mine, restored[name] or [torch.zeros_like(v) for v in mine]):
                 vector.copy_(saved)
-        self.local_step, self.syncs = state_dict["local_step"], state_dict["syncs"]
+        self.local_step, self.syncs, self.decayed = state_dict["local_step"], state_dict["syncs"], float(decayed)
         self._send_accumulators = plan.policy == "fold"
 
     @staticmethod
@@ -394,4 +393,5 @@ class SparseLocalSGD:
     def __repr__(self) -> str:
         return (f"SparseLocalSGD(sync_every={self.sync_every}, density={self.density}, "
                 f"collective={self.collective!r}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, "
-                f"nesterov={self.nesterov}, compressor={self.compressor!r}, wire={self.wire!r})")
+                f"nesterov={self.nesterov}, compressor={self.compressor!r}, wire={self.wire!r}, "
+                f"error_decay={self.error_decay})")

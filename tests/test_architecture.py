@@ -12,7 +12,8 @@ PACKAGE = ROOT / "gtopk_ext"
 
 # DESIGN.md's lines, bottom first: a module may import its own line and the lines below it.
 LAYERS = [
-    {"gtopk_ext._contract", "gtopk_ext._worker", "gtopk_ext.costs", "gtopk_ext.reference", "gtopk_ext._C"},
+    {"gtopk_ext._contract", "gtopk_ext._validate", "gtopk_ext._worker", "gtopk_ext.costs", "gtopk_ext.reference",
+     "gtopk_ext._C"},
     {"gtopk_ext.backends", "gtopk_ext.ops", "gtopk_ext.torch_kernels", "gtopk_ext.triton_kernels"},
     {"gtopk_ext.message", "gtopk_ext.wire"},
     {"gtopk_ext.compressors"},

@@ -1,5 +1,6 @@
 """SparseLocalSGD on real Gloo process groups (P = 2, 3, 4; every check of one P runs inside one spawn): replicas
-bitwise equal after every sync, conservation of the pseudo-gradient through compression and reduction, DiLoCo
+bitwise equal after every sync, conservation of the pseudo-gradient through compression and reduction (with a
+decayed accumulator: what it keeps, and the decayed mass counted), DiLoCo
 (density 1, dense) against a plain-PyTorch DiLoCo, plain local SGD against the mean of the replicas, bitwise
 resume, and clear errors on every rank."""
 
@@ -110,6 +111,7 @@ def _case_replicas_and_conservation(rank: int, world_size: int) -> None:
             dropped_somewhere |= bool(after["accumulator"][0].abs().sum() > 0)
             _assert_replicas_equal(model, f"{what}, sync {outer.syncs}")
             last = outer.stats()["last_sync"]
+            assert last["decayed"] == 0.0 == outer.stats()["decayed"]  # error_decay=1.0: exact error feedback
             assert last["k"] == math.ceil(density * sum(p.numel() for p in model.parameters()))
             assert 0 < last["bytes_sent"] and last["numel"] == adopted.numel()
             sent.setdefault((collective, compressor, density, wire), (last["bytes_sent"], last["k"]))
@@ -118,6 +120,55 @@ def _case_replicas_and_conservation(rank: int, world_size: int) -> None:
     # saves 4 bytes a pair less its few words of page table and scale.
     (plain, k), (compact, _) = sent[("gtopk", "topk", 0.2, "plain")], sent[("gtopk", "topk", 0.2, "compact")]
     assert plain - compact >= 3 * k, (plain, compact, k)
+
+
+def _case_error_decay(rank: int, world_size: int) -> None:
+    """SparseLoCo's decayed accumulator: each sync scales the old accumulator by error_decay before the
+    pseudo-gradient joins it, so sum over ranks (pseudo-gradient + error_decay x old accumulator) = P x averaged
+    + sum over ranks (new accumulator), and stats() counts the L1 norm of (1 - error_decay) x old accumulator.
+    A decay after the selection (of delta + old - sent), or a mass not counted, fails these checks."""
+    for collective, wire, decay in [("gtopk", "plain", 0.5), ("allgather", "compact", 0.5), ("gtopk", "plain", 0.0)]:
+        what = f"{collective}/{wire}/error_decay={decay}"
+        model = _model(seed=0)
+        outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=0.05, collective=collective, wire=wire,
+                                  buffers=model.buffers(), error_decay=decay)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        per_sync = []
+        for step in range(4 * H):
+            _inner_step(model, inner, rank, step)
+            if (step + 1) % H:
+                outer.step()
+                continue
+            before = outer.state_dict()
+            old = before["accumulator"][0].double()
+            went_in = _flat(before["global"]) - _flat(model.parameters()) + decay * old
+            assert outer.step()
+            after = outer.state_dict()
+            averaged = before["global"][0].double() - after["global"][0].double()
+            left = went_in - after["accumulator"][0].double()
+            dist.all_reduce(left)
+            torch.testing.assert_close(left, world_size * averaged, rtol=0, atol=1e-6,
+                                       msg=lambda m: f"{what}, sync {outer.syncs}: invariant broken: {m}")
+            decayed = outer.stats()["last_sync"]["decayed"]
+            assert decayed == pytest.approx((1 - decay) * float(old.abs().sum()), rel=1e-6), what
+            assert (decayed > 0) == (outer.syncs > 1), f"{what}: the first sync has no accumulator to decay"
+            per_sync.append(decayed)
+        assert outer.stats()["decayed"] == sum(per_sync) == outer.state_dict()["decayed"], what
+        assert outer.summary().splitlines()[-1] == (f"error decay {decay:g}: dropped {sum(per_sync):.4g} (L1 norm, "
+                                                    f"this rank) in all, {per_sync[-1]:.4g} in the latest sync")
+    # error_decay=1.0 is the default, bitwise.
+    states = []
+    for options in ({}, {"error_decay": 1.0}):
+        model = _model(seed=0)
+        outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=0.05, **options)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2 * H):
+            _inner_step(model, inner, rank, step)
+            outer.step()
+        states.append(outer.state_dict())
+    for name in ("global", "accumulator"):
+        assert all(torch.equal(a, b) for a, b in zip(states[0][name], states[1][name])), name
+    assert states[0]["decayed"] == states[1]["decayed"] == 0.0
 
 
 def _diloco_reference(model: nn.Module, world_size: int, outer_lr: float, momentum: float):
@@ -210,20 +261,20 @@ def _case_summary(rank: int, world_size: int) -> None:
 def _case_resume(rank: int, world_size: int) -> None:
     """A run saved in the middle of a sync interval and restored into fresh objects continues bitwise, on either
     wire (the compact wire's rounding errors travel in the accumulator)."""
-    for wire in ("plain", "compact"):
-        _resume(rank, wire)
+    for wire, decay in (("plain", 1.0), ("compact", 1.0), ("plain", 0.9)):
+        _resume(rank, wire, decay)
 
 
-def _resume(rank: int, wire: str) -> None:
+def _resume(rank: int, wire: str, decay: float) -> None:
     def build(seed: int):
         model = _model(seed)
         outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=0.1, collective="gtopk",
                                   outer_lr=0.7, outer_momentum=0.9, nesterov=True, buffers=model.buffers(),
-                                  wire=wire)
+                                  wire=wire, error_decay=decay)
         return model, torch.optim.AdamW(model.parameters(), lr=0.01), outer
 
     model, inner, outer = build(0)
-    steps, saved_at = 4 * H, H + 1
+    steps, saved_at = 4 * H, 2 * H + 1  # after two syncs: the second decayed the accumulator
     for step in range(steps):
         if step == saved_at:
             saved = copy.deepcopy((model.state_dict(), inner.state_dict(), outer.state_dict()))
@@ -242,6 +293,8 @@ def _resume(rank: int, wire: str) -> None:
         for a, b in zip(outer.state_dict()[name], resumed_outer.state_dict()[name]):
             assert torch.equal(a, b), f"{wire}: the resumed run's {name} differs"
     assert resumed_outer.state_dict()["wire"] == wire
+    assert (saved[2]["decayed"] > 0) == (decay < 1), (wire, decay, saved[2]["decayed"])
+    assert resumed_outer.stats()["decayed"] == outer.stats()["decayed"], (wire, decay)
 
 
 def _expect_error(error: type[Exception], match: str, build) -> None:
@@ -271,6 +324,12 @@ def _case_errors(rank: int, world_size: int) -> None:
     _expect_error(ValueError, r"nesterov=True needs outer_momentum > 0", make(nesterov=True))
     _expect_error(TypeError, r"nesterov must be a bool, got 'yes'", make(nesterov="yes"))
     _expect_error(ValueError, r"compressor must be one of .*, got 'sort'", make(compressor="sort"))
+    _expect_error(ValueError, r"error_decay must be a number in \[0, 1\], got 1.5", make(error_decay=1.5))
+    _expect_error(ValueError, r"error_decay must be a number in \[0, 1\], got -0.1", make(error_decay=-0.1))
+    _expect_error(ValueError, r"error_decay must be a number in \[0, 1\], got nan", make(error_decay=float("nan")))
+    _expect_error(ValueError, r"error_decay must be a number in \[0, 1\], got '0.9'", make(error_decay="0.9"))
+    _expect_error(ValueError, r"collective='dense' has none and takes error_decay=1.0 only, got 0.9",
+                  make(collective="dense", density=1.0, error_decay=0.9))
     _expect_error(ValueError, r"wire must be one of \('plain', 'compact'\), got 'zip'", make(wire="zip"))
     _expect_error(ValueError, r"collective='dense' allreduces float32 on the plain wire, got wire='compact'",
                   make(collective="dense", density=1.0, wire="compact"))
@@ -311,14 +370,19 @@ def _case_errors(rank: int, world_size: int) -> None:
                   lambda: outer.load_state_dict({**before, "wire": "zip"}))
     _expect_error(KeyError, r"state_dict is missing \['global'\]",
                   lambda: outer.load_state_dict({k: v for k, v in before.items() if k != "global"}))
+    _expect_error(ValueError, r"state_dict\['decayed'\] must be a number in \[0, inf\), got -1.0",
+                  lambda: outer.load_state_dict({**before, "decayed": -1.0}))
+    outer.decayed = 2.0
+    outer.load_state_dict({k: v for k, v in before.items() if k != "decayed"})  # saved before it was recorded
+    assert outer.stats()["decayed"] == 0.0
     with_momentum = gx.SparseLocalSGD(params, sync_every=H, density=0.1, outer_momentum=0.9).state_dict()
     _expect_error(ValueError,
                   r"state_dict holds an outer momentum: construct with its outer_momentum \(this one: 0.0\)",
                   lambda: outer.load_state_dict(with_momentum))
 
 
-CASES = {case.__name__: case for case in (_case_replicas_and_conservation, _case_diloco, _case_local_sgd,
-                                          _case_resume, _case_errors, _case_summary)}
+CASES = {case.__name__: case for case in (_case_replicas_and_conservation, _case_error_decay, _case_diloco,
+                                          _case_local_sgd, _case_resume, _case_errors, _case_summary)}
 
 
 def _run_cases(rank: int, world_size: int, names: list[str]) -> None:
@@ -328,8 +392,8 @@ def _run_cases(rank: int, world_size: int, names: list[str]) -> None:
 
 @pytest.mark.parametrize("world_size,names", [
     (2, ["_case_replicas_and_conservation", "_case_diloco", "_case_local_sgd", "_case_errors", "_case_summary"]),
-    (3, ["_case_replicas_and_conservation", "_case_diloco", "_case_resume"]),
-    (4, ["_case_replicas_and_conservation", "_case_local_sgd", "_case_resume"]),
+    (3, ["_case_replicas_and_conservation", "_case_error_decay", "_case_diloco", "_case_resume"]),
+    (4, ["_case_replicas_and_conservation", "_case_error_decay", "_case_local_sgd", "_case_resume"]),
 ])
 def test_sparse_local_sgd(world_size: int, names: list[str]) -> None:
     run_distributed(_run_cases, world_size, names, timeout=300)

@@ -249,6 +249,8 @@ def add_outer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--outer-momentum", type=float, default=0.0, help="the outer SGD's momentum")
     parser.add_argument("--outer-nesterov", action=argparse.BooleanOptionalAction, default=True,
                         help="Nesterov momentum (when --outer-momentum > 0)")
+    parser.add_argument("--error-decay", type=float, default=1.0,
+                        help="SparseLocalSGD's error_decay (the sparse- methods; 1: exact error feedback)")
 
 
 class LocalExchange:
@@ -267,7 +269,9 @@ class LocalExchange:
             self.outer = gx.SparseLocalSGD(model.parameters(), sync_every=method.period, density=method.density,
                                            collective=method.collective, outer_lr=args.outer_lr,
                                            outer_momentum=args.outer_momentum,
-                                           nesterov=args.outer_nesterov and args.outer_momentum > 0, wire=method.wire)
+                                           nesterov=args.outer_nesterov and args.outer_momentum > 0,
+                                           wire=method.wire,
+                                           error_decay=args.error_decay if method.kind == "sparse" else 1.0)
 
     def after_step(self) -> None:
         self.steps += 1

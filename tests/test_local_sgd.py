@@ -63,6 +63,26 @@ def _assert_replicas_equal(model: nn.Module, what: str) -> None:
         assert torch.equal(other, raw), f"{what}: rank {rank}'s replica differs from rank {dist.get_rank()}'s"
 
 
+def _synced_and_conserved(outer: gx.SparseLocalSGD, model: torch.nn.Module, world_size: int, decay: float,
+                          what: str) -> tuple[torch.Tensor, dict]:
+    """``outer.step()``, which must sync, and sum over ranks (pseudo-gradient + decay x old accumulator) = P x the
+    averaged pseudo-gradient + sum over ranks (new accumulator), the average read from the global weights (outer
+    lr 1, no momentum). Returns this rank's old accumulator and the state after."""
+    before = outer.state_dict()
+    old = before["accumulator"][0].double()
+    dtype = next(model.parameters()).dtype
+    adopted = _flat(p.to(dtype) for p in before["global"])  # what the replicas adopted at the last sync
+    went_in = adopted - _flat(model.parameters()) + decay * old
+    assert outer.step()
+    after = outer.state_dict()
+    averaged = before["global"][0].double() - after["global"][0].double()
+    left = went_in - after["accumulator"][0].double()
+    dist.all_reduce(left)
+    torch.testing.assert_close(left, world_size * averaged, rtol=0, atol=1e-6,
+                               msg=lambda m: f"{what}, sync {outer.syncs}: not conserved: {m}")
+    return old, after
+
+
 # ------------------------------------------------------------------------------------------------------ cases
 
 
@@ -97,23 +117,14 @@ def _case_replicas_and_conservation(rank: int, world_size: int) -> None:
             if (step + 1) % H:
                 assert not outer.step()
                 continue
-            before = outer.state_dict()
-            adopted = _flat(p.to(dtype) for p in before["global"])  # what the replicas adopted at the last sync
-            went_in = adopted - _flat(model.parameters()) + before["accumulator"][0].double()
-            assert outer.step()
-            after = outer.state_dict()
-            averaged = before["global"][0].double() - after["global"][0].double()
-            left = went_in - after["accumulator"][0].double()
-            dist.all_reduce(left)
-            torch.testing.assert_close(left, world_size * averaged, rtol=0, atol=1e-6,
-                                       msg=lambda m: f"{what}, sync {outer.syncs}: not conserved: {m}")
+            _, after = _synced_and_conserved(outer, model, world_size, 1.0, what)
             # What this rank sent but a merge dropped (or what was not selected) is in its accumulator.
             dropped_somewhere |= bool(after["accumulator"][0].abs().sum() > 0)
             _assert_replicas_equal(model, f"{what}, sync {outer.syncs}")
             last = outer.stats()["last_sync"]
             assert last["decayed"] == 0.0 == outer.stats()["decayed"]  # error_decay=1.0: exact error feedback
             assert last["k"] == math.ceil(density * sum(p.numel() for p in model.parameters()))
-            assert 0 < last["bytes_sent"] and last["numel"] == adopted.numel()
+            assert 0 < last["bytes_sent"] and last["numel"] == sum(p.numel() for p in model.parameters())
             sent.setdefault((collective, compressor, density, wire), (last["bytes_sent"], last["k"]))
         assert dropped_somewhere, f"{what}: the accumulator never held anything; the conservation check is empty"
     # gtopk sends k pairs in each of its rounds (at least one), in 4 bytes a pair instead of 8: the compact wire
@@ -139,16 +150,7 @@ def _case_error_decay(rank: int, world_size: int) -> None:
             if (step + 1) % H:
                 outer.step()
                 continue
-            before = outer.state_dict()
-            old = before["accumulator"][0].double()
-            went_in = _flat(before["global"]) - _flat(model.parameters()) + decay * old
-            assert outer.step()
-            after = outer.state_dict()
-            averaged = before["global"][0].double() - after["global"][0].double()
-            left = went_in - after["accumulator"][0].double()
-            dist.all_reduce(left)
-            torch.testing.assert_close(left, world_size * averaged, rtol=0, atol=1e-6,
-                                       msg=lambda m: f"{what}, sync {outer.syncs}: invariant broken: {m}")
+            old, _ = _synced_and_conserved(outer, model, world_size, decay, what)
             decayed = outer.stats()["last_sync"]["decayed"]
             assert decayed == pytest.approx((1 - decay) * float(old.abs().sum()), rel=1e-6), what
             assert (decayed > 0) == (outer.syncs > 1), f"{what}: the first sync has no accumulator to decay"

@@ -9,7 +9,8 @@ exchange when the tensor's plan changes (a new density, or every ``recalibrate_e
 kept per tensor because a small tensor's time is mostly latency: its seconds per slot would predict a large
 tensor's exchange many times too dear. Every rank then takes the mean
 of the reported integers and decides by integer arithmetic: the same path on every rank, with no collective of
-its own, and no header at all in a steady step.
+its own, and no header at all in a steady step. A tensor that has been on the sparse path for a while stays on it
+(:data:`MAX_FLUSH_STEPS`): a dense step would apply its whole residual at once.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ _EMA = 0.5  # weight of the newest measurement: the costs follow a change of loa
 # sharing 2 cores: 6.6x; the timed dense16 path costs more than its bytes too). Too high only delays the first
 # sparse step to a lower density; too low tries one at a density where it costs several dense steps.
 UNTIMED_SPARSE = 4
+# What a tensor on the sparse path did not send waits in its residual, and a dense step sends all of it at once:
+# after many sparse steps at a low density, many steps' worth (with momentum correction, of velocities). One such
+# step made the digits' CNN diverge (the recipe at density 0.001, at its 94th step). So ``auto`` returns a tensor
+# from the sparse path to a dense one only while its residual holds at most this many steps' worth: after at most
+# this many sparse steps, or at a density of at least its inverse.
+MAX_FLUSH_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -161,9 +168,10 @@ def choose(times: dict[str, int | None]) -> str:
 class PathPlan:
     """What the ranks agreed for one tensor reduced step after step: the ``agreement`` of its header, the
     ``path`` decided with it, and, for ``auto``, the ``round`` of agreement (a header field), the iteration
-    ``until`` which it holds and this rank's measured ``costs`` of the tensor's paths."""
+    ``until`` which it holds, this rank's measured ``costs`` of the tensor's paths and the ``sparse_steps`` it
+    took since its last dense one."""
 
-    __slots__ = ("agreement", "path", "round", "until", "costs")
+    __slots__ = ("agreement", "path", "round", "until", "costs", "sparse_steps")
 
     def __init__(self):
         self.agreement = Agreement()
@@ -171,10 +179,14 @@ class PathPlan:
         self.round = 0
         self.until = 0
         self.costs = CostModel()
+        self.sparse_steps = 0
 
     def decide(self, policy: PathPolicy, times: dict[str, int | None], costs: dict[str, int | None],
-               iteration: int) -> None:
-        """The cheapest path, agreed on again at the next iteration when it has not been timed yet."""
+               iteration: int, *, k: int, numel: int) -> None:
+        """The cheapest path, agreed on again at the next iteration when it has not been timed yet; sparse again
+        when a dense step would send more than :data:`MAX_FLUSH_STEPS` steps' worth of residual at once."""
+        if self.sparse_steps > MAX_FLUSH_STEPS and k * MAX_FLUSH_STEPS < numel:
+            times = {"sparse": times["sparse"]}
         self.path = choose(times)
         timed = costs["slot"] if self.path == "sparse" else costs[self.path]
         self.until = iteration + (1 if timed is None else policy.recalibrate_every)

@@ -64,7 +64,8 @@ def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, po
     elif headers is not None:
         agreed = agreed_costs(headers)
         plan.decide(policy, predicted(agreed, numel=numel, k=k, size=size, dtype=tensor.dtype,
-                                      collective=collective, wire=wire), agreed, iteration)
+                                      collective=collective, wire=wire), agreed, iteration, k=k, numel=numel)
+    plan.sparse_steps = plan.sparse_steps + 1 if plan.path == "sparse" else 0
     return plan.path
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import gtopk_ext as gx
 from gtopk_ext.collectives import Dense16, Traffic, dense
 from gtopk_ext.ddp import reduce_buffer
-from gtopk_ext.paths import DenseQueue, PathPlan, PathPolicy, agreed_costs, choose, predicted
+from gtopk_ext.paths import MAX_FLUSH_STEPS, DenseQueue, PathPlan, PathPolicy, agreed_costs, choose, predicted
 from tests.distributed import run_distributed
 from tests.test_collectives import Members, equal_on_every_rank
 
@@ -83,6 +83,21 @@ def test_cost_model_predictions():
     # Nothing timed: the sparse path, which is what was asked for (and then it is timed).
     assert choose(predicted({"select": None, "slot": None, "dense16": None, "dense": None}, numel=numel, k=10,
                             size=size, dtype=torch.float32, collective=gtopk, wire=plain)) == "sparse"
+
+
+def test_a_long_sparse_run_stays_sparse():
+    """A dense step sends the whole residual: auto leaves the sparse path for a cheaper dense one only after at
+    most MAX_FLUSH_STEPS sparse steps (a first, timed try) or at a density of at least 1 / MAX_FLUSH_STEPS."""
+    times = {"sparse": 10, "dense16": 1, "dense": 2}
+    costs = {"select": 1, "slot": 1, "dense16": 1, "dense": 1}
+    numel = 1000
+    quarter = numel // MAX_FLUSH_STEPS
+    for sparse_steps, k, path in ((MAX_FLUSH_STEPS + 1, 10, "sparse"), (100, quarter - 1, "sparse"),
+                                  (MAX_FLUSH_STEPS, 10, "dense16"), (0, 10, "dense16"), (100, quarter, "dense16")):
+        plan = PathPlan()
+        plan.path, plan.sparse_steps = "sparse", sparse_steps
+        plan.decide(PathPolicy(), times, costs, 0, k=k, numel=numel)
+        assert plan.path == path, (sparse_steps, k)
 
 
 def test_agreed_costs_are_the_mean_of_the_ranks():
@@ -197,7 +212,7 @@ def check_auto(members: Members) -> list[str]:
     state = gx.SparseGradState(members.group, density=0.05, path=PathPolicy("auto", recalibrate_every=3))
     state.stats_logging_frequency = 0
     paths, sent = [], []
-    for step in range(12):
+    for step in range(18):
         costs = state.agreed_plans[0].costs if step else None  # the bucket's, once it has been reduced
         if step == 2:  # the dense steps timed a slow link on some ranks; a sparse slot is dear on every rank
             costs.dense = 1e-6 * (me + 1)
@@ -205,6 +220,8 @@ def check_auto(members: Members) -> list[str]:
             costs.select, costs.slot, costs.dense16 = 1e-9, 1e-9 if me == 0 else 1e-3, None
         if step == 6:  # the link got slower than a slot, from now on
             costs.dense, costs.dense16, costs.slot = 1.0, 1.0, 1e-9
+        if step == 13:  # the dense paths look cheaper again, but the residual holds 5 or more sparse steps' worth
+            costs.dense, costs.dense16, costs.slot = 1e-12, 1e-12, 1.0
         failures += conserved_step(members, state, step, f"{members.name}, auto step {step}")
         paths.append(state.stats()["buckets"][0]["path"])
         sent.append(state.stats()["buckets"][0]["bytes_sent"])
@@ -216,8 +233,9 @@ def check_auto(members: Members) -> list[str]:
         failures.append(f"{members.name}: the ranks took different paths: {gathered}")
     # Steps 0-1 dense (the warm-up); step 2 agrees: dense16 not timed and predicted cheaper than a dear sparse
     # exchange, so dense16, agreed again at step 3 once timed; from step 6 on sparse is cheap, chosen at the next
-    # agreement (every 3 iterations) and kept.
-    if paths[:3] != ["dense", "dense", "dense16"] or paths[-1] != "sparse" or "sparse" in paths[:6]:
+    # agreement (every 3 iterations) and kept, also when the dense paths look cheaper again at the agreement of
+    # step 15: a dense step would send more than MAX_FLUSH_STEPS steps' worth of residual at once.
+    if paths[:3] != ["dense", "dense", "dense16"] or paths[9:] != ["sparse"] * 9 or "sparse" in paths[:6]:
         failures.append(f"{members.name}: auto took {paths}")
     if not 0 < sent[10] == sent[11] < sent[9]:  # step 9 agreed again (a header), 10 and 11 did not
         failures.append(f"{members.name}: bytes sent per step {sent}")

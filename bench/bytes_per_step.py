@@ -107,7 +107,7 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__)
+    parser = cli.parser(__doc__, json=None)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[4, 8], help="one group of each")
     parser.add_argument("--density", type=float, default=0.01, help="the sparse collectives'")
     parser.add_argument("--steps", type=int, default=3, help="compressed steps measured (median)")
@@ -120,7 +120,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--counters", action="store_true",
                         help="as root: ranks in network namespaces, stats() checked against the interfaces' tx_bytes")
     parser.add_argument("--prefix", default="gxbytes", help="name prefix of the namespaces --counters creates")
-    parser.add_argument("--json", help="write the rows here")
     cli.add_worker_arg(parser)
     args = parser.parse_args(argv)
     cli.check(parser, args, positive=("steps",), unit=("density",))

@@ -13,16 +13,13 @@ import os
 import statistics
 from pathlib import Path
 
-import torch
-from torch import nn
-
 import gtopk_ext as gx
 from bench.digits import load_digits_split, make_model
 from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
 from bench.harness.methods import Recipe, attached, hook_state, method as harness_method, recipe_state
-from bench.harness.train import Trainer, epoch_batches, evaluate, reduced, slowest, train_curve
+from bench.harness.train import Trainer, batch_loss, epoch_batches, evaluation, reduced, slowest, train_curve
 
 RECIPE_METHOD = "gaussiank-gtopk-recipe"  # gx.SparseGradState.recipe(density, --warmup-steps, --momentum)
 # method -> the hook built from the flags: (compressor, collective, momentum correction: the hook applies --momentum
@@ -77,24 +74,15 @@ def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx
                       clip_norm=args.clip_norm, **moved)
 
 
-def demo_trainer(method: str, density: float, seed: int, args: argparse.Namespace, world_size: int) -> Trainer:
-    """One run's method on this rank; the same initial weights on every rank and for every method."""
-    recipe = (harness_method(METHODS[method]) if isinstance(METHODS[method], str) else
-              Recipe(method, lambda ddp, world_size, _: attached(ddp, make_hook_state(method, density, args)),
-                     momentum_in_hook=momentum_in_hook(method)))
-    return Trainer(recipe, make_model(args.model, seed), args, world_size)
-
-
-def batch_loss(x: torch.Tensor, y: torch.Tensor):
-    return lambda model: nn.functional.cross_entropy(model(x), y)
-
-
 def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple, method: str, density: float,
               seed: int, tx: TxCounter, progress) -> dict:
     """One training run; every rank returns the same record (losses averaged over ranks, step times the slowest
     rank's, the model evaluated every ``--eval-every`` steps, by default every epoch)."""
     train_x, train_y, test_x, test_y = data
-    trainer = demo_trainer(method, density, seed, args, world_size)
+    recipe = (harness_method(METHODS[method]) if isinstance(METHODS[method], str) else
+              Recipe(method, lambda ddp, world_size, _: attached(ddp, make_hook_state(method, density, args)),
+                     momentum_in_hook=momentum_in_hook(method)))
+    trainer = Trainer(recipe, make_model(args.model, seed), args, world_size)  # the same weights on every rank
     batches = [index for epoch in range(args.epochs)
                for index in epoch_batches(epoch, seed, len(train_y), rank, world_size, args.batch_size)]
     selected_over_k = []
@@ -104,14 +92,9 @@ def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple,
             total = trainer.accounting.state.stats()["total"]
             selected_over_k.append(total["selected"] / total["k"])
 
-    def evaluation(model: nn.Module) -> dict:
-        accuracy, loss = evaluate(model, test_x, test_y)
-        return {"test_accuracy": accuracy, "test_loss": loss}
-
-    curve, measured = train_curve(trainer, len(batches), lambda step: batch_loss(train_x[batches[step - 1]],
-                                                                                   train_y[batches[step - 1]]),
-                                  evaluation, args.eval_every or len(batches) // args.epochs, tx, progress,
-                                  count_selected)
+    curve, measured = train_curve(trainer, len(batches), lambda step: batch_loss(train_x, train_y, batches[step - 1]),
+                                  evaluation(test_x, test_y, "test_accuracy", "test_loss"),
+                                  args.eval_every or len(batches) // args.epochs, tx, progress, count_selected)
     losses = reduced([m["loss"] for m in measured]) / world_size
     step_ms = 1e3 * slowest([m["seconds"] for m in measured])
     bytes_sent = [m["bytes"] for m in measured]
@@ -146,11 +129,9 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
     progress = report.progress(steps * len(runs), rank, args, config)
     tx, records = TxCounter(config["ifname"]), []
     for method, density, seed in runs:
-        if progress is not None:
-            progress.set_description(f"seed {seed} {method}" + (f" {density:g}" if is_sparse(method) else ""))
+        progress.set_description(f"seed {seed} {method}" + (f" {density:g}" if is_sparse(method) else ""))
         records.append(train_run(rank, world_size, args, data, method, density, seed, tx, progress))
-    if progress is not None:
-        progress.close()
+    progress.close()
     return records
 
 

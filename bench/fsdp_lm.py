@@ -40,8 +40,7 @@ import gtopk_ext as gx
 from bench.emulated_network import RANK_IFNAME, TxCounter
 from bench.harness import cli, report
 from bench.harness.train import barrier_bytes, gathered, sgd
-from bench.lm import (TransformerLM, corpus_files, load_bytes, lm_loss, model_config, split_files, stdlib_root,
-                      validation_loss, windows)
+from bench.lm import TransformerLM, batch_at, lm_loss, load_corpus, model_config, validation_loss
 from gtopk_ext.costs import ring_allreduce_bytes
 from gtopk_ext.paths import MODES
 
@@ -115,9 +114,7 @@ def run_method(name: str, mesh, args, train: torch.Tensor, val_batches: torch.Te
     barrier_tx, counted = barrier_bytes(tx), lambda: state.stats()["total"]["run_bytes_sent"] if state else 0
     steps, paths, curve = [], Counter(), [{"step": 0, **validation_loss(model, val_batches, rank, world)}]
     for step in range(1, args.steps + 1):
-        batch = windows(train, world * args.batch_size, args.seq_len + 1,  # bench.lm's batches
-                        torch.Generator().manual_seed(args.seed * 1_000_003 + step))[
-            rank * args.batch_size:(rank + 1) * args.batch_size]
+        batch = batch_at(train, step, rank, world, args)  # bench.lm's batches
         dist.barrier()
         begin, link, hook = time.perf_counter(), tx.read(), counted()
         loss = lm_loss(model, batch)
@@ -211,9 +208,7 @@ def main(argv=None) -> None:
         if args.val_windows % world:
             raise SystemExit(f"--val-windows ({args.val_windows}) must be a multiple of the world size ({world}): "
                              f"FSDP's forward is a collective of the node")
-        train_files, val_files = split_files(corpus_files(), args.val_percent)
-        train, val = load_bytes(stdlib_root(), train_files), load_bytes(stdlib_root(), val_files)
-        val_batches = windows(val, args.val_windows, args.seq_len + 1, torch.Generator().manual_seed(12345))
+        train, val_batches, _ = load_corpus(args)
         tx = TxCounter(RANK_IFNAME if EMULATED else None)
         records, link = [], link_name()
         title = (f"{mesh.size(0)} nodes x {mesh.size(1)} ranks, Gloo on {link}; byte-level transformer "

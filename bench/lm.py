@@ -69,6 +69,23 @@ def windows(stream: torch.Tensor, count: int, length: int, generator: torch.Gene
     return stream[starts.unsqueeze(1) + torch.arange(length)].long()
 
 
+def load_corpus(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The training bytes, the validation windows (the same for every run) and the corpus's figures."""
+    train_files, val_files = split_files(corpus_files(), args.val_percent)
+    train, val = load_bytes(stdlib_root(), train_files), load_bytes(stdlib_root(), val_files)
+    corpus = {"files": len(train_files) + len(val_files), "train_files": len(train_files), "val_files": len(val_files),
+              "train_bytes": len(train), "val_bytes": len(val), "val_file_list": val_files}
+    return train, windows(val, args.val_windows, args.seq_len + 1, torch.Generator().manual_seed(12345)), corpus
+
+
+def batch_at(train: torch.Tensor, step: int, rank: int, world_size: int, args: argparse.Namespace) -> torch.Tensor:
+    """This rank's rows of step ``step``'s batch: one generator per step shared by the ranks, each drawing the
+    global batch."""
+    batch = windows(train, world_size * args.batch_size, args.seq_len + 1,
+                    torch.Generator().manual_seed(args.seed * 1_000_003 + step))
+    return batch[rank * args.batch_size:(rank + 1) * args.batch_size]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab: int = 256
@@ -158,10 +175,9 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
     warmed_up = args.dgc_warmup if trainer.recipe is not None and trainer.recipe.momentum_in_hook else START_ITER
     updated = []  # after each compressed step of gtopk_ext's hook: each group's elements its reduced gradient touched
 
-    def loss_at(step: int):  # one generator per step shared by the ranks: each draws the global batch, keeps its rows
-        batch = windows(train, world_size * args.batch_size, args.seq_len + 1,
-                        torch.Generator().manual_seed(args.seed * 1_000_003 + step))
-        return lambda model: lm_loss(model, batch[rank * args.batch_size:(rank + 1) * args.batch_size])
+    def loss_at(step: int):
+        batch = batch_at(train, step, rank, world_size, args)
+        return lambda model: lm_loss(model, batch)
 
     def count_updated(step: int) -> None:
         if trainer.local is None and trainer.accounting.state is not None and step > warmed_up:
@@ -191,24 +207,18 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
 def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> None:
     """One rank: every method in turn; rank 0 writes the records after each (a run cut short keeps what finished)."""
     args.json = Path(args.json) if args.json else None
-    train_files, val_files = split_files(corpus_files(), args.val_percent)
-    train, val = load_bytes(stdlib_root(), train_files), load_bytes(stdlib_root(), val_files)
-    corpus = {"files": len(train_files) + len(val_files), "train_files": len(train_files), "val_files": len(val_files),
-              "train_bytes": len(train), "val_bytes": len(val), "val_file_list": val_files}
-    val_batches = windows(val, args.val_windows, args.seq_len + 1, torch.Generator().manual_seed(12345))
+    train, val_batches, corpus = load_corpus(args)
     progress = report.progress(args.steps * len(args.methods), rank, args, config)
     records = []
     for name in args.methods:
-        if progress is not None:
-            progress.set_description(name)
+        progress.set_description(name)
         records.append(run_method(name, rank, world_size, args, train, val_batches, TxCounter(config["ifname"]),
                                   progress))
         if rank == 0:
             Path(config["out"]).write_text(json.dumps({"corpus": corpus, "records": records}))
             if args.json:
                 write_report(args, corpus, records)
-    if progress is not None:
-        progress.close()
+    progress.close()
 
 
 def summarize(records: list[dict], target: Optional[float] = None) -> list[dict]:

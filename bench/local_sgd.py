@@ -18,7 +18,7 @@ from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
 from bench.harness.methods import add_outer_arguments, method, method_name, numel_of
-from bench.harness.train import Trainer, evaluate, train_curve
+from bench.harness.train import Trainer, batch_loss, evaluation, train_curve
 from gtopk_ext.collectives import ring_allreduce_bytes
 
 DEFAULT_METHODS = ("ddp", "hook-gtopk-0.01", "postlocal-16", "diloco-16", "sparse-gtopk-0.05-16", "diloco-equal",
@@ -49,14 +49,11 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
         trainer = Trainer(args.periods.get(name, name), make_model(args.model, args.seed), args, world_size)
 
         def loss_at(step: int):
-            index = shard[torch.randint(0, len(shard), (args.batch_size,), generator=batches)]
-            return lambda model: torch.nn.functional.cross_entropy(model(train_x[index]), train_y[index])
+            return batch_loss(train_x, train_y, shard[torch.randint(0, len(shard), (args.batch_size,),
+                                                                    generator=batches)])
 
-        def evaluation(model) -> dict:
-            accuracy, loss = evaluate(model, test_x, test_y)
-            return {"val_loss": loss, "accuracy": accuracy}
-
-        curve, _ = train_curve(trainer, args.steps, loss_at, evaluation, args.eval_every, TxCounter(config["ifname"]))
+        curve, _ = train_curve(trainer, args.steps, loss_at, evaluation(test_x, test_y, "accuracy", "val_loss"),
+                               args.eval_every, TxCounter(config["ifname"]))
         runs.append({"method": name, "label": method(args.periods.get(name, name)).label, "curve": curve})
         if rank == 0:
             print(f"  {runs[-1]['label']}: val loss {curve[-1]['val_loss']:.4f}, {curve[-1]['seconds']:.1f} s, "

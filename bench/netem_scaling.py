@@ -136,7 +136,7 @@ COLUMNS = [("P", "2d", "world_size"), ("L", "2d", "local_size"), ("rate", ">8", 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__, densities=[0.001, 0.01])
+    parser = cli.parser(__doc__, densities=[0.001, 0.01], json=None)
     parser.add_argument("--sizes", type=lambda s: int(float(s)), nargs="+", default=[1_000_000, 25_000_000,
                                                                                      100_000_000])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
@@ -159,7 +159,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefix", default="gxnet", help="name prefix of the namespaces this run creates")
     parser.add_argument("--cleanup", action="store_true",
                         help="only delete namespaces left by killed runs (this prefix, process gone), then exit")
-    parser.add_argument("--json", help="write the rows here")
     cli.add_worker_arg(parser)
     args = parser.parse_args(argv)
     problems = [f"--world-sizes must be >= 2 and multiples of --local-size {args.local_size}, got {p}"

@@ -29,7 +29,7 @@ from bench.harness import cli, report
 from bench.harness.gradients import wide_mlp
 from bench.harness.launch import run_group
 from bench.harness.methods import START_ITER, add_dgc_arguments, method, method_name, numel_of
-from bench.harness.train import Trainer, epoch_batches, evaluate, gathered
+from bench.harness.train import Trainer, batch_loss, epoch_batches, evaluate, gathered
 
 WARMUP_STEPS = START_ITER + 1  # steps left out of the timing and byte statistics
 MODELS = ("cnn", "mlp", "deep")
@@ -69,12 +69,10 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
         for step in range(args.steps + 1):
             for name in (args.methods[step % len(args.methods):] + args.methods[:step % len(args.methods)]
                          if step else []):
-                if progress is not None:
-                    progress.set_description(f"seed {seed} step {step} {name}", refresh=False)
-                    progress.update()
-                index = batches[step - 1]
-                measured[name].append(trainers[name].measured_step(
-                    lambda model: nn.functional.cross_entropy(model(train_x[index]), train_y[index]), counter))
+                progress.set_description(f"seed {seed} step {step} {name}", refresh=False)
+                progress.update()
+                measured[name].append(trainers[name].measured_step(batch_loss(train_x, train_y, batches[step - 1]),
+                                                                   counter))
             if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
                 for name in args.methods:
                     evals[name].append((step, evaluate(trainers[name].model, test_x, test_y)[0]))
@@ -88,8 +86,7 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
                               "digest": digest(trainers[name].model)}
         del trainers
         gc.collect()  # DDP models sit in reference cycles: free one seed's models before the next seed's
-    if progress is not None:
-        progress.close()
+    progress.close()
     return {"parameters": numel_of(build_model(args, 0)), "runs": runs}
 
 

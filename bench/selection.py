@@ -67,9 +67,8 @@ def profile_step(n: int, density: float, args: argparse.Namespace, calls: int = 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__)
+    parser = cli.parser(__doc__, densities=[0.001, 0.01, 0.05])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2**20, 2**24, 25_000_000, 100_000_000])
-    parser.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01, 0.05])
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--backend", default=None, help="auto | cpu | cuda | triton (default: $GTOPK_EXT_BACKEND)")

@@ -58,9 +58,8 @@ LEGEND = ("(c/k: count before truncation / k; rec: recall of the exact top-k; no
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__)
+    parser = cli.parser(__doc__, densities=[0.001, 0.01, 0.05])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000], help="synthetic gradients'")
-    parser.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01, 0.05])
     parser.add_argument("--distributions", nargs="+", default=list(SYNTHETIC), choices=SYNTHETIC)
     parser.add_argument("--real-steps", type=int, nargs="+", default=[0, 20, 100],
                         help="training steps at which real gradients are captured")

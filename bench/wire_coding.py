@@ -44,9 +44,7 @@ def codings(grad: torch.Tensor, density: float) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__)
-    parser.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01, 0.05])
-    parser.add_argument("--json", help="write the rows here")
+    parser = cli.parser(__doc__, densities=[0.001, 0.01, 0.05], json=None)
     return parser.parse_args(argv)
 
 

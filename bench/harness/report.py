@@ -108,10 +108,9 @@ def plot_curves(runs: list[dict], path, title: str, ylabel: str, y, panels: list
 
 
 def progress(total: int, rank: int, args, config: dict):
-    """Rank 0's progress bar in steps (None elsewhere, or with ``args.no_progress``). The driver streams it from a
-    log file: redrawn every 0.1 s it would flood a redirect of the driver's output."""
-    if rank != 0 or args.no_progress:
-        return None
+    """Rank 0's progress bar in steps (disabled, drawing nothing, elsewhere or with ``args.no_progress``). The driver
+    streams it from a log file: redrawn every 0.1 s it would flood a redirect of the driver's output."""
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="step", mininterval=0.5 if config["tty"] else 30, file=sys.stdout)
+    return tqdm(total=total, unit="step", mininterval=0.5 if config["tty"] else 30, file=sys.stdout,
+                disable=rank != 0 or args.no_progress)

@@ -109,11 +109,21 @@ def epoch_batches(epoch: int, seed: int, n_train: int, rank: int, world_size: in
             for start in range(0, n_train - global_batch + 1, global_batch)]
 
 
+def batch_loss(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor):
+    """A ``loss_of(model)``: the cross-entropy of the classifier on the examples ``index`` of (x, y)."""
+    return lambda model: nn.functional.cross_entropy(model(x[index]), y[index])
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) of ``model`` on (x, y)."""
     logits = model(x)
     return float((logits.argmax(1) == y).float().mean()), float(nn.functional.cross_entropy(logits, y))
+
+
+def evaluation(x: torch.Tensor, y: torch.Tensor, accuracy_key: str, loss_key: str):
+    """An ``evaluate(model)`` for :func:`train_curve`: :func:`evaluate` on (x, y), as a point's two keys."""
+    return lambda model: dict(zip((accuracy_key, loss_key), evaluate(model, x, y)))
 
 
 @torch.no_grad()

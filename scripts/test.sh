@@ -12,6 +12,6 @@ echo "== lint: ruff (pyproject.toml), clang-format (.clang-format)"
 ruff check .
 find csrc \( -name '*.h' -o -name '*.cpp' -o -name '*.cuh' -o -name '*.cu' \) -print0 | xargs -0 clang-format --dry-run --Werror
 echo "== pytest"
-python -m pytest tests -q -ra --timeout=900 "$@"
+python -m pytest tests -q -ra --timeout=900 --durations=20 "$@"
 echo "== CMake build"
 bash .ci/cmake_check.sh

@@ -13,6 +13,8 @@ import os
 import statistics
 from pathlib import Path
 
+import torch
+
 import gtopk_ext as gx
 from bench.digits import load_digits_split, make_model
 from bench.emulated_network import TxCounter, network_name
@@ -74,15 +76,20 @@ def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx
                       clip_norm=args.clip_norm, **moved)
 
 
+def demo_trainer(method: str, density: float, seed: int, args: argparse.Namespace, world_size: int) -> Trainer:
+    """One run's method on this rank; the same initial weights on every rank and for every method."""
+    recipe = (harness_method(METHODS[method]) if isinstance(METHODS[method], str) else
+              Recipe(method, lambda ddp, world_size, _: attached(ddp, make_hook_state(method, density, args)),
+                     momentum_in_hook=momentum_in_hook(method)))
+    return Trainer(recipe, make_model(args.model, seed), args, world_size)
+
+
 def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple, method: str, density: float,
               seed: int, tx: TxCounter, progress) -> dict:
     """One training run; every rank returns the same record (losses averaged over ranks, step times the slowest
     rank's, the model evaluated every ``--eval-every`` steps, by default every epoch)."""
     train_x, train_y, test_x, test_y = data
-    recipe = (harness_method(METHODS[method]) if isinstance(METHODS[method], str) else
-              Recipe(method, lambda ddp, world_size, _: attached(ddp, make_hook_state(method, density, args)),
-                     momentum_in_hook=momentum_in_hook(method)))
-    trainer = Trainer(recipe, make_model(args.model, seed), args, world_size)  # the same weights on every rank
+    trainer = demo_trainer(method, density, seed, args, world_size)
     batches = [index for epoch in range(args.epochs)
                for index in epoch_batches(epoch, seed, len(train_y), rank, world_size, args.batch_size)]
     selected_over_k = []
@@ -145,7 +152,7 @@ def overhead(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]
 
     def step_seconds(config) -> float:
         index = torch.randint(0, len(train_y), (args.batch_size,), generator=batches)
-        return trainers[config].measured_step(batch_loss(train_x[index], train_y[index]), TxCounter(None))["seconds"]
+        return trainers[config].measured_step(batch_loss(train_x, train_y, index), TxCounter(None))["seconds"]
 
     for config in configs:
         for _ in range(args.start_iter + args.warmup_steps + 3):

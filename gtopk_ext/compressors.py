@@ -14,6 +14,7 @@ import torch
 
 from gtopk_ext import ops
 from gtopk_ext._contract import FLOAT_DTYPES
+from gtopk_ext._validate import check_number
 from gtopk_ext.backends import Backend, BackendChoice, BackendLike
 from gtopk_ext.message import SparseMessage
 
@@ -46,8 +47,7 @@ def tensor_shares(k: int, numels: Sequence[int]) -> list[int]:
 
 
 def check_density(density: float, name: str = "density") -> None:
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
-        raise ValueError(f"{name} must be a number in (0, 1], got {density!r}")
+    check_number(name, density, 0.0, 1.0, low_open=True)
 
 
 def _check_inputs(grad: torch.Tensor, residual: torch.Tensor | None) -> None:

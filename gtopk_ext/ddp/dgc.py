@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from gtopk_ext._validate import check_number
 from gtopk_ext.ddp.residuals import Layout, ResidualStore, hold_unused
 
 
@@ -37,8 +38,7 @@ class MomentumCorrection:
 
     def __post_init__(self):
         momentum, clip_norm = self.momentum, self.clip_norm
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+        check_number("momentum", momentum, 0.0, 1.0, high_open=True)
         if self.nesterov and momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0")
         weight_decay = self.weight_decay

@@ -1,7 +1,8 @@
-"""Which path a tensor takes in a step: the sparse collective at the step's density, a dense bfloat16 allreduce
-whose rounding stays in the residual, or a dense allreduce in the tensor's dtype. ``auto`` takes the one a cost
-model of this group predicts cheapest, so that a sparse step that does not pay (a warm-up at density 0.25: more
-pairs than a dense 16-bit message has elements, and their merges on the CPU) goes dense instead.
+"""Which path a tensor takes in a step: the sparse collective at the step's density, a dense allreduce in bfloat16
+or in scaled 8-bit floats whose rounding stays in the residual, or a dense allreduce in the tensor's dtype.
+``auto`` takes the one a cost model of this group predicts cheapest, so that a sparse step that does not pay (a
+warm-up at density 0.25: more pairs than a dense 16-bit message has elements, and their merges on the CPU) goes
+dense instead.
 
 The model is learned from the steps themselves, per tensor: each rank times the paths a tensor takes (seconds per
 element selected and per dense element, seconds per slot exchanged) and reports its figures in the header the ranks
@@ -19,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gtopk_ext.collectives import Agreement, Collective, Dense16, DenseAllreduce
+from gtopk_ext.collectives import COLLECTIVES, Agreement, Collective, DenseAllreduce, RoundedDense
 from gtopk_ext.wire import Wire
 
-PATHS = ("sparse", "dense16", "dense")
+PATHS = ("sparse", "dense16", "dense", "dense8")  # ties go to the first: the more precise of two dense paths
 MODES = ("auto", *PATHS)
+ROUNDED = ("dense16", "dense8")  # the dense paths whose rounding stays in the residual (float32 tensors only)
 _PS = 1e12  # the figures travel as integer picoseconds a unit
 _UNKNOWN = -1
 _EMA = 0.5  # weight of the newest measurement: the costs follow a change of load within a few steps
@@ -47,7 +49,9 @@ class PathPolicy:
     Args:
         mode: ``"auto"`` (default: the path the cost model predicts cheapest), or one path for every step that
             may compress: ``"sparse"`` (the collective at the step's density), ``"dense16"`` (bfloat16 on the
-            wire, float32 sums; its rounding stays in the residual) or ``"dense"`` (the tensor's dtype).
+            wire, float32 sums; its rounding stays in the residual), ``"dense8"`` (8-bit floats scaled per
+            message, the same way) or ``"dense"`` (the tensor's dtype). A tensor not in float32 takes ``"dense"``
+            for the rounded paths.
         min_compress_numel: tensors with fewer elements always take ``"dense"``.
         recalibrate_every: with ``"auto"``, the iterations between two agreements of the measured costs (a path
             taken for the first time is agreed on again at the next iteration, once it has been timed).
@@ -81,14 +85,14 @@ def path_policy(path) -> PathPolicy:
 
 class CostModel:
     """This rank's measured costs of one tensor's paths, in seconds: ``select`` per element of the tensor
-    compressed, ``slot`` per slot of a sparse exchange (bytes, merges and waiting together), ``dense16`` and
-    ``dense`` per element of the dense paths (None: not measured yet)."""
+    compressed, ``slot`` per slot of a sparse exchange (bytes, merges and waiting together), ``dense16``,
+    ``dense`` and ``dense8`` per element of the dense paths (None: not measured yet)."""
 
-    __slots__ = ("select", "slot", "dense16", "dense")
-    FIGURES = ("select", "slot", "dense16", "dense")
+    __slots__ = ("select", "slot", "dense16", "dense", "dense8")
+    FIGURES = ("select", "slot", "dense16", "dense", "dense8")
 
     def __init__(self):
-        self.select = self.slot = self.dense16 = self.dense = None
+        self.select = self.slot = self.dense16 = self.dense = self.dense8 = None
 
     def _observe(self, figure: str, seconds: float, units: int) -> None:
         if units > 0 and seconds >= 0:
@@ -99,11 +103,9 @@ class CostModel:
         self._observe("select", select_seconds, numel)
         self._observe("slot", exchange_seconds, k)
 
-    def observe_dense16(self, numel: int, seconds: float) -> None:
-        self._observe("dense16", seconds, numel)
-
-    def observe_dense(self, numel: int, seconds: float) -> None:
-        self._observe("dense", seconds, numel)
+    def observe_dense(self, numel: int, seconds: float, path: str = "dense") -> None:
+        """``seconds`` of one exchange of ``numel`` elements on the dense path ``path``."""
+        self._observe(path, seconds, numel)
 
     def report(self) -> dict[str, int]:
         return {f"cost_{name}": _UNKNOWN if getattr(self, name) is None else round(getattr(self, name) * _PS)
@@ -138,7 +140,7 @@ def agreed_costs(headers: list[dict[str, int]]) -> dict[str, int | None]:
 def predicted(costs: dict[str, int | None], *, numel: int, k: int, size: int, dtype: torch.dtype,
               collective: Collective, wire: Wire) -> dict[str, int | None]:
     """Each path's predicted picoseconds for one exchange (None: nothing to predict it from). A path not timed yet
-    is predicted from the dense path's time per byte: dense16 from its bytes, sparse from :data:`UNTIMED_SPARSE`
+    is predicted from the dense path's time per byte: a rounded one from its bytes, sparse from :data:`UNTIMED_SPARSE`
     times its bytes; once it was taken, from its own time."""
     dense = None if costs["dense"] is None else costs["dense"] * numel
     dense_bytes = DenseAllreduce().wire_bytes(numel, numel, size, dtype)
@@ -148,8 +150,10 @@ def predicted(costs: dict[str, int | None], *, numel: int, k: int, size: int, dt
 
     times = {"dense": dense}
     if dtype == torch.float32:
-        times["dense16"] = (costs["dense16"] * numel if costs["dense16"] is not None else
-                            on_the_link(Dense16().wire_bytes(numel, k, size, dtype)))
+        for path in ROUNDED:
+            rounded: RoundedDense = COLLECTIVES[path]()
+            times[path] = (costs[path] * numel if costs[path] is not None else
+                           on_the_link(rounded.wire_bytes(numel, k, size, dtype)))
     exchange = (costs["slot"] * k if costs["slot"] is not None else
                 on_the_link(collective.wire_bytes(numel, k, size, dtype, wire), UNTIMED_SPARSE))
     times["sparse"] = None if exchange is None else exchange + (costs["select"] or 0) * numel

@@ -4,9 +4,9 @@ applied stays in its residual: not selected, dropped by a merge, or lost to the 
 ``tensor + old residual == what was applied + new residual`` on every rank, to float rounding.
 
     agree_plan(...)               the ranks check they share the step's plan (only when it changes)
-    path = plan_path(...)         ... and take the same path: sparse, dense16 or dense (gtopk_ext.paths)
+    path = plan_path(...)         ... and take the same path: sparse, dense16, dense8 or dense (gtopk_ext.paths)
     outcome = reduce(...)         exchange a compressor's message, keep what was not applied, write the average
-    reduce_dense16(...)           the dense bfloat16 path, its rounding kept
+    reduce_rounded(...)           the dense bfloat16 or 8-bit path, its rounding kept
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import torch.distributed as dist
 
 from gtopk_ext import ops
 from gtopk_ext.backends import Backend
-from gtopk_ext.collectives import Agreement, Collective, Dense16, agree
+from gtopk_ext.collectives import COLLECTIVES, Agreement, Collective, agree
 from gtopk_ext.collectives._protocol import message_fields
 from gtopk_ext.costs import Traffic
 from gtopk_ext.message import SparseMessage, padding_message
-from gtopk_ext.paths import PathPlan, PathPolicy, agreed_costs, predicted
+from gtopk_ext.paths import ROUNDED, PathPlan, PathPolicy, agreed_costs, predicted
 from gtopk_ext.wire import Rounding, Wire
 
 # Flag bits carried inside the sparse payload (every rank learns the OR).
@@ -44,8 +44,8 @@ def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, po
               iteration: int, k: int | None, collective: Collective, wire: Wire, what: str,
               volatile: dict[str, int] | None = None, traffic: Traffic | None = None) -> str:
     """Step 1 with a path policy: the ranks check they share the plan (:func:`agree_plan`, with the policy) and
-    all take the same path for ``tensor`` this step: ``"sparse"``, ``"dense16"`` or ``"dense"``. ``k``: the
-    step's k, or None when the tensor may not compress this step (a warm-up; it then goes dense). With
+    all take the same path for ``tensor`` this step: ``"sparse"``, ``"dense16"``, ``"dense8"`` or ``"dense"``.
+    ``k``: the step's k, or None when the tensor may not compress this step (a warm-up; it then goes dense). With
     ``auto`` the header also carries each rank's measured costs of the tensor (``plan.costs``), and the path
     follows from their mean."""
     numel, size = tensor.numel(), dist.get_world_size(group)
@@ -60,7 +60,7 @@ def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, po
     if not compress:
         plan.path = "dense"
     elif not auto:
-        plan.path = "dense" if policy.mode == "dense16" and tensor.dtype != torch.float32 else policy.mode
+        plan.path = "dense" if policy.mode in ROUNDED and tensor.dtype != torch.float32 else policy.mode
     elif headers is not None:
         agreed = agreed_costs(headers)
         plan.decide(policy, predicted(agreed, numel=numel, k=k, size=size, dtype=tensor.dtype,
@@ -69,13 +69,14 @@ def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, po
     return plan.path
 
 
-def reduce_dense16(tensor: torch.Tensor, residual: torch.Tensor | None, group: dist.ProcessGroup,
+def reduce_rounded(path: str, tensor: torch.Tensor, residual: torch.Tensor | None, group: dist.ProcessGroup,
                    traffic: Traffic | None = None) -> None:
-    """The dense bfloat16 path (:class:`gtopk_ext.collectives.Dense16`): ``tensor`` (float32) plus all of
-    ``residual`` is averaged over the group into ``tensor``, and what the rounding took stays in ``residual``."""
+    """A dense path whose rounding stays in the residual (``"dense16"``: :class:`gtopk_ext.collectives.Dense16`,
+    ``"dense8"``: :class:`~gtopk_ext.collectives.Dense8`): ``tensor`` (float32) plus all of ``residual`` is
+    averaged over the group into ``tensor``, and what the rounding took stays in ``residual``."""
     if residual is not None:
         tensor.add_(residual)
-    Dense16().reduce_dense(tensor, group, dist.get_world_size(group), traffic, lost=residual)
+    COLLECTIVES[path]().reduce_dense(tensor, group, dist.get_world_size(group), traffic, lost=residual)
 
 
 @dataclass

@@ -88,7 +88,7 @@ def configs() -> list[tuple[str, str, str, int, str]]:
     return [(collective, wire, dtype, start_iter, "sparse") for collective in gx.collectives.SPARSE_COLLECTIVES
             for wire in ("plain", "compact") for dtype, start_iter in (("float32", 1), ("bfloat16", 0))
             ] + [("gtopk", "compact", "float16", 0, "sparse"), ("gtopk", "plain", "float32", 1, "dense16"),
-                 ("gtopk", "plain", "bfloat16", 0, "dense")]
+                 ("allgather", "plain", "float32", 1, "dense8"), ("gtopk", "plain", "bfloat16", 0, "dense")]
 
 
 def conservation_case(rank: int, node_size: int, config) -> dict:

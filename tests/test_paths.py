@@ -1,4 +1,4 @@
-"""The path policy (gtopk_ext.paths): the dense bfloat16 collective conserves every rounding, every forced path
+"""The path policy (gtopk_ext.paths): the dense bfloat16 and 8-bit collectives conserve every rounding, every forced path
 conserves per step through the hook, and ``auto`` takes the same path on every rank from the ranks' measured
 costs, as the cost model predicts it, with no header in a steady step."""
 
@@ -9,14 +9,14 @@ import torch
 import torch.distributed as dist
 
 import gtopk_ext as gx
-from gtopk_ext.collectives import Dense16, Traffic, dense
+from gtopk_ext.collectives import Dense8, Dense16, Traffic, dense
 from gtopk_ext.ddp import reduce_buffer
 from gtopk_ext.paths import MAX_FLUSH_STEPS, DenseQueue, PathPlan, PathPolicy, agreed_costs, choose, predicted
 from tests.distributed import run_distributed
 from tests.test_collectives import Members, equal_on_every_rank
 
 WORLD_SIZES = (2, 3, 4)
-NUMEL = 5003  # not a multiple of any group size: Dense16 pads its chunks
+NUMEL = 5003  # not a multiple of any group size: the rounded dense collectives pad their chunks
 
 
 def gradient(rank: int, step: int, numel: int = NUMEL) -> torch.Tensor:
@@ -56,33 +56,45 @@ def test_recipe_is_one_call():
 def test_cost_model_predictions():
     gtopk, plain = gx.collectives.GTopK(), gx.wire.wire_named("plain")
     numel, size = 1_000_000, 4
-    # Only the dense allreduce timed (the warm-up): 40 ns an element. dense16 and sparse are predicted from its
-    # time per byte, sparse at 4 times its bytes' time (its merges); at density 0.25 that is far above dense16.
-    costs = {"select": None, "slot": None, "dense16": None, "dense": 40_000}
+    # Only the dense allreduce timed (the warm-up): 40 ns an element. dense16, dense8 and sparse are predicted
+    # from its time per byte, sparse at 4 times its bytes' time (its merges); at density 0.25 that is far above
+    # dense16's, and dense8's a quarter of float32's bytes (and a header byte a message) are the cheapest.
+    costs = {"select": None, "slot": None, "dense16": None, "dense": 40_000, "dense8": None}
     times = predicted(costs, numel=numel, k=250_000, size=size, dtype=torch.float32, collective=gtopk, wire=plain)
     dense, dense_bytes = 40_000 * numel, 2 * 3 * numel * 4 // 4
     assert times["dense"] == dense
     assert times["dense16"] == dense * (3 * (2 * 250_000 + 2 * 250_001)) // dense_bytes  # and a flag word
+    assert times["dense8"] == dense * (3 * (1 + 250_000 + 1 + 250_001)) // dense_bytes  # a header byte a message
     assert times["sparse"] == 4 * dense * 2 * (8 + 8 * 250_000) // dense_bytes
-    assert choose(times) == "dense16"
-    # Tried once 4 x its bytes are below dense16's: gTop-k's 2 x 8 bytes a slot against 1.5 x 2 bytes an element,
-    # below 3 / 64 of the elements.
-    for k, path in ((47_000, "dense16"), (46_000, "sparse")):
+    assert choose(times) == "dense8"
+    # Tried once 4 x its bytes are below dense8's: gTop-k's 2 x 8 bytes a slot against 1.5 x 1 byte an element,
+    # below 3 / 128 of the elements; below dense16's (3 / 64) with dense8 measured dearer than dense16's bytes.
+    for k, path in ((23_500, "dense8"), (23_000, "sparse")):
         assert choose(predicted(costs, numel=numel, k=k, size=size, dtype=torch.float32, collective=gtopk,
                                 wire=plain)) == path
-    # Measured: selection 2 ns an element, a slot 400 ns, dense16 15 ns an element. The sparse path pays below
-    # (15 - 2) / 400 = 3.25% of the elements.
-    costs = {"select": 2_000, "slot": 400_000, "dense16": 15_000, "dense": 40_000}
+    for k, path in ((47_000, "dense16"), (46_000, "sparse")):
+        assert choose(predicted({**costs, "dense8": 30_000}, numel=numel, k=k, size=size, dtype=torch.float32,
+                                collective=gtopk, wire=plain)) == path
+    # Measured: selection 2 ns an element, a slot 400 ns, dense16 15 ns and dense8 18 ns an element (its rounding
+    # costs the CPU more than its bytes save). The sparse path pays below (15 - 2) / 400 = 3.25% of the elements.
+    costs = {"select": 2_000, "slot": 400_000, "dense16": 15_000, "dense": 40_000, "dense8": 18_000}
     for k, path in ((100_000, "dense16"), (40_000, "dense16"), (30_000, "sparse"), (1000, "sparse")):
         times = predicted(costs, numel=numel, k=k, size=size, dtype=torch.float32, collective=gtopk, wire=plain)
         assert choose(times) == path, (k, times)
-    # 16-bit tensors have no dense16 path (their dense path is 16-bit already).
+    # On a slower link dense8 measured 9 ns: it is taken, down to (9 - 2) / 400 = 1.75% of the elements.
+    for k, path in ((100_000, "dense8"), (18_000, "dense8"), (17_000, "sparse")):
+        times = predicted({**costs, "dense8": 9_000}, numel=numel, k=k, size=size, dtype=torch.float32,
+                          collective=gtopk, wire=plain)
+        assert choose(times) == path, (k, times)
+    # A tie goes to the more precise path.
+    assert choose({"sparse": 5, "dense16": 3, "dense": 4, "dense8": 3}) == "dense16"
+    # 16-bit tensors have no rounded dense paths (their dense path is 16-bit already).
     times = predicted(costs, numel=numel, k=100_000, size=size, dtype=torch.bfloat16, collective=gtopk,
                       wire=plain)
-    assert "dense16" not in times and choose(times) == "dense"
+    assert "dense16" not in times and "dense8" not in times and choose(times) == "dense"
     # Nothing timed: the sparse path, which is what was asked for (and then it is timed).
-    assert choose(predicted({"select": None, "slot": None, "dense16": None, "dense": None}, numel=numel, k=10,
-                            size=size, dtype=torch.float32, collective=gtopk, wire=plain)) == "sparse"
+    assert choose(predicted(dict.fromkeys(costs), numel=numel, k=10, size=size, dtype=torch.float32,
+                            collective=gtopk, wire=plain)) == "sparse"
 
 
 def test_a_long_sparse_run_stays_sparse():
@@ -101,14 +113,16 @@ def test_a_long_sparse_run_stays_sparse():
 
 
 def test_agreed_costs_are_the_mean_of_the_ranks():
-    headers = [{"cost_select": 10, "cost_slot": 5, "cost_dense16": -1, "cost_dense": 7},
-               {"cost_select": 20, "cost_slot": 6, "cost_dense16": 3, "cost_dense": 8}]
-    assert agreed_costs(headers) == {"select": 15, "slot": 5, "dense16": None, "dense": 7}
+    headers = [{"cost_select": 10, "cost_slot": 5, "cost_dense16": -1, "cost_dense": 7, "cost_dense8": 4},
+               {"cost_select": 20, "cost_slot": 6, "cost_dense16": 3, "cost_dense": 8, "cost_dense8": 5}]
+    assert agreed_costs(headers) == {"select": 15, "slot": 5, "dense16": None, "dense": 7, "dense8": 4}
     queue, plan = DenseQueue(), PathPlan()
     plan.costs.observe_dense(1000, queue.own_seconds(start=1.0, end=1.5))
     plan.costs.observe_dense(1000, queue.own_seconds(start=1.1, end=1.7))  # queued behind the first: 0.2 s its own
     assert plan.costs.dense == pytest.approx(0.5 * 0.5e-3 + 0.5 * 0.2e-3)
     assert plan.costs.report()["cost_dense16"] == -1
+    plan.costs.observe_dense(1000, 0.25, "dense8")
+    assert plan.costs.dense8 == pytest.approx(0.25e-3) and plan.costs.report()["cost_dense8"] == 250_000_000
 
 
 def test_each_tensor_is_predicted_from_its_own_measurements():
@@ -132,40 +146,48 @@ def test_each_tensor_is_predicted_from_its_own_measurements():
 
 # --------------------------------------------------------------------------------------------- real groups
 
-def check_dense16(members: Members) -> list[str]:
-    """The collective alone: the average bitwise equal on every rank, close to float32's, and
+def check_rounded(members: Members) -> list[str]:
+    """The collectives alone: the average bitwise equal on every rank, close to float32's, and
     sum_r x_r = P x average + sum_r lost_r to float32 rounding. Close: the ring rounds P - 1 partial sums, each
-    at most P x mean |x|, and the average, to bfloat16 (unit roundoff 2**-8): at most P x 2**-8 x mean |x| from
-    the mean (a rank left out would be mean |x| / P off)."""
+    at most P x mean |x|, and the average, to the wire's format (unit roundoff 2**-8 for bfloat16, 2**-3 for
+    float8 e5m2 scaled into its normal range): at most P x that x mean |x| from the mean (a rank left out would
+    be mean |x| / P off)."""
     failures = []
     # 5003 is not a multiple of any group size (padded chunks); 1 and 2 elements leave ranks an empty chunk; steps
-    # 1 and 2 send the ring's chunks in segments of 97 elements (the last one shorter).
-    for step, numel in [(0, NUMEL), (1, NUMEL), (2, NUMEL), (3, 1), (4, 2)]:
-        x = gradient(members.me, step, numel)
+    # 1 and 2 send the ring's chunks in segments of 97 elements (the last one shorter); step 5 is all zeros, and
+    # dense8's step 6 tiny: its scale at its bound, 2**120.
+    steps = [(0, NUMEL), (1, NUMEL), (2, NUMEL), (3, 1), (4, 2), (5, NUMEL)]
+    cases = [(Dense16(), 2**-8, step, numel) for step, numel in steps] + [
+        (Dense8(), 2**-3, step, numel) for step, numel in [*steps, (6, NUMEL)]]
+    for collective, roundoff, step, numel in cases:
+        x = gradient(members.me, step, numel) * (step != 5)
+        if step == 6:  # magnitudes in [1e-33, 2e-33): 2e-33 x 2**120 is far inside e5m2's range, and no subnormal
+            x = torch.sign(x) * (1 + torch.rand(numel, generator=torch.Generator().manual_seed(members.me))) * 1e-33
         if members.me == 0 and step == 2:
             x[7] = float("inf")  # a non-finite element reaches the average and loses nothing
         traffic = Traffic()
         average, lost = x.clone(), torch.full_like(x, float("nan"))  # every element of lost is written
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(dense, "SEGMENT", 97 if step in (1, 2) else dense.SEGMENT)
-            Dense16().reduce_dense(average, members.group, members.size, traffic, lost=lost)
+            collective.reduce_dense(average, members.group, members.size, traffic, lost=lost)
+            nbytes = collective.wire_bytes(numel, numel, members.size, torch.float32)  # a header a segment
         exact = torch.stack([x.double(), x.double().abs()]) / members.size
         dist.all_reduce(exact, group=members.group)
         exact, magnitude = exact  # the mean, and the mean |x| that bfloat16's roundings are relative to
         balance = x.double() - lost.double()
         dist.all_reduce(balance, group=members.group)
         finite = torch.isfinite(exact)
-        where = f"{members.name}, dense16 step {step} ({numel} elements)"
+        where = f"{members.name}, {collective.name} step {step} ({numel} elements)"
         if not equal_on_every_rank(members, average):
             failures.append(f"{where}: the average differs across ranks")
         scale = float(exact[finite].abs().max())
         if not float((balance - members.size * average.double())[finite].abs().max()) <= 1e-6 * scale:  # NaN too
             failures.append(f"{where}: sum of x != P x average + sum of lost")
-        if bool(((average.double() - exact)[finite].abs() > members.size * 2**-8 * magnitude[finite]).any()):
+        if bool(((average.double() - exact)[finite].abs() > members.size * roundoff * magnitude[finite]).any()):
             failures.append(f"{where}: the average is not the mean")
         if step == 2 and not (torch.isinf(average[7]) and torch.isfinite(lost).all()):
             failures.append(f"{where}: the inf did not reach the average, or the lost values are not finite")
-        if traffic.sent != Dense16().wire_bytes(numel, numel, members.size, torch.float32):
+        if traffic.sent != nbytes:
             failures.append(f"{where}: counted {traffic.sent} bytes")
     return failures
 
@@ -191,7 +213,7 @@ def conserved_step(members: Members, state: gx.SparseGradState, step: int, where
 def check_forced_paths(members: Members) -> list[str]:
     """Each forced path, after two dense steps and between two sparse ones, conserves every step."""
     failures = []
-    for mode in ("dense16", "dense", "sparse"):
+    for mode in ("dense16", "dense8", "dense", "sparse"):
         for collective in ("gtopk", "oktopk"):
             state = gx.SparseGradState(members.group, density=0.05, collective=collective, path="sparse")
             state.stats_logging_frequency = 0
@@ -216,12 +238,12 @@ def check_auto(members: Members) -> list[str]:
         costs = state.agreed_plans[0].costs if step else None  # the bucket's, once it has been reduced
         if step == 2:  # the dense steps timed a slow link on some ranks; a sparse slot is dear on every rank
             costs.dense = 1e-6 * (me + 1)
-            # rank 0 alone would go sparse; the mean of the ranks says dense16
-            costs.select, costs.slot, costs.dense16 = 1e-9, 1e-9 if me == 0 else 1e-3, None
+            # rank 0 alone would go sparse; the mean of the ranks says dense16 (dense8 was timed dear)
+            costs.select, costs.slot, costs.dense16, costs.dense8 = 1e-9, 1e-9 if me == 0 else 1e-3, None, 1.0
         if step == 6:  # the link got slower than a slot, from now on
             costs.dense, costs.dense16, costs.slot = 1.0, 1.0, 1e-9
         if step == 13:  # the dense paths look cheaper again, but the residual holds 5 or more sparse steps' worth
-            costs.dense, costs.dense16, costs.slot = 1e-12, 1e-12, 1.0
+            costs.dense, costs.dense16, costs.dense8, costs.slot = 1e-12, 1e-12, 1e-12, 1.0
         failures += conserved_step(members, state, step, f"{members.name}, auto step {step}")
         paths.append(state.stats()["buckets"][0]["path"])
         sent.append(state.stats()["buckets"][0]["bytes_sent"])
@@ -239,6 +261,24 @@ def check_auto(members: Members) -> list[str]:
         failures.append(f"{members.name}: auto took {paths}")
     if not 0 < sent[10] == sent[11] < sent[9]:  # step 9 agreed again (a header), 10 and 11 did not
         failures.append(f"{members.name}: bytes sent per step {sent}")
+    return failures
+
+
+def check_auto_takes_dense8(members: Members) -> list[str]:
+    """Untimed, dense8 is predicted from its bytes (a quarter of float32's): ``auto`` takes it at a warm-up's
+    density, keeps it once timed cheaper than the others, and conserves every step."""
+    failures = []
+    state = gx.SparseGradState(members.group, density=0.25, path=PathPolicy("auto", recalibrate_every=2))
+    state.stats_logging_frequency = 0
+    paths = []
+    for step in range(6):
+        if step == 2:  # the dense steps timed a slow link; dense16 and sparse slots were timed dear
+            costs = state.agreed_plans[0].costs
+            costs.dense, costs.dense16, costs.select, costs.slot = 1e-4, 1e-4, 1e-9, 1e-3
+        failures += conserved_step(members, state, step, f"{members.name}, auto (dense8) step {step}")
+        paths.append(state.stats()["buckets"][0]["path"])
+    if paths != ["dense", "dense"] + ["dense8"] * 4:
+        failures.append(f"{members.name}: auto took {paths}")
     return failures
 
 
@@ -265,7 +305,8 @@ def paths_worker(rank: int, world_size: int) -> list[str]:
         group = dist.new_group(list(range(size)))
         if rank < size:
             members = Members(group, list(range(size)), dist.get_rank(group), f"{size} ranks")
-            failures += (check_dense16(members) + check_forced_paths(members) + check_auto(members)
+            failures += (check_rounded(members) + check_forced_paths(members) + check_auto(members)
+                         + check_auto_takes_dense8(members)
                          + check_reduce_takes_the_old_callback(members))
     return failures
 

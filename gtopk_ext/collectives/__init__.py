@@ -1,6 +1,7 @@
 """Collectives on torch.distributed (Gloo or NCCL, any process group), one module each behind one protocol
 (:mod:`gtopk_ext.collectives._protocol`): TopK-SGD's sparse allgather, the gTop-k butterfly allreduce of Shi et al.
-(ICDCS 2019), the Ok-Topk sparse allreduce of Li and Hoefler (PPoPP 2022), and the dense allreduce.
+(ICDCS 2019), the Ok-Topk sparse allreduce of Li and Hoefler (PPoPP 2022), and the dense allreduces (in the
+tensor's dtype, in bfloat16, in 8 bits).
 
 The functions (``sparse_allgather``, ``gtopk_allreduce``, ``oktopk_allreduce``) take a SparseMessage and check
 their inputs with every rank; :data:`COLLECTIVES` maps names to the :class:`Collective` objects that the
@@ -12,13 +13,14 @@ from gtopk_ext.collectives._protocol import (DTYPE_CODES, MAX_NUMEL, Agreement, 
                                              agree, carried_dtype, check_message, gather_headers,
                                              group_rank_and_size, require_same)
 from gtopk_ext.collectives.allgather import Allgather, sparse_allgather
-from gtopk_ext.collectives.dense import Dense16, DenseAllreduce
+from gtopk_ext.collectives.dense import Dense8, Dense16, DenseAllreduce, RoundedDense
 from gtopk_ext.collectives.gtopk import GTopK, gtopk_allreduce
 from gtopk_ext.collectives.oktopk import OKTOPK_PERIOD, OKTOPK_REUSE_BOUNDS, OkTopk, OkTopkState, oktopk_allreduce
 from gtopk_ext.costs import Traffic, ring_allgather_bytes, ring_allreduce_bytes
 
 # The one registry of collectives by name.
-COLLECTIVES: dict[str, type[Collective]] = {c.name: c for c in (GTopK, Allgather, OkTopk, DenseAllreduce, Dense16)}
+COLLECTIVES: dict[str, type[Collective]] = {c.name: c for c in (GTopK, Allgather, OkTopk, DenseAllreduce, Dense16,
+                                                                   Dense8)}
 SPARSE_COLLECTIVES = tuple(name for name, c in COLLECTIVES.items() if c.sparse)
 
 
@@ -32,6 +34,6 @@ def collective_named(name: str, backend: BackendLike = None) -> Collective:
 __all__ = ["COLLECTIVES", "SPARSE_COLLECTIVES", "collective_named", "Collective", "Reduced", "Agreement",
            "Disagreement", "agree", "sparse_allgather", "gtopk_allreduce", "oktopk_allreduce", "OkTopkState",
            "OKTOPK_PERIOD", "OKTOPK_REUSE_BOUNDS", "Allgather", "GTopK", "OkTopk", "DenseAllreduce", "Dense16",
-           "Traffic",
+           "Dense8", "RoundedDense", "Traffic",
            "ring_allgather_bytes", "ring_allreduce_bytes", "carried_dtype", "check_message", "gather_headers",
            "group_rank_and_size", "require_same", "DTYPE_CODES", "MAX_NUMEL"]

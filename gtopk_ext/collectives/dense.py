@@ -1,9 +1,10 @@
 """The dense allreduces, as collectives of the same protocol: ``dense`` in the tensor's own dtype (a warm-up, a
-small bucket, a rank's sum that is not finite), and ``dense16``, bfloat16 on the wire with every rounding error
-written where the caller says (the reduction: into the residual)."""
+small bucket, a rank's sum that is not finite), and ``dense16`` and ``dense8``, bfloat16 or scaled 8-bit floats on
+the wire with every rounding error written where the caller says (the reduction: into the residual)."""
 
 from __future__ import annotations
 
+import math
 import threading
 from time import perf_counter
 
@@ -20,50 +21,46 @@ _kept = threading.local()
 SEGMENT = 1 << 19  # elements of one ring message at most: the next segment travels while this one is summed
 
 
-def _wire_buffers(size: int, row: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dense16's bfloat16 buffers: send and receive (``row`` elements each) and the allgather's (size, row),
-    kept between calls on the CPU, where a new tensor of this size costs its page faults every time (the allocator
-    gives large blocks back to the system: a third of the collective's time). One set per thread: the hooks reduce
-    on threads of their own."""
-    numel = (size + 2) * row
+def _kept_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer of ``numel`` elements kept between calls on the CPU, where a new tensor of this size costs its page
+    faults every time (the allocator gives large blocks back to the system: a third of the collective's time). One
+    per thread: the hooks reduce on threads of their own."""
     if device.type != "cpu":
-        kept = torch.empty(numel, dtype=Dense16.wire_dtype, device=device)
-    else:
-        kept = getattr(_kept, "buffer", None)
-        if kept is None or kept.numel() < numel:
-            kept = _kept.buffer = torch.empty(numel, dtype=Dense16.wire_dtype)
-    return kept[:row], kept[row:2 * row], kept[2 * row:numel].view(size, row)
-
-
-def _round(values: torch.Tensor, out: torch.Tensor, lost: torch.Tensor | None) -> None:
-    """``out[:n]`` = ``values`` in bfloat16 and ``lost`` (None: dropped) = what that rounding took."""
-    sent = out[:values.numel()].copy_(values)
-    if lost is not None:  # in float32 first: a subtraction mixing dtypes takes 5x longer on the CPU
-        torch.sub(values, lost.copy_(sent), out=lost)
+        return torch.empty(numel, dtype=dtype, device=device)
+    kept = getattr(_kept, name, None)
+    if kept is None or kept.numel() < numel:
+        kept = torch.empty(numel, dtype=dtype)
+        setattr(_kept, name, kept)
+    return kept[:numel]
 
 
 def _reduce_scatter(parts: list[torch.Tensor], losses: list, send: torch.Tensor, receive: torch.Tensor,
-                    group: dist.ProcessGroup, rank: int, size: int) -> None:
-    """Dense16's ring reduce-scatter: at step s this rank sends chunk (rank - s) % P (its own values, then the
-    partial sum it received plus its own) and receives chunk (rank - s - 1) % P, adding its own values to it in
-    float32 in its ``parts`` (whose chunks it no longer needs once sent); each rounding's loss goes to ``losses``.
-    Each chunk travels in segments (tagged by their number), so that summing one overlaps receiving the next."""
+                    codec: "RoundedDense", group: dist.ProcessGroup, rank: int, size: int) -> None:
+    """The ring reduce-scatter: at step s this rank sends chunk (rank - s) % P (its own values, then the partial
+    sum it received plus its own) and receives chunk (rank - s - 1) % P, adding its own values to it in float32 in
+    its ``parts`` (whose chunks it no longer needs once sent); each rounding's loss goes to ``losses``. Each chunk
+    travels in segments (tagged by their number; ``send`` and ``receive`` hold their bytes), so that summing one
+    overlaps receiving the next."""
     if size == 1:
         return
     count = max(1, -(-parts[0].numel() // SEGMENT))
     length = -(-parts[0].numel() // count)
+    stride = codec.message_bytes(length)
 
-    def segment(values: torch.Tensor, j: int, n: int = length) -> torch.Tensor:  # segment j, n elements at most
-        return values[j * length:j * length + min(length, n)]
+    def segment(values: torch.Tensor, j: int) -> torch.Tensor:
+        return values[j * length:(j + 1) * length]
+
+    def message(buffer: torch.Tensor, j: int, n: int) -> torch.Tensor:  # segment j's bytes, n elements
+        return buffer[j * stride:j * stride + codec.message_bytes(n)]
 
     def post_receive(c: int, j: int):
         n = segment(parts[c], j).numel()
-        return dist.irecv(segment(receive, j, n), group=group, group_src=(rank - 1) % size, tag=j)
+        return dist.irecv(message(receive, j, n), group=group, group_src=(rank - 1) % size, tag=j)
 
     def post_send(c: int, j: int):
         values = segment(parts[c], j)
-        sent = segment(send, j, values.numel())
-        _round(values, sent, None if losses[c] is None else segment(losses[c], j))
+        sent = message(send, j, values.numel())
+        codec.encode(values, sent, None if losses[c] is None else segment(losses[c], j))
         return dist.isend(sent, group=group, group_dst=(rank + 1) % size, tag=j)
 
     receiving = [post_receive((rank - 1) % size, j) for j in range(count)]
@@ -73,7 +70,7 @@ def _reduce_scatter(parts: list[torch.Tensor], losses: list, send: torch.Tensor,
         for j in range(count):
             receiving[j].wait()
             values = segment(parts[c], j)
-            values.add_(segment(receive, j, values.numel()))
+            codec.add_decoded(values, message(receive, j, values.numel()))
             if step < size - 2:
                 receiving[j] = post_receive((c - 1) % size, j)
                 sending[j].wait()
@@ -111,18 +108,36 @@ class DenseAllreduce(Collective):
         return ring_allreduce_bytes(numel * torch.empty((), dtype=dtype).element_size(), size)
 
 
-class Dense16(Collective):
-    """Every element in bfloat16 (the bytes of fp16_compress_hook, float32's range: no overflow), summed in
-    float32: a ring reduce-scatter whose ranks add their own float32 values to the partial sums they receive in
-    bfloat16 and pass them on rounded, then an allgather of the chunks' averages in bfloat16. Nothing is lost to the
-    rounding: each rank writes what its roundings took (of every partial sum it sent on, and ``P`` times that of
-    the average of the chunk it completed) for the caller to keep: ``sum over ranks (tensor) = P x average + sum
-    over ranks (lost)``, to float32 rounding. (A ring, not an all-to-all, for both phases: one flow per link
-    direction, as the backends' allreduce; the all-to-all's incast ran 20% slower on 1 Gbit/s links.)"""
+class RoundedDense(Collective):
+    """Every element rounded to a narrower float on the wire, summed in float32: a ring reduce-scatter whose ranks
+    add their own float32 values to the partial sums they receive and pass them on rounded, then an allgather of
+    the chunks' averages, rounded. Nothing is lost to the rounding: each rank writes what its roundings took (of
+    every partial sum it sent on, and ``P`` times that of the average of the chunk it completed) for the caller to
+    keep: ``sum over ranks (tensor) = P x average + sum over ranks (lost)``, to float32 rounding. (A ring, not an
+    all-to-all, for both phases: one flow per link direction, as the backends' allreduce; the all-to-all's incast
+    ran 20% slower on 1 Gbit/s links.)
 
-    name = "dense16"
+    A subclass is the wire's format: a message of n elements is ``header_size`` bytes and n elements of
+    ``element_size`` bytes, written by :meth:`encode` and read by :meth:`add_decoded` and :meth:`decode`."""
+
     sparse = False
-    wire_dtype = torch.bfloat16
+    element_size: int
+    header_size: int
+
+    def message_bytes(self, numel: int) -> int:
+        return self.header_size + numel * self.element_size
+
+    def encode(self, values: torch.Tensor, message: torch.Tensor, lost: torch.Tensor | None) -> None:
+        """``message`` (bytes) = ``values`` rounded, and ``lost`` (None: dropped) = what the rounding took."""
+        raise NotImplementedError
+
+    def add_decoded(self, values: torch.Tensor, message: torch.Tensor) -> None:
+        """``values += `` the elements ``message`` holds."""
+        raise NotImplementedError
+
+    def decode(self, values: torch.Tensor, message: torch.Tensor) -> None:
+        """``values = `` the elements ``message`` holds."""
+        raise NotImplementedError
 
     def reduce_dense(self, tensor: torch.Tensor, group: dist.ProcessGroup, size: int,
                      traffic: Traffic | None = None, lost: torch.Tensor | None = None) -> None:
@@ -134,28 +149,92 @@ class Dense16(Collective):
         parts = [tensor[min(c * chunk, numel):min((c + 1) * chunk, numel)] for c in range(size)]
         losses = [None] * size if lost is None else [
             lost[min(c * chunk, numel):min((c + 1) * chunk, numel)] for c in range(size)]
-        send, receive, gathered = _wire_buffers(size, chunk + 1, tensor.device)
-        _reduce_scatter(parts, losses, send, receive, group, rank, size)  # 1.
-        # 2. This rank completed chunk (rank + 1) % P: its average, rounded, then a word saying whether the chunk
+        count = max(1, -(-chunk // SEGMENT))
+        row = self.message_bytes(chunk) + self.element_size  # the allgather's message: a chunk and a flag
+        wire = _kept_buffer("wire", 2 * max(count * self.message_bytes(-(-chunk // count)), row) + size * row,
+                            torch.uint8, tensor.device)
+        send, receive = wire[:len(wire) - size * row].chunk(2)
+        gathered = wire[len(wire) - size * row:].view(size, row)
+        _reduce_scatter(parts, losses, send, receive, self, group, rank, size)  # 1.
+        # 2. This rank completed chunk (rank + 1) % P: its average, rounded, then a flag saying whether the chunk
         # holds a non-finite value (only then can lost values be non-finite: a non-finite element reaches the sum).
         mine = (rank + 1) % size
         average = parts[mine].div_(size)
-        send[average.numel():chunk].zero_()
-        send[chunk] = 0.0 if is_finite(average) else 1.0
-        _round(average, send, losses[mine])
+        send[:row].zero_()
+        send[row - 1] = 0 if is_finite(average) else 1
+        self.encode(average, send[:self.message_bytes(average.numel())], losses[mine])
         if losses[mine] is not None:  # every rank applies the rounded average: the rounding is P times this one
             losses[mine].mul_(size)
         # 3. Allgather of the rounded averages: rank r's row holds chunk (r + 1) % P.
-        _all_gather_single(gathered.view(-1), send, group=group)
+        _all_gather_single(gathered.view(-1), send[:row], group=group)
         for owner in range(size):
             part = parts[(owner + 1) % size]
-            part.copy_(gathered[owner, :part.numel()])
-        if lost is not None and bool(gathered[:, chunk].any()):
+            self.decode(part, gathered[owner, :self.message_bytes(part.numel())])
+        if lost is not None and bool(gathered[:, row - 1].any()):
             lost.nan_to_num_(0.0, 0.0, 0.0)
         if traffic is not None:
             nbytes = self.wire_bytes(numel, numel, size, tensor.dtype)
             traffic.add(nbytes, nbytes)
 
     def wire_bytes(self, numel, k, size, dtype, wire=None):
-        chunk = -(-numel // size)  # two phases, (P - 1) chunks of 2 bytes an element each (and a flag word)
-        return (size - 1) * (2 * chunk + 2 * (chunk + 1))
+        chunk = -(-numel // size)  # two phases, (P - 1) chunks each (one header a segment), and the flag
+        count = max(1, -(-chunk // SEGMENT))
+        return (size - 1) * (count * self.header_size + chunk * self.element_size + self.message_bytes(chunk + 1))
+
+
+class Dense16(RoundedDense):
+    """Every element in bfloat16 (the bytes of fp16_compress_hook, float32's range: no overflow)."""
+
+    name = "dense16"
+    wire_dtype = torch.bfloat16
+    element_size, header_size = 2, 0
+
+    def encode(self, values, message, lost):
+        sent = message.view(self.wire_dtype).copy_(values)
+        if lost is not None:  # in float32 first: a subtraction mixing dtypes takes 5x longer on the CPU
+            torch.sub(values, lost.copy_(sent), out=lost)
+
+    def add_decoded(self, values, message):
+        values.add_(message.view(self.wire_dtype))
+
+    def decode(self, values, message):
+        values.copy_(message.view(self.wire_dtype))
+
+
+class Dense8(RoundedDense):
+    """Every element in 8 bits: float8 e5m2 (2 mantissa bits; e4m3's conversions take 4x longer on the CPU) times a
+    power of two per message, a byte ahead of its elements, that brings the message's largest magnitude to the
+    format's largest (its range then reaches 2^31 below it). A quarter of float32's bytes, for more work on the
+    CPU than bfloat16 (a scale, and conversions that are not vectorized there); each rounding takes up to 1/8 of an
+    element, which the residual keeps."""
+
+    name = "dense8"
+    wire_dtype = torch.float8_e5m2
+    element_size, header_size = 1, 1
+    _LARGEST = 57344.0  # e5m2's largest finite value
+    _BIAS = 128  # the header byte is the exponent plus this
+
+    def _exponent(self, values: torch.Tensor) -> int:
+        low, high = torch.aminmax(values)
+        largest = max(-float(low), float(high))
+        if not math.isfinite(largest) or largest == 0.0:  # a non-finite element must reach the sum as it is
+            return 0
+        return max(-120, min(120, math.floor(math.log2(self._LARGEST / largest))))
+
+    def encode(self, values, message, lost):
+        exponent = self._exponent(values) if values.numel() else 0
+        message[0] = exponent + self._BIAS
+        sent = torch.mul(values, 2.0 ** exponent, out=message[1:].view(self.wire_dtype))
+        if lost is not None:  # exact: scaling by a power of two rounds nothing
+            torch.add(values, lost.copy_(sent), alpha=-2.0 ** -exponent, out=lost)
+
+    def _scale(self, message: torch.Tensor) -> float:
+        return 2.0 ** -(int(message[0]) - self._BIAS)
+
+    def add_decoded(self, values, message):
+        decoded = _kept_buffer("scaled", values.numel(), values.dtype, values.device).copy_(
+            message[1:].view(self.wire_dtype))
+        values.add_(decoded, alpha=self._scale(message))
+
+    def decode(self, values, message):
+        values.copy_(message[1:].view(self.wire_dtype)).mul_(self._scale(message))

@@ -25,8 +25,8 @@ from gtopk_ext.ddp.selection import STEPS_PER_ITER, parameter_maxima, select
 from gtopk_ext.ddp.state import BucketStats, SparseGradState
 from gtopk_ext.hierarchical import hierarchical_allreduce
 from gtopk_ext.ops import is_finite
-from gtopk_ext.paths import PathPlan
-from gtopk_ext.reduction import FLAG_NONFINITE, Outcome, plan_path, reduce, reduce_dense16
+from gtopk_ext.paths import ROUNDED, PathPlan
+from gtopk_ext.reduction import FLAG_NONFINITE, Outcome, plan_path, reduce, reduce_rounded
 from gtopk_ext.wire import Rounding, wire_named
 
 logger = logging.getLogger("gtopk_ext.hooks")
@@ -41,8 +41,8 @@ def sparse_grad_hook(state: SparseGradState, bucket: dist.GradBucket) -> torch.f
 
     1. Plan: k follows from replicated configuration (the iteration, the density schedule, the bucket's size),
        and the path from the state's :class:`gtopk_ext.PathPolicy`: dense during the warm-up, for small buckets
-       and the dense collective; else, with ``auto``, the cheapest of sparse, dense16 and dense that the ranks'
-       measured costs predict (:func:`gtopk_ext.reduction.plan_path`). Ranks exchange a header only when a
+       and the dense collective; else, with ``auto``, the cheapest of sparse, dense16, dense8 and dense that the
+       ranks' measured costs predict (:func:`gtopk_ext.reduction.plan_path`). Ranks exchange a header only when a
        bucket's plan is new or changed, and all raise the same error if they differ.
     2. Prepare: DGC's clipping and momentum correction turn the gradient into what enters the residual; each
        parameter's largest |gradient| says which parameters this rank did not use (their residual waits) and
@@ -53,8 +53,9 @@ def sparse_grad_hook(state: SparseGradState, bucket: dist.GradBucket) -> torch.f
        the wire's rounding) stays in the residual. A rank whose acc is not finite raises a flag instead.
     4. Keep: the loss scaler's record of what the step took, and momentum factor masking.
     5. Dense paths (the warm-up, small buckets, the dense collective, or a flag raised by any rank): the bucket
-       (plus any residual it still holds) is divided by P and allreduced asynchronously. On the dense16 path all
-       of grad + residual is averaged in bfloat16 (float32 sums) and the rounding stays in the residual.
+       (plus any residual it still holds) is divided by P and allreduced asynchronously. On the dense16 and
+       dense8 paths all of grad + residual is averaged in bfloat16 or scaled 8-bit floats (float32 sums) and the
+       rounding stays in the residual.
 
     Why a thread rather than a chain of futures as in PyTorch's PowerSGD hook: on Gloo a future's callback runs on
     the thread that completed the previous collective, so a callback that issues the next collective races the
@@ -151,8 +152,8 @@ def _reduce_part(state: SparseGradState, tensor: torch.Tensor, index: int, layou
         if state.momentum and is_finite(tensor):  # an inf must not poison the velocity
             dgc.increment(state.momentum_correction, state.velocity_store, _velocities_before(state), tensor, index,
                           layout, parameters, [1.0] * len(layout or [None]), sent_whole=True)
-        if path == "dense16":
-            return _reduce_dense16(state, tensor, index, layout, stats, plan)
+        if path in ROUNDED:
+            return _reduce_rounded(state, path, tensor, index, layout, stats, plan)
         if state.error_feedback and state.residual_store.holds_any(index, layout):
             _flush_into(state, tensor, index, layout)
         return _dense_allreduce(state, tensor, group, size, stats, plan)
@@ -262,10 +263,10 @@ def _dense_allreduce(state: SparseGradState, tensor: torch.Tensor, group: dist.P
     return DenseAllreduce().reduce_dense(tensor, group, size, stats.traffic, on_done=done)
 
 
-def _reduce_dense16(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout,
+def _reduce_rounded(state: SparseGradState, path: str, tensor: torch.Tensor, index: int, layout: Layout,
                     stats: BucketStats, plan: PathPlan) -> torch.futures.Future:
-    """Step 5 on the dense bfloat16 path: all of grad + residual is sent, the rounding stays in the residual. A
-    parameter this rank did not use keeps its residual out, as on the sparse path."""
+    """Step 5 on a rounded dense path (dense16, dense8): all of grad + residual is sent, the rounding stays in
+    the residual. A parameter this rank did not use keeps its residual out, as on the sparse path."""
     start = perf_counter()
     residual, held = None, []
     if state.error_feedback:
@@ -274,11 +275,11 @@ def _reduce_dense16(state: SparseGradState, tensor: torch.Tensor, index: int, la
         state.residual_bounds.pop(index, None)
         if state.loss_scaling.scaler is not None:
             state.loss_scaling.record_taken(index, None, residual.clone())
-    reduce_dense16(tensor, residual, state.thread.group, stats.traffic)
+    reduce_rounded(path, tensor, residual, state.thread.group, stats.traffic)
     for part, saved in held:  # the part now holds the chunk's rounding, if this rank summed it
         part.add_(saved)
     stats.exchange_seconds = perf_counter() - start
-    plan.costs.observe_dense16(tensor.numel(), stats.exchange_seconds)
+    plan.costs.observe_dense(tensor.numel(), stats.exchange_seconds, path)
     return _done(tensor)
 
 

@@ -51,9 +51,10 @@ class SparseGradState:
             DDP rebuilds its buckets after the first iteration.
         path: how each bucket's path is chosen once it may compress (:class:`gtopk_ext.PathPolicy`):
             ``"auto"`` (default) takes, per bucket and step, the cheapest of the sparse collective at the step's
-            density, a dense bfloat16 allreduce (its rounding kept in the residual) and the dense allreduce, as
-            predicted from this group's measured steps, the same on every rank; ``"sparse"``, ``"dense16"`` or
-            ``"dense"`` force one. Buckets under ``PathPolicy.min_compress_numel`` (1024) elements go dense.
+            density, a dense allreduce in bfloat16 or in scaled 8-bit floats (their rounding kept in the
+            residual) and the dense allreduce, as predicted from this group's measured steps, the same on every
+            rank; ``"sparse"``, ``"dense16"``, ``"dense8"`` or ``"dense"`` force one. Buckets under
+            ``PathPolicy.min_compress_numel`` (1024) elements go dense.
         wire: the sparse collectives' wire format (:mod:`gtopk_ext.wire`): ``"plain"`` (default) or ``"compact"``
             (4 bytes a pair: float16 values, their rounding error kept in the residual; 16-bit indices).
         momentum: :class:`gtopk_ext.MomentumCorrection` (DGC's momentum correction and local clipping; a number m

@@ -20,7 +20,7 @@ SUMMARY_BUCKETS = 12  # rows of buckets a summary shows: it fits one screen
 class BucketStats:
     """What the hook did with one bucket in its latest step."""
 
-    path: str  # "sparse", "dense16" or "dense" (gtopk_ext.paths); "nonfinite" (a rank's sum was not: went dense)
+    path: str  # "sparse", "dense16", "dense8" or "dense" (gtopk_ext.paths); "nonfinite" (a rank's sum was not)
     numel: int
     k: int  # slots sent per rank (numel on the dense paths)
     selected: Union[int, torch.Tensor] = 0  # elements the compressor selected before truncation to k

@@ -27,7 +27,8 @@ from gtopk_ext.compressors import k_for_density
 from gtopk_ext.fsdp.layout import fsdp_modules, parameter_group, shard_layout
 from gtopk_ext.fsdp.state import GroupState, GroupStats, SparseFSDPState
 from gtopk_ext.ops import is_finite
-from gtopk_ext.reduction import plan_path, reduce, reduce_dense16
+from gtopk_ext.paths import ROUNDED
+from gtopk_ext.reduction import plan_path, reduce, reduce_rounded
 from gtopk_ext.wire import wire_named
 
 # Seeds of randomk's draws: step = call * STEPS_PER_CALL + group index, the same on every replica.
@@ -44,14 +45,15 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
        never holds residual), in float32 (the residual is float32 whatever FSDP's ``reduce_dtype``).
     2. Plan: dense during the warm-up (``start_iter``), else k = ceil(density x real elements), the density of
        this call (the group's iteration: its count of calls), and the path of the state's policy
-       (:func:`gtopk_ext.reduction.plan_path`; ``auto``: the cheapest of sparse, dense16 and dense as measured).
+       (:func:`gtopk_ext.reduction.plan_path`; ``auto``: the cheapest of sparse, dense16, dense8 and dense as
+       measured).
        The replicas exchange a header only when the plan changes, and all raise the same error if they differ.
     3. Reduce (:func:`gtopk_ext.reduction.reduce`): acc = gradient + residual is compressed to k slots, reduced
        over the replicate group by the collective and divided by the number of nodes; what was not applied (not
        selected, dropped by a merge, lost to the wire's rounding) stays in the residual.
     4. Dense paths (the warm-up, the dense path, or a rank whose acc is not finite: then every rank sends its
        whole acc): the gradient (plus the residual) is averaged over the nodes by the dense collective; on the
-       dense16 path in bfloat16, its rounding kept in the residual.
+       dense16 and dense8 paths in bfloat16 or scaled 8-bit floats, their rounding kept in the residual.
     5. Write back: the real elements of ``shard`` take the average (in its dtype); FSDP then applies any
        post-division of its own (float16 reduce-scatters divide in two parts: both are linear, so averaging the
        pre-divided shards over nodes gives FSDP's node average, averaged over nodes).
@@ -106,9 +108,9 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
         else:
             group.plan.costs.observe_sparse(layout.numel, k, stats.select_seconds,
                                             perf_counter() - start - stats.select_seconds)
-    elif stats.path == "dense16":  # 4. Dense, in bfloat16: all of the residual goes, the rounding stays
-        reduce_dense16(work, group.residual, replicas, stats.traffic)
-        group.plan.costs.observe_dense16(layout.numel, perf_counter() - start)
+    elif stats.path in ROUNDED:  # 4. Dense, in bfloat16 or 8 bits: all of the residual goes, the rounding stays
+        reduce_rounded(stats.path, work, group.residual, replicas, stats.traffic)
+        group.plan.costs.observe_dense(layout.numel, perf_counter() - start, stats.path)
     if stats.path in ("dense", "nonfinite"):  # 4. Dense: a residual left by earlier sparse calls goes too
         if stats.path == "dense":
             work.add_(group.residual)

@@ -49,7 +49,8 @@ def node_mesh(node_size: Optional[int] = None, device_type: str = "cpu") -> Devi
 class GroupStats:
     """What the hook did with one parameter group's shard in its latest call."""
 
-    path: str = "none"  # "sparse", "dense16" or "dense" (gtopk_ext.paths); "nonfinite" (a rank's sum was not)
+    path: str = "none"  # "sparse", "dense16", "dense8" or "dense" (gtopk_ext.paths); "nonfinite" (a rank's sum was
+    # not)
     numel: int = 0  # real elements
     padded_numel: int = 0  # the shard's elements
     k: int = 0  # slots sent per rank (numel on the dense paths)
@@ -92,10 +93,10 @@ class SparseFSDPState:
       ``"compact"``.
     * ``start_iter``: the hook's calls before which a group is averaged densely (a warm-up).
     * ``path``: each call's path once a group may compress (:class:`gtopk_ext.PathPolicy`, as for DDP):
-      ``"auto"`` (default) takes the cheapest of sparse, dense bfloat16 (its rounding kept in the residual) and
-      dense, as the replicas' measured costs predict, the same on every replica; ``"sparse"``, ``"dense16"`` or
-      ``"dense"`` force one; shards under ``min_compress_numel`` real elements go dense. Each group's plan
-      (``GroupState.plan``) holds this rank's measured costs of its paths.
+      ``"auto"`` (default) takes the cheapest of sparse, dense bfloat16 or scaled 8-bit floats (their rounding
+      kept in the residual) and dense, as the replicas' measured costs predict, the same on every replica;
+      ``"sparse"``, ``"dense16"``, ``"dense8"`` or ``"dense"`` force one; shards under ``min_compress_numel``
+      real elements go dense. Each group's plan (``GroupState.plan``) holds this rank's measured costs of its paths.
     * ``groups``: a :class:`GroupState` per FSDP parameter group, filled by
       :func:`gtopk_ext.fsdp.register_sparse_all_reduce` (the per-shard residuals live there).
 

@@ -55,7 +55,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                                                                   "dense", "ddp"),
                         help="the hook's collective; hierarchical: dense inside a node, --inner-collective "
                              "between nodes; ddp: DDP's own allreduce, no hook")
-    parser.add_argument("--path", default="auto", choices=("auto", "sparse", "dense16", "dense"),
+    parser.add_argument("--path", default="auto", choices=gx.paths.MODES,
                         help="each bucket's path (gx.PathPolicy): auto takes the cheapest as measured; sparse "
                              "always compresses (after the dense start), so a rerun takes the same paths")
     parser.add_argument("--inner-collective", default="gtopk", help="between nodes, with --collective hierarchical")

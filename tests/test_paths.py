@@ -1,6 +1,6 @@
-"""The path policy (gtopk_ext.paths): the dense bfloat16 and 8-bit collectives conserve every rounding, every forced path
-conserves per step through the hook, and ``auto`` takes the same path on every rank from the ranks' measured
-costs, as the cost model predicts it, with no header in a steady step."""
+"""The path policy (gtopk_ext.paths): the dense bfloat16 and 8-bit collectives conserve every rounding, every
+forced path conserves per step through the hook, and ``auto`` takes the same path on every rank from the ranks'
+measured costs, as the cost model predicts it, with no header in a steady step."""
 
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ def add_dgc_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dgc-min-compress-numel", type=int, default=None,
                         help="buckets of fewer elements go dense (default: the hook's)")
     parser.add_argument("--dgc-path", default="auto", choices=gx.paths.MODES,
-                        help="each bucket's path (gx.PathPolicy): auto, or sparse, dense16, dense every step")
+                        help="each bucket's path (gx.PathPolicy): auto, or sparse, dense16, dense8, dense every step")
 
 
 def no_communication_hook(world_size: int, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

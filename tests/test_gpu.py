@@ -22,8 +22,8 @@ STEPS = 12
 WIDTH = 64
 
 
-def train(rank: int, device: torch.device, backend: str, collective: str, dtype: torch.dtype, synchronous: bool
-          ) -> tuple[list[torch.Tensor], list[float], list[str]]:
+def train(rank: int, device: torch.device, backend: str, collective: str, dtype: torch.dtype, synchronous: bool,
+          path: str = "sparse") -> tuple[list[torch.Tensor], list[float], list[str]]:
     """Parameters (copied to the CPU) after STEPS steps of a regression, the losses, and conservation failures."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Tanh(), nn.Linear(4 * WIDTH, 4 * WIDTH), nn.Tanh(),
@@ -32,7 +32,7 @@ def train(rank: int, device: torch.device, backend: str, collective: str, dtype:
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=16 * 1024 * torch.finfo(dtype).bits / 8 / 2**20)
     state = gx.SparseGradState(density=0.05, collective=collective, start_iter=2,
-                               path=gx.PathPolicy("sparse", min_compress_numel=1024),
+                               path=gx.PathPolicy(path, min_compress_numel=1024),
                                stats_logging_frequency=0, synchronous=synchronous,
                                compressor_kwargs={"backend": backend})
     recorder = Recorder(state)
@@ -52,8 +52,8 @@ def train(rank: int, device: torch.device, backend: str, collective: str, dtype:
     recorder.calls = {key: tuple(t.cpu() for t in call) for key, call in recorder.calls.items()}
     # bfloat16's average is rounded to 8 bits: the float32 tolerance of the balance holds for float32 only.
     failures = conservation_failures(recorder, where) if dtype == torch.float32 else []
-    if not any(stats["path"] == "sparse" for stats in state.stats()["buckets"].values()):
-        failures.append(f"{where}: no bucket went sparse")
+    if not any(stats["path"] == path for stats in state.stats()["buckets"].values()):
+        failures.append(f"{where}: no bucket went {path}")
     return [p.detach().cpu() for p in model.parameters()], losses, failures
 
 
@@ -74,6 +74,14 @@ def hook_on_gpu(rank: int, size: int) -> list[str]:
                     failures.append(f"{where}: the asynchronous path differs from the synchronous one")
                 if not sum(losses[-3:]) < 0.7 * sum(losses[:3]):
                     failures.append(f"{where}: the loss did not fall: {losses}")
+    # The rounded dense paths on CUDA tensors (their ring sends from host memory on Gloo).
+    for path in ("dense16", "dense8"):
+        parameters, losses, broken = train(rank, device, "cuda", "gtopk", torch.float32, False, path)
+        failures += broken
+        if not same_on_every_rank(parameters):
+            failures.append(f"{path}: the replicas differ")
+        if not sum(losses[-3:]) < 0.7 * sum(losses[:3]):
+            failures.append(f"{path}: the loss did not fall: {losses}")
     return failures
 
 

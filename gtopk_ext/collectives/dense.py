@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from gtopk_ext.collectives._protocol import Collective
+from gtopk_ext.collectives._transport import p2p_device
 from gtopk_ext.costs import Traffic, ring_allreduce_bytes
 from gtopk_ext.ops import is_finite
 
@@ -144,6 +145,14 @@ class RoundedDense(Collective):
         """``tensor`` (flat float32) becomes the average over the group in place. ``lost`` (float32, the tensor's
         shape; None: dropped) is overwritten with what this rank lost to the rounding; a non-finite element
         loses nothing (it reaches the average)."""
+        host = p2p_device(tensor.device, group)
+        if host != tensor.device:  # Gloo sends and receives from host memory: the ring runs on a copy there
+            staged, staged_lost = tensor.to(host), None if lost is None else torch.empty(lost.shape, device=host)
+            self.reduce_dense(staged, group, size, traffic, staged_lost)
+            tensor.copy_(staged)
+            if lost is not None:
+                lost.copy_(staged_lost)
+            return
         numel, rank = tensor.numel(), dist.get_rank(group)
         chunk = -(-numel // size)
         parts = [tensor[min(c * chunk, numel):min((c + 1) * chunk, numel)] for c in range(size)]

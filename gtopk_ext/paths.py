@@ -26,6 +26,10 @@ from gtopk_ext.wire import Wire
 PATHS = ("sparse", "dense16", "dense", "dense8")  # ties go to the first: the more precise of two dense paths
 MODES = ("auto", *PATHS)
 ROUNDED = ("dense16", "dense8")  # the dense paths whose rounding stays in the residual (float32 tensors only)
+# The paths ``auto`` takes unless told otherwise. Not dense8: its steps are cheaper where the link sets the pace,
+# but its rounding (up to 1/8 of each element, kept in the residual) cost the language model of bench.lm 20% more
+# steps to a validation loss than dense16 (docs/performance.md), and the cost model prices steps, not progress.
+AUTO_CHOICES = ("sparse", "dense16", "dense")
 _PS = 1e12  # the figures travel as integer picoseconds a unit
 _UNKNOWN = -1
 _EMA = 0.5  # weight of the newest measurement: the costs follow a change of load within a few steps
@@ -55,11 +59,14 @@ class PathPolicy:
         min_compress_numel: tensors with fewer elements always take ``"dense"``.
         recalibrate_every: with ``"auto"``, the iterations between two agreements of the measured costs (a path
             taken for the first time is agreed on again at the next iteration, once it has been timed).
+        choices: with ``"auto"``, the paths it may take (default :data:`AUTO_CHOICES`: all but ``"dense8"``;
+            ``choices=gx.paths.PATHS`` lets it take dense8 where that is cheapest).
     """
 
     mode: str = "auto"
     min_compress_numel: int = 1024
     recalibrate_every: int = 50
+    choices: tuple[str, ...] = AUTO_CHOICES
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -68,10 +75,15 @@ class PathPolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (name == "recalibrate_every"):
                 raise ValueError(f"{name} must be an int >= {int(name == 'recalibrate_every')}, got {value!r}")
+        choices = None if isinstance(self.choices, str) else tuple(self.choices)
+        if not choices or any(c not in PATHS for c in choices) or len(set(choices)) < len(choices):
+            raise ValueError(f"choices must be distinct paths of {PATHS}, got {self.choices!r}")
+        object.__setattr__(self, "choices", choices)
 
     @property
     def code(self) -> int:
-        return MODES.index(self.mode)
+        """The mode and the choices as one integer, for the header the ranks agree on."""
+        return MODES.index(self.mode) + len(MODES) * sum(1 << PATHS.index(path) for path in self.choices)
 
 
 def path_policy(path) -> PathPolicy:
@@ -166,7 +178,9 @@ def choose(times: dict[str, int | None]) -> str:
     known = {path: t for path, t in times.items() if t is not None}
     if "sparse" not in known and "sparse" in times:
         return "sparse"
-    return min(known, key=lambda path: (known[path], PATHS.index(path))) if known else "sparse"
+    if not known:
+        return min(times, key=PATHS.index)
+    return min(known, key=lambda path: (known[path], PATHS.index(path)))
 
 
 class PathPlan:
@@ -187,8 +201,10 @@ class PathPlan:
 
     def decide(self, policy: PathPolicy, times: dict[str, int | None], costs: dict[str, int | None],
                iteration: int, *, k: int, numel: int) -> None:
-        """The cheapest path, agreed on again at the next iteration when it has not been timed yet; sparse again
-        when a dense step would send more than :data:`MAX_FLUSH_STEPS` steps' worth of residual at once."""
+        """The cheapest path of the policy's choices (dense when it has none for this tensor), agreed on again at
+        the next iteration when it has not been timed yet; sparse again when a dense step would send more than
+        :data:`MAX_FLUSH_STEPS` steps' worth of residual at once."""
+        times = {path: t for path, t in times.items() if path in policy.choices} or {"dense": times["dense"]}
         if self.sparse_steps > MAX_FLUSH_STEPS and k * MAX_FLUSH_STEPS < numel:
             times = {"sparse": times["sparse"]}
         self.path = choose(times)

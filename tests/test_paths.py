@@ -11,7 +11,8 @@ import torch.distributed as dist
 import gtopk_ext as gx
 from gtopk_ext.collectives import Dense8, Dense16, Traffic, dense
 from gtopk_ext.ddp import reduce_buffer
-from gtopk_ext.paths import MAX_FLUSH_STEPS, DenseQueue, PathPlan, PathPolicy, agreed_costs, choose, predicted
+from gtopk_ext.paths import (AUTO_CHOICES, MAX_FLUSH_STEPS, PATHS, DenseQueue, PathPlan, PathPolicy, agreed_costs,
+                             choose, predicted)
 from tests.distributed import run_distributed
 from tests.test_collectives import Members, equal_on_every_rank
 
@@ -34,6 +35,12 @@ def test_policy_rejects_bad_arguments():
         PathPolicy("auto", min_compress_numel=-1)
     with pytest.raises(ValueError, match="recalibrate_every must be an int >= 1"):
         PathPolicy("auto", recalibrate_every=0)
+    for choices in ((), "sparse", ("sparse", "fp8"), ("dense", "dense")):
+        with pytest.raises(ValueError, match="choices must be distinct paths of"):
+            PathPolicy("auto", choices=choices)
+    assert PathPolicy().choices == AUTO_CHOICES and "dense8" not in AUTO_CHOICES
+    assert len({PathPolicy(mode, choices=choices).code for mode in ("auto", "sparse")
+                for choices in (AUTO_CHOICES, PATHS, ("dense16",))}) == 6  # the header tells them apart
     with pytest.raises(TypeError, match="path must be one of"):
         gx.SparseGradState(path=3.5)
     with pytest.raises(ValueError, match="path mode must be one of"):
@@ -110,6 +117,23 @@ def test_a_long_sparse_run_stays_sparse():
         plan.path, plan.sparse_steps = "sparse", sparse_steps
         plan.decide(PathPolicy(), times, costs, 0, k=k, numel=numel)
         assert plan.path == path, (sparse_steps, k)
+
+
+def test_auto_takes_only_its_choices():
+    """dense8 is predicted cheapest here, but ``auto`` takes it only when the policy's choices hold it; a policy
+    with no choice this tensor has (dense8 for a bfloat16 tensor) goes dense."""
+    times = {"sparse": 10, "dense16": 5, "dense": 7, "dense8": 1}
+    costs = {"select": 1, "slot": 1, "dense16": 1, "dense": 1, "dense8": 1}
+    for policy, path in ((PathPolicy(), "dense16"), (PathPolicy(choices=PATHS), "dense8"),
+                         (PathPolicy(choices=("sparse", "dense")), "dense"),
+                         (PathPolicy(choices=("sparse",)), "sparse")):
+        plan = PathPlan()
+        plan.decide(policy, times, costs, 0, k=10, numel=1000)
+        assert plan.path == path, policy
+    plan = PathPlan()
+    plan.decide(PathPolicy(choices=("dense8",)), {"sparse": 10, "dense": 7}, costs, 0, k=10, numel=1000)
+    assert plan.path == "dense"
+    assert choose({"dense16": None, "dense": None}) == "dense16"  # nothing timed, no sparse: the first
 
 
 def test_agreed_costs_are_the_mean_of_the_ranks():
@@ -265,10 +289,12 @@ def check_auto(members: Members) -> list[str]:
 
 
 def check_auto_takes_dense8(members: Members) -> list[str]:
-    """Untimed, dense8 is predicted from its bytes (a quarter of float32's): ``auto`` takes it at a warm-up's
-    density, keeps it once timed cheaper than the others, and conserves every step."""
+    """Untimed, dense8 is predicted from its bytes (a quarter of float32's): ``auto`` with dense8 among its
+    choices takes it at a warm-up's density, keeps it once timed cheaper than the others, and conserves every
+    step."""
     failures = []
-    state = gx.SparseGradState(members.group, density=0.25, path=PathPolicy("auto", recalibrate_every=2))
+    state = gx.SparseGradState(members.group, density=0.25,
+                               path=PathPolicy("auto", recalibrate_every=2, choices=PATHS))
     state.stats_logging_frequency = 0
     paths = []
     for step in range(6):

@@ -44,9 +44,12 @@ def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: in
     return state
 
 
-def recipe_state(density: float, warmup_steps: int, momentum: float) -> gx.SparseGradState:
-    """``gx.SparseGradState.recipe`` as a user calls it, without the hook's periodic log."""
-    state = gx.SparseGradState.recipe(density=density, warmup_steps=warmup_steps, momentum=momentum)
+def recipe_state(density: float, warmup_steps: int, momentum: float,
+                 choices: list[str] | None = None) -> gx.SparseGradState:
+    """``gx.SparseGradState.recipe`` as a user calls it, without the hook's periodic log; ``choices``: the paths
+    its ``auto`` may take (None: the default ones)."""
+    path = gx.PathPolicy("auto", choices=choices) if choices else "auto"
+    state = gx.SparseGradState.recipe(density=density, warmup_steps=warmup_steps, momentum=momentum, path=path)
     state.stats_logging_frequency = 0
     return state
 
@@ -140,6 +143,9 @@ def add_dgc_arguments(parser: argparse.ArgumentParser) -> None:
                         help="buckets of fewer elements go dense (default: the hook's)")
     parser.add_argument("--dgc-path", default="auto", choices=gx.paths.MODES,
                         help="each bucket's path (gx.PathPolicy): auto, or sparse, dense16, dense8, dense every step")
+    parser.add_argument("--auto-choices", nargs="+", default=None, choices=gx.paths.PATHS,
+                        help="the paths the recipe methods' auto may take (gx.PathPolicy(choices=); default: "
+                             "the hook's, all but dense8)")
 
 
 def no_communication_hook(world_size: int, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -197,9 +203,11 @@ METHODS = {
     "dgc-<d>": lambda d: dgc_recipe(d),  # the --dgc-* flags
     "dgc-<d>-<path>": lambda d, path: dgc_recipe(d, path=path),  # the recipe on one path, or auto
     "recipe-<d>": lambda d: hook_recipe(  # gx.SparseGradState.recipe, --dgc-warmup steps of warm-up
-        f"gtopk_ext recipe, d={d:g}", lambda args: recipe_state(d, args.dgc_warmup, args.momentum), True),
+        f"gtopk_ext recipe, d={d:g}",
+        lambda args: recipe_state(d, args.dgc_warmup, args.momentum, args.auto_choices), True),
     "recipe-<d>-<warmup>": lambda d, warmup: hook_recipe(  # its own warm-up: two lengths in one run
-        f"gtopk_ext recipe, d={d:g}, {warmup}-step warm-up", lambda args: recipe_state(d, warmup, args.momentum), True),
+        f"gtopk_ext recipe, d={d:g}, {warmup}-step warm-up",
+        lambda args: recipe_state(d, warmup, args.momentum, args.auto_choices), True),
     "dgc-pt-<d>": lambda d: dgc_recipe(d, per_tensor=True),
     "<collective>-<d>": lambda collective, d: hook_recipe(f"Gaussian-k + {collective}, d={d:g}",
                                                           lambda args: hook_state(d, collective=collective)),

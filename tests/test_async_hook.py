@@ -72,9 +72,9 @@ def check_async_equals_sync(group, rank: int, size: int) -> list[str]:
             inline, _ = train(group, collective, dtype, True, rank)
             if traffic[STEPS - 1][2] < 8:
                 failures.append(f"{where}: only {traffic[STEPS - 1][2]} buckets")
-            if collective in ("gtopk", "allgather"):  # fixed sizes: a header per bucket only at step 2, 14 int64:
-                # valid, iter, bucket index, numel, dtype, sparse, k, wire, policy, round, 4 measured costs
-                header = gx.collectives.ring_allgather_bytes(14 * 8, size)
+            if collective in ("gtopk", "allgather"):  # fixed sizes: a header per bucket only at step 2, 15 int64:
+                # valid, iter, bucket index, numel, dtype, sparse, k, wire, policy, round, 5 measured costs
+                header = gx.collectives.ring_allgather_bytes(15 * 8, size)
                 first, compressed = traffic[2][0] - traffic[3][0], traffic[2][1]
                 if traffic[3][0] != traffic[4][0] or first != compressed * header or compressed < 8:
                     failures.append(f"{where}: bytes per step {traffic}: expected {compressed} headers of "

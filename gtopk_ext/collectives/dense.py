@@ -35,6 +35,12 @@ def _kept_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.device
     return kept[:numel]
 
 
+def _segments(chunk: int) -> tuple[int, int]:
+    """How a chunk of the ring travels: (count, length) of its segments of at most :data:`SEGMENT` elements."""
+    count = max(1, -(-chunk // SEGMENT))
+    return count, -(-chunk // count)
+
+
 def _reduce_scatter(parts: list[torch.Tensor], losses: list, send: torch.Tensor, receive: torch.Tensor,
                     codec: "RoundedDense", group: dist.ProcessGroup, rank: int, size: int) -> None:
     """The ring reduce-scatter: at step s this rank sends chunk (rank - s) % P (its own values, then the partial
@@ -44,8 +50,7 @@ def _reduce_scatter(parts: list[torch.Tensor], losses: list, send: torch.Tensor,
     overlaps receiving the next."""
     if size == 1:
         return
-    count = max(1, -(-parts[0].numel() // SEGMENT))
-    length = -(-parts[0].numel() // count)
+    count, length = _segments(parts[0].numel())
     stride = codec.message_bytes(length)
 
     def segment(values: torch.Tensor, j: int) -> torch.Tensor:
@@ -158,10 +163,10 @@ class RoundedDense(Collective):
         parts = [tensor[min(c * chunk, numel):min((c + 1) * chunk, numel)] for c in range(size)]
         losses = [None] * size if lost is None else [
             lost[min(c * chunk, numel):min((c + 1) * chunk, numel)] for c in range(size)]
-        count = max(1, -(-chunk // SEGMENT))
+        count, length = _segments(chunk)
         row = self.message_bytes(chunk) + self.element_size  # the allgather's message: a chunk and a flag
-        wire = _kept_buffer("wire", 2 * max(count * self.message_bytes(-(-chunk // count)), row) + size * row,
-                            torch.uint8, tensor.device)
+        wire = _kept_buffer("wire", 2 * max(count * self.message_bytes(length), row) + size * row, torch.uint8,
+                            tensor.device)
         send, receive = wire[:len(wire) - size * row].chunk(2)
         gathered = wire[len(wire) - size * row:].view(size, row)
         _reduce_scatter(parts, losses, send, receive, self, group, rank, size)  # 1.
@@ -169,9 +174,10 @@ class RoundedDense(Collective):
         # holds a non-finite value (only then can lost values be non-finite: a non-finite element reaches the sum).
         mine = (rank + 1) % size
         average = parts[mine].div_(size)
-        send[:row].zero_()
+        sent = self.message_bytes(average.numel())
+        send[sent:row].zero_()  # a shorter last chunk's padding, and the flag
         send[row - 1] = 0 if is_finite(average) else 1
-        self.encode(average, send[:self.message_bytes(average.numel())], losses[mine])
+        self.encode(average, send[:sent], losses[mine])
         if losses[mine] is not None:  # every rank applies the rounded average: the rounding is P times this one
             losses[mine].mul_(size)
         # 3. Allgather of the rounded averages: rank r's row holds chunk (r + 1) % P.
@@ -187,7 +193,7 @@ class RoundedDense(Collective):
 
     def wire_bytes(self, numel, k, size, dtype, wire=None):
         chunk = -(-numel // size)  # two phases, (P - 1) chunks each (one header a segment), and the flag
-        count = max(1, -(-chunk // SEGMENT))
+        count, _ = _segments(chunk)
         return (size - 1) * (count * self.header_size + chunk * self.element_size + self.message_bytes(chunk + 1))
 
 
@@ -225,7 +231,7 @@ class Dense8(RoundedDense):
 
     def _exponent(self, values: torch.Tensor) -> int:
         low, high = torch.aminmax(values)
-        largest = max(-float(low), float(high))
+        largest = float(torch.maximum(-low, high))  # one host sync
         if not math.isfinite(largest) or largest == 0.0:  # a non-finite element must reach the sum as it is
             return 0
         return max(-120, min(120, math.floor(math.log2(self._LARGEST / largest))))

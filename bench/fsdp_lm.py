@@ -6,9 +6,10 @@ on emulated links (as root: each node a network namespace behind a ``tc tbf`` li
     python -m bench.emulated_network torchrun --nnodes 2 --nproc-per-node 2 --rate 1gbit -- \\
         -m bench.fsdp_lm --steps 100 --json fsdp_lm.json --plot fsdp_lm.png
 
-Methods (``--methods``): ``hsdp``; ``sparse-<d>`` (density d after ``--start-iter`` dense steps); ``recipe-<d>``
-(the DDP recipe's schedule: ``--start-iter`` dense steps, then DGC's exponential warm-up from 0.25 to d over
-``--warmup-steps`` steps; the momentum stays in the optimizer: the FSDP hook has no momentum correction); either
+Methods (``--methods``): ``hsdp``; ``sparse-<d>`` (density d after ``--start-iter`` dense steps, the momentum in
+the optimizer); ``dgc-<d>`` (the same with the momentum in the hook: momentum correction, Nesterov, and an optimizer
+without momentum); ``recipe-<d>`` (``gx.SparseFSDPState.recipe``: ``--start-iter`` dense steps, then DGC's
+exponential warm-up from 0.25 to d over ``--warmup-steps`` steps, momentum correction as dgc); any
 with ``-<path>`` appended, the hook's path policy (default ``auto``: the cheapest as measured, which may send a
 shard dense or in bfloat16; ``sparse-0.01-sparse`` forces the sparse path). Every method starts from the same
 weights and trains on the same batches (bench.lm's).
@@ -51,18 +52,18 @@ warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tenso
 
 
 def parsed(name: str) -> tuple[str, float, str]:
-    """A method's (kind, density, path): ``hsdp`` (no hook; density 1), or ``sparse-<density>`` or
-    ``recipe-<density>`` with an optional ``-<path>`` (default ``auto``)."""
+    """A method's (kind, density, path): ``hsdp`` (no hook; density 1), or ``sparse-<density>``,
+    ``dgc-<density>`` or ``recipe-<density>`` with an optional ``-<path>`` (default ``auto``)."""
     kind, _, rest = name.partition("-")
     density, _, path = rest.partition("-")
     try:
         if name == "hsdp":
             return kind, 1.0, ""
-        if kind in ("sparse", "recipe") and 0 < float(density) <= 1 and path in ("", *MODES):
+        if kind in ("sparse", "dgc", "recipe") and 0 < float(density) <= 1 and path in ("", *MODES):
             return kind, float(density), path or "auto"
     except ValueError:
         pass
-    raise argparse.ArgumentTypeError(f"hsdp, sparse-<density>[-<path>] or recipe-<density>[-<path>] (path: one of "
+    raise argparse.ArgumentTypeError(f"hsdp, or sparse-, dgc- or recipe-<density>[-<path>] (path: one of "
                                      f"{MODES}), got {name!r}")
 
 
@@ -91,9 +92,12 @@ def build(name: str, mesh, args):
     kind, density, path = parsed(name)
     state, warmup = None, 0
     if kind != "hsdp":
-        schedule = gx.exponential_warmup(density, args.warmup_steps, max(density, 0.25)) if kind == "recipe" else None
-        state = gx.SparseFSDPState(mesh, density, density_schedule=schedule, collective=args.collective,
-                                   wire=args.wire, start_iter=args.start_iter, path=path)
+        options = dict(collective=args.collective, wire=args.wire, start_iter=args.start_iter, path=path)
+        if kind == "recipe":
+            state = gx.SparseFSDPState.recipe(mesh, density, args.warmup_steps, args.momentum, **options)
+        else:
+            correction = gx.MomentumCorrection(args.momentum, nesterov=True) if kind == "dgc" else None
+            state = gx.SparseFSDPState(mesh, density, momentum=correction, **options)
         warmup = args.start_iter + (args.warmup_steps if kind == "recipe" else 0)
     shard_mesh = mesh if state is None else state.shard_mesh  # HSDP: FSDP2 all-reduces over the 2-D mesh's rows
     for block in model.blocks:
@@ -107,7 +111,7 @@ def build(name: str, mesh, args):
 def run_method(name: str, mesh, args, train: torch.Tensor, val_batches: torch.Tensor, tx: TxCounter) -> dict:
     rank, world, node_size = dist.get_rank(), dist.get_world_size(), mesh.size(1)
     model, state, first_steady = build(name, mesh, args)
-    optimizer = sgd(model, args)
+    optimizer = sgd(model, args, momentum_in_hook=state is not None and state.momentum_correction is not None)
     # HSDP's own count: a ring all-reduce over the nodes of each padded float32 shard (dim 0 padded by FSDP)
     hsdp_bytes = ring_allreduce_bytes(4 * sum(math.ceil(p.shape[0] / node_size) * math.prod(p.shape[1:])
                                               for p in model.parameters()), mesh.size(0))

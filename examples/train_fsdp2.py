@@ -10,8 +10,9 @@ the same local rank on both nodes exchange their shard's gradient sparsely (gTop
         examples/train_fsdp2.py
 
 One agent of 4 ranks emulating 2 nodes: ``torchrun --nproc-per-node 4 examples/train_fsdp2.py --node-size 2``.
-``--mode hsdp`` trains the same with FSDP2's own HSDP (a 2-D mesh: FSDP all-reduces the shards' gradients densely
-between nodes), for comparison. The task is scikit-learn's bundled handwritten digits (nothing is downloaded);
+``--mode recipe`` uses ``gx.SparseFSDPState.recipe`` (a density warm-up and the momentum in the hook: the optimizer
+then has none), what low densities need. ``--mode hsdp`` trains the same with FSDP2's own HSDP (a 2-D mesh: FSDP
+all-reduces the shards' gradients densely between nodes), for comparison. The task is scikit-learn's bundled handwritten digits (nothing is downloaded);
 each (step, rank) has its own batch. Rank 0 prints the loss, the test accuracy, and the bytes this rank sent to
 the other nodes (the sparse hook counts them; for HSDP, a ring all-reduce of its padded shards), last as one JSON
 line. Copy this file and replace make_model() and the data with your own.
@@ -38,7 +39,7 @@ from gtopk_ext.costs import ring_allreduce_bytes
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", default="sparse", choices=("sparse", "hsdp"))
+    parser.add_argument("--mode", default="sparse", choices=("sparse", "recipe", "hsdp"))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
     parser.add_argument("--width", type=int, default=256, help="hidden width of the MLP")
@@ -51,6 +52,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--min-compress-numel", type=int, default=1024,
                         help="shards of fewer real elements always go dense")
     parser.add_argument("--start-iter", type=int, default=10, help="dense steps before the sparse ones")
+    parser.add_argument("--warmup-steps", type=int, default=44, help="recipe: steps of the density's warm-up")
     parser.add_argument("--node-size", type=int, default=None, help="ranks per node (default: $LOCAL_WORLD_SIZE)")
     parser.add_argument("--log-every", type=int, default=100)
     return parser.parse_args(argv)
@@ -95,18 +97,23 @@ def train(args: argparse.Namespace) -> dict:
     node_size = args.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     model = make_model(args.width)
     state = None
-    if args.mode == "sparse":
+    if args.mode != "hsdp":
+        options = dict(collective=args.collective, wire=args.wire, start_iter=args.start_iter,
+                       path=gx.PathPolicy(args.path, min_compress_numel=args.min_compress_numel))
         mesh = gx.fsdp.node_mesh(node_size)
-        state = gx.SparseFSDPState(mesh, density=args.density, collective=args.collective, wire=args.wire,
-                                   start_iter=args.start_iter,
-                                   path=gx.PathPolicy(args.path, min_compress_numel=args.min_compress_numel))
+        if args.mode == "recipe":
+            state = gx.SparseFSDPState.recipe(mesh, args.density, args.warmup_steps, **options)
+        else:
+            state = gx.SparseFSDPState(mesh, density=args.density, **options)
         shard(model, state.shard_mesh)
         gx.register_sparse_all_reduce(model, state)
     else:
         mesh = init_device_mesh("cpu", (world // node_size, node_size), mesh_dim_names=("replicate", "shard"))
         shard(model, mesh)  # a 2-D mesh: FSDP2's HSDP
     nodes = world // node_size
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # With the recipe the hook applies the momentum: the optimizer must have none (checked before its first step).
+    in_hook = state is not None and state.momentum_correction is not None
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if in_hook else 0.9)
     train_x, train_y, test_x, test_y = digits()
     began, loss = time.perf_counter(), torch.zeros(())
     for step in range(args.steps):

@@ -2,8 +2,9 @@
 x 4 (the no-op). Per hook call, the nodes conserve what went in (sum over nodes of shard + old residual == nodes x
 average + sum of new residuals) for every sparse collective, both wires, float32 and a bfloat16 reduce_dtype;
 every rank's full parameters are bitwise equal after every step; the padding is never read nor holds residual
-(its layout is pinned against the shard FSDP builds); a resume from a checkpoint continues bitwise; bad input
-raises on every rank; training converges like FSDP2's own HSDP. Each test runs its cases inside one group."""
+(its layout is pinned against the shard FSDP builds); momentum correction conserves the increments and masks
+the velocity where a slot was applied; a resume from a checkpoint continues bitwise; bad input raises on every
+rank; training converges like FSDP2's own HSDP. Each test runs its cases inside one group."""
 
 from __future__ import annotations
 
@@ -141,14 +142,14 @@ def layout_case(rank: int, node_size: int) -> list:
     return failures
 
 
-def resume_case(rank: int, node_size: int, directory: str) -> list:
+def resume_case(rank: int, node_size: int, directory: str, momentum=None) -> list:
     """Six steps straight, against three steps, a torch.distributed.checkpoint of the hook's state (and the
     parameters), a new model and state loading it, and three more steps: bitwise the same parameters."""
     import torch.distributed.checkpoint as dcp
 
     def build():
         state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1, collective="oktopk", wire="compact",
-                                   path=SPARSE)
+                                   path=SPARSE, momentum=momentum)
         model = shard(make_model(), state.shard_mesh)
         gx.register_sparse_all_reduce(model, state)
         return state, model
@@ -165,8 +166,74 @@ def resume_case(rank: int, node_size: int, directory: str) -> list:
     failures = [] if all(g.calls == 3 for g in state.groups) else [f"rank {rank}: calls not restored"]
     train(resumed, rank, range(3, 6))
     if not torch.equal(full_parameters(straight), full_parameters(resumed)):
-        failures.append(f"rank {rank}: the resumed run ended elsewhere")
+        failures.append(f"rank {rank}: the resumed run ended elsewhere (momentum {momentum})")
     return failures
+
+
+MOMENTA = (gx.MomentumCorrection(0.9, masking_start_iter=2),
+           gx.MomentumCorrection(0.8, nesterov=True, weight_decay=0.05))
+
+
+def momentum_case(rank: int, node_size: int, correction) -> list:
+    """Momentum correction on gtopk (whose merges drop slots: not every sent slot is applied), the first call
+    dense: per call (group, call, gradient, old residual, old velocity, weights, output, new residual, new
+    velocity, path) of the real elements, and every step's full parameters."""
+    state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1, path=SPARSE, start_iter=1,
+                               momentum=correction)
+    model = shard(make_model(), state.shard_mesh)
+    gx.register_sparse_all_reduce(model, state)
+    calls, parameters = [], []
+    for group in state.groups:
+        hook = group.fsdp_group._all_reduce_hook
+
+        def recorded(tensor, group=group, hook=hook):
+            index = group.layout.real_index(tensor.device)
+            before = (tensor[index].clone(), group.residual.clone(), group.velocity.clone(),
+                      torch.cat(group.parameters()).clone())
+            hook(tensor)
+            calls.append((group.index, group.calls - 1, *before, tensor[index].clone(), group.residual.clone(),
+                          group.velocity.clone(), group.stats.path))
+
+        group.fsdp_group._all_reduce_hook = recorded
+    train(model, rank, range(4), after=lambda step: parameters.append(full_parameters(model)))
+    return [calls, parameters]
+
+
+def check_momentum(results: list[dict], node_size: int, which: int) -> list[str]:
+    """Per call, over each replicate group: the increments conserve (sum over nodes of increment + old residual
+    == nodes x average + sum of new residuals); the velocity is u' = momentum x u + g + weight_decay x w where no
+    slot was applied and zero where one was, and only there (the sparse calls from masking_start_iter, which
+    clear some); an applied slot left nothing in the residual (plain wire)."""
+    correction = MOMENTA[which]
+    m, failures, world = correction.momentum, [], len(results)
+    nodes = world // node_size
+    masked_calls = 0
+    for local in range(node_size):
+        replicas = [results[r]["momentum"][which][0] for r in range(local, world, node_size)]
+        for calls in zip(*replicas):
+            group, call = calls[0][:2]
+            where = f"momentum {correction} local rank {local} group {group} call {call}"
+            went_in = came_out = 0
+            for _, _, g, r, u, w, out, new_r, new_u, path in calls:
+                g = g + correction.weight_decay * w
+                u_next = m * u + g
+                increment = g + m * u_next if correction.nesterov else u_next
+                went_in, came_out = went_in + increment + r, came_out + new_r
+                cleared = (new_u == 0) & (u_next != 0)
+                if not torch.allclose(new_u[~cleared], u_next[~cleared], rtol=1e-6, atol=1e-7):
+                    failures.append(f"{where}: the velocity is not momentum x u + g")
+                masking = path == "sparse" and call >= correction.masking_start_iter
+                if bool(cleared.any()) != masking or bool(new_r[cleared].any()):
+                    failures.append(f"{where} ({path}): {int(cleared.sum())} cleared, residual there "
+                                    f"{new_r[cleared].abs().max() if cleared.any() else 0}")
+                masked_calls += masking
+            came_out = came_out + nodes * calls[0][6]
+            if not bool(((went_in - came_out).abs() <= 1e-6 + 1e-5 * went_in.abs()).all()):
+                failures.append(f"{where}: not conserved, worst {float((went_in - came_out).abs().max())}")
+    for step, per_rank in enumerate(zip(*[r["momentum"][which][1] for r in results])):
+        if not all(torch.equal(per_rank[0], p) for p in per_rank):
+            failures.append(f"momentum {correction} step {step}: the full parameters differ between ranks")
+    return failures + ([] if masked_calls else [f"momentum {correction}: no call masked"])
 
 
 def accumulation_case(rank: int, node_size: int) -> list:
@@ -233,6 +300,14 @@ def error_cases(rank: int, node_size: int) -> dict:
                 module.set_gradient_divide_factor(3.0)
         return model
 
+    def momentum_twice():
+        state = gx.SparseFSDPState(mesh, density=0.1, momentum=0.9)
+        model = shard(make_model(), mesh["shard"])
+        gx.register_sparse_all_reduce(model, state)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(batch(0, rank)).square().mean().backward()
+        optimizer.step()
+
     cases = {
         "not fsdp": lambda: gx.register_sparse_all_reduce(make_model(), gx.SparseFSDPState(mesh)),
         "one rank not fsdp": lambda: gx.register_sparse_all_reduce(
@@ -246,6 +321,10 @@ def error_cases(rank: int, node_size: int) -> dict:
         "densities differ": lambda: gx.register_sparse_all_reduce(
             shard(make_model(), mesh["shard"]), gx.SparseFSDPState(mesh, density=0.2 if rank == 1 else 0.1)),
         "node sizes differ": lambda: gx.fsdp.node_mesh(node_size if rank else 1),
+        "momenta differ": lambda: gx.register_sparse_all_reduce(
+            shard(make_model(), mesh["shard"]), gx.SparseFSDPState(mesh, momentum=0.9 if rank == 1 else 0.8)),
+        "momentum twice": momentum_twice,
+        "clip_norm": lambda: gx.SparseFSDPState(mesh, momentum=gx.MomentumCorrection(0.9, clip_norm=1.0)),
         "layouts differ": lambda: gx.register_sparse_all_reduce(
             shard(make_model(seed=0) if rank < node_size else nn.Sequential(nn.Linear(33, 18)), mesh["shard"]),
             gx.SparseFSDPState(mesh)),
@@ -275,8 +354,10 @@ def from_bytes(data: bytes):
 def group_checks(rank: int, world: int, node_size: int, directory: str) -> bytes:
     return as_bytes({"layout": layout_case(rank, node_size),
                      "conservation": {config: conservation_case(rank, node_size, config) for config in configs()},
-                     "resume": (resume_case(rank, node_size, directory) + accumulation_case(rank, node_size)
-                                + nonfinite_case(rank, node_size)),
+                     "momentum": [momentum_case(rank, node_size, correction) for correction in MOMENTA],
+                     "resume": (resume_case(rank, node_size, directory + "/plain")
+                                + resume_case(rank, node_size, directory + "/momentum", MOMENTA[1])
+                                + accumulation_case(rank, node_size) + nonfinite_case(rank, node_size)),
                      "errors": error_cases(rank, node_size)})
 
 
@@ -318,6 +399,7 @@ def test_fsdp2_nodes_conserve_agree_resume_and_refuse_bad_input(tmp_path, nodes,
     results = [from_bytes(r) for r in run_distributed(group_checks, nodes * node_size, node_size, str(tmp_path),
                                                       timeout=300)]
     failures = [f for r in results for f in r["layout"] + r["resume"]]
+    failures += [f for which in range(len(MOMENTA)) for f in check_momentum(results, node_size, which)]
     for config in configs():
         failures += check_conservation(results, node_size, config)
         stats = results[node_size - 1]["conservation"][config]["stats"]  # the last local rank holds padding
@@ -329,7 +411,11 @@ def test_fsdp2_nodes_conserve_agree_resume_and_refuse_bad_input(tmp_path, nodes,
                 "one rank not fsdp": "", "world mesh": "ValueError: FSDP module", "hsdp mesh": "2-D (HSDP)",
                 "several groups": "parameter groups", "divide factor": "gradient divide factor",
                 "density": "ValueError: density must be a number in (0, 1]", "densities differ": "density_ppb differs",
-                "node sizes differ": "node_size differs", "layouts differ": "differs across ranks"}
+                "node sizes differ": "node_size differs", "layouts differ": "differs across ranks",
+                "momenta differ": "momentum differs",
+                "momentum twice": "SGD has momentum=0.9 on 6 parameter(s) whose gradients the hook already gives "
+                                  "momentum to (SparseFSDPState(momentum=",
+                "clip_norm": "ValueError: momentum: clip_norm is not supported by the FSDP hook"}
     for name, part in expected.items():
         for rank, result in enumerate(results):
             error = result["errors"][name]

@@ -90,11 +90,7 @@ def increment(options: MomentumCorrection, velocities: ResidualStore, before: Op
     if before is not None and sent_whole:
         before[index] = velocity.clone()
     held = hold_unused(velocity, maxima, layout, zero=False)
-    velocity.mul_(options.momentum).add_(tensor)
-    if options.nesterov:
-        tensor.add_(velocity, alpha=options.momentum)
-    else:
-        tensor.copy_(velocity)
+    accumulate(options, velocity, tensor)
     for part, saved in held:
         part.copy_(saved)
     if before is not None and not sent_whole:
@@ -103,6 +99,16 @@ def increment(options: MomentumCorrection, velocities: ResidualStore, before: Op
         if largest == 0:
             part.zero_()
     return velocity
+
+
+def accumulate(options: MomentumCorrection, velocity: torch.Tensor, tensor: torch.Tensor) -> None:
+    """The velocity's update, ``u = momentum * u + g`` (``g``: ``tensor``), and ``tensor`` becomes what enters the
+    residual: u (Nesterov: ``g + momentum * u``)."""
+    velocity.mul_(options.momentum).add_(tensor)
+    if options.nesterov:
+        tensor.add_(velocity, alpha=options.momentum)
+    else:
+        tensor.copy_(velocity)
 
 
 def mask(velocity: torch.Tensor, indices: torch.Tensor, count: torch.Tensor, applied: Optional[torch.Tensor]) -> None:

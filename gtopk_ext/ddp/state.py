@@ -235,6 +235,14 @@ class SparseGradState:
     def residuals(self, residuals: dict[int, torch.Tensor]) -> None:
         self.residual_store.residuals = residuals
 
+    def knows_parameters(self) -> bool:
+        """Whether the hook has seen the model's parameters yet (the optimizer check waits for them)."""
+        return self.residual_store.knows_parameters()
+
+    def knows(self, parameter: torch.Tensor) -> bool:
+        """Whether the hook reduces ``parameter``'s gradient."""
+        return self.residual_store.knows(parameter)
+
     @property
     def residual_scale(self) -> float:
         return self.loss_scaling.scale

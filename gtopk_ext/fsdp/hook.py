@@ -24,6 +24,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMe
 
 from gtopk_ext.collectives import DTYPE_CODES, Disagreement, agree, collective_named
 from gtopk_ext.compressors import k_for_density
+from gtopk_ext.ddp import dgc
 from gtopk_ext.fsdp.layout import fsdp_modules, parameter_group, shard_layout
 from gtopk_ext.fsdp.state import GroupState, GroupStats, SparseFSDPState
 from gtopk_ext.ops import is_finite
@@ -48,9 +49,13 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
        (:func:`gtopk_ext.reduction.plan_path`; ``auto``: the cheapest of sparse, dense16, dense8 and dense as
        measured).
        The replicas exchange a header only when the plan changes, and all raise the same error if they differ.
+       With momentum correction (``state.momentum_correction``) the gradient (plus weight decay) then updates the
+       group's velocity u, and what enters the residual is u (Nesterov: gradient + momentum x u), on every path
+       (a gradient that is not finite leaves u as it is).
     3. Reduce (:func:`gtopk_ext.reduction.reduce`): acc = gradient + residual is compressed to k slots, reduced
        over the replicate group by the collective and divided by the number of nodes; what was not applied (not
-       selected, dropped by a merge, lost to the wire's rounding) stays in the residual.
+       selected, dropped by a merge, lost to the wire's rounding) stays in the residual. Momentum factor masking:
+       the velocity is cleared where a slot was applied (from ``masking_start_iter``).
     4. Dense paths (the warm-up, the dense path, or a rank whose acc is not finite: then every rank sends its
        whole acc): the gradient (plus the residual) is averaged over the nodes by the dense collective; on the
        dense16 and dense8 paths in bfloat16 or scaled 8-bit floats, their rounding kept in the residual.
@@ -76,6 +81,7 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     work = shard if in_place else shard.index_select(0, index).float()
     if group.residual.device != work.device:  # CPU offload: parameters (where it was made) live on the host
         group.residual = group.residual.to(work.device)
+        group.velocity = None if group.velocity is None else group.velocity.to(work.device)
     # 2. Plan.
     may_compress = iteration >= state.start_iter
     density = state.density_at(iteration) if may_compress else 1.0
@@ -87,12 +93,19 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
                            collective=state.collective_now, wire=wire_named(state.wire), what="sparse_all_reduce_hook",
                            volatile={"iter": iteration, "group": group.index}, traffic=stats.traffic)
     start = perf_counter()
+    correction = state.momentum_correction
+    # The gradient alone is checked: the residual and the velocity only ever hold what finite gradients left.
+    finite = is_finite(work) if correction is not None or stats.path == "sparse" else True
+    if correction is not None and finite:
+        if correction.weight_decay:
+            for part, weight in zip(work.split([real for real, _ in layout.parts]), group.parameters()):
+                part.add_(weight.to(part.device, torch.float32), alpha=correction.weight_decay)
+        dgc.accumulate(correction, group.velocity, work)
     if stats.path == "sparse":
         stats.k, stats.selected = k, 0
         compressor = state.compressor_now
-        # 3. Reduce: select, exchange, keep what was not applied. The gradient alone is checked: the residual only
-        # ever holds what finite gradients left in it.
-        finite, msg = is_finite(work), None
+        # 3. Reduce: select, exchange, keep what was not applied.
+        msg = None
         if finite:
             begin = perf_counter()
             msg = compressor.compress(work, group.residual, step=iteration * STEPS_PER_CALL + group.index)
@@ -108,6 +121,8 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
         else:
             group.plan.costs.observe_sparse(layout.numel, k, stats.select_seconds,
                                             perf_counter() - start - stats.select_seconds)
+            if correction is not None and iteration >= correction.masking_start_iter:
+                dgc.mask(group.velocity, outcome.msg.indices, outcome.msg.count, outcome.applied)
     elif stats.path in ROUNDED:  # 4. Dense, in bfloat16 or 8 bits: all of the residual goes, the rounding stays
         reduce_rounded(stats.path, work, group.residual, replicas, stats.traffic)
         group.plan.costs.observe_dense(layout.numel, perf_counter() - start, stats.path)
@@ -172,6 +187,8 @@ def register_sparse_all_reduce(model: nn.Module, state: SparseFSDPState) -> None
         collective = state.collective_now
         group = GroupState(index, name, layout, torch.zeros(layout.numel, dtype=torch.float32, device=device),
                            oktopk=collective.new_state() if collective.stateful else None, fsdp_group=param_group)
+        if state.momentum_correction is not None:
+            group.velocity = torch.zeros_like(group.residual)
         state.groups.append(group)
         module.set_reduce_scatter_unused_params(True, recurse=False)
         module.set_all_reduce_hook(functools.partial(sparse_all_reduce_hook, state, group))

@@ -5,6 +5,7 @@ FSDP parameter group with its residual), as :class:`gtopk_ext.SparseGradState` i
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -15,7 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from gtopk_ext.collectives import COLLECTIVES, SPARSE_COLLECTIVES, agree, collective_named
 from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, compressor_at
 from gtopk_ext.costs import Traffic
-from gtopk_ext.ddp.schedule import DensitySchedule, checked_schedule, density_at
+from gtopk_ext.ddp import optimizer_check
+from gtopk_ext.ddp.dgc import MomentumCorrection
+from gtopk_ext.ddp.schedule import DensitySchedule, checked_schedule, density_at, exponential_warmup
 from gtopk_ext.fsdp.layout import ShardLayout
 from gtopk_ext.paths import PathPlan, PathPolicy, path_policy
 from gtopk_ext.wire import wire_named
@@ -63,20 +66,27 @@ class GroupStats:
 @dataclass
 class GroupState:
     """One FSDP parameter group on this rank: ``name`` (its module's path), ``layout`` (the shard's real and
-    padding elements), ``residual`` (float32, the real elements only), ``calls`` (the hook's calls so far: the
-    iteration of the density schedule and the warm-up), the ``plan`` agreed and its path, Ok-Topk's state, the latest
-    call's ``stats``, the run's bytes (``run_traffic``), and FSDP's parameter group (``fsdp_group``, not saved)."""
+    padding elements), ``residual`` (float32, the real elements only), ``velocity`` (momentum correction's, laid
+    out as the residual; None without it), ``calls`` (the hook's calls so far: the iteration of the density
+    schedule and the warm-up), the ``plan`` agreed and its path, Ok-Topk's state, the latest call's ``stats``, the
+    run's bytes (``run_traffic``), and FSDP's parameter group (``fsdp_group``, not saved)."""
 
     index: int
     name: str
     layout: ShardLayout
     residual: torch.Tensor
+    velocity: Optional[torch.Tensor] = None
     calls: int = 0
     plan: PathPlan = field(default_factory=PathPlan)
     oktopk: object = None
     stats: GroupStats = field(default_factory=GroupStats)
     run_traffic: Traffic = field(default_factory=Traffic)
     fsdp_group: object = field(default=None, repr=False)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """This rank's pieces of the group's trainable parameters (flat, real elements), in the shard's order."""
+        return [p.sharded_param.to_local().detach().reshape(-1) for p in self.fsdp_group.fsdp_params
+                if p.sharded_param.requires_grad]
 
 
 class SparseFSDPState:
@@ -92,6 +102,13 @@ class SparseFSDPState:
       ``collective``: a sparse collective of :data:`gtopk_ext.collectives.COLLECTIVES`; ``wire``: ``"plain"`` or
       ``"compact"``.
     * ``start_iter``: the hook's calls before which a group is averaged densely (a warm-up).
+    * ``momentum``: :class:`gtopk_ext.MomentumCorrection` (a number m is ``MomentumCorrection(m)``), or None: Deep
+      Gradient Compression's momentum correction, as the DDP hook applies it, to each shard (the node's average):
+      the velocity lives in the hook, per group and rank, and the optimizer runs WITHOUT momentum or weight decay
+      (``torch.optim.SGD(params, lr)``; one with either is reported before its first step, ``optimizer_check``
+      as for DDP). Low densities need it: error feedback delays a gradient by many steps, and an optimizer's own
+      momentum then follows a stale direction. ``clip_norm`` is not supported (a rank holds a shard of its node's
+      average, not its own gradient: clip after the exchange, before the optimizer's step).
     * ``path``: each call's path once a group may compress (:class:`gtopk_ext.PathPolicy`, as for DDP):
       ``"auto"`` (default) takes the cheapest of sparse, dense bfloat16 or scaled 8-bit floats (their rounding
       kept in the residual) and dense, as the replicas' measured costs predict, the same on every replica;
@@ -109,8 +126,17 @@ class SparseFSDPState:
     def __init__(self, mesh: Optional[DeviceMesh] = None, density: float = 0.01, *,
                  density_schedule: Optional[DensitySchedule] = None,
                  compressor: Union[str, Compressor] = "gaussiank", collective: str = "gtopk", wire: str = "plain",
-                 start_iter: int = 0, path: Union[str, PathPolicy] = "auto"):
+                 start_iter: int = 0, path: Union[str, PathPolicy] = "auto",
+                 momentum: Union[MomentumCorrection, float, None] = None):
         check_density(density)
+        if momentum is not None and not isinstance(momentum, MomentumCorrection):
+            momentum = MomentumCorrection(momentum)
+        if momentum is not None and momentum.clip_norm is not None:
+            raise ValueError("momentum: clip_norm is not supported by the FSDP hook (a rank holds a shard of its "
+                             "node's average gradient, not its own gradient): clip after the exchange, e.g. "
+                             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before optimizer.step()")
+        if momentum is not None and not momentum.momentum and not momentum.weight_decay:
+            momentum = None
         policy = path_policy(path)
         schedule = checked_schedule(density_schedule)
         if collective not in SPARSE_COLLECTIVES:
@@ -142,12 +168,16 @@ class SparseFSDPState:
         self.wire = wire
         self.start_iter = start_iter
         self.path_policy = policy
+        self.momentum_correction = momentum
+        self.optimizer_check = "raise"
         # The groups' states (filled at registration) and the run's world.
         self.groups: list[GroupState] = []
         self.world_size = dist.get_world_size()
         # Runtime: the compressor of the current density, and the collective (on the compressor's backend).
         self.compressor_now: Compressor = template
         self.collective_now = collective_named(collective, template.backend)
+        if momentum is not None:
+            optimizer_check.watch(self)
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -166,8 +196,28 @@ class SparseFSDPState:
     def nodes(self) -> int:
         return self.mesh.size(0)
 
+    @classmethod
+    def recipe(cls, mesh: Optional[DeviceMesh] = None, density: float = 0.01, warmup_steps: int = 44,
+               momentum: float = 0.9, **options) -> "SparseFSDPState":
+        """The DDP recipe's settings (:meth:`gtopk_ext.SparseGradState.recipe`) for FSDP2: Deep Gradient
+        Compression's exponential warm-up of the density from 0.25 to ``density`` over ``warmup_steps`` calls, and
+        momentum correction with Nesterov momentum ``momentum`` in the hook, its masking from the warm-up's end.
+        Train with an optimizer WITHOUT momentum or weight decay (``torch.optim.SGD(model.parameters(), lr)``).
+        ``options``: the other arguments (``collective``, ``wire``, ``start_iter``, ``path``, ...)."""
+        schedule = exponential_warmup(density, warmup_steps, start_density=max(density, 0.25))
+        correction = MomentumCorrection(momentum, nesterov=momentum > 0, masking_start_iter=warmup_steps)
+        return cls(mesh, density, density_schedule=schedule, momentum=correction, **options)
+
     def density_at(self, iteration: int) -> float:
         return density_at(self.density, self.density_schedule, iteration)
+
+    def knows_parameters(self) -> bool:
+        """Whether the hook is registered (the optimizer check waits for it)."""
+        return bool(self.groups)
+
+    def knows(self, parameter: torch.Tensor) -> bool:
+        """Whether the hook reduces ``parameter``'s gradient."""
+        return any(parameter is p.sharded_param for g in self.groups for p in g.fsdp_group.fsdp_params)
 
     def use_density(self, density: float) -> None:
         """The compressor of ``density`` becomes the current one."""
@@ -178,19 +228,21 @@ class SparseFSDPState:
         return {"density_ppb": round(self.density * 1e9), "collective": list(COLLECTIVES).index(self.collective),
                 "wire": wire_named(self.wire).code, "start_iter": self.start_iter, "path": self.path_policy.code,
                 "compressor": COMPRESSOR_KINDS.index(self.compressor), "nodes": self.nodes,
-                "schedule": int(self.density_schedule is not None)}
+                "schedule": int(self.density_schedule is not None),
+                "momentum": zlib.crc32(repr(self.momentum_correction).encode())}
 
     # ----- checkpoints (per rank) and statistics -----
 
     def state_dict(self) -> dict:
         """This rank's resumable state: ``{"world_size", "rank<r>": {"group<i>": {"calls", "numel", "residual",
-        "oktopk"}}}``. The rank in the key keeps ranks' residuals apart in a ``torch.distributed.checkpoint``
+        "velocity" (with momentum correction), "oktopk"}}}``. The rank in the key keeps ranks' residuals apart in a ``torch.distributed.checkpoint``
         (which saves one copy of a plain tensor that every rank names alike); the residual tensors are the
         state's own (a checkpoint loader may fill them in place), the rest copies."""
         rank = dist.get_rank()
         return {"world_size": self.world_size,
                 f"rank{rank}": {f"group{g.index}": {"calls": g.calls, "numel": g.layout.numel,
                                                     "residual": g.residual,
+                                                    **({} if g.velocity is None else {"velocity": g.velocity}),
                                                     "oktopk": g.oktopk.state_dict() if g.oktopk is not None else {}}
                                 for g in self.groups}}
 
@@ -212,8 +264,12 @@ class SparseFSDPState:
             if entry["numel"] != g.layout.numel or entry["residual"].numel() != g.layout.numel:
                 raise ValueError(f"state_dict: group {g.index} ({g.name!r}) holds {entry['numel']} elements, "
                                  f"this model's shard {g.layout.numel}")
-            if entry["residual"] is not g.residual:
-                g.residual.copy_(entry["residual"])
+            if ("velocity" in entry) != (g.velocity is not None):
+                raise ValueError(f"state_dict was saved {'with' if 'velocity' in entry else 'without'} momentum "
+                                 f"correction, this state has momentum={self.momentum_correction}")
+            for name in ("residual", "velocity"):
+                if name in entry and entry[name] is not getattr(g, name):
+                    getattr(g, name).copy_(entry[name])
             g.calls = int(entry["calls"])
             if g.oktopk is not None and entry["oktopk"]:
                 g.oktopk.load_state_dict(entry["oktopk"])

@@ -10,12 +10,12 @@ the same local rank on both nodes exchange their shard's gradient sparsely (gTop
         examples/train_fsdp2.py
 
 One agent of 4 ranks emulating 2 nodes: ``torchrun --nproc-per-node 4 examples/train_fsdp2.py --node-size 2``.
-``--mode recipe`` uses ``gx.SparseFSDPState.recipe`` (a density warm-up and the momentum in the hook: the optimizer
-then has none), what low densities need. ``--mode hsdp`` trains the same with FSDP2's own HSDP (a 2-D mesh: FSDP
-all-reduces the shards' gradients densely between nodes), for comparison. The task is scikit-learn's bundled handwritten digits (nothing is downloaded);
-each (step, rank) has its own batch. Rank 0 prints the loss, the test accuracy, and the bytes this rank sent to
-the other nodes (the sparse hook counts them; for HSDP, a ring all-reduce of its padded shards), last as one JSON
-line. Copy this file and replace make_model() and the data with your own.
+``--mode recipe`` uses ``gx.SparseFSDPState.recipe`` (a density warm-up and the momentum in the hook: the optimizer then
+has none), what low densities need. ``--mode hsdp`` trains the same with FSDP2's own HSDP (a 2-D mesh: FSDP all-reduces
+the shards' gradients densely between nodes), for comparison. The task is scikit-learn's bundled handwritten digits
+(nothing is downloaded); each (step, rank) has its own batch. Rank 0 prints the loss, the test accuracy, and the bytes
+this rank sent to the other nodes (the sparse hook counts them; for HSDP, a ring all-reduce of its padded shards), last
+as one JSON line. Copy this file and replace make_model() and the data with your own.
 """
 
 from __future__ import annotations

@@ -235,9 +235,10 @@ class SparseFSDPState:
 
     def state_dict(self) -> dict:
         """This rank's resumable state: ``{"world_size", "rank<r>": {"group<i>": {"calls", "numel", "residual",
-        "velocity" (with momentum correction), "oktopk"}}}``. The rank in the key keeps ranks' residuals apart in a ``torch.distributed.checkpoint``
-        (which saves one copy of a plain tensor that every rank names alike); the residual tensors are the
-        state's own (a checkpoint loader may fill them in place), the rest copies."""
+        "velocity" (with momentum correction), "oktopk"}}}``. The rank in the key keeps ranks' residuals apart in a
+        ``torch.distributed.checkpoint`` (which saves one copy of a plain tensor that every rank names alike); the
+        residual and velocity tensors are the state's own (a checkpoint loader may fill them in place), the rest
+        copies."""
         rank = dist.get_rank()
         return {"world_size": self.world_size,
                 f"rank{rank}": {f"group{g.index}": {"calls": g.calls, "numel": g.layout.numel,

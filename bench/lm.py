@@ -31,7 +31,7 @@ DEFAULT_METHODS = ("ddp", "fp16", "powersgd-2", "gtopk-0.01", "gtopk-0.001", "re
 GROUPS = ("embedding", "layernorm", "attention", "mlp", "head")
 # What makes two reports one experiment (--merge): everything but the methods and how they were run.
 CONFIGURATION = ("world_size", "steps", "eval_every", "batch_size", "seq_len", "d_model", "layers", "heads", "lr",
-                 "momentum", "outer_lr", "outer_momentum", "outer_nesterov", "error_decay", "bucket_cap_mb",
+                 "momentum", "nesterov", "outer_lr", "outer_momentum", "outer_nesterov", "error_decay", "bucket_cap_mb",
                  "val_percent", "val_windows", "seed", "rate")
 
 
@@ -265,7 +265,7 @@ def write_report(args: argparse.Namespace, corpus: dict, records: list[dict]) ->
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     # --eval-every: a multiple of every local method's H
     parser = cli.parser(__doc__, world_size=4, steps=600, eval_every=50, batch_size=8, lr=0.1, momentum=0.9, seed=0,
-                        json=None, plot=None, no_progress=False)
+                        nesterov=False, json=None, plot=None, no_progress=False)
     parser.add_argument("--methods", nargs="+", type=method_name, default=list(DEFAULT_METHODS))
     for flag, default in (("--seq-len", 128), ("--d-model", 256), ("--layers", 7), ("--heads", 4)):
         parser.add_argument(flag, type=int, default=default, help="the transformer's")

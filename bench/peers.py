@@ -159,7 +159,7 @@ def markdown_table(rows: list[dict], args: argparse.Namespace) -> str:
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser = cli.parser(__doc__, world_size=4, steps=100, eval_every=10, seeds=[0], batch_size=32, lr=0.05,
-                        momentum=0.9, json=None, plot=Path("peers.png"), no_progress=False)
+                        momentum=0.9, nesterov=False, json=None, plot=Path("peers.png"), no_progress=False)
     parser.add_argument("--methods", nargs="+", type=lambda text: method_name(text, ddp_only=True),
                         default=list(METHODS),
                         help=f"DDP methods (bench/harness/methods.py), e.g. {' '.join(METHODS)}, dgc-0.01-sparse, "
@@ -172,8 +172,6 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="DDP's bucket cap of every method but PowerSGD (default: DDP's own, 25)")
     parser.add_argument("--target", type=float, default=0.9, help="test accuracy whose steps and seconds to report")
-    parser.add_argument("--nesterov", action="store_true",
-                        help="Nesterov momentum in the optimizer (the dgc methods': --dgc-nesterov, in the hook)")
     add_dgc_arguments(parser)
     cli.add_network_args(parser, prefix="gxpeers")
     args = parser.parse_args(argv)

@@ -18,6 +18,8 @@ COMMON = {"world_size": ({"type": int}, "Gloo processes (DDP ranks)"),
           "batch_size": ({"type": int}, "examples per rank and step"),
           "lr": ({"type": float}, "SGD's learning rate (the inner SGD of a local method)"),
           "momentum": ({"type": float}, "SGD's momentum (in the hook for the methods with momentum correction)"),
+          "nesterov": ({"action": "store_true"}, "Nesterov momentum in the optimizers that have the momentum (the "
+                                                 "hook's momentum correction has its own: --dgc-nesterov, the recipe)"),
           "model": ({"choices": MODELS}, "the digits model (bench/digits.py)"),
           "seed": ({"type": int}, "initial weights and batches"),
           "seeds": ({"type": int, "nargs": "+"}, "one run per seed (initial weights and batches)"),

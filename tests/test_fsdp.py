@@ -73,8 +73,8 @@ def record(state, poison: bool = True) -> list:
     return calls
 
 
-def train(model: nn.Module, rank: int, steps: range, after=None) -> None:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def train(model: nn.Module, rank: int, steps: range, after=None, **sgd) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, **sgd)
     for step in steps:
         model(batch(step, rank)).square().mean().backward()
         optimizer.step()
@@ -423,7 +423,8 @@ def test_fsdp2_nodes_conserve_agree_resume_and_refuse_bad_input(tmp_path, nodes,
 
 
 def one_node_case(rank: int, world: int) -> bytes:
-    """One node of all ranks: the hook leaves FSDP's average as it is (bitwise the plain FSDP2 run). Nodes of one
+    """One node of all ranks: the hook leaves FSDP's average as it is (bitwise the plain FSDP2 run), or, with the
+    recipe, applies its Nesterov momentum as torch's SGD would. Nodes of one
     rank (a (world, 1) mesh, FSDP2 as a DDP): the hook exchanges whole gradients sparsely between all ranks."""
     state = gx.SparseFSDPState(gx.fsdp.node_mesh(world), density=0.01, path=SPARSE)
     hooked, plain = shard(make_model(), state.shard_mesh), shard(make_model(), state.shard_mesh)
@@ -431,6 +432,15 @@ def one_node_case(rank: int, world: int) -> bytes:
     train(hooked, rank, range(STEPS))
     train(plain, rank, range(STEPS))
     no_op = torch.equal(full_parameters(hooked), full_parameters(plain)) and state.stats()["total"]["bytes_sent"] == 0
+    # With momentum correction the hook still applies the momentum the optimizer no longer has: torch's SGD with
+    # Nesterov momentum on plain FSDP2.
+    state = gx.SparseFSDPState.recipe(gx.fsdp.node_mesh(world), density=0.01, path=SPARSE)
+    hooked, plain = shard(make_model(), state.shard_mesh), shard(make_model(), state.shard_mesh)
+    gx.register_sparse_all_reduce(hooked, state)
+    train(hooked, rank, range(STEPS))
+    train(plain, rank, range(STEPS), momentum=0.9, nesterov=True)
+    no_op = no_op and torch.allclose(full_parameters(hooked), full_parameters(plain), rtol=1e-6, atol=1e-7)
+    no_op = no_op and not torch.equal(full_parameters(hooked), full_parameters(shard(make_model(), state.shard_mesh)))
     state = gx.SparseFSDPState(gx.fsdp.node_mesh(1), density=0.1, path=SPARSE)
     replicated = shard(make_model(), state.shard_mesh)
     gx.register_sparse_all_reduce(replicated, state)

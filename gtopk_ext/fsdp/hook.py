@@ -71,7 +71,8 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     _check_divide_factor(group.fsdp_group, group.name)
     iteration = group.calls
     group.calls += 1
-    if nodes == 1 or layout.numel == 0:  # one node: FSDP's average is the answer; an empty shard: nothing to do
+    correction = state.momentum_correction
+    if layout.numel == 0 or (nodes == 1 and correction is None):  # one node: FSDP's average is the answer
         group.stats = GroupStats("none", layout.numel, layout.padded_numel)
         return
     replicas = state.replicate_group
@@ -82,6 +83,13 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     if group.residual.device != work.device:  # CPU offload: parameters (where it was made) live on the host
         group.residual = group.residual.to(work.device)
         group.velocity = None if group.velocity is None else group.velocity.to(work.device)
+    if nodes == 1:  # nothing to exchange, but the momentum that the optimizer no longer has is applied here
+        group.stats = GroupStats("none", layout.numel, layout.padded_numel)
+        if is_finite(work):
+            _add_momentum(correction, group, work)
+        if not in_place:
+            shard.index_copy_(0, index, work.to(shard.dtype))
+        return
     # 2. Plan.
     may_compress = iteration >= state.start_iter
     density = state.density_at(iteration) if may_compress else 1.0
@@ -93,14 +101,10 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
                            collective=state.collective_now, wire=wire_named(state.wire), what="sparse_all_reduce_hook",
                            volatile={"iter": iteration, "group": group.index}, traffic=stats.traffic)
     start = perf_counter()
-    correction = state.momentum_correction
     # The gradient alone is checked: the residual and the velocity only ever hold what finite gradients left.
     finite = is_finite(work) if correction is not None or stats.path == "sparse" else True
     if correction is not None and finite:
-        if correction.weight_decay:
-            for part, weight in zip(work.split([real for real, _ in layout.parts]), group.parameters()):
-                part.add_(weight.to(part.device, torch.float32), alpha=correction.weight_decay)
-        dgc.accumulate(correction, group.velocity, work)
+        _add_momentum(correction, group, work)
     if stats.path == "sparse":
         stats.k, stats.selected = k, 0
         compressor = state.compressor_now
@@ -137,6 +141,15 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     if not in_place:
         shard.index_copy_(0, index, work.to(shard.dtype))
     group.run_traffic.add(stats.traffic.sent, stats.traffic.received)
+
+
+def _add_momentum(correction, group: GroupState, work: torch.Tensor) -> None:
+    """Momentum correction's step 2: ``work`` (the gradient, plus weight decay) updates the group's velocity and
+    becomes what enters the residual (:func:`gtopk_ext.ddp.dgc.accumulate`)."""
+    if correction.weight_decay:
+        for part, weight in zip(work.split([real for real, _ in group.layout.parts]), group.parameters()):
+            part.add_(weight.to(part.device, torch.float32), alpha=correction.weight_decay)
+    dgc.accumulate(correction, group.velocity, work)
 
 
 def register_sparse_all_reduce(model: nn.Module, state: SparseFSDPState) -> None:

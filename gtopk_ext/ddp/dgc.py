@@ -11,6 +11,7 @@ import torch
 
 from gtopk_ext._validate import check_number
 from gtopk_ext.ddp.residuals import Layout, ResidualStore, hold_unused
+from gtopk_ext.ddp.schedule import DensitySchedule, exponential_warmup
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,14 @@ class MomentumCorrection:
         object.__setattr__(self, "nesterov", bool(self.nesterov))
         object.__setattr__(self, "weight_decay", float(weight_decay))
         object.__setattr__(self, "clip_norm", None if clip_norm is None else float(clip_norm))
+
+
+def recipe(density: float, warmup_steps: int, momentum: float) -> tuple[DensitySchedule, MomentumCorrection]:
+    """The recipe's density schedule and momentum correction, for every front end: DGC's exponential warm-up from
+    0.25 to ``density`` over ``warmup_steps`` steps, and Nesterov momentum correction with its masking from the
+    warm-up's end."""
+    schedule = exponential_warmup(density, warmup_steps, start_density=max(density, 0.25))
+    return schedule, MomentumCorrection(momentum, nesterov=momentum > 0, masking_start_iter=warmup_steps)
 
 
 def clip(tensor: torch.Tensor, max_norm: float) -> None:

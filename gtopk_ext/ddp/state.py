@@ -12,12 +12,12 @@ import torch.distributed as dist
 from gtopk_ext._worker import Worker
 from gtopk_ext.collectives import SPARSE_COLLECTIVES, Collective, OkTopkState, collective_named, group_rank_and_size
 from gtopk_ext.compressors import Compressor, check_density
-from gtopk_ext.ddp import checkpoint, optimizer_check
+from gtopk_ext.ddp import checkpoint, dgc, optimizer_check
 from gtopk_ext.ddp.amp import LossScaling
 from gtopk_ext.ddp._moved import MOVED, count, folded_compressor, folded_momentum
 from gtopk_ext.ddp.dgc import MomentumCorrection
 from gtopk_ext.ddp.residuals import ResidualStore
-from gtopk_ext.ddp.schedule import DensitySchedule, checked_schedule, density_at, exponential_warmup
+from gtopk_ext.ddp.schedule import DensitySchedule, checked_schedule, density_at
 from gtopk_ext.ddp.stats import BucketStats, RunTotals, step_stats, summary
 from gtopk_ext.hierarchical import HIERARCHICAL_INNER, Hierarchical
 from gtopk_ext.paths import DenseQueue, PathPlan, PathPolicy, path_policy
@@ -265,8 +265,7 @@ class SparseGradState:
             state = gx.SparseGradState.recipe(density=0.01, warmup_steps=44)
             ddp_model.register_comm_hook(state, gx.sparse_grad_hook)
         """
-        schedule = exponential_warmup(density, warmup_steps, start_density=max(density, 0.25))
-        correction = MomentumCorrection(momentum, nesterov=momentum > 0, masking_start_iter=warmup_steps)
+        schedule, correction = dgc.recipe(density, warmup_steps, momentum)
         return cls(process_group, density=schedule, momentum=correction, **options)
 
     def attach_scaler(self, scaler) -> None:

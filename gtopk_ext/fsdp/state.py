@@ -16,9 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from gtopk_ext.collectives import COLLECTIVES, SPARSE_COLLECTIVES, agree, collective_named
 from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, compressor_at
 from gtopk_ext.costs import Traffic
-from gtopk_ext.ddp import optimizer_check
+from gtopk_ext.ddp import dgc, optimizer_check
 from gtopk_ext.ddp.dgc import MomentumCorrection
-from gtopk_ext.ddp.schedule import DensitySchedule, checked_schedule, density_at, exponential_warmup
+from gtopk_ext.ddp.schedule import DensitySchedule, checked_schedule, density_at
 from gtopk_ext.fsdp.layout import ShardLayout
 from gtopk_ext.paths import PathPlan, PathPolicy, path_policy
 from gtopk_ext.wire import wire_named
@@ -204,8 +204,7 @@ class SparseFSDPState:
         momentum correction with Nesterov momentum ``momentum`` in the hook, its masking from the warm-up's end.
         Train with an optimizer WITHOUT momentum or weight decay (``torch.optim.SGD(model.parameters(), lr)``).
         ``options``: the other arguments (``collective``, ``wire``, ``start_iter``, ``path``, ...)."""
-        schedule = exponential_warmup(density, warmup_steps, start_density=max(density, 0.25))
-        correction = MomentumCorrection(momentum, nesterov=momentum > 0, masking_start_iter=warmup_steps)
+        schedule, correction = dgc.recipe(density, warmup_steps, momentum)
         return cls(mesh, density, density_schedule=schedule, momentum=correction, **options)
 
     def density_at(self, iteration: int) -> float:

@@ -143,7 +143,7 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     group.run_traffic.add(stats.traffic.sent, stats.traffic.received)
 
 
-def _add_momentum(correction, group: GroupState, work: torch.Tensor) -> None:
+def _add_momentum(correction: dgc.MomentumCorrection, group: GroupState, work: torch.Tensor) -> None:
     """Momentum correction's step 2: ``work`` (the gradient, plus weight decay) updates the group's velocity and
     becomes what enters the residual (:func:`gtopk_ext.ddp.dgc.accumulate`)."""
     if correction.weight_decay:

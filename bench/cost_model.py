@@ -20,8 +20,14 @@ import numpy as np
 from scipy.optimize import nnls
 
 from bench.harness import cli, report
-from bench.harness.traffic import METHODS, SPARSE_METHODS, WIRES, features
-from bench.harness.traffic import bytes_per_rank as bytes_per_rank  # part of the model: tests check it here
+from gtopk_ext.collectives import collective_named
+from gtopk_ext.costs import exchange_terms, hierarchical_terms
+from gtopk_ext.wire import WIRES as WIRE_FORMATS
+from gtopk_ext.wire import wire_named
+
+METHODS = ("dense", "allgather", "gtopk", "oktopk", "hierarchical")
+SPARSE_METHODS = ("allgather", "gtopk", "oktopk")
+WIRES = tuple(WIRE_FORMATS)
 
 COMPUTE_TERMS = ("merge", "scatter", "zero", "encode", "decode", "copy")  # per-element costs fitted
 PAPER_P, PAPER_RATE = 32, 10**9  # the gTop-k paper's point: 32 machines, 1 Gbit/s Ethernet
@@ -31,6 +37,20 @@ PREDICT_WORLD_SIZES, RATES = tuple(2**i for i in range(1, 11)), (10**9, 10**10, 
 # GPU, halved where two GPUs share a switch).
 NODE_SIZE, TWO_LEVEL_WORLD_SIZES = 8, tuple(2**i for i in range(4, 11))
 INTRA_LINKS = {"NVLink": (5e-6, 200e9), "PCIe": (10e-6, 12e9)}
+
+
+def features(method: str, numel: int, k: int, world_size: int, share: float, wire: str = "plain", local: int = 1,
+             inner: str = "gtopk") -> dict[str, float]:
+    """The coefficients of one exchange's time, selection excluded, by the method's name (``inner``: the
+    hierarchical collective's between nodes): :func:`gtopk_ext.costs.exchange_terms`."""
+    if method == "hierarchical":
+        return hierarchical_terms(collective_named(inner), numel, k, world_size, share, wire_named(wire), local)
+    return exchange_terms(collective_named(method), numel, k, world_size, share, wire_named(wire), local)
+
+
+def bytes_per_rank(method: str, numel: int, k: int, world_size: int, wire: str = "plain") -> float:
+    """Bytes a rank sends in one exchange on one level of network, the mean over the ranks."""
+    return collective_named(method).mean_bytes(numel, k, world_size, wire_named(wire))
 
 
 def selected_elements(method: str, numel: int, local: int = 1) -> int:

@@ -18,7 +18,7 @@ import time
 from bench.emulated_network import TxCounter, cleanup_stale, parse_rate, rate_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.traffic import METHODS, WIRES, bytes_per_rank, features
+from bench.cost_model import METHODS, WIRES, bytes_per_rank, features
 
 
 def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> list[dict]:

@@ -1,10 +1,16 @@
-"""What moving bytes costs: this rank's byte counter, and the byte formulas of the collectives (the ring
-algorithms the backends run; the hierarchical collective's node phases), shared by the library and the benchmarks'
-cost model."""
+"""What moving bytes costs: this rank's byte counter, the byte formulas of the collectives (the ring algorithms
+the backends run; the hierarchical collective's node phases), and the alpha-beta model of one exchange that
+bench/cost_model.py fits (docs/scaling.md), from each collective's :meth:`Collective.cost_terms`."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gtopk_ext.collectives import Collective
+    from gtopk_ext.wire import Wire
 
 
 @dataclass
@@ -60,3 +66,33 @@ def node_gather_bytes(width: int, most: int, element_size: int) -> int:
     """Bytes of one rank's message in :func:`node_allgather`: a header and ``most`` index-value pairs, or the
     widest shard (``width`` elements) and its flags when that is fewer."""
     return min(8 + most * (4 + element_size), (width + 1) * element_size)
+
+
+def exchange_terms(collective: Collective, numel: int, k: int, size: int, share: float, wire: Wire,
+                   local: int = 1) -> dict[str, float]:
+    """``collective``'s :meth:`~gtopk_ext.collectives.Collective.cost_terms` on ``size`` ranks in nodes of
+    ``local`` (every message inside the node when there is one node)."""
+    if local < 1 or size % local:
+        raise ValueError(f"local must divide size, got local={local}, size={size}")
+    terms = collective.cost_terms(numel, k, size, local, share, wire)
+    if size == local:
+        terms["alpha_intra"] = terms.get("alpha_intra", 0.0) + terms.pop("alpha")
+        terms["beta_intra"] = terms.get("beta_intra", 0.0) + terms.pop("beta")
+    return terms
+
+
+def hierarchical_terms(inner: Collective, numel: int, k: int, size: int, share: float, wire: Wire,
+                       local: int) -> dict[str, float]:
+    """The hierarchical collective's terms (gtopk_ext.hierarchical) in nodes of ``local`` ranks: the node's
+    reduce-scatter and allgather, its passes over the gradient (``copy``), and ``inner`` between the nodes on each
+    shard (the local ranks' exchanges share the node's link)."""
+    if local < 1 or size % local:
+        raise ValueError(f"local must divide size, got local={local}, size={size}")
+    nodes, shard, shard_k = size // local, math.ceil(numel / local), math.ceil(max(k, local) / local)
+    gathered = node_gather_bytes(shard, min(shard, inner_result_slots(inner.name, shard_k, nodes)), 4)
+    terms = {"alpha_intra": 2 * (local - 1), "beta_intra": (local - 1) * (4 * shard + gathered),
+             "copy": numel * share}
+    if nodes > 1:
+        for name, value in exchange_terms(inner, shard, shard_k, nodes, share, wire).items():
+            terms[name] = terms.get(name, 0.0) + value * (local if name == "beta" else 1)
+    return terms

@@ -268,6 +268,13 @@ def check_traffic(members: Members) -> list[str]:
         failures.append(f"{members.name}: gtopk moved {(gtopk.sent, gtopk.received)} bytes, expected {expected}")
     if allgather.sent != (size - 1) * payload:
         failures.append(f"{members.name}: allgather sent {allgather.sent} bytes, expected {(size - 1) * payload}")
+    for name, traffic in (("gtopk", gtopk), ("allgather", allgather)):  # the cost model's mean over the ranks
+        total = torch.tensor([float(traffic.sent)], dtype=torch.float64)
+        dist.all_reduce(total, group=members.group)
+        modelled = gx.collectives.collective_named(name).mean_bytes(numel, k, size, gx.wire.wire_named("plain"))
+        if not math.isclose(total.item() / size, modelled):
+            failures.append(f"{members.name}: {name} sent {total.item() / size} bytes a rank, its mean_bytes "
+                            f"{modelled}")
     return failures
 
 

@@ -201,6 +201,12 @@ class Reduced:
                                 backend=backend)
 
 
+def check_cost(size: int, wire: Wire) -> tuple[int, float]:
+    """(messages, bytes a rank sends) of the corruption check that follows an exchange on a lossy wire (an int32
+    allreduce over the group, a ring); none on the plain wire."""
+    return (2 * (size - 1), 2 * (size - 1) / size * 4) if wire.lossy else (0, 0)
+
+
 class Collective:
     """Reduces every rank's message over a process group (see :class:`Reduced`).
 
@@ -230,6 +236,19 @@ class Collective:
     def messages(self, size: int) -> float:
         """How many messages of k slots a rank sends in one :meth:`reduce`, the mean over the ranks."""
         raise NotImplementedError
+
+    def cost_terms(self, numel: int, k: int, size: int, local: int, share: float, wire: Wire) -> dict[str, float]:
+        """One :meth:`reduce` of k float32 slots of ``numel`` elements over ``size`` ranks in nodes of ``local``,
+        as the coefficients of the alpha-beta model (docs/scaling.md, :func:`gtopk_ext.costs.exchange_terms`):
+        ``alpha`` and ``beta``, the messages and bytes on the slowest path between nodes, ``alpha_intra`` and
+        ``beta_intra`` inside a node, and the per-element work (``merge``, ``scatter``, ``zero``, ``encode``,
+        ``decode``) times ``share``, the ranks that share a core."""
+        raise NotImplementedError(f"{type(self).__name__} has no cost model")
+
+    def mean_bytes(self, numel: int, k: int, size: int, wire: Wire) -> float:
+        """Bytes a rank sends in one :meth:`reduce` on one level of network, the mean over the ranks (the cost
+        model's count): its ``beta``, where every rank sends alike."""
+        return self.cost_terms(numel, k, size, 1, 1.0, wire)["beta"]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

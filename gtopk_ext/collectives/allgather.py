@@ -63,6 +63,13 @@ class Allgather(Collective):
     def messages(self, size):
         return size - 1
 
+    def cost_terms(self, numel, k, size, local, share, wire):
+        message = wire.payload_size(k, numel, torch.float32, 1)
+        terms = {"alpha": size - 1, "beta": (size - 1) * message, "scatter": size * k * share, "zero": numel * share}
+        if wire.lossy:
+            terms.update(encode=k * share, decode=(size + 1) * k * share)
+        return terms  # every rank decodes every payload: no corruption check after the exchange
+
     def reduce(self, msg, group, *, wire, traffic=None, flags=None, rounding=None, state=None):
         summed = sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=traffic, flags=flags,
                                   wire=wire, rounding=rounding, backend=self.backend.for_device(msg.values.device))

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from gtopk_ext import ops
 from gtopk_ext.backends import BackendLike
 from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, carried_dtype,
-                                             group_rank_and_size, payload_head)
+                                             check_cost, group_rank_and_size, payload_head)
 from gtopk_ext.collectives._transport import (allreduce_invalid, exchange, in_set, mask_from_bytes, mask_to_bytes,
                                               raise_if_corrupt, recv_from, send_to)
 from gtopk_ext.costs import Traffic
@@ -154,15 +154,41 @@ def _mark_survivors(tracked: list[tuple[torch.Tensor, torch.Tensor]], kept_indic
         applied &= survived
 
 
+def butterfly(size: int) -> tuple[int, int]:
+    """(gTop-k's rounds on ``size`` ranks, the ranks beyond the largest power of two, which fold in first)."""
+    rounds = size.bit_length() - 1
+    return rounds, size - (1 << rounds)
+
+
 class GTopK(Collective):
     """:func:`gtopk_allreduce`."""
 
     name = "gtopk"
 
     def messages(self, size):
-        largest = 1 << (size.bit_length() - 1)
-        rounds = largest.bit_length() - 1
-        return (largest * rounds + 2 * (size - largest)) / size  # ranks folded in send twice
+        rounds, folded = butterfly(size)
+        return ((1 << rounds) * rounds + 2 * folded) / size  # ranks folded in send twice
+
+    def cost_terms(self, numel, k, size, local, share, wire):
+        rounds, folded = butterfly(size)
+        folds = int(folded > 0)  # the slowest path: a folded rank's partner sends and receives once more
+        intra = min(rounds, local.bit_length() - 1) if local & (local - 1) == 0 else 0  # rounds inside a node
+        message = wire.payload_size(k, numel, torch.float32, 1)
+        terms = {"alpha": rounds - intra + 2 * folds, "alpha_intra": intra,
+                 "beta": (rounds - intra) * local * message + folds * (2 * message + (k + 7) // 8),
+                 "beta_intra": intra * message, "merge": (rounds + folds) * 2 * k * share}
+        if wire.lossy:
+            terms.update(encode=(rounds + 2 * folds) * k * share, decode=(2 * rounds + 3 * folds) * k * share)
+        messages, sent = check_cost(size, wire)
+        terms["alpha"] += messages
+        terms["beta"] += sent
+        return terms
+
+    def mean_bytes(self, numel, k, size, wire):
+        rounds, folded = butterfly(size)  # only the ranks folded in, and their partners, send the fold and return
+        message = wire.payload_size(k, numel, torch.float32, 1)
+        sent = (1 << rounds) * rounds * message + folded * (2 * message + (k + 7) // 8)
+        return sent / size + check_cost(size, wire)[1]
 
     def reduce(self, msg, group, *, wire, traffic=None, flags=None, rounding=None, state=None):
         glob, applied = gtopk_allreduce(msg, group, check=False, traffic=traffic, flags=flags, wire=wire,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from gtopk_ext import ops
 from gtopk_ext.backends import BackendLike
-from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, carried_dtype,
+from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, carried_dtype, check_cost,
                                              group_rank_and_size)
 from gtopk_ext.collectives._transport import (allreduce_counts, allreduce_invalid, exchange_counts, gather_counts,
                                               in_set, raise_if_corrupt, sparse_alltoallv)
@@ -306,6 +306,22 @@ class OkTopk(Collective):
 
     def messages(self, size):
         return 2 * (size - 1) / size  # a reduce-scatter and an allgather of k / P slots per peer
+
+    def cost_terms(self, numel, k, size, local, share, wire):
+        pair = wire.payload_size(1, numel, torch.float32, 0) - wire.payload_size(0, numel, torch.float32, 0)
+        # Each of its messages carries its own header: the compact wire's page table counts, the plain wire's count
+        # is in the 24 bytes per peer of the boundaries' exchange.
+        header = wire.payload_size(0, numel, torch.float32, 1) if wire.lossy else 0
+        between, inside = local * (size - local), local - 1
+        terms = {"alpha": 4 * (size - 1),
+                 "beta": between / size * 2 * k * pair + 2 * between * header + 24 * (size - 1),
+                 "beta_intra": inside / size * 2 * k * pair + 2 * inside * header, "merge": 2 * k * share}
+        if wire.lossy:
+            terms.update(encode=k * share, decode=(1 + 2 * (size - 1) / size) * k * share)
+        messages, sent = check_cost(size, wire)
+        terms["alpha"] += messages
+        terms["beta"] += sent
+        return terms
 
     def new_state(self) -> OkTopkState:
         return OkTopkState()

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import gtopk_ext as gx
 from gtopk_ext.ddp import reduce_buffer
 from gtopk_ext import ops, reference
-from gtopk_ext.collectives import Traffic
+from gtopk_ext.collectives import Traffic, _transport
 from tests.distributed import run_distributed
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -278,6 +278,27 @@ def check_traffic(members: Members) -> list[str]:
     return failures
 
 
+def check_pieces(members: Members) -> list[str]:
+    """gTop-k's exchanges of a payload larger than a piece (40,000 pairs: 320 kB, 3 pieces of
+    _transport.EXCHANGE_PIECE_BYTES) give bitwise what one message a round gives, plain and compact."""
+    numel, k = 100_000, 40_000
+    msg = gx.make_compressor("topk", k / numel).compress(case_data(1, members.me, numel, torch.float32, "overlap"))
+    failures = []
+    for wire in ("plain", "compact"):
+        results = []
+        for piece_bytes in (_transport.EXCHANGE_PIECE_BYTES, 1 << 40):
+            saved, _transport.EXCHANGE_PIECE_BYTES = _transport.EXCHANGE_PIECE_BYTES, piece_bytes
+            try:
+                results.append(gx.collectives.gtopk_allreduce(msg, members.group, check=False, wire=wire))
+            finally:
+                _transport.EXCHANGE_PIECE_BYTES = saved
+        (glob, applied), (whole_glob, whole_applied) = results
+        if not (torch.equal(glob.indices, whole_glob.indices) and torch.equal(glob.values, whole_glob.values)
+                and torch.equal(applied, whole_applied)):
+            failures.append(f"{members.name}: gtopk on the {wire} wire differs when its messages go in pieces")
+    return failures
+
+
 def expect_error(fn, exception, pattern: str) -> str | None:
     try:
         fn()
@@ -451,7 +472,7 @@ def check_hook_edge_cases(members: Members) -> list[str]:
 
 
 def check_everything(members: Members) -> list[str]:
-    failures = check_cases(members) + check_traffic(members) + check_hook_reduce(members)
+    failures = check_cases(members) + check_traffic(members) + check_pieces(members) + check_hook_reduce(members)
     failures += check_hook_edge_cases(members)
     if members.size >= 2:
         failures += check_mismatches(members)

@@ -3,6 +3,7 @@ count exchanges, and the signs of a corrupted payload."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -13,7 +14,7 @@ from gtopk_ext.costs import Traffic, ring_allgather_bytes, ring_allreduce_bytes
 
 # A large message goes in pieces of at least EXCHANGE_PIECE_BYTES, at most EXCHANGE_PIECES of them: on Gloo one
 # message each way moved at about half a link's rate (gTop-k of 1.68M slots on 4 ranks behind 100 Mbit/s links,
-# bench.netem_scaling: 4.96 s as one message a round, 3.19 s as 8 pieces; 1 Gbit/s: 948 ms, 756 ms).
+# bench.netem_scaling: 4.96 s as one message a round, 3.18 s as 8 pieces; 1 Gbit/s: 968 ms, 751 ms).
 EXCHANGE_PIECE_BYTES = 128 * 1024
 EXCHANGE_PIECES = 8
 
@@ -21,7 +22,7 @@ EXCHANGE_PIECES = 8
 def pieces(buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``buffer`` (flat) as the pieces :func:`exchange` moves; a message and its receiver's buffer, of the same
     size, split alike."""
-    count = -(-buffer.numel() * buffer.element_size() // EXCHANGE_PIECE_BYTES)
+    count = -(-(buffer.numel() * buffer.element_size()) // EXCHANGE_PIECE_BYTES)
     return buffer.tensor_split(min(EXCHANGE_PIECES, max(1, count)))
 
 
@@ -31,8 +32,9 @@ def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: dist.Proc
     global_peer = dist.get_global_rank(group, peer)
     sent, received = p2p_buffer(send, group), p2p_buffer(recv, group)
     # Each piece's send and receive posted together (all sends first moved at the single message's pace).
-    ops = [dist.P2POp(op, piece, global_peer, group) for out, into in zip(pieces(sent), pieces(received))
-           for op, piece in ((dist.isend, out), (dist.irecv, into))]
+    ops = [dist.P2POp(op, piece, global_peer, group)
+           for out, into in itertools.zip_longest(pieces(sent), pieces(received))
+           for op, piece in ((dist.isend, out), (dist.irecv, into)) if piece is not None]
     works = dist.batch_isend_irecv(ops)
     for work in works:
         work.wait()

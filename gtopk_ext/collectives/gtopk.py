@@ -16,6 +16,12 @@ from gtopk_ext.message import SparseMessage
 from gtopk_ext.wire import Rounding, WireLike, rounding_error, wire_named
 
 
+def butterfly_shape(size: int) -> tuple[int, int]:
+    """(gTop-k's rounds on ``size`` ranks, the ranks beyond the largest power of two, which fold in first)."""
+    rounds = size.bit_length() - 1
+    return rounds, size - (1 << rounds)
+
+
 def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, *, check: bool = True,
                     traffic: Traffic | None = None, flags: torch.Tensor | None = None, wire: WireLike = "plain",
                     rounding: Rounding | None = None, backend: BackendLike = None
@@ -51,7 +57,8 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         return SparseMessage(own_values, msg.indices.clone(), msg.count.clone(), numel), applied
     wire = wire_named(wire)
     compact = wire.lossy
-    butterfly = 1 << (size.bit_length() - 1)
+    rounds, _ = butterfly_shape(size)
+    butterfly = 1 << rounds  # the ranks below it merge pairwise; those above fold in first
     head_words = 1 if flags is None else 2
     received_size = wire.payload_size(k, numel, dtype, head_words)
     mask_size = (k + 7) // 8  # a folded rank's applied mask comes back with the result, a bit per slot
@@ -100,7 +107,7 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         tracked.append((folded_indices, torch.ones(k, dtype=torch.bool, device=device)))
         indices, values, count = ops.merge_topk(indices, values, folded_indices, folded_values, k, backend=backend)
         _mark_survivors(tracked, indices, count, numel)
-    for bit in range(butterfly.bit_length() - 1):
+    for bit in range(rounds):
         peer = rank ^ (1 << bit)
         payload, sent_indices, sent_values = wire.pack(indices, values, payload_head(count, raised), numel, backend)
         if compact:
@@ -154,23 +161,17 @@ def _mark_survivors(tracked: list[tuple[torch.Tensor, torch.Tensor]], kept_indic
         applied &= survived
 
 
-def butterfly(size: int) -> tuple[int, int]:
-    """(gTop-k's rounds on ``size`` ranks, the ranks beyond the largest power of two, which fold in first)."""
-    rounds = size.bit_length() - 1
-    return rounds, size - (1 << rounds)
-
-
 class GTopK(Collective):
     """:func:`gtopk_allreduce`."""
 
     name = "gtopk"
 
     def messages(self, size):
-        rounds, folded = butterfly(size)
+        rounds, folded = butterfly_shape(size)
         return ((1 << rounds) * rounds + 2 * folded) / size  # ranks folded in send twice
 
     def cost_terms(self, numel, k, size, local, share, wire):
-        rounds, folded = butterfly(size)
+        rounds, folded = butterfly_shape(size)
         folds = int(folded > 0)  # the slowest path: a folded rank's partner sends and receives once more
         intra = min(rounds, local.bit_length() - 1) if local & (local - 1) == 0 else 0  # rounds inside a node
         message = wire.payload_size(k, numel, torch.float32, 1)
@@ -185,7 +186,7 @@ class GTopK(Collective):
         return terms
 
     def mean_bytes(self, numel, k, size, wire):
-        rounds, folded = butterfly(size)  # only the ranks folded in, and their partners, send the fold and return
+        rounds, folded = butterfly_shape(size)  # only the ranks folded in, and their partners, send the fold and return
         message = wire.payload_size(k, numel, torch.float32, 1)
         sent = (1 << rounds) * rounds * message + folded * (2 * message + (k + 7) // 8)
         return sent / size + check_cost(size, wire)[1]

@@ -114,6 +114,21 @@ def conservation_failures(recorder: Recorder, name: str) -> list[str]:
     return failures
 
 
+@dataclass
+class LayoutRecorder:
+    """State of layout_hook: per iteration, the layout of each bucket DDP hands the hook."""
+
+    state: gx.SparseGradState
+    layouts: dict = field(default_factory=dict)
+
+
+def layout_hook(recorder: LayoutRecorder, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    state = recorder.state
+    layout = state.residual_store.layout_of(bucket.parameters(), bucket.buffer().numel())
+    recorder.layouts.setdefault(state.iter, []).append(layout)
+    return gx.sparse_grad_hook(state, bucket)
+
+
 class ListHandler(logging.Handler):
     def __init__(self):
         super().__init__(logging.INFO)
@@ -159,6 +174,20 @@ def ddp_worker(rank: int, size: int, checkpoint_dir: str) -> list[str]:
         train(ddp, optimizer, rank, range(5, 10))
         torch.save([p.detach().clone() for p in model.parameters()],
                    os.path.join(checkpoint_dir, f"{name}-rank{rank}-straight.pt"))
+
+    # One bucket (DDP's default cap), rebuilt after the first iteration in another order: the state takes the new
+    # layout, so no later step is reduced in the first iteration's parts (only a resumed run's first one is).
+    recorder = LayoutRecorder(make_state("gaussiank", "gtopk", {}))
+    model = make_model()
+    ddp = DDP(model)
+    ddp.register_comm_hook(recorder, layout_hook)
+    train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), rank, range(4))
+    first, last = recorder.layouts[0], recorder.layouts[3]
+    if first == last:
+        failures.append(f"DDP's rebuilt bucket has the first iteration's layout {first}: this case tests nothing")
+    elif recorder.state.residual_store.layouts != dict(enumerate(last)):
+        failures.append(f"after DDP rebuilt its bucket ({last}) the state still keeps the layouts "
+                        f"{recorder.state.residual_store.layouts}")
 
     # Pickling drops the process group, as PowerSGDState's does; the residuals and counters stay.
     state = make_state("gaussiank", "gtopk", {}, process_group=dist.new_group(list(range(size))))

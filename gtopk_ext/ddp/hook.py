@@ -356,6 +356,7 @@ def _chain(reduced: torch.futures.Future, result: torch.futures.Future, value: t
 
 def _end_iteration(state: SparseGradState) -> None:
     state.iteration_open = False
+    state.residual_store.restored = False
     state.run_totals.add_step(state.bucket_stats.values())
     state.iter += 1
     if state.stats_logging_frequency and state.iter % state.stats_logging_frequency == 0:

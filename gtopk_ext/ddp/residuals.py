@@ -19,14 +19,16 @@ class ResidualStore:
 
     Fields: ``residuals`` (per bucket index, the flat residual in that bucket's layout), ``layouts`` (the latest
     layout of every bucket seen), ``unclaimed`` (residual parts per parameter ordinal, left by a bucket whose
-    layout changed, until a bucket that holds the parameter takes them), and the parameters' ordinals (in the
-    order this process first saw them: the same on every rank and in a resumed process).
+    layout changed, until a bucket that holds the parameter takes them), ``restored`` (loaded from a state_dict
+    and no iteration ended since), and the parameters' ordinals (in the order this process first saw them: the
+    same on every rank and in a resumed process).
     """
 
     def __init__(self):
         self.residuals: dict[int, torch.Tensor] = {}
         self.layouts: dict[int, Layout] = {}
         self.unclaimed: dict[int, torch.Tensor] = {}
+        self.restored = False
         self._ordinals = WeakIdKeyDictionary()
         self._next_ordinal = 0
 
@@ -57,8 +59,10 @@ class ResidualStore:
 
         A fresh DDP model reduces its first iteration in one bucket; after a resume, reducing it in the
         checkpoint's buckets instead keeps the run bitwise identical to one that never stopped (also when no
-        residual exists yet: the selection per bucket differs from the selection over their union)."""
-        if layout is None or self.layouts.get(index) == layout:
+        residual exists yet: the selection per bucket differs from the selection over their union). Only in the
+        first iteration after a restore: a run's own new layout (DDP's rebuilt buckets) is recorded instead, so
+        that no later step pays for reducing in parts."""
+        if not self.restored or layout is None or self.layouts.get(index) == layout:
             return None
         numels = dict(layout)
         parts = [(i, known) for i, known in sorted(self.layouts.items())
@@ -116,6 +120,7 @@ class ResidualStore:
     def __setstate__(self, state):
         self.__init__()
         self.__dict__.update(state)
+        self.restored = True
 
     def all_tensors(self) -> list[torch.Tensor]:
         return [*self.residuals.values(), *self.unclaimed.values()]
@@ -131,12 +136,14 @@ class ResidualStore:
         self.layouts = {int(i): None if layout is None else tuple((int(o), int(n)) for o, n in layout)
                         for i, layout in state_dict.get("layouts", {}).items()}
         self.unclaimed = {int(o): r.detach().clone() for o, r in state_dict.get("unclaimed", {}).items()}
+        self.restored = True
 
     def add_state_dict(self, state_dict: dict) -> None:
         """Adds another store's saved residuals to these (another rank's, folded in at another world size): DDP
         gives every rank the same buckets, so their layouts must agree."""
         other = ResidualStore()
         other.load_state_dict(state_dict)
+        self.restored = True
         for index, layout in other.layouts.items():
             if self.layouts.setdefault(index, layout) != layout:
                 raise ValueError(f"the state_dicts hold bucket {index} in different layouts: they were saved by "

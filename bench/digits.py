@@ -1,8 +1,6 @@
 """The demo's task, shared by the demo and the benchmarks: scikit-learn's bundled 8x8 handwritten digits (1797
 images, 10 classes; nothing is downloaded) and small models for them."""
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 

@@ -5,8 +5,6 @@ and other 16-bit formats. docs/collectives.md.
     python -m bench.wire_coding --json wire_coding.json
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 from pathlib import Path

@@ -46,8 +46,8 @@ def sparse_set(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("method", list(SELECTION_METHODS))
 def test_selection(benchmark, request, method, n, density):
-    (grad, initial_residual), k = inputs(n), k_for_density(density, n)
-    residual, z = torch.empty_like(initial_residual), ops.z_for_density(density)
+    grad, initial_residual = inputs(n)
+    residual, k, z = torch.empty_like(initial_residual), k_for_density(density, n), ops.z_for_density(density)
     benchmark.extra_info.update(n=n, density=density, k=k)
     timed(benchmark, request, f"selection n={n} density={density}", SELECTION_METHODS[method],
           lambda: (grad, residual.copy_(initial_residual), k, z))

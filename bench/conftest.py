@@ -13,10 +13,8 @@ def pytest_addoption(parser):
     group.addoption("--kernel-rounds", type=int, default=5, help="timed rounds per benchmark (after one warm-up)")
 
 
-OPTIONS = {"n": ("--kernel-sizes", lambda text: int(float(text))), "density": ("--kernel-densities", float)}
-
-
 def pytest_generate_tests(metafunc):
-    for name, (option, kind) in OPTIONS.items():
+    for name, option, kind in (("n", "--kernel-sizes", lambda text: int(float(text))),
+                               ("density", "--kernel-densities", float)):
         if name in metafunc.fixturenames:
             metafunc.parametrize(name, [kind(x) for x in metafunc.config.getoption(option).split(",") if x])

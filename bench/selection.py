@@ -5,8 +5,6 @@ and the floor residual.add_(grad), the methods interleaved repetition by repetit
     python -m bench.selection --device cuda --profile --sizes 25000000 --densities 0.001   # where the time goes
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import statistics
@@ -27,15 +25,15 @@ LEGEND = ("(times: median ms; topk/gk: speed-up of Gaussian-k over the torch.top
           "of residual.add_(grad))")
 
 
-def inputs(n: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
-    """A seeded gradient and residual of n elements."""
+def inputs(n: int, device: str = "cpu", dtype: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded gradient and residual of n elements (the pytest-benchmark suite's too)."""
     generator = torch.Generator().manual_seed(0)
     grad, residual = torch.randn(n, generator=generator), 0.1 * torch.randn(n, generator=generator)
-    return tuple(t.to(device=args.device, dtype=getattr(torch, args.dtype)) for t in (grad, residual))
+    return grad.to(device, getattr(torch, dtype)), residual.to(device, getattr(torch, dtype))
 
 
 def measure(n: int, density: float, args: argparse.Namespace) -> dict:
-    k, times = time_methods(*inputs(n, args), density, args.backend, args.repeats)
+    k, times = time_methods(*inputs(n, args.device, args.dtype), density, args.backend, args.repeats)
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     return {"n": n, "density": density, "k": k, "dtype": args.dtype, "device": torch.device(args.device).type,
             "backend": args.backend or os.environ.get("GTOPK_EXT_BACKEND", "auto"), "repeats": args.repeats,
@@ -49,7 +47,7 @@ def profile_step(n: int, density: float, args: argparse.Namespace, calls: int = 
     launched per step, which set the fixed cost that dominates below ~10M elements."""
     from torch.profiler import ProfilerActivity, profile
 
-    grad, initial_residual = inputs(n, args)
+    grad, initial_residual = inputs(n, args.device, args.dtype)
     residual, on_gpu = initial_residual.clone(), grad.device.type == "cuda"
     compressor = make_compressor("gaussiank", density, backend=args.backend)
     compressor.compress(grad, residual)  # warm-up: compilation, allocator
@@ -67,13 +65,12 @@ def profile_step(n: int, density: float, args: argparse.Namespace, calls: int = 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__, densities=[0.001, 0.01, 0.05])
+    parser = cli.parser(__doc__, densities=[0.001, 0.01, 0.05], json="bench/results/selection.json")
     parser.add_argument("--sizes", type=int, nargs="+", default=[2**20, 2**24, 25_000_000, 100_000_000])
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--backend", default=None, help="auto | cpu | cuda | triton (default: $GTOPK_EXT_BACKEND)")
     parser.add_argument("--repeats", type=int, default=7, help="timed repetitions (median)")
-    parser.add_argument("--json", default="bench/results/selection.json", help="where to write the rows")
     parser.add_argument("--profile", action="store_true",
                         help="instead of timing, profile the Gaussian-k step at the first size and density")
     return parser.parse_args(argv)
@@ -86,7 +83,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     rows = report.streamed((measure(n, density, args) for n in args.sizes for density in args.densities), COLUMNS)
     print(LEGEND)
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     report.write_json(args.json, args, threads=torch.get_num_threads(),
                       gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else None, rows=rows)
     return rows

@@ -1,15 +1,12 @@
-"""The kernel microbenchmarks as a pytest-benchmark suite: selection (gaussian_select, and gaussian_threshold +
-compact) against torch.topk and the residual.add_(grad) floor, each the whole error-feedback step from the same
-residual every round; merge_topk; scatter_add. Grouped per size and density, so --benchmark-compare puts the methods
-of one case side by side; tests/test_bench_smoke.py runs it once at a tiny size. Options: bench/conftest.py.
-"""
-
-from __future__ import annotations
+"""The kernel microbenchmarks for pytest-benchmark (options: bench/conftest.py): the whole error-feedback step of
+gaussian_select, of gaussian_threshold + compact, of torch.topk and of the residual.add_(grad) floor, from the same
+residual every round; merge_topk; scatter_add. Grouped per size and density for --benchmark-compare."""
 
 import pytest
 import torch
 
 from bench.harness.gradients import topk_step
+from bench.selection import inputs
 from gtopk_ext import ops
 from gtopk_ext.compressors import k_for_density
 
@@ -34,18 +31,11 @@ SELECTION_METHODS = {
 }
 
 
-def timed(benchmark, request, group: str, function, args: tuple, setup=None) -> None:
-    """``function(*args)`` timed in ``group``, after ``setup()`` (outside the timed call) every round."""
+def timed(benchmark, request, group: str, function, arguments) -> None:
+    """``function(*arguments())`` timed in ``group``, ``arguments()`` untimed (it refills what the last round used)."""
     benchmark.group = group
-    benchmark.pedantic(function, args=args, setup=setup, rounds=request.config.getoption("--kernel-rounds"),
+    benchmark.pedantic(function, setup=lambda: (arguments(), {}), rounds=request.config.getoption("--kernel-rounds"),
                        warmup_rounds=1)
-
-
-def refilled(tensor: torch.Tensor, value) -> callable:
-    """A setup (pytest-benchmark's returns None) that refills ``tensor`` with ``value`` before each round."""
-    def setup() -> None:
-        tensor.copy_(value) if isinstance(value, torch.Tensor) else tensor.fill_(value)
-    return setup
 
 
 def sparse_set(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,25 +46,24 @@ def sparse_set(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("method", list(SELECTION_METHODS))
 def test_selection(benchmark, request, method, n, density):
-    generator = torch.Generator().manual_seed(0)
-    grad, initial_residual = torch.randn(n, generator=generator), 0.1 * torch.randn(n, generator=generator)
-    residual, k = torch.empty_like(initial_residual), k_for_density(density, n)
+    grad, initial_residual = inputs(n)
+    residual, k, z = torch.empty_like(initial_residual), k_for_density(density, n), ops.z_for_density(density)
     benchmark.extra_info.update(n=n, density=density, k=k)
     timed(benchmark, request, f"selection n={n} density={density}", SELECTION_METHODS[method],
-          (grad, residual, k, ops.z_for_density(density)), refilled(residual, initial_residual))
+          lambda: (grad, residual.copy_(initial_residual), k, z))
 
 
-@pytest.mark.parametrize("implementation", ["cpp", "torch"])
-def test_merge_topk(benchmark, request, implementation, n, density):
+@pytest.mark.parametrize("merge", [ops.merge_topk, ops.merge_topk_with_torch], ids=["cpp", "torch"])
+def test_merge_topk(benchmark, request, merge, n, density):
     k = k_for_density(density, n)
-    timed(benchmark, request, f"merge_topk n={n} k={k}",
-          ops.merge_topk if implementation == "cpp" else ops.merge_topk_with_torch,
-          (*sparse_set(n, k, 1), *sparse_set(n, k, 2), k))
+    arguments = (*sparse_set(n, k, 1), *sparse_set(n, k, 2), k)
+    timed(benchmark, request, f"merge_topk n={n} k={k}", merge, lambda: arguments)
 
 
 @pytest.mark.parametrize("messages", [1, 8])
 def test_scatter_add(benchmark, request, messages, n, density):
     """The decompression of `messages` ranks' messages into one dense tensor."""
     pairs, dense = [sparse_set(n, k_for_density(density, n), seed) for seed in range(messages)], torch.zeros(n)
+    indices, values = torch.cat([i for i, _ in pairs]), torch.cat([v for _, v in pairs])
     timed(benchmark, request, f"scatter_add n={n} density={density}", ops.scatter_add_,
-          (dense, torch.cat([i for i, _ in pairs]), torch.cat([v for _, v in pairs])), refilled(dense, 0.0))
+          lambda: (dense.zero_(), indices, values))

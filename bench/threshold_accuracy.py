@@ -1,23 +1,18 @@
-"""Threshold accuracy: how close each selection (Gaussian-k's paper and accurate modes, exact top-k) lands to k and
-how much of the exact top-k it captures, on synthetic and real gradients, with the accurate mode's time relative to
-the torch.topk path and to residual.add_(grad) in the same run. docs/selection.md.
+"""Threshold accuracy: how close Gaussian-k's paper and accurate modes (and exact top-k) land to k and how much of
+the exact top-k they capture, on synthetic and real gradients; and the accurate mode's time. docs/selection.md.
 
     python -m bench.threshold_accuracy --sizes 1000000 --skip-real      # a smaller run, synthetic gradients only
 """
 
-from __future__ import annotations
-
 import argparse
 import json
-import os
 import statistics
-from pathlib import Path
 
 import torch
 
 from bench.harness import cli, report
 from bench.harness.gradients import SYNTHETIC, captured_gradients, synthetic_gradient, time_methods, wide_mlp
-from gtopk_ext.compressors import make_compressor
+from gtopk_ext.compressors import k_for_density, make_compressor
 
 MODES = {"paper": ("gaussiank", {"mode": "paper"}), "accurate": ("gaussiank", {"mode": "accurate"}),
          "topk": ("topk", {})}
@@ -26,7 +21,7 @@ MODES = {"paper": ("gaussiank", {"mode": "paper"}), "accurate": ("gaussiank", {"
 def evaluate(name: str, grad: torch.Tensor, density: float, backend: str | None, repeats: int) -> dict:
     """Per mode (no residual: the selection itself): count / k before truncation to k slots, recall (|sent indices
     ∩ exact top-k| / k) and norm (||sent values||^2 / ||top-k values||^2); and the timed step of every method."""
-    quality, k = {}, make_compressor("topk", density).k_for(grad.numel())
+    quality, k = {}, k_for_density(density, grad.numel())
     exact = torch.topk(grad.abs(), k).indices.sort().values  # ascending, as messages hold them: the same sum order
     for mode, (kind, options) in MODES.items():
         message = make_compressor(kind, density, backend=backend, **options).compress(grad)
@@ -58,7 +53,7 @@ LEGEND = ("(c/k: count before truncation / k; rec: recall of the exact top-k; no
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__, densities=[0.001, 0.01, 0.05])
+    parser = cli.parser(__doc__, densities=[0.001, 0.01, 0.05], json="bench/results/threshold_accuracy.json")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000], help="synthetic gradients'")
     parser.add_argument("--distributions", nargs="+", default=list(SYNTHETIC), choices=SYNTHETIC)
     parser.add_argument("--real-steps", type=int, nargs="+", default=[0, 20, 100],
@@ -68,7 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-real", action="store_true", help="no real gradients (they take a minute or two)")
     parser.add_argument("--backend", default=None, help="auto | cpu | cuda | triton (default: $GTOPK_EXT_BACKEND)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions (median)")
-    parser.add_argument("--json", default="bench/results/threshold_accuracy.json", help="where to write the rows")
     return parser.parse_args(argv)
 
 
@@ -83,8 +77,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = report.streamed((evaluate(name, grad, density, args.backend, args.repeats) for name, grad in gradients
                             for density in args.densities), COLUMNS)
     print(LEGEND)
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    Path(args.json).write_text(json.dumps(rows, indent=1))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.json}")
     return rows
 

@@ -1,16 +1,12 @@
-"""Index and value codings for the compact wire, on the exact top-k of real and synthetic gradients: bytes per index
-of the wire's coding (16-bit lows and a page table), 16-bit gaps with an escape, LEB128 varint gaps, Elias-gamma
-gaps and the gaps' entropy; the values' relative RMS rounding error in the wire's shifted float16, bfloat16 and
-plain float16 (and the values plain float16 loses). docs/collectives.md.
+"""Index and value codings on the exact top-k of real and synthetic gradients: bytes per index of the compact wire
+(16-bit lows and a page table) and of gap codings, and the values' relative RMS error in the wire's shifted float16
+and other 16-bit formats. docs/collectives.md.
 
     python -m bench.wire_coding --json wire_coding.json
 """
 
-from __future__ import annotations
-
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -18,11 +14,12 @@ import torch
 from bench.harness import cli, report
 from bench.harness.gradients import captured_gradients, synthetic_gradient, wide_mlp
 from gtopk_ext import ops, wire
+from gtopk_ext.compressors import k_for_density
 
 
 def codings(grad: torch.Tensor, density: float) -> dict:
     """The row of one gradient at one density."""
-    numel, k = grad.numel(), max(1, math.ceil(density * grad.numel()))
+    numel, k = grad.numel(), k_for_density(density, grad.numel())
     indices = torch.topk(grad.abs(), k, sorted=False).indices.sort().values
     values, count = grad[indices], torch.tensor([k], dtype=torch.int32)
     gaps = torch.diff(indices, prepend=torch.tensor([-1])).clamp(min=1)  # the first gap from -1: >= 1
@@ -44,8 +41,7 @@ def codings(grad: torch.Tensor, density: float) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli.parser(__doc__, densities=[0.001, 0.01, 0.05], json=None)
-    return parser.parse_args(argv)
+    return cli.parser(__doc__, densities=[0.001, 0.01, 0.05], json=None).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

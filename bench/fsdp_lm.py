@@ -58,10 +58,10 @@ def parsed(name: str) -> tuple[str, float, str]:
 
 
 def parse_args(argv=None):
-    parser = cli.parser(__doc__)
+    parser = cli.parser(__doc__, steps=100, eval_every=20, batch_size=8, lr=0.1, momentum=0.9, seed=0, json=None,
+                        plot=None)
     parser.add_argument("--methods", nargs="+", type=lambda text: parsed(text) and text,
                         default=["hsdp", "sparse-0.01", "sparse-0.001"])
-    cli.add_common(parser, steps=100, eval_every=20, batch_size=8, lr=0.1, momentum=0.9, seed=0, json=None, plot=None)
     # Sequences of 64: docs/language_model.md's configuration (at 128, lr 0.1 lifts the loss above its start for
     # the first twenty-odd steps).
     for flag, default in (("--seq-len", 64), ("--d-model", 256), ("--layers", 7), ("--heads", 4),

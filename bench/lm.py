@@ -184,8 +184,8 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
     return record
 
 
-def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> None:
-    """One rank: every method in turn; rank 0 writes the records after each (a run cut short keeps what finished)."""
+def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> dict:
+    """One rank: every method in turn; rank 0 writes --json after each (a run cut short keeps what finished)."""
     args.json = Path(args.json) if args.json else None
     train, val_batches, corpus = load_corpus(args)
     progress = report.progress(args.steps * len(args.methods), rank, args, config)
@@ -195,9 +195,9 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
         records.append(run_method(name, rank, world_size, args, train, val_batches, TxCounter(config["ifname"]),
                                   progress))
         if rank == 0:
-            Path(config["out"]).write_text(json.dumps({"corpus": corpus, "records": records}))
             write_report(args, corpus, records)
     progress.close()
+    return {"corpus": corpus, "records": records}
 
 
 def summarize(records: list[dict], target: Optional[float] = None) -> list[dict]:

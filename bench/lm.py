@@ -50,8 +50,7 @@ def is_validation(relative_path: str, val_percent: float) -> bool:
 
 def split_files(files: list[str], val_percent: float) -> tuple[list[str], list[str]]:
     """(training files, validation files), each in the order of ``files``."""
-    held_out = [is_validation(f, val_percent) for f in files]
-    return [f for f, out in zip(files, held_out) if not out], [f for f, out in zip(files, held_out) if out]
+    return [f for f in files if not is_validation(f, val_percent)], [f for f in files if is_validation(f, val_percent)]
 
 
 def windows(stream: torch.Tensor, count: int, length: int, generator: torch.Generator) -> torch.Tensor:

@@ -1,26 +1,15 @@
-"""FSDP2 inside each node, and between nodes either FSDP2's own dense all-reduce (HSDP: a 2-D mesh) or gtopk_ext's
-sparse hook (a 1-D shard mesh and ``gx.register_sparse_all_reduce``), on bench.lm's language model (its model,
-corpus, batches and validation loss); issue 30's benchmark. A torchrun worker, run by torchrun agents as nodes
-on emulated links (as root: each node a network namespace behind a ``tc tbf`` link; or ``--loopback``):
+"""FSDP2 inside each node and, between nodes, either FSDP2's own dense all-reduce (HSDP: a 2-D mesh) or gtopk_ext's
+sparse hook (a 1-D shard mesh and ``gx.register_sparse_all_reduce``), on bench.lm's language model, corpus, batches
+and validation loss, every method from the same weights. A torchrun worker, run by torchrun agents as nodes on
+emulated links (as root) or on loopback; docs/fsdp.md:
 
     python -m bench.emulated_network torchrun --nnodes 2 --nproc-per-node 2 --rate 1gbit -- \\
         -m bench.fsdp_lm --steps 100 --json fsdp_lm.json --plot fsdp_lm.png
 
-Methods (``--methods``): ``hsdp``; ``sparse-<d>`` (density d after ``--start-iter`` dense steps, the momentum in
-the optimizer); ``dgc-<d>`` (the same with the momentum in the hook: momentum correction, Nesterov, and an optimizer
-without momentum); ``recipe-<d>`` (``gx.SparseFSDPState.recipe``: ``--start-iter`` dense steps, then DGC's
-exponential warm-up from 0.25 to d over ``--warmup-steps`` steps, momentum correction as dgc); any
-with ``-<path>`` appended, the hook's path policy (default ``auto``: the cheapest as measured, which may send a
-shard dense or in bfloat16; ``sparse-0.01-sparse`` forces the sparse path). Every method starts from the same
-weights and trains on the same batches (bench.lm's).
-
-Per method: the step time (every step between two barriers: the slowest rank's; the median over the steady steps,
-those after the method's warm-up and ``--settle`` more), the bytes each node sent on its link (its namespace's
-interface counter, TCP/IP headers and acknowledgements included, one barrier per step taken off; emulated links
-only) and by the method's own count (the hook's ``state.stats()``; for HSDP a ring all-reduce of the padded float32
-shards), per steady step and for the whole run, the paths the hook's groups took, and the validation loss against
-steps and training seconds. Rank 0 prints a markdown table and writes ``--json`` (after every method) and ``--plot``
-(paths relative to the repository's root, where the ranks run).
+Per method: the step time (the slowest rank's, between two barriers; the median over the steps after the method's
+warm-up and ``--settle`` more), the bytes each node sent on its link (emulated links only; one barrier per step taken
+off) and by the method's own count (the hook's ``state.stats()``; for HSDP a ring all-reduce of the padded float32
+shards), the paths the hook's groups took, and the validation loss. Paths are relative to the repository's root.
 """
 
 import argparse
@@ -41,7 +30,7 @@ import gtopk_ext as gx
 from bench.emulated_network import RANK_IFNAME, TxCounter
 from bench.harness import cli, report
 from bench.harness.train import barrier_bytes, gathered, sgd
-from bench.lm import TransformerLM, batch_at, lm_loss, load_corpus, model_config, validation_loss
+from bench.lm import TransformerLM, batch_at, lm_loss, load_corpus, validation_loss
 from gtopk_ext.costs import ring_allreduce_bytes
 from gtopk_ext.paths import MODES
 
@@ -52,8 +41,9 @@ warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tenso
 
 
 def parsed(name: str) -> tuple[str, float, str]:
-    """A method's (kind, density, path): ``hsdp`` (no hook; density 1), or ``sparse-<density>``,
-    ``dgc-<density>`` or ``recipe-<density>`` with an optional ``-<path>`` (default ``auto``)."""
+    """A method's (kind, density, path): ``hsdp`` (no hook; density 1); ``sparse-<d>`` (the momentum in the
+    optimizer), ``dgc-<d>`` (Nesterov momentum correction in the hook) or ``recipe-<d>`` (``gx.SparseFSDPState.recipe``)
+    with an optional ``-<path>``, the hook's path policy (default ``auto``). docs/fsdp.md."""
     kind, _, rest = name.partition("-")
     density, _, path = rest.partition("-")
     try:
@@ -67,14 +57,11 @@ def parsed(name: str) -> tuple[str, float, str]:
                                      f"{MODES}), got {name!r}")
 
 
-def method_name(text: str) -> str:
-    return parsed(text) and text
-
-
 def parse_args(argv=None):
-    parser = cli.parser(__doc__)
-    parser.add_argument("--methods", nargs="+", type=method_name, default=["hsdp", "sparse-0.01", "sparse-0.001"])
-    cli.add_common(parser, steps=100, eval_every=20, batch_size=8, lr=0.1, momentum=0.9, seed=0, json=None, plot=None)
+    parser = cli.parser(__doc__, steps=100, eval_every=20, batch_size=8, lr=0.1, momentum=0.9, seed=0, json=None,
+                        plot=None)
+    parser.add_argument("--methods", nargs="+", type=lambda text: parsed(text) and text,
+                        default=["hsdp", "sparse-0.01", "sparse-0.001"])
     # Sequences of 64: docs/language_model.md's configuration (at 128, lr 0.1 lifts the loss above its start for
     # the first twenty-odd steps).
     for flag, default in (("--seq-len", 64), ("--d-model", 256), ("--layers", 7), ("--heads", 4),
@@ -88,7 +75,7 @@ def parse_args(argv=None):
 
 def build(name: str, mesh, args):
     """The method's sharded model and its hook state (None for HSDP), and its steps before the steady state."""
-    model = TransformerLM(model_config(args), args.seed)  # the same weights on every rank and for every method
+    model = TransformerLM(args, args.seed)  # the same weights on every rank and for every method
     kind, density, path = parsed(name)
     state, warmup = None, 0
     if kind != "hsdp":
@@ -148,33 +135,27 @@ def run_method(name: str, mesh, args, train: torch.Tensor, val_batches: torch.Te
             "final_val_loss": curve[-1]["val_loss"], "step_seconds": seconds, "link_bytes_per_node": link,
             "bytes_sent_per_node": sent, "train_loss": every[:, :, 3].mean(0).tolist(),
             "paths": dict(sum((Counter(p) for p in all_paths), Counter())),  # over the ranks' steady group calls
-            "last_paths": {g["name"]: g["path"] for g in state.stats()["groups"].values()} if state else None,
             "parameters": sum(p.numel() for p in model.parameters()), "load_average": os.getloadavg()}
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """One row per method; a node's figures are the mean over the nodes; ratios to HSDP where it ran."""
+    """One row per method: the medians over the steady steps and the sums over the run, a node's figures the mean
+    over the nodes; ratios to HSDP where it ran."""
     rows = []
     for r in records:
-        steady = slice(r["first_steady_step"] - 1, None)
+        link, sent = ([statistics.mean(nodes) for nodes in r[key]]
+                      for key in ("link_bytes_per_node", "bytes_sent_per_node"))
+        steady = r["first_steady_step"] - 1
         rows.append({"method": r["method"], "final_val_loss": r["final_val_loss"],
-                     "step_s": median(r["step_seconds"][steady]),
-                     "link_step": median(map(statistics.mean, r["link_bytes_per_node"][steady])),
-                     "sent_step": median(map(statistics.mean, r["bytes_sent_per_node"][steady])),
-                     "link_run": sum(map(statistics.mean, r["link_bytes_per_node"])),
-                     "sent_run": sum(map(statistics.mean, r["bytes_sent_per_node"])),
-                     "seconds": sum(r["step_seconds"]),
+                     **{key: statistics.median(values[steady:]) if values[steady:] else None
+                        for key, values in (("step_s", r["step_seconds"]), ("link_step", link), ("sent_step", sent))},
+                     "link_run": sum(link), "sent_run": sum(sent), "seconds": sum(r["step_seconds"]),
                      "paths": ", ".join(f"{path} {n}" for path, n in sorted(r["paths"].items())) or None})
     hsdp = next((row for row in rows if row["method"] == "hsdp"), None)
     for row in rows:
         for key in ("final_val_loss", "step_s", "link_step", "sent_step", "link_run", "sent_run"):
             row[key + "_vs_hsdp"] = row[key] / hsdp[key] if hsdp and row[key] and hsdp[key] else None
     return rows
-
-
-def median(values):
-    values = list(values)
-    return statistics.median(values) if values else None
 
 
 def ratio(key):

@@ -6,7 +6,6 @@ the same weights on the same batches, on loopback or emulated links (as root). d
 """
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import math
@@ -14,6 +13,7 @@ import os
 import platform
 import sys
 import sysconfig
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -33,17 +33,13 @@ GROUPS = ("embedding", "layernorm", "attention", "mlp", "head")
 CONFIGURATION = ("world_size", "steps", "eval_every", "batch_size", "seq_len", "d_model", "layers", "heads", "lr",
                  "momentum", "nesterov", "outer_lr", "outer_momentum", "outer_nesterov", "error_decay", "bucket_cap_mb",
                  "val_percent", "val_windows", "seed", "rate")
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def corpus_files(root: Optional[Path] = None) -> list[str]:
-    """The standard library's ``*.py`` files as sorted paths relative to ``root`` (installed packages left out)."""
-    root = stdlib_root() if root is None else root
-    return sorted(path.relative_to(root).as_posix() for path in root.rglob("*.py")
-                  if path.is_file() and not {"site-packages", "dist-packages"} & set(path.relative_to(root).parts))
+def corpus_files() -> list[str]:
+    """The standard library's ``*.py`` files as sorted paths relative to it (installed packages left out)."""
+    paths = (path.relative_to(STDLIB) for path in STDLIB.rglob("*.py") if path.is_file())
+    return sorted(path.as_posix() for path in paths if not {"site-packages", "dist-packages"} & set(path.parts))
 
 
 def is_validation(relative_path: str, val_percent: float) -> bool:
@@ -54,13 +50,7 @@ def is_validation(relative_path: str, val_percent: float) -> bool:
 
 def split_files(files: list[str], val_percent: float) -> tuple[list[str], list[str]]:
     """(training files, validation files), each in the order of ``files``."""
-    held_out = [is_validation(f, val_percent) for f in files]
-    return [f for f, out in zip(files, held_out) if not out], [f for f, out in zip(files, held_out) if out]
-
-
-def load_bytes(root: Path, files: list[str]) -> torch.Tensor:
-    """The files' bytes, concatenated, each followed by a NUL byte (which no source file contains)."""
-    return torch.frombuffer(bytearray(b"".join((root / f).read_bytes() + b"\0" for f in files)), dtype=torch.uint8)
+    return [f for f in files if not is_validation(f, val_percent)], [f for f in files if is_validation(f, val_percent)]
 
 
 def windows(stream: torch.Tensor, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
@@ -70,9 +60,11 @@ def windows(stream: torch.Tensor, count: int, length: int, generator: torch.Gene
 
 
 def load_corpus(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The training bytes, the validation windows (the same for every run) and the corpus's figures."""
+    """The training bytes, the validation windows (the same for every run) and the corpus's figures. The bytes are
+    the files', each followed by a NUL byte (which no source file contains)."""
     train_files, val_files = split_files(corpus_files(), args.val_percent)
-    train, val = load_bytes(stdlib_root(), train_files), load_bytes(stdlib_root(), val_files)
+    train, val = (torch.frombuffer(bytearray(b"".join((STDLIB / f).read_bytes() + b"\0" for f in files)),
+                                   dtype=torch.uint8) for files in (train_files, val_files))
     corpus = {"files": len(train_files) + len(val_files), "train_files": len(train_files), "val_files": len(val_files),
               "train_bytes": len(train), "val_bytes": len(val), "val_file_list": val_files}
     return train, windows(val, args.val_windows, args.seq_len + 1, torch.Generator().manual_seed(12345)), corpus
@@ -84,19 +76,6 @@ def batch_at(train: torch.Tensor, step: int, rank: int, world_size: int, args: a
     batch = windows(train, world_size * args.batch_size, args.seq_len + 1,
                     torch.Generator().manual_seed(args.seed * 1_000_003 + step))
     return batch[rank * args.batch_size:(rank + 1) * args.batch_size]
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    vocab: int = 256
-    seq_len: int = 128
-    d_model: int = 256
-    layers: int = 7
-    heads: int = 4
-
-
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(seq_len=args.seq_len, d_model=args.d_model, layers=args.layers, heads=args.heads)
 
 
 class Block(nn.Module):
@@ -119,19 +98,20 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    """A decoder-only transformer over bytes: token and learned position embeddings, pre-LN blocks, a final
-    LayerNorm and an untied output head; GPT-2's initialisation."""
+    """A decoder-only transformer over bytes (its shape: ``args``' --seq-len, --d-model, --layers and --heads): token
+    and learned position embeddings, pre-LN blocks, a final LayerNorm and an untied output head; GPT-2's
+    initialisation."""
 
-    def __init__(self, config: ModelConfig, seed: int = 0):
+    def __init__(self, args: argparse.Namespace, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
-        self.token_embedding = nn.Embedding(config.vocab, config.d_model)
-        self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
-        self.blocks = nn.ModuleList(Block(config.d_model, config.heads) for _ in range(config.layers))
-        self.ln_final, self.head = nn.LayerNorm(config.d_model), nn.Linear(config.d_model, config.vocab)
+        self.token_embedding = nn.Embedding(256, args.d_model)
+        self.position_embedding = nn.Embedding(args.seq_len, args.d_model)
+        self.blocks = nn.ModuleList(Block(args.d_model, args.heads) for _ in range(args.layers))
+        self.ln_final, self.head = nn.LayerNorm(args.d_model), nn.Linear(args.d_model, 256)
         for name, p in self.named_parameters():
             if p.dim() == 2:
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.layers) if name.endswith(
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * args.layers) if name.endswith(
                     ("attention_out.weight", "mlp.2.weight")) else 0.02)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
@@ -169,15 +149,14 @@ def validation_loss(model: nn.Module, val_batches: torch.Tensor, rank: int, worl
 
 def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, train: torch.Tensor,
                val_batches: torch.Tensor, tx: TxCounter, progress) -> dict:
-    trainer = Trainer(name, TransformerLM(model_config(args), args.seed), args, world_size)  # the same weights for all
+    trainer = Trainer(name, TransformerLM(args, args.seed), args, world_size)  # the same weights for all
     groups = [parameter_group(n) for n, _ in trainer.model.named_parameters()]
     # steps before the target density: the recipe's and the dgc methods' warm-up (the hooks with momentum in them)
     warmed_up = args.dgc_warmup if trainer.recipe is not None and trainer.recipe.momentum_in_hook else START_ITER
     updated = []  # after each compressed step of gtopk_ext's hook: each group's elements its reduced gradient touched
 
     def loss_at(step: int):
-        batch = batch_at(train, step, rank, world_size, args)
-        return lambda model: lm_loss(model, batch)
+        return partial(lm_loss, batch=batch_at(train, step, rank, world_size, args))
 
     def count_updated(step: int) -> None:
         if trainer.local is None and trainer.accounting.state is not None and step > warmed_up:
@@ -204,8 +183,8 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
     return record
 
 
-def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> None:
-    """One rank: every method in turn; rank 0 writes the records after each (a run cut short keeps what finished)."""
+def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> dict:
+    """One rank: every method in turn; rank 0 writes --json after each (a run cut short keeps what finished)."""
     args.json = Path(args.json) if args.json else None
     train, val_batches, corpus = load_corpus(args)
     progress = report.progress(args.steps * len(args.methods), rank, args, config)
@@ -215,10 +194,9 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
         records.append(run_method(name, rank, world_size, args, train, val_batches, TxCounter(config["ifname"]),
                                   progress))
         if rank == 0:
-            Path(config["out"]).write_text(json.dumps({"corpus": corpus, "records": records}))
-            if args.json:
-                write_report(args, corpus, records)
+            write_report(args, corpus, records)
     progress.close()
+    return {"corpus": corpus, "records": records}
 
 
 def summarize(records: list[dict], target: Optional[float] = None) -> list[dict]:
@@ -250,16 +228,17 @@ COLUMNS = [("method", "", "label"), ("steps", "", "steps"), ("final val loss", "
 def setting(args: argparse.Namespace, corpus: dict) -> str:
     return (f"{args.world_size} ranks, Gloo on {network_name(args.rate)}, Python {platform.python_version()} stdlib "
             f"({corpus['train_files']} training files, {corpus['val_files']} held out), byte-level transformer "
-            f"({numel_of(TransformerLM(model_config(args))) / 1e6:.2f}M parameters, d={args.d_model}, {args.layers} "
+            f"({numel_of(TransformerLM(args)) / 1e6:.2f}M parameters, d={args.d_model}, {args.layers} "
             f"layers, {args.heads} heads), sequence {args.seq_len}, batch {args.batch_size}/rank, {args.steps} steps, "
             f"SGD lr {args.lr:g} momentum {args.momentum:g}, seed {args.seed}")
 
 
 def write_report(args: argparse.Namespace, corpus: dict, records: list[dict]) -> None:
-    """The JSON report (the corpus is this Python's standard library)."""
-    report.write_json(args.json, args, setting=setting(args, corpus),
-                      parameters=numel_of(TransformerLM(model_config(args))), python=platform.python_version(),
-                      corpus=corpus, table=summarize(records, args.target_loss), runs=records)
+    """The JSON report, where --json asks for one (the corpus is this Python's standard library)."""
+    if args.json:
+        report.write_json(args.json, args, setting=setting(args, corpus), parameters=numel_of(TransformerLM(args)),
+                          python=platform.python_version(), corpus=corpus, table=summarize(records, args.target_loss),
+                          runs=records)
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
@@ -320,8 +299,7 @@ def main(argv: Optional[list] = None) -> int:
         return 0
     if args.merge:
         args, corpus, records = merged(args)
-        if args.json:
-            write_report(args, corpus, records)
+        write_report(args, corpus, records)
     else:
         args.rate = cli.link_rate("bench.lm", args)
         args.json = args.json.resolve() if args.json else None  # the ranks run in the repository's root

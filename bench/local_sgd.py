@@ -48,9 +48,8 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
         batches = torch.Generator().manual_seed(1000 + rank + 100_003 * args.seed)
         trainer = Trainer(args.periods.get(name, name), make_model(args.model, args.seed), args, world_size)
 
-        def loss_at(step: int):
-            return batch_loss(train_x, train_y, shard[torch.randint(0, len(shard), (args.batch_size,),
-                                                                    generator=batches)])
+        def loss_at(step: int):  # the next batch of this rank's shard
+            return batch_loss(train_x, train_y, shard[torch.randint(len(shard), (args.batch_size,), generator=batches)])
 
         curve, _ = train_curve(trainer, args.steps, loss_at, evaluation(test_x, test_y, "accuracy", "val_loss"),
                                args.eval_every, TxCounter(config["ifname"]))

@@ -38,11 +38,9 @@ METHODS = ("ddp", "fp16", "bf16", "powersgd-1", "powersgd-2", "powersgd-4",
 
 
 def build_model(args: argparse.Namespace, seed: int) -> nn.Module:
-    if args.model == "cnn":
-        return make_model("cnn", seed)
-    if args.model == "mlp":
-        return wide_mlp(args.mlp_params, seed)
-    return mlp([max(16, round(math.sqrt(args.mlp_params / DEEP_LAYERS)))] * DEEP_LAYERS, seed)
+    if args.model == "deep":
+        return mlp([max(16, round(math.sqrt(args.mlp_params / DEEP_LAYERS)))] * DEEP_LAYERS, seed)
+    return make_model("cnn", seed) if args.model == "cnn" else wide_mlp(args.mlp_params, seed)
 
 
 def digest(model: nn.Module) -> str:

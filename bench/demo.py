@@ -187,9 +187,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = cli.parser(__doc__, world_size=4, seeds=[0], model="cnn", batch_size=16, lr=0.05, momentum=0.9,
                         densities=[0.01, 0.001], no_progress=False)
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
-                        metavar="METHOD", help=f"dense (DDP's allreduce), fp16, powersgd-<rank> (one bucket), or the "
-                        f"hook as <compressor>-<collective>[-mc: momentum correction][-recipe: the package's]; one of "
-                        f"{', '.join(METHODS)}")
+                        metavar="METHOD", help=f"dense (DDP's allreduce), fp16 (fp16_compress_hook), powersgd-<rank> "
+                        f"(one bucket), hook-dense (nothing sparsified), or the hook as <compressor>-<collective>[-mc: "
+                        f"momentum correction][-recipe: gx.SparseGradState.recipe]; one of {', '.join(METHODS)}")
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training digits")
     parser.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default: an epoch)")
     parser.add_argument("--target", type=float, default=0.95, help="test accuracy to report the steps and seconds to")

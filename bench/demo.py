@@ -8,7 +8,6 @@ weights on the same batches: test accuracy, bytes sent, time per step and the st
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 from pathlib import Path
@@ -20,15 +19,14 @@ from bench.digits import load_digits_split, make_model
 from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.methods import Recipe, attached, hook_state, method as harness_method, recipe_state
+from bench.harness.methods import hook_recipe, hook_state, recipe_state
 from bench.harness.train import Trainer, batch_loss, epoch_batches, evaluation, reduced, slowest, train_curve
 
 RECIPE_METHOD = "gaussiank-gtopk-recipe"  # gx.SparseGradState.recipe(density, --warmup-steps, --momentum)
 # method -> the hook built from the flags: (compressor, collective, momentum correction: the hook applies --momentum
 # and --weight-decay, the optimizer neither), or the name of a DDP method of bench/harness/methods.py.
 METHODS: dict[str, tuple[str, str, bool] | str] = {
-    "dense": "ddp", "fp16": "fp16", "powersgd-1": "powersgd-1", "powersgd-2": "powersgd-2",
-    "powersgd-4": "powersgd-4",
+    "dense": "ddp", "fp16": "fp16", "powersgd-1": "powersgd-1", "powersgd-2": "powersgd-2", "powersgd-4": "powersgd-4",
     "hook-dense": ("gaussiank", "dense", False),  # the hook's overhead over DDP, nothing sparsified
     "topk-allgather": ("topk", "allgather", False),  # TopK-SGD
     "gaussiank-allgather": ("gaussiank", "allgather", False),
@@ -60,8 +58,7 @@ def momentum_in_hook(method: str) -> bool:
 
 
 def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx.SparseGradState | None:
-    """gtopk_ext's hook state of one run (None for the other methods): the package's recipe, or built from the
-    flags."""
+    """gtopk_ext's hook state of one run (None for the other methods): the package's recipe, or built from the flags."""
     if not isinstance(METHODS[method], tuple):
         return None
     if method == RECIPE_METHOD:
@@ -78,9 +75,8 @@ def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx
 
 def demo_trainer(method: str, density: float, seed: int, args: argparse.Namespace, world_size: int) -> Trainer:
     """One run's method on this rank; the same initial weights on every rank and for every method."""
-    recipe = (harness_method(METHODS[method]) if isinstance(METHODS[method], str) else
-              Recipe(method, lambda ddp, world_size, _: attached(ddp, make_hook_state(method, density, args)),
-                     momentum_in_hook=momentum_in_hook(method)))
+    recipe = METHODS[method] if isinstance(METHODS[method], str) else hook_recipe(
+        method, lambda args: make_hook_state(method, density, args), momentum_in_hook(method))
     return Trainer(recipe, make_model(args.model, seed), args, world_size)
 
 
@@ -92,7 +88,7 @@ def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple,
     trainer = demo_trainer(method, density, seed, args, world_size)
     batches = [index for epoch in range(args.epochs)
                for index in epoch_batches(epoch, seed, len(train_y), rank, world_size, args.batch_size)]
-    selected_over_k = []
+    per_epoch, warmed_up, selected_over_k = len(batches) // args.epochs, args.start_iter + args.warmup_steps, []
 
     def count_selected(step: int) -> None:
         if is_sparse(method) and trainer.accounting.state.iter > args.start_iter:
@@ -101,18 +97,15 @@ def train_run(rank: int, world_size: int, args: argparse.Namespace, data: tuple,
 
     curve, measured = train_curve(trainer, len(batches), lambda step: batch_loss(train_x, train_y, batches[step - 1]),
                                   evaluation(test_x, test_y, "test_accuracy", "test_loss"),
-                                  args.eval_every or len(batches) // args.epochs, tx, progress, count_selected)
+                                  args.eval_every or per_epoch, tx, progress, count_selected)
     losses = reduced([m["loss"] for m in measured]) / world_size
-    step_ms = 1e3 * slowest([m["seconds"] for m in measured])
-    bytes_sent = [m["bytes"] for m in measured]
+    step_ms, bytes_sent = 1e3 * slowest([m["seconds"] for m in measured]), [m["bytes"] for m in measured]
     # Time and bytes per step at the target density: after both warm-ups, when the run is long enough.
-    warmed_up = args.start_iter + args.warmup_steps
     timed = step_ms[warmed_up:] if len(step_ms) > 2 * warmed_up else step_ms[1:]
     return {
         "method": method, "density": density if is_sparse(method) else 1.0, "seed": seed, "recipe": args.recipe,
         "train_loss": losses.tolist(), "bytes_sent": bytes_sent, "step_ms": step_ms.tolist(), "eval": curve,
-        "final_test_accuracy": curve[-1]["test_accuracy"],
-        "final_train_loss": float(losses[-(len(batches) // args.epochs):].mean()),
+        "final_test_accuracy": curve[-1]["test_accuracy"], "final_train_loss": float(losses[-per_epoch:].mean()),
         "bytes_per_step": statistics.median(bytes_sent[warmed_up:] or bytes_sent), "total_bytes": sum(bytes_sent),
         "ms_per_step": float(timed.median()),
         "selected_over_k": statistics.median(selected_over_k) if selected_over_k else None,
@@ -148,7 +141,7 @@ def overhead(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]
     train_x, train_y, _, _ = load_digits_split(seed=0)
     configs = [(m, d) for m in args.methods for d in (args.densities if is_sparse(m) else [1.0])]
     trainers = {config: demo_trainer(*config, 0, args, world_size) for config in configs}
-    batches = torch.Generator().manual_seed(rank)
+    batches, rounds = torch.Generator().manual_seed(rank), {config: [] for config in configs}
 
     def step_seconds(config) -> float:
         index = torch.randint(0, len(train_y), (args.batch_size,), generator=batches)
@@ -157,13 +150,13 @@ def overhead(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]
     for config in configs:
         for _ in range(args.start_iter + args.warmup_steps + 3):
             step_seconds(config)
-    medians = {config: [] for config in configs}
     for repeat in range(args.overhead_repeats):
         shift = repeat % len(configs)
         for config in configs[shift:] + configs[:shift]:  # interleaved, so drifts of a busy machine spread
             seconds = [step_seconds(config) for _ in range(args.overhead_steps)]
-            medians[config].append(1e3 * float(slowest(seconds).median()))
-    return [{"method": m, "density": d, "ms_per_step_rounds": ms} for (m, d), ms in medians.items()]
+            rounds[config].append(1e3 * float(slowest(seconds).median()))
+    return [{"method": m, "density": d, "ms_per_step_rounds": ms, "ms_per_step": statistics.median(ms)}
+            for (m, d), ms in rounds.items()]
 
 
 def summarize(records: list[dict], target: float) -> list[dict]:
@@ -176,9 +169,8 @@ def summarize(records: list[dict], target: float) -> list[dict]:
         selected = [r["selected_over_k"] for r in group if r["selected_over_k"] is not None]
         rows.append({
             "method": key[0], "density": key[1], "recipe": group[0]["recipe"], "seeds": [r["seed"] for r in group],
-            "test_accuracy": statistics.fmean(accuracies),
-            "test_accuracy_min": min(accuracies), "test_accuracy_max": max(accuracies),
-            "train_loss": statistics.fmean(r["final_train_loss"] for r in group),
+            "test_accuracy": statistics.fmean(accuracies), "test_accuracy_min": min(accuracies),
+            "test_accuracy_max": max(accuracies), "train_loss": statistics.fmean(r["final_train_loss"] for r in group),
             "bytes_per_step": statistics.fmean(r["bytes_per_step"] for r in group),
             "total_bytes": statistics.fmean(r["total_bytes"] for r in group),
             "ms_per_step": statistics.median(r["ms_per_step"] for r in group),
@@ -191,31 +183,16 @@ def summarize(records: list[dict], target: float) -> list[dict]:
     return rows
 
 
-def columns(rows: list[dict], target: float) -> list[tuple]:
-    dense = next((r for r in rows if r["method"] == "dense"), None)
-    return [("method", "", "method"), ("density", "g", "density"), ("test acc", ".2%", "test_accuracy"),
-            ("(min-max)", "", lambda r: f"({100 * r['test_accuracy_min']:.1f}-{100 * r['test_accuracy_max']:.1f})"),
-            ("vs dense", "+.2f", lambda r: dense and 100 * (r["test_accuracy"] - dense["test_accuracy"])),
-            ("train loss", ".4f", "train_loss"), ("B/step", ".0f", "bytes_per_step"),
-            ("total MB", ".2f", lambda r: r["total_bytes"] / 1e6),
-            ("vs dense", ".2%", lambda r: dense and r["total_bytes"] / dense["total_bytes"]),
-            ("ms/step", ".2f", "ms_per_step"), ("sel/k", ".2f", "selected_over_k"),
-            (f"steps to {100 * target:g}%", "g", "steps_to_target"),
-            (f"s to {100 * target:g}%", ".1f", "seconds_to_target")]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = cli.parser(__doc__, world_size=4, seeds=[0], model="cnn", batch_size=16, lr=0.05, momentum=0.9,
                         densities=[0.01, 0.001], no_progress=False)
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
                         metavar="METHOD", help=f"dense (DDP's allreduce), fp16 (fp16_compress_hook), powersgd-<rank> "
-                        f"(one bucket), hook-dense (the hook's dense collective), or the hook as <compressor>-"
-                        f"<collective>[-mc: momentum correction][-recipe: gx.SparseGradState.recipe]; one of "
-                        f"{', '.join(METHODS)}")
+                        f"(one bucket), hook-dense (nothing sparsified), or the hook as <compressor>-<collective>[-mc: "
+                        f"momentum correction][-recipe: gx.SparseGradState.recipe]; one of {', '.join(METHODS)}")
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training digits")
     parser.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default: an epoch)")
-    parser.add_argument("--target", type=float, default=0.95,
-                        help="test accuracy whose steps and training seconds to report")
+    parser.add_argument("--target", type=float, default=0.95, help="test accuracy to report the steps and seconds to")
     parser.add_argument("--weight-decay", type=float, default=0.0,
                         help=f"SGD's weight decay (in the hook instead, for the -mc methods; not {RECIPE_METHOD}'s)")
     parser.add_argument("--start-iter", type=int, default=2, help="dense iterations before the residuals start")
@@ -227,17 +204,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the hook selects per parameter (its share of k)")
     parser.add_argument("--clip-norm", type=float, default=None, help="the hook's local clipping (DGC)")
     parser.add_argument("--masking", choices=("always", "after-warmup"), default="always",
-                        help="momentum correction's factor masking: from the first compressed step, or from the end "
-                             "of the density warm-up on (the hook's masking_start_iter)")
-    parser.add_argument("--recipe", choices=list(RECIPES),
-                        help="presets of the hand-built hooks' flags that converge at that density (see RECIPES), for "
-                             "every run; flags given explicitly win")
+                        help="momentum factor masking from the first compressed step, or after the density warm-up")
+    parser.add_argument("--recipe", choices=list(RECIPES), help="a preset of the flags (RECIPES); explicit flags win")
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder of demo.json and demo.png")
-    parser.add_argument("--overhead", action="store_true",
-                        help="measure time per step only (no training curves): the hook against DDP's allreduce")
-    parser.add_argument("--overhead-steps", type=int, default=30, help="timed steps per method with --overhead")
-    parser.add_argument("--overhead-repeats", type=int, default=5,
-                        help="repeats of the timed steps with --overhead (the median is reported)")
+    parser.add_argument("--overhead", action="store_true", help="time per step only: the hooks against DDP's allreduce")
+    parser.add_argument("--overhead-steps", type=int, default=30, help="timed steps per method and round (--overhead)")
+    parser.add_argument("--overhead-repeats", type=int, default=5, help="rounds of steps (--overhead; the median)")
     cli.add_network_args(parser, prefix="gxdemo", rate=None, timeout=300,
                          timeout_help="seconds a collective may wait before failing")
     args = parser.parse_args(argv)
@@ -246,11 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args = parser.parse_args(argv)
     cli.check(parser, args, positive=("world_size", "epochs", "batch_size", "eval_every", "overhead_steps",
                                       "overhead_repeats"), unit=("target", "densities", "warmup_density"))
-    if args.start_iter < 2:
-        parser.error(f"--start-iter must be >= 2 (the hook's residuals need DDP's rebuilt buckets), got "
-                     f"{args.start_iter}")
-    if args.warmup_steps < 0:
-        parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if args.start_iter < 2 or args.warmup_steps < 0:  # the hook's residuals need DDP's rebuilt buckets
+        parser.error(f"--start-iter must be >= 2 and --warmup-steps >= 0, got {args.start_iter}, {args.warmup_steps}")
     args.methods, args.seeds = list(dict.fromkeys(args.methods)), list(dict.fromkeys(args.seeds))
     args.densities = sorted(set(args.densities), reverse=True)
     if args.weight_decay and RECIPE_METHOD in args.methods:  # the optimizer leaves it to the hook, the recipe has none
@@ -268,25 +237,34 @@ def main(argv: list[str] | None = None) -> None:
     setting = (f"{args.world_size} Gloo processes on {os.cpu_count()} CPU cores, {network_name(args.rate)}, digits, "
                f"{args.model}, batch {args.batch_size}/rank, lr {args.lr:g}, momentum {args.momentum:g}")
     # The ranks run for as long as it takes (--timeout bounds each collective).
-    records = run_group("bench.demo", args.world_size, args, math.inf, rate_bps=args.rate, prefix=args.prefix)
+    records = run_group("bench.demo", args.world_size, args, float("inf"), rate_bps=args.rate, prefix=args.prefix)
+    rows = records if args.overhead else summarize(records, args.target)
+    dense = next((r for r in rows if r["method"] == "dense"), None)
     if args.overhead:
-        rows = [{**r, "ms_per_step": statistics.median(r["ms_per_step_rounds"])} for r in records]
-        dense = next((r["ms_per_step"] for r in rows if r["method"] == "dense"), None)
         print(f"time per step, {setting}; median of {args.overhead_repeats} interleaved rounds of "
               f"{args.overhead_steps} steps (each round: the slowest rank's median)")
         print(report.table(rows, [
             ("method", "", "method"), ("density", "g", "density"), ("ms/step", ".2f", "ms_per_step"),
             ("(min-max)", "", lambda r: f"({min(r['ms_per_step_rounds']):.2f}-{max(r['ms_per_step_rounds']):.2f})"),
-            ("vs dense", ".2f", lambda r: dense and r["ms_per_step"] / dense)]))
+            ("vs dense", ".2f", lambda r: dense and r["ms_per_step"] / dense["ms_per_step"])]))
         report.write_json(args.out / "overhead.json", args, rows=rows)
         return
-    rows, seeds = summarize(records, args.target), " ".join(map(str, args.seeds))
+    seeds = " ".join(map(str, args.seeds))
     print(f"{setting}; {args.epochs} epochs ({len(records[0]['train_loss'])} steps), seeds {seeds} (mean), "
           f"dense warm-up {args.start_iter} iterations, density warm-up {args.warmup_steps} iterations")
     if RECIPE_METHOD in args.methods:
         print(f"{RECIPE_METHOD}: gx.SparseGradState.recipe(density, warmup_steps={args.warmup_steps}, "
               f"momentum={args.momentum:g})")
-    print(report.table(rows, columns(rows, args.target)))
+    target = f"{100 * args.target:g}%"
+    print(report.table(rows, [
+        ("method", "", "method"), ("density", "g", "density"), ("test acc", ".2%", "test_accuracy"),
+        ("(min-max)", "", lambda r: f"({100 * r['test_accuracy_min']:.1f}-{100 * r['test_accuracy_max']:.1f})"),
+        ("vs dense", "+.2f", lambda r: dense and 100 * (r["test_accuracy"] - dense["test_accuracy"])),
+        ("train loss", ".4f", "train_loss"), ("B/step", ".0f", "bytes_per_step"),
+        ("total MB", ".2f", lambda r: r["total_bytes"] / 1e6),
+        ("vs dense", ".2%", lambda r: dense and r["total_bytes"] / dense["total_bytes"]),
+        ("ms/step", ".2f", "ms_per_step"), ("sel/k", ".2f", "selected_over_k"),
+        (f"steps to {target}", "g", "steps_to_target"), (f"s to {target}", ".1f", "seconds_to_target")]))
     if args.rate is None:
         print("on loopback: the bytes tell what a slow link would cost; as root, --rate 1gbit times it")
     report.write_json(args.out / "demo.json", args, table=rows, runs=records)

@@ -12,17 +12,14 @@ import math
 import os
 import resource
 import statistics
-import sys
 import time
 from itertools import accumulate
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import nn
 
 import gtopk_ext as gx
-
 from bench.digits import load_digits_split, make_model, mlp
 from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
@@ -41,11 +38,9 @@ METHODS = ("ddp", "fp16", "bf16", "powersgd-1", "powersgd-2", "powersgd-4",
 
 
 def build_model(args: argparse.Namespace, seed: int) -> nn.Module:
-    if args.model == "cnn":
-        return make_model("cnn", seed)
-    if args.model == "mlp":
-        return wide_mlp(args.mlp_params, seed)
-    return mlp([max(16, round(math.sqrt(args.mlp_params / DEEP_LAYERS)))] * DEEP_LAYERS, seed)
+    if args.model == "deep":
+        return mlp([max(16, round(math.sqrt(args.mlp_params / DEEP_LAYERS)))] * DEEP_LAYERS, seed)
+    return make_model("cnn", seed) if args.model == "cnn" else wide_mlp(args.mlp_params, seed)
 
 
 def digest(model: nn.Module) -> str:
@@ -67,12 +62,11 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
         batches = [index for epoch in range(-(-args.steps // per_epoch))
                    for index in epoch_batches(epoch, seed, len(train_y), rank, world_size, args.batch_size)]
         for step in range(args.steps + 1):
-            for name in (args.methods[step % len(args.methods):] + args.methods[:step % len(args.methods)]
-                         if step else []):
+            shift, loss_of = step % len(args.methods), batch_loss(train_x, train_y, batches[step - 1])
+            for name in args.methods[shift:] + args.methods[:shift] if step else []:
                 progress.set_description(f"seed {seed} step {step} {name}", refresh=False)
                 progress.update()
-                measured[name].append(trainers[name].measured_step(batch_loss(train_x, train_y, batches[step - 1]),
-                                                                   counter))
+                measured[name].append(trainers[name].measured_step(loss_of, counter))
             if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
                 for name in args.methods:
                     evals[name].append((step, evaluate(trainers[name].model, test_x, test_y)[0]))
@@ -132,36 +126,19 @@ def stage_table(runs: list[dict], args: argparse.Namespace) -> str:
                         markdown=True)
 
 
-def cpu_busy_seconds() -> float:
-    """Busy CPU time of the whole machine since boot (/proc/stat: everything but idle and iowait)."""
+def others_cpu_seconds() -> float:
+    """Busy CPU seconds of the whole machine since boot (/proc/stat: all but idle, iowait and guest time, which user
+    time counts already) less those of this driver and its finished children (the ranks)."""
     fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    guest = sum(fields[8:10])  # guest time is counted in user time already
-    return (sum(fields) - idle - guest) / os.sysconf("SC_CLK_TCK")
+    busy = (sum(fields) - fields[3] - sum(fields[4:5]) - sum(fields[8:10])) / os.sysconf("SC_CLK_TCK")
+    return busy - sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+                      for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
 
 
-def own_cpu_seconds() -> float:
-    """CPU time of this driver and its finished children (the ranks)."""
-    return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
-               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-
-
-def markdown_table(rows: list[dict], args: argparse.Namespace) -> str:
-    ddp, target = next((row for row in rows if row["method"] == "ddp"), None), f"{100 * args.target:g}%"
-    return report.table(rows, [
-        ("method", "", "label"), ("ms/step (p25-p75)", "", lambda r: "{ms_per_step:.1f} ({ms_per_step_p25:.1f}-"
-                                                                     "{ms_per_step_p75:.1f})".format(**r)),
-        ("vs DDP", "", lambda r: ddp and f"{r['ms_per_step'] / ddp['ms_per_step']:.2f}x"),
-        ("MB/rank/step wire", ".3f", "tx_mb_per_step"), ("MB/rank/step own", ".3f", "own_mb_per_step"),
-        ("CPU ms/step/rank", ".1f", "cpu_ms_per_step"), ("test acc", ".1%", "final_accuracy"),
-        (f"steps to {target}", "g", "steps_to_target"), (f"s to {target}", ".1f", "seconds_to_target")], markdown=True)
-
-
-def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
+def parse_args(argv: list | None = None) -> argparse.Namespace:
     parser = cli.parser(__doc__, world_size=4, steps=100, eval_every=10, seeds=[0], batch_size=32, lr=0.05,
                         momentum=0.9, nesterov=False, json=None, plot=Path("peers.png"), no_progress=False)
-    parser.add_argument("--methods", nargs="+", type=lambda text: method_name(text, ddp_only=True),
-                        default=list(METHODS),
+    parser.add_argument("--methods", nargs="+", type=lambda text: method_name(text, ddp_only=True), default=METHODS,
                         help=f"DDP methods (bench/harness/methods.py), e.g. {' '.join(METHODS)}, dgc-0.01-sparse, "
                              f"recipe-0.01, recipe-0.01-44 (its own warm-up length)")
     parser.add_argument("--model", choices=MODELS, default="cnn",
@@ -178,24 +155,20 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     cli.check(parser, args, positive=("world_size", "steps", "eval_every", "batch_size", "mlp_params"),
               unit=("target",))
     if args.steps <= WARMUP_STEPS:
-        parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps left out of the statistics, got "
-                     f"{args.steps}")
-    args.methods = list(dict.fromkeys(args.methods))
-    args.seeds = list(dict.fromkeys(args.seeds))
+        parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps the statistics leave out, got {args.steps}")
+    args.methods, args.seeds = list(dict.fromkeys(args.methods)), list(dict.fromkeys(args.seeds))
     return args
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: list | None = None) -> None:
     args = parse_args(argv)
     if cli.ran_as_worker(args, run_worker, "timeout"):
-        return 0
+        return
     rate = cli.link_rate("peers", args)
     network = network_name(rate)
-    busy, ours, started = cpu_busy_seconds(), own_cpu_seconds(), time.perf_counter()
-    load_before = os.getloadavg()
+    others, started, load_before = others_cpu_seconds(), time.perf_counter(), os.getloadavg()
     measured = run_group("bench.peers", args.world_size, args, args.timeout, rate_bps=rate, prefix=args.prefix)
-    wall = time.perf_counter() - started
-    others = max(0.0, cpu_busy_seconds() - busy - (own_cpu_seconds() - ours))
+    wall, others = time.perf_counter() - started, max(0.0, others_cpu_seconds() - others)
     load = {"wall_seconds": wall, "cpus": os.cpu_count(), "other_processes_cores": others / wall,
             "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
     runs = measured["runs"]
@@ -205,26 +178,31 @@ def main(argv: Optional[list] = None) -> int:
                f"{args.steps} steps, seeds {' '.join(map(str, args.seeds))}")
     print(f"\n{setting}; steps after the first {WARMUP_STEPS}; other processes kept "
           f"{load['other_processes_cores']:.2f} of {load['cpus']} cores busy\n")
-    print(markdown_table(rows, args))
+    ddp, target = next((row for row in rows if row["method"] == "ddp"), None), f"{100 * args.target:g}%"
+    print(report.table(rows, [
+        ("method", "", "label"), ("ms/step (p25-p75)", "", lambda r: "{ms_per_step:.1f} ({ms_per_step_p25:.1f}-"
+                                                                     "{ms_per_step_p75:.1f})".format(**r)),
+        ("vs DDP", "", lambda r: ddp and f"{r['ms_per_step'] / ddp['ms_per_step']:.2f}x"),
+        ("MB/rank/step wire", ".3f", "tx_mb_per_step"), ("MB/rank/step own", ".3f", "own_mb_per_step"),
+        ("CPU ms/step/rank", ".1f", "cpu_ms_per_step"), ("test acc", ".1%", "final_accuracy"),
+        (f"steps to {target}", "g", "steps_to_target"), (f"s to {target}", ".1f", "seconds_to_target")], markdown=True))
     print(f"\nms per step in each stage of the dgc methods' warm-up (--dgc-warmup {args.dgc_warmup}):\n")
     print(stage_table(runs, args))
     for name in args.methods:  # the hook forced to finish each bucket in the call must not change a bit
-        if name.endswith("-sync") and name[:-len("-sync")] in args.methods:
-            equal = all(run[name]["digest"] == run[name[:-len("-sync")]]["digest"] for run in runs)
-            print(f"\n{name[:-len('-sync')]} and {name}: parameters bitwise equal after every seed: {equal}")
+        base = name.removesuffix("-sync")
+        if base != name and base in args.methods:
+            equal = all(run[name]["digest"] == run[base]["digest"] for run in runs)
+            print(f"\n{base} and {name}: parameters bitwise equal after every seed: {equal}")
     curves = [{"method": row["method"], "label": row["label"],  # the mean over seeds of each evaluation
                "curve": [{key: statistics.fmean(p[key] for p in seeds) for key in ("train_seconds", "accuracy")}
                          for seeds in zip(*row["curves"])]} for row in rows]
-    report.plot_curves(curves, args.plot, setting, "test accuracy (%)", lambda c: 100 * c["accuracy"],
-                       [("training seconds (slowest rank's steps, evaluation excluded)", lambda c: c["train_seconds"],
-                         "linear")],
-                       style=lambda i, r: {"color": "black", "linestyle": "--"} if r["method"] == "floor" else
-                       {"color": f"C{i % 10}"})
+    report.plot_curves(curves, args.plot, setting, "test accuracy (%)", lambda c: 100 * c["accuracy"], [(
+        "training seconds (slowest rank's steps, evaluation excluded)", lambda c: c["train_seconds"], "linear")],
+        style=lambda i, r: {"color": "black", "linestyle": "--"} if r["method"] == "floor" else {"color": f"C{i % 10}"})
     if args.json:
         report.write_json(args.json, args, network=network, load=load, warmup_steps=WARMUP_STEPS,
                           parameters=measured["parameters"], table=rows, runs=runs)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -34,8 +34,8 @@ def run_method(method: str, scenario: str, rank: int, world_size: int, args: arg
     shard = torch.arange(rank, len(train_y), world_size)
     batches, draws = torch.Generator().manual_seed(1000 * repeat + rank), torch.Generator().manual_seed(
         7919 * repeat + 104_729 * rank + 1)
-    if scenario == "straggler":
-        delays = [args.sleep_ms / 1000 if rank == args.slow_rank else 0.0] * args.steps
+    if scenario == "straggler":  # the last rank
+        delays = [args.sleep_ms / 1000 if rank == world_size - 1 else 0.0] * args.steps
     else:
         slow, low, high = torch.rand(args.steps, generator=draws) < args.delay_probability, *args.delay_ms
         delays = [float(s) * (low + (high - low) * float(u)) / 1000
@@ -108,15 +108,14 @@ def plot(tables: dict[str, list[dict]], path: str, title: str) -> None:
     scenarios, methods = list(tables), [row["method"] for row in next(iter(tables.values()))]
     width = 0.8 / len(methods)
     for index, method in enumerate(methods):
-        rows = [next(r for r in tables[s] if r["method"] == method) for s in scenarios]
+        rows = [tables[s][index] for s in scenarios]  # every scenario's rows in the order of the methods
         positions = [i + (index - (len(methods) - 1) / 2) * width for i in range(len(scenarios))]
         axes[0].bar(positions, [r["steps_per_s"] for r in rows], width, label=method, capsize=2,
                     yerr=[[r["steps_per_s"] - r["steps_per_s_min"] for r in rows],
                           [r["steps_per_s_max"] - r["steps_per_s"] for r in rows]])
         axes[1].bar(positions, [r["accuracy"] for r in rows], width, label=method)
     for axis, label in zip(axes, ("steps/s (median, min-max)", "test accuracy of the averaged model")):
-        axis.set_xticks(range(len(scenarios)), [f"{s} delays" for s in scenarios])
-        axis.set_ylabel(label)
+        axis.set(xticks=range(len(scenarios)), xticklabels=[f"{s} delays" for s in scenarios], ylabel=label)
     axes[1].set_ylim(0.8, 1.0)
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
@@ -134,16 +133,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="random: the chance that a rank's step is slow")
     parser.add_argument("--delay-ms", type=float, nargs=2, default=(100.0, 300.0), metavar=("LOW", "HIGH"),
                         help="random: a slow step's extra time, uniform in [LOW, HIGH]")
-    parser.add_argument("--slow-rank", type=int, default=None, help="straggler: the slow rank (default: the last)")
-    parser.add_argument("--sleep-ms", type=float, default=40.0, help="straggler: its extra time per step")
+    parser.add_argument("--sleep-ms", type=float, default=40.0, help="straggler: the last rank's extra time per step")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of every method (medians)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     cli.add_network_args(parser, prefix="gxwagma")
     args = parser.parse_args(argv)
     cli.check(parser, args, positive=("world_size", "steps", "batch_size", "group_size", "global_period", "repeats"))
-    args.slow_rank = args.world_size - 1 if args.slow_rank is None else args.slow_rank
-    if not 0 <= args.slow_rank < args.world_size:
-        parser.error(f"--slow-rank must be in [0, {args.world_size}), got {args.slow_rank}")
     if args.world_size % args.group_size:
         parser.error(f"--group-size {args.group_size} must divide --world-size {args.world_size}")
     if not 0 <= args.delay_probability <= 1 or not 0 <= args.delay_ms[0] <= args.delay_ms[1]:
@@ -165,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     for scenario, rows in tables.items():
         print(f"\nrandom delays: each rank's step +{args.delay_ms[0]:g}-{args.delay_ms[1]:g} ms with probability "
               f"{args.delay_probability:g}" if scenario == "random" else
-              f"\nstraggler: rank {args.slow_rank} +{args.sleep_ms:g} ms every step")
+              f"\nstraggler: rank {args.world_size - 1} +{args.sleep_ms:g} ms every step")
         print(report.table(rows, [
             ("method", "", "method"), ("steps/s", ".2f", "steps_per_s"),
             ("(min-max)", "", lambda r: f"({r['steps_per_s_min']:.1f}-{r['steps_per_s_max']:.1f})"),

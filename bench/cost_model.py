@@ -36,11 +36,11 @@ NODE_SIZE, TWO_LEVEL_WORLD_SIZES = 8, tuple(2**i for i in range(4, 11))
 INTRA_LINKS = {"NVLink": (5e-6, 200e9), "PCIe": (10e-6, 12e9)}
 
 
-def features(method: str, numel: int, k: int, world_size: int, share: float, wire: str = "plain", local: int = 1,
-             inner: str = "gtopk") -> dict[str, float]:
-    """The coefficients of one exchange's time, selection excluded (``inner``: hierarchical's between nodes)."""
+def features(method: str, numel: int, k: int, world_size: int, share: float, wire: str = "plain",
+             local: int = 1) -> dict[str, float]:
+    """The coefficients of one exchange's time, selection excluded (hierarchical: gTop-k between the nodes)."""
     if method == "hierarchical":
-        return hierarchical_terms(collective_named(inner), numel, k, world_size, share, wire_named(wire), local)
+        return hierarchical_terms(collective_named("gtopk"), numel, k, world_size, share, wire_named(wire), local)
     return exchange_terms(collective_named(method), numel, k, world_size, share, wire_named(wire), local)
 
 
@@ -136,33 +136,29 @@ def fit(rows: list[dict]) -> Fit:
 
 def comm_time(model: CostModel, method: str, numel: int, density: float | None, world_size: int, rate_bps: float,
               compute_scale: float = 1.0, wire: str = "plain", local: int = 1,
-              intra: tuple[float, float] | None = None, inner: str = "gtopk") -> float:
-    """Predicted seconds per iteration spent outside the backward pass: selection and exchange, on P ranks each
-    with its own processor (per-element costs times ``compute_scale``), in nodes of ``local`` ranks whose links
-    inside cost ``intra`` = (alpha s, bytes per second) (None: the fitted alpha_intra and beta_intra)."""
+              intra: tuple[float, float] | None = None) -> float:
+    """Predicted seconds of selection and exchange per iteration, each rank on its own processor, in nodes of
+    ``local`` ranks linked inside by ``intra`` = (alpha s, bytes per second) (None: as fitted)."""
     k = numel if method == "dense" else max(1, math.ceil(density * numel))
     alpha_intra, beta_intra = (model.alpha_intra, model.beta_intra) if intra is None else (intra[0], 1 / intra[1])
     costs = {"alpha": model.alpha, "beta": model.wire_overhead() * 8 / rate_bps, "alpha_intra": alpha_intra,
              "beta_intra": beta_intra, **{name: getattr(model, name) * compute_scale for name in COMPUTE_TERMS}}
-    terms = features(method, numel, k, world_size, 1.0, wire, local, inner)
+    terms = features(method, numel, k, world_size, 1.0, wire, local)
     return (sum(costs[name] * value for name, value in terms.items())
             + model.select * compute_scale * selected_elements(method, numel, local))
 
 
 def break_even_intra(model: CostModel, numel: int, density: float, world_size: int, local: int, beta: float,
-                     share: float, compute_scale: float = 1.0, alpha_intra: float | None = None,
-                     inner: str = "gtopk") -> float | None:
-    """The intra-node bandwidth (bytes per second) above which the hierarchical exchange is faster than flat
-    gTop-k on this layout (both linear in beta_intra), with ``beta`` seconds per byte between nodes, ``share``
-    ranks per core, the per-element costs times ``compute_scale`` and ``alpha_intra`` (None: as fitted); None
-    when it is never faster."""
+                     share: float, compute_scale: float = 1.0, alpha_intra: float | None = None) -> float | None:
+    """The intra-node bandwidth (bytes per second) above which hierarchical is faster than flat gTop-k on this
+    layout (both linear in beta_intra), ``share`` ranks per core; None when it is never faster."""
     k = max(1, math.ceil(density * numel))
     costs = {"alpha": model.alpha, "beta": beta,
              "alpha_intra": model.alpha_intra if alpha_intra is None else alpha_intra,
              **{name: getattr(model, name) * compute_scale for name in COMPUTE_TERMS}}
     fixed, intra_bytes = {}, {}  # each method's seconds without beta_intra, and its bytes inside the node
     for method in ("hierarchical", "gtopk"):
-        terms = features(method, numel, k, world_size, share, "plain", local, inner)
+        terms = features(method, numel, k, world_size, share, "plain", local)
         intra_bytes[method] = terms.pop("beta_intra", 0.0)
         fixed[method] = (sum(costs[name] * value for name, value in terms.items())
                          + model.select * compute_scale * share * selected_elements(method, numel, local))
@@ -175,10 +171,9 @@ LAYOUT = ("numel", "density", "world_size", "local_size", "rate")
 
 
 def hierarchical_against_flat(fit_result: Fit) -> list[dict]:
-    """Every measured hierarchical exchange beside flat gTop-k's (plain wire) on the same layout, gradient and
-    link, and the intra-node bandwidth above which the fitted model makes hierarchical the faster one: with every
-    cost as fitted (the ranks sharing this machine's cores as measured), and for the links alone (per-element
-    costs 0, as on an accelerator, and NVLink's latency inside the node)."""
+    """Every measured hierarchical exchange beside flat gTop-k's (plain wire) on the same layout and link, and the
+    break-even intra-node bandwidth: every cost as fitted, and the links alone (per-element costs 0, NVLink's
+    alpha inside)."""
     model, out = fit_result.model, []
     flats = {tuple(r[key] for key in LAYOUT): r for r in reversed(fit_result.residuals)  # the first one measured
              if r["method"] == "gtopk" and r["wire"] == "plain"}
@@ -215,9 +210,8 @@ def two_level_series(densities: list[float]) -> list[tuple[str, float | None, st
 
 
 def predict(model: CostModel, args: argparse.Namespace) -> dict:
-    """Scaling efficiency, t_compute / (t_compute + t_comm) (the fraction of P times one machine's throughput that
-    P machines reach), for every rate, world size and series, one level and two; the paper's comparison at its
-    operating point; the time per step on two levels."""
+    """Scaling efficiency, t_compute / (t_compute + t_comm), for every rate, world size and series, one level and
+    two (and there the time per step); the paper's comparison at its operating point."""
     def step(method: str, density: float | None, wire: str, p: int, rate: int, intra=None) -> float:
         return args.compute_s + comm_time(model, method, args.numel, density, p, rate, args.compute_scale, wire=wire,
                                           local=NODE_SIZE if intra else 1, intra=intra)
@@ -304,8 +298,7 @@ COLOURS = {"dense": "black", "allgather": "tab:blue", "gtopk": "tab:red", "oktop
 
 def plot(panels: list[tuple], path: Path, title: str = "", fit_result: Fit | None = None) -> None:
     """2 x 2 panels of scaling efficiency against P, each (world sizes, curves, efficiency_of(P, label), title, whether
-    to mark the paper's point): a line per (method, density, wire) curve, plain wire solid, compact dashed; the last
-    panel the fit when given."""
+    to mark the paper's point), compact wire dashed; the last panel the fit when given."""
     figure, axes = report.figure(2, 2, (12, 9))
     for axis, (world_sizes, curves, efficiency_of, panel_title, paper) in zip(axes.flat, panels):
         for method, density, wire in curves:
@@ -323,12 +316,11 @@ def plot(panels: list[tuple], path: Path, title: str = "", fit_result: Fit | Non
                           (PAPER_P, 0.55), xytext=(40, 0.6), fontsize=8)
     if fit_result is not None:  # measured against modelled time per exchange
         axis, residuals = axes.flat[3], fit_result.residuals
-        for method in METHODS:
-            for wire, marker in (("plain", "o"), ("compact", "^")):
-                points = [r for r in residuals if r["method"] == method and r["wire"] == wire]
-                if points:
-                    axis.scatter([r["measured_s"] for r in points], [r["predicted_s"] for r in points], s=12,
-                                 marker=marker, color=COLOURS[method], label=f"{method} {wire}")
+        for method, (wire, marker) in itertools.product(METHODS, (("plain", "o"), ("compact", "^"))):
+            points = [r for r in residuals if r["method"] == method and r["wire"] == wire]
+            if points:
+                axis.scatter([r["measured_s"] for r in points], [r["predicted_s"] for r in points], s=12,
+                             marker=marker, color=COLOURS[method], label=f"{method} {wire}")
         times = [r[key] for r in residuals for key in ("measured_s", "predicted_s")]
         axis.plot([min(times) / 2, max(times) * 2], [min(times) / 2, max(times) * 2], color="grey", linewidth=0.8)
         axis.set(xscale="log", yscale="log", xlabel="measured s per exchange (emulated network)",

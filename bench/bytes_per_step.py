@@ -21,10 +21,9 @@ from bench.digits import mlp
 from bench.emulated_network import TxCounter
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.methods import Recipe, attached, hook_state, numel_of
+from bench.harness.methods import hook_recipe, hook_state, numel_of
 from bench.harness.train import Trainer
 from gtopk_ext.collectives import OkTopkState, Traffic, ring_allreduce_bytes
-from gtopk_ext.ddp import COLLECTIVES as HOOK_COLLECTIVES
 
 COLLECTIVES = ("dense", "allgather", "gtopk", "oktopk")
 WARMUP = 2  # the hook's dense iterations (start_iter)
@@ -35,10 +34,8 @@ def batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def runs(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(collective, wire) of every measurement: each sparse collective with each wire, dense once (plain); through
-    the hook, the collectives it offers."""
-    collectives = [c for c in COLLECTIVES if args.exchange or c in HOOK_COLLECTIVES]
-    return [(c, w) for c in collectives for w in (("plain",) if c == "dense" else args.wire)]
+    """(collective, wire) of every measurement: each sparse collective with each wire, dense once (plain)."""
+    return [(c, w) for c in COLLECTIVES for w in (("plain",) if c == "dense" else args.wire)]
 
 
 def measure(args: argparse.Namespace, rank: int, world_size: int, counter: TxCounter) -> dict:
@@ -46,11 +43,11 @@ def measure(args: argparse.Namespace, rank: int, world_size: int, counter: TxCou
     them, and what ``counter``'s interface sent over those steps (0 where it counts none)."""
     results = {}
     for collective, wire in runs(args):
-        recipe = Recipe(collective, lambda ddp, world_size, _: attached(ddp, hook_state(
-            args.density, collective=collective, wire=wire, start_iter=WARMUP)))
+        recipe = hook_recipe(collective, lambda _: hook_state(args.density, collective=collective, wire=wire,
+                                                              start_iter=WARMUP))
         trainer = Trainer(recipe, mlp(args.hidden, inputs=784), argparse.Namespace(lr=0.01, momentum=0.0), world_size)
         generator, measured, received = torch.Generator().manual_seed(rank), [], []
-        for step in range(WARMUP + args.steps):
+        for _ in range(WARMUP + args.steps):
             x, y = batch(generator)
             measured.append(trainer.measured_step(lambda model: nn.functional.cross_entropy(model(x), y), counter))
             received.append(trainer.accounting.state.stats()["total"]["bytes_received"])
@@ -98,12 +95,12 @@ def measure_exchanges(args: argparse.Namespace, rank: int, world_size: int) -> d
 
 
 def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> list:
-    """One rank: every rank's measurements, as [collective, wire, result] lists."""
+    """One rank: every rank's measurements, as [collective, wire, [each rank's result]] lists."""
     results = (measure_exchanges(args, rank, world_size) if args.exchange
                else measure(args, rank, world_size, TxCounter(config["ifname"])))
     every = [None] * world_size
-    dist.all_gather_object(every, [[*key, value] for key, value in results.items()])
-    return every
+    dist.all_gather_object(every, results)
+    return [[*run, [ranks[run] for ranks in every]] for run in results]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,15 +133,12 @@ def main(argv: list[str] | None = None) -> None:
         cli.require_emulation("bytes_per_step --counters")
     rows = []
     for world_size in args.world_sizes:  # with --counters, each rank in its own namespace (an unshaped link each)
-        per_rank = [{(collective, wire): value for collective, wire, value in ranks}
-                    for ranks in run_group("bench.bytes_per_step", world_size, args, 1800.0, namespaces=args.counters,
-                                           prefix=args.prefix)]
-        for run in runs(args):
-            ranks = [r[run] for r in per_rank]
-
+        for collective, wire, ranks in run_group("bench.bytes_per_step", world_size, args, 1800.0,
+                                                 namespaces=args.counters, prefix=args.prefix):
             def mean(key: str) -> float:
                 return statistics.mean(r[key] for r in ranks)
-            rows.append({"world_size": world_size, "collective": run[0], "wire": run[1], "density": args.density,
+
+            rows.append({"world_size": world_size, "collective": collective, "wire": wire, "density": args.density,
                          "level": "exchange" if args.exchange else "hook", "parameters": ranks[0]["parameters"],
                          "buckets": ranks[0]["buckets"], "k": ranks[0]["k"], "sent_mean": mean("bytes_sent"),
                          "sent_max": max(r["bytes_sent"] for r in ranks),
@@ -172,8 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         *([("iface/step", ".0f", "interface_per_step_mean"), ("iface/stats", ".4f", "interface_over_stats")]
           if args.counters else [])]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        args.json.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

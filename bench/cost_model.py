@@ -22,29 +22,25 @@ from scipy.optimize import nnls
 from bench.harness import cli, report
 from gtopk_ext.collectives import collective_named
 from gtopk_ext.costs import exchange_terms, hierarchical_terms
-from gtopk_ext.wire import WIRES as WIRE_FORMATS
-from gtopk_ext.wire import wire_named
+from gtopk_ext.wire import WIRES, wire_named
 
 METHODS = ("dense", "allgather", "gtopk", "oktopk", "hierarchical")
 SPARSE_METHODS = ("allgather", "gtopk", "oktopk")
-WIRES = tuple(WIRE_FORMATS)
 
 COMPUTE_TERMS = ("merge", "scatter", "zero", "encode", "decode", "copy")  # per-element costs fitted
 PAPER_P, PAPER_RATE = 32, 10**9  # the gTop-k paper's point: 32 machines, 1 Gbit/s Ethernet
 PREDICT_WORLD_SIZES, RATES = tuple(2**i for i in range(1, 11)), (10**9, 10**10, 10**11)
-# Two levels: nodes of 8 ranks, one link per node to the switch, and inside a node (alpha s, bytes per second) of
-# NVLink (the bus bandwidth NCCL reaches in an 8-GPU A100 node, about 230 GB/s) and of PCIe 4.0 x16 (24 GB/s per
-# GPU, halved where two GPUs share a switch).
+# Two levels: nodes of 8 ranks, one link per node to the switch; inside a node (alpha s, bytes per second) NVLink
+# (NCCL's bus bandwidth in an 8-GPU A100 node, about 230 GB/s) or PCIe 4.0 x16 (24 GB/s, shared by two GPUs).
 NODE_SIZE, TWO_LEVEL_WORLD_SIZES = 8, tuple(2**i for i in range(4, 11))
 INTRA_LINKS = {"NVLink": (5e-6, 200e9), "PCIe": (10e-6, 12e9)}
 
 
-def features(method: str, numel: int, k: int, world_size: int, share: float, wire: str = "plain", local: int = 1,
-             inner: str = "gtopk") -> dict[str, float]:
-    """The coefficients of one exchange's time, selection excluded, by the method's name (``inner``: the
-    hierarchical collective's between nodes): :func:`gtopk_ext.costs.exchange_terms`."""
+def features(method: str, numel: int, k: int, world_size: int, share: float, wire: str = "plain",
+             local: int = 1) -> dict[str, float]:
+    """The coefficients of one exchange's time, selection excluded (hierarchical: gTop-k between the nodes)."""
     if method == "hierarchical":
-        return hierarchical_terms(collective_named(inner), numel, k, world_size, share, wire_named(wire), local)
+        return hierarchical_terms(collective_named("gtopk"), numel, k, world_size, share, wire_named(wire), local)
     return exchange_terms(collective_named(method), numel, k, world_size, share, wire_named(wire), local)
 
 
@@ -82,17 +78,10 @@ class CostModel:
         ratios = [self.beta[name] * bps / 8 for name, bps in self.rate_bps.items() if bps]
         return float(np.median(ratios)) if ratios else 1.0
 
-    def beta_at(self, rate_bps: float) -> float:
-        return self.wire_overhead() * 8 / rate_bps
-
-
-def cpu_share(row: dict) -> float:
-    return max(1.0, row["world_size"] / row["cores"])
-
 
 def row_label(row: dict) -> str:
     """The method, its wire when compact, and the layout when two levels."""
-    name, local = row["method"] + ("/compact" if row.get("wire") == "compact" else ""), row.get("local_size", 1)
+    name, local = row["method"] + ("/compact" if row["wire"] == "compact" else ""), row["local_size"]
     return name if local == 1 else f"{name} {row['world_size'] // local}x{local}"
 
 
@@ -105,7 +94,8 @@ class Fit:
 
 def fit(rows: list[dict]) -> Fit:
     """Fits a CostModel to measured rows (bench/netem_scaling.py's format; skipped rows are ignored)."""
-    rows = [row for row in rows if not row.get("skipped")]
+    rows = [{"local_size": 1, **row, "wire": row.get("wire") or "plain",
+             "share": max(1.0, row["world_size"] / row["cores"])} for row in rows if not row.get("skipped")]
     if not rows:
         raise ValueError("rows: no measured exchange to fit")
     select_rows = [(row["numel"], row["select_s"]) for row in rows if row.get("select_s")]
@@ -116,11 +106,11 @@ def fit(rows: list[dict]) -> Fit:
     columns = ["alpha", *(f"beta:{rate}" for rate in rates), "alpha_intra", "beta_intra", *COMPUTE_TERMS]
     design, offset = np.zeros((len(rows), len(columns))), np.zeros(len(rows))
     for i, row in enumerate(rows):
-        for name, value in features(row["method"], row["numel"], row["k"], row["world_size"], cpu_share(row),
-                                    row.get("wire") or "plain", row.get("local_size", 1)).items():
+        for name, value in features(row["method"], row["numel"], row["k"], row["world_size"], row["share"],
+                                    row["wire"], row["local_size"]).items():
             design[i, columns.index(f"beta:{row['rate']}" if name == "beta" else name)] = value
         if row["method"] == "hierarchical":
-            offset[i] = select * selected_elements("hierarchical", row["numel"], row["local_size"]) * cpu_share(row)
+            offset[i] = select * selected_elements("hierarchical", row["numel"], row["local_size"]) * row["share"]
     measured = np.array([row["time_s"] for row in rows])
     used = design.any(axis=0)  # a cost no row exercises (e.g. no allgather measured) stays 0
     solution = np.zeros(len(columns))
@@ -138,67 +128,62 @@ def fit(rows: list[dict]) -> Fit:
                "per_method_median_abs_rel_error": {
                    name: float(np.median(np.abs(relative[[label == name for label in labels]])))
                    for name in dict.fromkeys(labels)}}
-    residuals = [{"method": r["method"], "wire": r.get("wire") or "plain", "local_size": r.get("local_size", 1),
-                  "numel": r["numel"], "density": r["density"], "world_size": r["world_size"], "rate": r["rate"],
-                  "rate_bps": r["rate_bps"], "share": cpu_share(r), "measured_s": float(m), "predicted_s": float(p)}
-                 for r, m, p in zip(rows, measured, predicted)]
+    residuals = [{key: row[key] for key in ("method", "wire", "local_size", "numel", "density", "world_size", "rate",
+                                            "rate_bps", "share")} | {"measured_s": float(m), "predicted_s": float(p)}
+                 for row, m, p in zip(rows, measured, predicted)]
     return Fit(model, quality, residuals)
 
 
 def comm_time(model: CostModel, method: str, numel: int, density: float | None, world_size: int, rate_bps: float,
               compute_scale: float = 1.0, wire: str = "plain", local: int = 1,
-              intra: tuple[float, float] | None = None, inner: str = "gtopk") -> float:
-    """Predicted seconds per iteration spent outside the backward pass: selection and exchange, on P ranks each
-    with its own processor (per-element costs times ``compute_scale``), in nodes of ``local`` ranks whose links
-    inside cost ``intra`` = (alpha s, bytes per second) (None: the fitted alpha_intra and beta_intra)."""
+              intra: tuple[float, float] | None = None) -> float:
+    """Predicted seconds of selection and exchange per iteration, each rank on its own processor, in nodes of
+    ``local`` ranks linked inside by ``intra`` = (alpha s, bytes per second) (None: as fitted)."""
     k = numel if method == "dense" else max(1, math.ceil(density * numel))
     alpha_intra, beta_intra = (model.alpha_intra, model.beta_intra) if intra is None else (intra[0], 1 / intra[1])
-    costs = {"alpha": model.alpha, "beta": model.beta_at(rate_bps), "alpha_intra": alpha_intra,
+    costs = {"alpha": model.alpha, "beta": model.wire_overhead() * 8 / rate_bps, "alpha_intra": alpha_intra,
              "beta_intra": beta_intra, **{name: getattr(model, name) * compute_scale for name in COMPUTE_TERMS}}
-    terms = features(method, numel, k, world_size, 1.0, wire, local, inner)
+    terms = features(method, numel, k, world_size, 1.0, wire, local)
     return (sum(costs[name] * value for name, value in terms.items())
             + model.select * compute_scale * selected_elements(method, numel, local))
 
 
 def break_even_intra(model: CostModel, numel: int, density: float, world_size: int, local: int, beta: float,
-                     share: float, compute_scale: float = 1.0, alpha_intra: float | None = None,
-                     inner: str = "gtopk") -> float | None:
-    """The intra-node bandwidth (bytes per second) above which the hierarchical exchange is faster than flat
-    gTop-k on this layout (both linear in beta_intra), with ``beta`` seconds per byte between nodes, ``share``
-    ranks per core, the per-element costs times ``compute_scale`` and ``alpha_intra`` (None: as fitted); None
-    when it is never faster."""
+                     share: float, compute_scale: float = 1.0, alpha_intra: float | None = None) -> float | None:
+    """The intra-node bandwidth (bytes per second) above which hierarchical is faster than flat gTop-k on this
+    layout (both linear in beta_intra), ``share`` ranks per core; None when it is never faster."""
     k = max(1, math.ceil(density * numel))
     costs = {"alpha": model.alpha, "beta": beta,
              "alpha_intra": model.alpha_intra if alpha_intra is None else alpha_intra,
              **{name: getattr(model, name) * compute_scale for name in COMPUTE_TERMS}}
-
-    def split(method: str) -> tuple[float, float]:  # (seconds without beta_intra, bytes inside the node)
-        terms = features(method, numel, k, world_size, share, "plain", local, inner)
-        fixed = sum(costs[name] * value for name, value in terms.items() if name != "beta_intra")
-        selection = model.select * compute_scale * share * selected_elements(method, numel, local)
-        return fixed + selection, terms.get("beta_intra", 0.0)
-
-    (hier_fixed, hier_bytes), (flat_fixed, flat_bytes) = split("hierarchical"), split("gtopk")
-    if hier_fixed >= flat_fixed:
+    fixed, intra_bytes = {}, {}  # each method's seconds without beta_intra, and its bytes inside the node
+    for method in ("hierarchical", "gtopk"):
+        terms = features(method, numel, k, world_size, share, "plain", local)
+        intra_bytes[method] = terms.pop("beta_intra", 0.0)
+        fixed[method] = (sum(costs[name] * value for name, value in terms.items())
+                         + model.select * compute_scale * share * selected_elements(method, numel, local))
+    if fixed["hierarchical"] >= fixed["gtopk"]:
         return None
-    return (hier_bytes - flat_bytes) / (flat_fixed - hier_fixed)
+    return (intra_bytes["hierarchical"] - intra_bytes["gtopk"]) / (fixed["gtopk"] - fixed["hierarchical"])
+
+
+LAYOUT = ("numel", "density", "world_size", "local_size", "rate")
 
 
 def hierarchical_against_flat(fit_result: Fit) -> list[dict]:
-    """Every measured hierarchical exchange beside flat gTop-k's (plain wire) on the same layout, gradient and
-    link, and the intra-node bandwidth above which the fitted model makes hierarchical the faster one: with every
-    cost as fitted (the ranks sharing this machine's cores as measured), and for the links alone (per-element
-    costs 0, as on an accelerator, and NVLink's latency inside the node)."""
-    out = []
+    """Every measured hierarchical exchange beside flat gTop-k's (plain wire) on the same layout and link, and the
+    break-even intra-node bandwidth: every cost as fitted, and the links alone (per-element costs 0, NVLink's
+    alpha inside)."""
+    model, out = fit_result.model, []
+    flats = {tuple(r[key] for key in LAYOUT): r for r in reversed(fit_result.residuals)  # the first one measured
+             if r["method"] == "gtopk" and r["wire"] == "plain"}
     for hier in (r for r in fit_result.residuals if r["method"] == "hierarchical"):
-        flat = next((r for r in fit_result.residuals if r["method"] == "gtopk" and r["wire"] == "plain"
-                     and all(r[key] == hier[key] for key in ("numel", "density", "world_size", "local_size", "rate"))),
-                    None)
+        flat = flats.get(tuple(hier[key] for key in LAYOUT))
         if flat is None:
             continue
-        layout = (fit_result.model, hier["numel"], hier["density"], hier["world_size"], hier["local_size"],
-                  fit_result.model.beta[hier["rate"]])
-        out.append({key: hier[key] for key in ("numel", "density", "world_size", "local_size", "rate")}
+        layout = (model, hier["numel"], hier["density"], hier["world_size"], hier["local_size"],
+                  model.beta[hier["rate"]])
+        out.append({key: hier[key] for key in LAYOUT}
                    | {"hierarchical_s": hier["measured_s"], "flat_gtopk_s": flat["measured_s"],
                       "hierarchical_model_s": hier["predicted_s"], "flat_gtopk_model_s": flat["predicted_s"],
                       "break_even_Bps_as_measured": break_even_intra(*layout, share=hier["share"]),
@@ -207,10 +192,10 @@ def hierarchical_against_flat(fit_result: Fit) -> list[dict]:
     return out
 
 
-def series(densities: list[float], wires: tuple[str, ...] = WIRES) -> list[tuple[str, float | None, str]]:
+def series(densities: list[float]) -> list[tuple[str, float | None, str]]:
     """(method, density, wire) of every predicted curve: dense, then each sparse method on each wire."""
     return [("dense", None, "plain")] + [(method, d, wire) for d in densities for method in SPARSE_METHODS
-                                         for wire in wires]
+                                         for wire in WIRES]
 
 
 def label(method: str, density: float | None, wire: str = "plain") -> str:
@@ -225,25 +210,23 @@ def two_level_series(densities: list[float]) -> list[tuple[str, float | None, st
 
 
 def predict(model: CostModel, args: argparse.Namespace) -> dict:
-    """Scaling efficiency, t_compute / (t_compute + t_comm) (the fraction of P times one machine's throughput that
-    P machines reach), for every rate, world size and series, one level and two; the paper's comparison at its
-    operating point; the time per step on two levels."""
-    table = {(rate, p, label(method, density, wire)): args.compute_s / (args.compute_s + comm_time(
-        model, method, args.numel, density, p, rate, args.compute_scale, wire=wire))
-        for rate in RATES for p in PREDICT_WORLD_SIZES for method, density, wire in series(args.densities)}
-    def at_paper(method: str, density: float | None, wire: str = "plain") -> float:
-        return table[(PAPER_RATE, PAPER_P, label(method, density, wire))]
+    """Scaling efficiency, t_compute / (t_compute + t_comm), for every rate, world size and series, one level and
+    two (and there the time per step); the paper's comparison at its operating point."""
+    def step(method: str, density: float | None, wire: str, p: int, rate: int, intra=None) -> float:
+        return args.compute_s + comm_time(model, method, args.numel, density, p, rate, args.compute_scale, wire=wire,
+                                          local=NODE_SIZE if intra else 1, intra=intra)
 
-    paper = {d: {wire: {"over_dense": at_paper("gtopk", d, wire) / at_paper("dense", None),
-                        "over_allgather": at_paper("gtopk", d, wire) / at_paper("allgather", d, wire)}
+    table = {(rate, p, label(*s)): args.compute_s / step(*s, p, rate)
+             for rate in RATES for p in PREDICT_WORLD_SIZES for s in series(args.densities)}
+    at_paper = {name: value for (rate, p, name), value in table.items() if (rate, p) == (PAPER_RATE, PAPER_P)}
+    paper = {d: {wire: {"over_dense": at_paper[label("gtopk", d, wire)] / at_paper["dense"],
+                        "over_allgather": at_paper[label("gtopk", d, wire)] / at_paper[label("allgather", d, wire)]}
                  for wire in WIRES} for d in args.densities}
     two_level = {}
-    for (intra_name, intra), rate, p, (method, density, wire) in itertools.product(
-            INTRA_LINKS.items(), RATES, TWO_LEVEL_WORLD_SIZES, two_level_series(args.densities)):
-        seconds = comm_time(model, method, args.numel, density, p, rate, args.compute_scale, wire=wire,
-                            local=NODE_SIZE, intra=intra)
-        two_level[(intra_name, rate, p, label(method, density, wire))] = {
-            "step_s": args.compute_s + seconds, "efficiency": args.compute_s / (args.compute_s + seconds)}
+    for (intra_name, intra), rate, p, s in itertools.product(INTRA_LINKS.items(), RATES, TWO_LEVEL_WORLD_SIZES,
+                                                             two_level_series(args.densities)):
+        seconds = step(*s, p, rate, intra)
+        two_level[(intra_name, rate, p, label(*s))] = {"step_s": seconds, "efficiency": args.compute_s / seconds}
     return {"table": table, "paper": paper, "two_level": two_level, "alpha": model.alpha}
 
 
@@ -315,8 +298,7 @@ COLOURS = {"dense": "black", "allgather": "tab:blue", "gtopk": "tab:red", "oktop
 
 def plot(panels: list[tuple], path: Path, title: str = "", fit_result: Fit | None = None) -> None:
     """2 x 2 panels of scaling efficiency against P, each (world sizes, curves, efficiency_of(P, label), title, whether
-    to mark the paper's point): a line per (method, density, wire) curve, plain wire solid, compact dashed; the last
-    panel the fit when given."""
+    to mark the paper's point), compact wire dashed; the last panel the fit when given."""
     figure, axes = report.figure(2, 2, (12, 9))
     for axis, (world_sizes, curves, efficiency_of, panel_title, paper) in zip(axes.flat, panels):
         for method, density, wire in curves:
@@ -334,12 +316,11 @@ def plot(panels: list[tuple], path: Path, title: str = "", fit_result: Fit | Non
                           (PAPER_P, 0.55), xytext=(40, 0.6), fontsize=8)
     if fit_result is not None:  # measured against modelled time per exchange
         axis, residuals = axes.flat[3], fit_result.residuals
-        for method in METHODS:
-            for wire, marker in (("plain", "o"), ("compact", "^")):
-                points = [r for r in residuals if r["method"] == method and r["wire"] == wire]
-                if points:
-                    axis.scatter([r["measured_s"] for r in points], [r["predicted_s"] for r in points], s=12,
-                                 marker=marker, color=COLOURS[method], label=f"{method} {wire}")
+        for method, (wire, marker) in itertools.product(METHODS, (("plain", "o"), ("compact", "^"))):
+            points = [r for r in residuals if r["method"] == method and r["wire"] == wire]
+            if points:
+                axis.scatter([r["measured_s"] for r in points], [r["predicted_s"] for r in points], s=12,
+                             marker=marker, color=COLOURS[method], label=f"{method} {wire}")
         times = [r[key] for r in residuals for key in ("measured_s", "predicted_s")]
         axis.plot([min(times) / 2, max(times) * 2], [min(times) / 2, max(times) * 2], color="grey", linewidth=0.8)
         axis.set(xscale="log", yscale="log", xlabel="measured s per exchange (emulated network)",

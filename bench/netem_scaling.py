@@ -15,21 +15,20 @@ import statistics
 import sys
 import time
 
+import torch
+import torch.distributed as dist
+
+import gtopk_ext as gx
+from bench.cost_model import METHODS, WIRES, bytes_per_rank, features
 from bench.emulated_network import TxCounter, cleanup_stale, parse_rate, rate_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.cost_model import METHODS, WIRES, bytes_per_rank, features
+from bench.harness.train import barrier_bytes, gathered, slowest
 
 
 def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> list[dict]:
     """One rank: every configuration, each on the same gradient; on a link, as many repetitions as fill
     ``--seconds-per-config`` of predicted wire time (1 to ``--repeats``), none past ``--max-wire-seconds``."""
-    import torch
-    import torch.distributed as dist
-
-    import gtopk_ext as gx
-    from bench.harness.train import barrier_bytes, gathered, slowest
-
     counter, rate = TxCounter(config["ifname"]), config["link_rate"]
     one_barrier = barrier_bytes(counter)  # each measurement is bracketed by barriers: not the exchange's traffic
 
@@ -108,20 +107,16 @@ def exchange_for(method: str, grad, compressor, wire: str, node_group, local: in
     """One call of the collective on ``compressor``'s message of ``grad``, its header agreement off (as the hook runs
     it once agreed); Ok-Topk primed by a call, so a steady step is timed; ``node_group``: dense inside the node.
     Hierarchical selects inside the call (on its shard)."""
-    import torch.distributed as dist
-
-    from gtopk_ext import collectives, hierarchical
-
     if method == "dense":
         return lambda: dist.all_reduce(grad, group=node_group)
     msg = compressor.compress(grad)
     if method == "hierarchical":
-        return lambda: hierarchical.hierarchical_allreduce(grad, None, compressor, msg.k, local)
+        return lambda: gx.hierarchical.hierarchical_allreduce(grad, None, compressor, msg.k, local)
     if method == "oktopk":
-        state = collectives.OkTopkState()
-        collectives.oktopk_allreduce(msg, state=state, check=check, wire=wire)
-        return lambda: collectives.oktopk_allreduce(msg, state=state, check=check, wire=wire)
-    function = collectives.sparse_allgather if method == "allgather" else collectives.gtopk_allreduce
+        state = gx.collectives.OkTopkState()
+        gx.collectives.oktopk_allreduce(msg, state=state, check=check, wire=wire)
+        return lambda: gx.collectives.oktopk_allreduce(msg, state=state, check=check, wire=wire)
+    function = gx.collectives.sparse_allgather if method == "allgather" else gx.collectives.gtopk_allreduce
     return lambda: function(msg, check=check, wire=wire)
 
 
@@ -161,12 +156,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="only delete namespaces left by killed runs (this prefix, process gone), then exit")
     cli.add_worker_arg(parser)
     args = parser.parse_args(argv)
+    cli.check(parser, args, positive=("repeats",), unit=("densities",))
     problems = [f"--world-sizes must be >= 2 and multiples of --local-size {args.local_size}, got {p}"
                 for p in args.world_sizes if p < 2 or args.local_size < 1 or p % args.local_size]
-    problems += [f"--densities must be in (0, 1], got {d}" for d in args.densities if not 0 < d <= 1]
     problems += [f"--sizes must be in [1, 2^31 - 1], got {n}" for n in args.sizes if not 0 < n < 2**31]
-    if problems or args.repeats < 1:
-        parser.error("; ".join(problems) or f"--repeats must be >= 1, got {args.repeats}")
+    if problems:
+        parser.error("; ".join(problems))
     return args
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from bench.digits import MODELS
-from bench.emulated_network import check_can_emulate, parse_rate, runs_on_loopback
+from bench.emulated_network import check_can_emulate, parse_rate
 from bench.harness.launch import as_rank
 
 # The flags several benchmarks share: (argparse options but the default, help).
@@ -29,8 +29,7 @@ COMMON = {"world_size": ({"type": int}, "Gloo processes (DDP ranks)"),
 
 
 def parser(doc: str, **common) -> argparse.ArgumentParser:
-    """A benchmark's parser: the first paragraph of its module's doc, each flag's default in --help, and the COMMON
-    flags named, with these defaults."""
+    """A parser described by the first paragraph of ``doc``, showing the defaults, with the COMMON flags named."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_common(parser, **common)
@@ -76,8 +75,13 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace, positive=()
 
 
 def link_rate(program: str, args: argparse.Namespace) -> int | None:
-    """The rate of the links to run on, or None for loopback (asked for, or no emulated network here)."""
-    return None if runs_on_loopback(program, getattr(args, "loopback", False) or args.rate is None) else args.rate
+    """The rate of the links to run on, or None for loopback: asked for, or no emulated network here (said)."""
+    if getattr(args, "loopback", False) or args.rate is None:
+        return None
+    if check_can_emulate():
+        print(f"{program}: no emulated network ({check_can_emulate()}); running on loopback", file=sys.stderr)
+        return None
+    return args.rate
 
 
 def require_emulation(program: str) -> None:

@@ -56,9 +56,8 @@ def unwind_on_sigterm() -> None:
 
 
 class Network(AbstractContextManager):
-    """A bridge namespace and ``world_size`` host namespaces (a rank each, or a node's ranks), each linked to the
-    bridge by a veth pair limited to ``rate_bps`` (None: unshaped). Closing deletes the namespaces, and with them
-    every link and qdisc: on leaving its ``with`` block, at exit and on SIGTERM."""
+    """A bridge namespace and ``world_size`` host namespaces (a rank or a node each) linked to it at ``rate_bps``
+    (None: unshaped). Closing deletes them with their links: on leaving its ``with`` block, at exit and on SIGTERM."""
 
     def __init__(self, prefix: str, world_size: int, rate_bps: int | None = None):
         self.bridge_ns = f"{prefix}{os.getpid()}-br"
@@ -108,13 +107,12 @@ class Network(AbstractContextManager):
 def cleanup_stale(prefix: str) -> list[str]:
     """Deletes the namespaces of earlier runs with this prefix whose process is gone; returns their names."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    removed = []
-    for name in (line.split()[0] for line in listing.splitlines() if line.strip()):
-        match = re.fullmatch(rf"{re.escape(prefix)}(\d+)-(br|r\d+)", name)
-        if match and not Path(f"/proc/{match[1]}").exists():
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            removed.append(name)
-    return removed
+    pattern = re.compile(rf"{re.escape(prefix)}(\d+)-(br|r\d+)")
+    stale = [name for name in (line.split()[0] for line in listing.splitlines() if line.strip())
+             if (match := pattern.fullmatch(name)) and not Path(f"/proc/{match[1]}").exists()]
+    for name in stale:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return stale
 
 
 def check_can_emulate() -> str | None:

@@ -63,8 +63,7 @@ def add_worker_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace, positive=(), unit=()) -> None:
-    """Refuses, naming its flag, a value of ``positive`` below 1 or one of ``unit`` (a number or list) outside
-    (0, 1]."""
+    """Refuses, naming its flag, a ``positive`` value below 1 or a ``unit`` one (a number or list) outside (0, 1]."""
     for name in positive:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -1,5 +1,4 @@
-"""Gradients to select from (seeded synthetic ones, and real ones captured while training on the digits), and each
-method's error-feedback selection step, timed alike."""
+"""Gradients to select from (seeded synthetic ones, real ones from training on the digits) and the methods, timed."""
 
 from __future__ import annotations
 

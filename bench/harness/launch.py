@@ -1,5 +1,4 @@
-"""The one way the benchmarks start processes: ``python -m <module> --worker <config>`` once per rank (``run_group``)
-or one torchrun agent per node (``run_torchrun``), on loopback or in the namespaces of bench/emulated_network.py."""
+"""How the benchmarks start processes, on loopback or emulated links: once per rank, or a torchrun agent per node."""
 
 from __future__ import annotations
 
@@ -33,9 +32,8 @@ def free_port() -> int:
 
 def run_on_hosts(commands: list[list[str]], network: Network | None, workdir: Path, names: list[str],
                  timeout: float, env: dict[str, str] | None = None, ranks_per_host: int = 1) -> list[str]:
-    """Runs ``commands[i]`` in host namespace i // ``ranks_per_host`` (without a network: on loopback), Gloo bound
-    to its interface, logging to ``workdir/log-<names[i]>.txt``; streams the first log, returns every log, and
-    raises with the log of the first process that fails."""
+    """Runs ``commands[i]`` in host namespace i // ``ranks_per_host`` (or on loopback), Gloo on its interface, logged
+    to ``workdir/log-<names[i]>.txt``; streams the first log, returns every log, raises with a failed one's."""
     unwind_on_sigterm()  # the finally below kills the processes
     env = dict(os.environ, GLOO_SOCKET_IFNAME=RANK_IFNAME if network else "lo", OMP_NUM_THREADS="1", **(env or {}))
     logs, procs, shown = [workdir / f"log-{name}.txt" for name in names], [], 0
@@ -81,10 +79,10 @@ def run_torchrun(script: list[str], nnodes: int, nproc_per_node: int, network: N
 
 def run_group(module: str, world_size: int, settings, timeout: float, *, rate_bps: int | None = None,
               namespaces: bool = False, prefix: str = "gx", ranks_per_host: int = 1, **config):
-    """Runs ``python -m <module> --worker <file>`` once per rank, on loopback or (``rate_bps`` given, or
-    ``namespaces``) each host of ``ranks_per_host`` ranks in a namespace behind a link of ``rate_bps`` (None:
-    unshaped). The file holds ``config``, ``args`` (``settings``), the rank, the group's address and ``ifname`` (the
-    interface whose bytes a rank may count, None on loopback). Returns rank 0's result."""
+    """Runs ``python -m <module> --worker <file>`` per rank, on loopback or (``rate_bps`` or ``namespaces``) each
+    host of ``ranks_per_host`` ranks in a namespace behind a ``rate_bps`` link (None: unshaped). The file holds
+    ``config``, ``args`` (``settings``), the rank, the group's address and ``ifname`` (the interface whose bytes a
+    rank may count; None on loopback). Returns rank 0's result."""
     namespaces = namespaces or rate_bps is not None
     if namespaces:
         cleanup_stale(prefix)
@@ -105,9 +103,8 @@ def run_group(module: str, world_size: int, settings, timeout: float, *, rate_bp
 
 
 def as_rank(config: dict, work, timeout_arg: str | None = None) -> None:
-    """In a worker of ``run_group``: one intra-op thread (the ranks share the cores), the Gloo group (its timeout:
-    ``args.<timeout_arg>`` seconds, or torch's), then ``work(args, rank, world_size, config)``; rank 0 writes its
-    result."""
+    """In a worker of ``run_group``: one intra-op thread (the ranks share the cores), the Gloo group (timeout:
+    ``args.<timeout_arg>`` s, or torch's), then ``work(args, rank, world_size, config)``, whose result rank 0 writes."""
     from datetime import timedelta
 
     import torch

@@ -1,5 +1,4 @@
-"""The methods the training benchmarks compare, by name (``METHODS``: a new method is one entry). A DDP method is a
-``Recipe`` (its hook on the DDP model), a local method a ``LocalMethod`` (run by ``LocalExchange``)."""
+"""The methods the training benchmarks compare, by name (``METHODS``: a new method is one entry)."""
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations against dist.GradBucket.
 import argparse
@@ -46,8 +45,7 @@ def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: in
 
 def recipe_state(density: float, warmup_steps: int, momentum: float,
                  choices: list[str] | None = None) -> gx.SparseGradState:
-    """``gx.SparseGradState.recipe`` as a user calls it, without the periodic log; ``choices``: the paths its
-    ``auto`` may take (None: the default ones)."""
+    """``gx.SparseGradState.recipe`` as a user calls it, without the periodic log; ``choices``: its auto's paths."""
     path = gx.PathPolicy("auto", choices=choices) if choices else "auto"
     state = gx.SparseGradState.recipe(density=density, warmup_steps=warmup_steps, momentum=momentum, path=path)
     state.stats_logging_frequency = 0
@@ -256,9 +254,8 @@ def add_outer_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class LocalExchange:
-    """A local method around its inner optimizer (use :attr:`optimizer`; :meth:`after_step` after each step):
-    PyTorch's local SGD (the weights averaged every H steps, from the first) or SparseLocalSGD (a sync after every
-    H-th step), and the bytes this rank sent (a ring allreduce of the model per average; SparseLocalSGD's count)."""
+    """A local method around its inner optimizer (use :attr:`optimizer`; :meth:`after_step` after each step): PyTorch's
+    local SGD (averaging from the first step) or SparseLocalSGD, and the bytes this rank sent by its count."""
 
     def __init__(self, method: LocalMethod, model: torch.nn.Module, inner: torch.optim.Optimizer,
                  args: argparse.Namespace, world_size: int):

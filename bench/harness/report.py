@@ -29,8 +29,7 @@ def write_json(path, settings, **record) -> None:
 
 
 def table(rows: list, columns: list[tuple], markdown: bool = False, header: bool = True) -> str:
-    """``rows`` as a text or Markdown table; ``columns``: (title, format spec, the row's key or a function of the
-    row). None shows as "-"."""
+    """``rows`` as a text or Markdown table of ``columns``: (title, format spec, a row's key or function of a row)."""
     lines = [[title for title, _, _ in columns]] if header else []
     for row in rows:
         values = [get(row) if callable(get) else row[get] for _, _, get in columns]
@@ -55,8 +54,7 @@ def streamed(rows, columns: list[tuple]) -> list[dict]:
 
 
 def to_target(curves: list[list[dict]], reached, seconds_key: str) -> dict:
-    """The medians over ``curves`` of ``step`` and ``seconds_key`` at the first point where ``reached(point)``; both
-    None unless every curve got there."""
+    """Medians over ``curves`` of ``step`` and ``seconds_key`` where first ``reached``; None unless all got there."""
     firsts = [next((point for point in curve if reached(point)), None) for curve in curves]
     if not firsts or None in firsts:
         return {"steps_to_target": None, "seconds_to_target": None}

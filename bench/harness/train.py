@@ -1,5 +1,4 @@
-"""The benchmarks' training loop: one method on this rank (``Trainer``), its measured curve, the batches, the
-evaluation, and the reductions over ranks that the measurements take."""
+"""The benchmarks' training loop (``Trainer``, ``train_curve``), batches, evaluation and reductions over the ranks."""
 
 from __future__ import annotations
 
@@ -75,10 +74,9 @@ def sgd(model: nn.Module, args: argparse.Namespace, momentum_in_hook: bool = Fal
 
 def train_curve(trainer: Trainer, steps: int, loss_at, evaluate, eval_every: int, tx, progress=None,
                 after_step=None, stop=None) -> tuple[list[dict], list[dict]]:
-    """Trains ``trainer`` ``steps`` measured steps on ``loss_at(step)``, calling ``after_step(step)`` after each.
-    Returns every step's measurements and the curve: at step 0, every ``eval_every`` steps and the last,
-    ``evaluate(shared model)``, the slowest rank's training seconds and this rank's bytes so far. ``stop(point)``
-    ends the training after that point (on every rank alike: a point's figures are the same)."""
+    """Trains ``steps`` measured steps on ``loss_at(step)``, calling ``after_step(step)`` after each. Returns the curve
+    (at step 0, every ``eval_every`` steps and the last: ``evaluate(shared model)``, the slowest rank's seconds and
+    this rank's bytes) and every step's measurements. ``stop(point)``: stops there (on every rank: points agree)."""
     curve, measured = [], []
     for step in range(steps + 1):
         if step:
@@ -98,8 +96,7 @@ def train_curve(trainer: Trainer, steps: int, loss_at, evaluate, eval_every: int
 
 
 def epoch_batches(epoch: int, seed: int, n_train: int, rank: int, world_size: int, batch_size: int) -> list:
-    """This rank's index batches of an epoch: one shuffle for all ranks, each global batch split by rank, the last
-    incomplete one dropped."""
+    """This rank's index batches of an epoch: one shuffle, each global batch split by rank, no incomplete one."""
     order = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     global_batch = world_size * batch_size
     return [order[start + rank * batch_size: start + (rank + 1) * batch_size]

@@ -1,6 +1,6 @@
-"""An emulated network: each rank (or node) in its own network namespace, joined to a bridge by a veth pair that
-``tc tbf`` limits on both ends (a full-duplex port of that rate). Needs root, ``ip`` and ``tc``; what it makes is
-removed on close, failure, SIGINT and SIGTERM. The CLI runs a training script under torchrun on emulated nodes:
+"""An emulated network, and a CLI that runs a training script under torchrun on emulated nodes: each rank (or node)
+in its own network namespace, joined to a bridge by a veth pair that ``tc tbf`` limits on both ends (a full-duplex
+port of that rate). Needs root, ``ip`` and ``tc``; what it makes is removed on close, failure, SIGINT and SIGTERM.
 
     python -m bench.emulated_network torchrun --nnodes 2 --nproc-per-node 2 --rate 1gbit -- \
         examples/train_ddp.py --collective hierarchical
@@ -136,9 +136,7 @@ class TxCounter:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from bench.harness import cli  # here: the harness imports this module
 
-    parser = argparse.ArgumentParser(description="Run a training script under torchrun on emulated nodes: a network "
-                                                 "namespace and a torchrun agent per node, the node's ranks inside it, "
-                                                 "a tbf-limited link from each node to a switch.")
+    parser = cli.parser(__doc__)
     torchrun = parser.add_subparsers(dest="command", required=True).add_parser(
         "torchrun", help="python -m bench.emulated_network torchrun [options] -- script.py [script arguments]")
     torchrun.add_argument("--nnodes", type=int, default=2)

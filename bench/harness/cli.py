@@ -25,7 +25,8 @@ COMMON = {"world_size": ({"type": int}, "Gloo processes (DDP ranks)"),
           "seeds": ({"type": int, "nargs": "+"}, "one run per seed (initial weights and batches)"),
           "densities": ({"type": float, "nargs": "+"}, "densities of the sparse methods"),
           "json": ({"type": Path}, "write the settings and every measurement here"),
-          "plot": ({"type": Path}, "write the figure here (PNG)")}
+          "plot": ({"type": Path}, "write the figure here (PNG)"),
+          "no_progress": ({"action": "store_true"}, "no progress bar")}
 
 
 def parser(doc: str, **common) -> argparse.ArgumentParser:
@@ -37,13 +38,9 @@ def parser(doc: str, **common) -> argparse.ArgumentParser:
 
 
 def add_common(parser: argparse.ArgumentParser, **defaults) -> None:
-    """The COMMON flags named, with these defaults, and --no-progress where the benchmark draws a progress bar."""
+    """The COMMON flags named, with these defaults."""
     for name, default in defaults.items():
-        if name == "no_progress":
-            parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-        else:
-            parser.add_argument("--" + name.replace("_", "-"), default=default, help=COMMON[name][1],
-                                **COMMON[name][0])
+        parser.add_argument("--" + name.replace("_", "-"), default=default, help=COMMON[name][1], **COMMON[name][0])
 
 
 def add_network_args(parser: argparse.ArgumentParser, prefix: str, rate: str | None = "1gbit",
@@ -75,12 +72,10 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace, positive=()
 
 def link_rate(program: str, args: argparse.Namespace) -> int | None:
     """The rate of the links to run on, or None for loopback: asked for, or no emulated network here (said)."""
-    if getattr(args, "loopback", False) or args.rate is None:
-        return None
-    if check_can_emulate():
-        print(f"{program}: no emulated network ({check_can_emulate()}); running on loopback", file=sys.stderr)
-        return None
-    return args.rate
+    reason = None if getattr(args, "loopback", False) or args.rate is None else check_can_emulate()
+    if reason:
+        print(f"{program}: no emulated network ({reason}); running on loopback", file=sys.stderr)
+    return None if reason or getattr(args, "loopback", False) else args.rate
 
 
 def require_emulation(program: str) -> None:

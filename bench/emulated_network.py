@@ -1,7 +1,6 @@
-"""An emulated network: every rank (or node) in its own network namespace, linked to a bridge by a veth pair that
-``tc tbf`` limits on both ends, so a link behaves as a full-duplex Ethernet port of that rate. Needs root, ``ip`` and
-``tc``; what it creates is removed on close, failure, SIGINT and SIGTERM. bench/harness/launch.py starts ranks in it;
-this module's CLI runs a training script under torchrun on emulated nodes (docs/scaling.md):
+"""An emulated network, and a CLI that runs a training script under torchrun on emulated nodes: each rank (or node)
+in its own network namespace, joined to a bridge by a veth pair that ``tc tbf`` limits on both ends (a full-duplex
+port of that rate). Needs root, ``ip`` and ``tc``; what it makes is removed on close, failure, SIGINT and SIGTERM.
 
     python -m bench.emulated_network torchrun --nnodes 2 --nproc-per-node 2 --rate 1gbit -- \
         examples/train_ddp.py --collective hierarchical
@@ -18,7 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 SUBNET = "10.77.0"  # private, and only ever assigned inside this module's own namespaces
@@ -56,10 +55,9 @@ def unwind_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-class Network:
-    """A bridge namespace and ``world_size`` host namespaces (a rank each, or a node's ranks), each linked to the
-    bridge by a veth pair limited to ``rate_bps`` (None: unshaped). ``close()`` deletes the namespaces, and with
-    them every link and qdisc: on leaving its ``with`` block, at exit and on SIGTERM."""
+class Network(AbstractContextManager):
+    """A bridge namespace and ``world_size`` host namespaces (a rank or a node each) linked to it at ``rate_bps``
+    (None: unshaped). Closing deletes them with their links: on leaving its ``with`` block, at exit and on SIGTERM."""
 
     def __init__(self, prefix: str, world_size: int, rate_bps: int | None = None):
         self.bridge_ns = f"{prefix}{os.getpid()}-br"
@@ -71,28 +69,22 @@ class Network:
             for ns in [self.bridge_ns, *self.rank_ns]:
                 run_ip("netns", "add", ns)
                 self.created.append(ns)
-            run_ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-            run_ip("-n", self.bridge_ns, "link", "set", "br0", "up")
+            run_ip("-n", self.bridge_ns, "link", "add", "br0", "up", "type", "bridge")
             # tbf's bucket holds 1 ms of traffic (at least a few frames): a message passes at most 1 ms early.
             tbf = ["root", "tbf", "rate", str(rate_bps), "burst", str(max(4096, (rate_bps or 0) // 8000)),
                    "latency", "50ms"]
             for rank, ns in enumerate(self.rank_ns):
-                run_ip("-n", ns, "link", "add", RANK_IFNAME, "type", "veth", "peer", "name", f"p{rank}", "netns",
-                       self.bridge_ns)
-                for command in (["link", "set", f"p{rank}", "master", "br0"], ["link", "set", f"p{rank}", "up"]):
-                    run_ip("-n", self.bridge_ns, *command)
-                for command in (["addr", "add", f"{self.address(rank)}/24", "dev", RANK_IFNAME],
-                                ["link", "set", RANK_IFNAME, "up"], ["link", "set", "lo", "up"]):
-                    run_ip("-n", ns, *command)
+                run_ip("-n", ns, "link", "add", RANK_IFNAME, "up", "type", "veth", "peer", "name", f"p{rank}",
+                       "netns", self.bridge_ns)
+                run_ip("-n", self.bridge_ns, "link", "set", f"p{rank}", "master", "br0", "up")
+                run_ip("-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", RANK_IFNAME)
+                run_ip("-n", ns, "link", "set", "lo", "up")
                 if rate_bps is not None:  # both directions: rank -> bridge and bridge -> rank
                     run_ip("netns", "exec", ns, "tc", "qdisc", "replace", "dev", RANK_IFNAME, *tbf)
                     run_ip("netns", "exec", self.bridge_ns, "tc", "qdisc", "replace", "dev", f"p{rank}", *tbf)
         except BaseException:
             self.close()
             raise
-
-    def __enter__(self) -> "Network":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -115,13 +107,12 @@ class Network:
 def cleanup_stale(prefix: str) -> list[str]:
     """Deletes the namespaces of earlier runs with this prefix whose process is gone; returns their names."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    removed = []
-    for name in (line.split()[0] for line in listing.splitlines() if line.strip()):
-        match = re.fullmatch(rf"{re.escape(prefix)}(\d+)-(br|r\d+)", name)
-        if match and not Path(f"/proc/{match[1]}").exists():
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            removed.append(name)
-    return removed
+    pattern = re.compile(rf"{re.escape(prefix)}(\d+)-(br|r\d+)")
+    stale = [name for name in (line.split()[0] for line in listing.splitlines() if line.strip())
+             if (match := pattern.fullmatch(name)) and not Path(f"/proc/{match[1]}").exists()]
+    for name in stale:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return stale
 
 
 def check_can_emulate() -> str | None:
@@ -130,14 +121,6 @@ def check_can_emulate() -> str | None:
         return "it needs root (network namespaces and tc); run it as root, or use --loopback (no shaping)"
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     return f"`{missing[0]}` (iproute2) is not installed; install iproute2, or use --loopback" if missing else None
-
-
-def runs_on_loopback(program: str, loopback: bool) -> bool:
-    """Whether ``program`` runs on loopback: asked for, or the emulated network cannot run here (said on stderr)."""
-    reason = None if loopback else check_can_emulate()
-    if reason:
-        print(f"{program}: no emulated network ({reason}); running on loopback", file=sys.stderr)
-    return loopback or reason is not None
 
 
 class TxCounter:
@@ -153,12 +136,9 @@ class TxCounter:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from bench.harness import cli  # here: the harness imports this module
 
-    parser = argparse.ArgumentParser(description="Run a training script under torchrun on emulated nodes: a network "
-                                                 "namespace and a torchrun agent per node, the node's ranks inside it, "
-                                                 "a tbf-limited link from each node to a switch.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    torchrun = commands.add_parser("torchrun", help="python -m bench.emulated_network torchrun [options] -- "
-                                                    "script.py [script arguments]")
+    parser = cli.parser(__doc__)
+    torchrun = parser.add_subparsers(dest="command", required=True).add_parser(
+        "torchrun", help="python -m bench.emulated_network torchrun [options] -- script.py [script arguments]")
     torchrun.add_argument("--nnodes", type=int, default=2)
     torchrun.add_argument("--nproc-per-node", type=int, default=2)
     torchrun.add_argument("--max-restarts", type=int, default=0)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from bench.digits import MODELS
-from bench.emulated_network import check_can_emulate, parse_rate, runs_on_loopback
+from bench.emulated_network import check_can_emulate, parse_rate
 from bench.harness.launch import as_rank
 
 # The flags several benchmarks share: (argparse options but the default, help).
@@ -25,12 +25,12 @@ COMMON = {"world_size": ({"type": int}, "Gloo processes (DDP ranks)"),
           "seeds": ({"type": int, "nargs": "+"}, "one run per seed (initial weights and batches)"),
           "densities": ({"type": float, "nargs": "+"}, "densities of the sparse methods"),
           "json": ({"type": Path}, "write the settings and every measurement here"),
-          "plot": ({"type": Path}, "write the figure here (PNG)")}
+          "plot": ({"type": Path}, "write the figure here (PNG)"),
+          "no_progress": ({"action": "store_true"}, "no progress bar")}
 
 
 def parser(doc: str, **common) -> argparse.ArgumentParser:
-    """A benchmark's parser: the first paragraph of its module's doc, each flag's default in --help, and the COMMON
-    flags named, with these defaults."""
+    """A parser described by the first paragraph of ``doc``, showing the defaults, with the COMMON flags named."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_common(parser, **common)
@@ -38,13 +38,9 @@ def parser(doc: str, **common) -> argparse.ArgumentParser:
 
 
 def add_common(parser: argparse.ArgumentParser, **defaults) -> None:
-    """The COMMON flags named, with these defaults, and --no-progress where the benchmark draws a progress bar."""
+    """The COMMON flags named, with these defaults."""
     for name, default in defaults.items():
-        if name == "no_progress":
-            parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-        else:
-            parser.add_argument("--" + name.replace("_", "-"), default=default, help=COMMON[name][1],
-                                **COMMON[name][0])
+        parser.add_argument("--" + name.replace("_", "-"), default=default, help=COMMON[name][1], **COMMON[name][0])
 
 
 def add_network_args(parser: argparse.ArgumentParser, prefix: str, rate: str | None = "1gbit",
@@ -64,8 +60,7 @@ def add_worker_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace, positive=(), unit=()) -> None:
-    """Refuses, naming its flag, a value of ``positive`` below 1 or one of ``unit`` (a number or list) outside
-    (0, 1]."""
+    """Refuses, naming its flag, a ``positive`` value below 1 or a ``unit`` one (a number or list) outside (0, 1]."""
     for name in positive:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -76,8 +71,11 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace, positive=()
 
 
 def link_rate(program: str, args: argparse.Namespace) -> int | None:
-    """The rate of the links to run on, or None for loopback (asked for, or no emulated network here)."""
-    return None if runs_on_loopback(program, getattr(args, "loopback", False) or args.rate is None) else args.rate
+    """The rate of the links to run on, or None for loopback: asked for, or no emulated network here (said)."""
+    reason = None if getattr(args, "loopback", False) or args.rate is None else check_can_emulate()
+    if reason:
+        print(f"{program}: no emulated network ({reason}); running on loopback", file=sys.stderr)
+    return None if reason or getattr(args, "loopback", False) else args.rate
 
 
 def require_emulation(program: str) -> None:

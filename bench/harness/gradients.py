@@ -1,6 +1,4 @@
-"""Gradients to select from (seeded synthetic distributions, and real ones captured while training on the digits)
-and the error-feedback selection step of each method, timed alike: what bench/selection.py,
-bench/threshold_accuracy.py, bench/wire_coding.py and the pytest-benchmark suite use."""
+"""Gradients to select from (seeded synthetic ones, real ones from training on the digits) and the methods, timed."""
 
 from __future__ import annotations
 
@@ -42,8 +40,7 @@ def wide_mlp(numel: int, seed: int = 0) -> nn.Module:
 
 def captured_gradients(model: str | nn.Module = "cnn", steps: tuple[int, ...] = (0, 20, 100), batch_size: int = 64,
                        lr: float = 0.05, seed: int = 0) -> dict[int, torch.Tensor]:
-    """The flattened gradient at the given steps of a real training run (SGD with momentum on the digits) of a
-    model of bench.digits by name, or a given one."""
+    """The flat gradient at ``steps`` of SGD with momentum on the digits, of ``model`` (or bench.digits' by name)."""
     train_x, train_y, _, _ = load_digits_split(seed)
     model = make_model(model, seed) if isinstance(model, str) else model
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)

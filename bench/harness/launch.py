@@ -1,5 +1,4 @@
-"""The one way the benchmarks start processes: ``python -m <module> --worker <config>`` once per rank (``run_group``)
-or one torchrun agent per node (``run_torchrun``), on loopback or in the namespaces of bench/emulated_network.py."""
+"""How the benchmarks start processes, on loopback or emulated links: once per rank, or a torchrun agent per node."""
 
 from __future__ import annotations
 
@@ -20,9 +19,8 @@ from bench.harness.report import jsonable
 ROOT = Path(__file__).resolve().parents[2]
 GLOO_PORT = 29500  # each run has its own namespaces, hence its own port space
 RDZV_PORT = 29400  # torchrun's rendezvous store, on the first node
-# Workers restarted by torchrun get a fresh store per rendezvous round: the store the agents share by default keeps
-# the keys of the failed attempt, and a restarted worker can read a dead peer's address (Gloo: connection refused)
-# or the failure the sparse hook published there.
+# A fresh store per rendezvous round: the one the agents share by default keeps a failed attempt's keys, where a
+# restarted worker can read a dead peer's address (Gloo: connection refused) or the failure the hook published.
 RESTARTABLE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
@@ -32,51 +30,37 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_all(procs: list[subprocess.Popen], logs: list, timeout: float) -> None:
-    """Waits for every rank, streaming rank 0's table; raises with the failing rank's log if one fails."""
-    deadline = time.monotonic() + timeout
-    shown = 0
-    while True:
-        logs[0].flush()
-        text = Path(logs[0].name).read_text()
-        print(text[shown:], end="", flush=True)
-        shown = len(text)
-        codes = [proc.poll() for proc in procs]
-        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
-            tail = Path(logs[failed[0]].name).read_text()[-3000:]
-            raise RuntimeError(f"rank {failed[0]} exited with status {codes[failed[0]]}:\n{tail}")
-        if all(code == 0 for code in codes):
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the group did not finish within --group-timeout {timeout:g} s")
-        time.sleep(0.5)
-
-
 def run_on_hosts(commands: list[list[str]], network: Network | None, workdir: Path, names: list[str],
                  timeout: float, env: dict[str, str] | None = None, ranks_per_host: int = 1) -> list[str]:
-    """Runs ``commands[i]`` in host namespace i // ``ranks_per_host`` (without a network: on loopback), Gloo bound
-    to its interface, logging to ``workdir/log-<names[i]>.txt``; streams the first log, returns every log."""
+    """Runs ``commands[i]`` in host namespace i // ``ranks_per_host`` (or on loopback), Gloo on its interface, logged
+    to ``workdir/log-<names[i]>.txt``; streams the first log, returns every log, raises with a failed one's."""
     unwind_on_sigterm()  # the finally below kills the processes
-    procs, logs = [], []
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=RANK_IFNAME if network else "lo", OMP_NUM_THREADS="1", **(env or {}))
+    logs, procs, shown = [workdir / f"log-{name}.txt" for name in names], [], 0
     try:
-        for host, (command, name) in enumerate(zip(commands, names)):
-            if network:
-                command = ["ip", "netns", "exec", network.rank_ns[host // ranks_per_host], *command]
-            host_env = dict(os.environ, GLOO_SOCKET_IFNAME=RANK_IFNAME if network else "lo", OMP_NUM_THREADS="1",
-                            **(env or {}))
-            log = open(workdir / f"log-{name}.txt", "w+")
-            logs.append(log)
-            procs.append(subprocess.Popen(command, cwd=ROOT, env=host_env, stdout=log, stderr=subprocess.STDOUT))
-        wait_all(procs, logs, timeout)
-        return [Path(log.name).read_text() for log in logs]
+        for host, (command, log) in enumerate(zip(commands, logs)):
+            netns = ["ip", "netns", "exec", network.rank_ns[host // ranks_per_host]] if network else []
+            with open(log, "w") as out:
+                procs.append(subprocess.Popen(netns + command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        while True:
+            text = logs[0].read_text()
+            print(text[shown:], end="", flush=True)
+            shown = len(text)
+            codes = [proc.poll() for proc in procs]
+            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                tail = logs[failed[0]].read_text()[-3000:]
+                raise RuntimeError(f"rank {failed[0]} exited with status {codes[failed[0]]}:\n{tail}")
+            if all(code == 0 for code in codes):
+                return [log.read_text() for log in logs]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the group did not finish within --group-timeout {timeout:g} s")
+            time.sleep(0.5)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
+        for proc in procs:  # a no-op on those that have exited
+            proc.kill()
+            proc.wait()
 
 
 def run_torchrun(script: list[str], nnodes: int, nproc_per_node: int, network: Network | None, workdir: Path,
@@ -95,11 +79,10 @@ def run_torchrun(script: list[str], nnodes: int, nproc_per_node: int, network: N
 
 def run_group(module: str, world_size: int, settings, timeout: float, *, rate_bps: int | None = None,
               namespaces: bool = False, prefix: str = "gx", ranks_per_host: int = 1, **config):
-    """Runs ``python -m <module> --worker <file>`` once per rank, on loopback or (``rate_bps`` given, or
-    ``namespaces``) each host of ``ranks_per_host`` ranks in its own namespace behind a link of ``rate_bps`` (None:
-    unshaped). The file holds ``config``, ``args`` (``settings``), where rank 0 writes its result, the rank and the
-    group's address; ``ifname``: the interface whose bytes a rank may count (None on loopback). Returns rank 0's
-    result."""
+    """Runs ``python -m <module> --worker <file>`` per rank, on loopback or (``rate_bps`` or ``namespaces``) each
+    host of ``ranks_per_host`` ranks in a namespace behind a ``rate_bps`` link (None: unshaped). The file holds
+    ``config``, ``args`` (``settings``), the rank, the group's address and ``ifname`` (the interface whose bytes a
+    rank may count; None on loopback). Returns rank 0's result."""
     namespaces = namespaces or rate_bps is not None
     if namespaces:
         cleanup_stale(prefix)
@@ -120,9 +103,8 @@ def run_group(module: str, world_size: int, settings, timeout: float, *, rate_bp
 
 
 def as_rank(config: dict, work, timeout_arg: str | None = None) -> None:
-    """In a worker of ``run_group``: one intra-op thread (the ranks share the cores), the Gloo group (timeout: the
-    seconds in ``args.<timeout_arg>``, or torch's), then ``work(args, rank, world_size, config)``, whose result
-    rank 0 writes."""
+    """In a worker of ``run_group``: one intra-op thread (the ranks share the cores), the Gloo group (timeout:
+    ``args.<timeout_arg>`` s, or torch's), then ``work(args, rank, world_size, config)``, whose result rank 0 writes."""
     from datetime import timedelta
 
     import torch

@@ -1,5 +1,4 @@
-"""The methods the training benchmarks compare, by name (``METHODS``: a new method is one entry). A DDP method is a
-``Recipe`` (its hook on the DDP model), a local method a ``LocalMethod`` (run by ``LocalExchange``)."""
+"""The methods the training benchmarks compare, by name (``METHODS``: a new method is one entry)."""
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations against dist.GradBucket.
 import argparse
@@ -37,17 +36,16 @@ def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: in
                   if momentum or clip_norm is not None else None)
     if min_compress_numel is not None:
         path = gx.PathPolicy(gx.paths.path_policy(path).mode, min_compress_numel=min_compress_numel)
-    state = gx.SparseGradState(density=schedule, compressor=gx.make_compressor(compressor, density,
-                                                                               per_tensor=per_tensor),
-                               start_iter=start_iter, momentum=correction, path=path, **options)
+    compressor = gx.make_compressor(compressor, density, per_tensor=per_tensor)
+    state = gx.SparseGradState(density=schedule, compressor=compressor, start_iter=start_iter, momentum=correction,
+                               path=path, **options)
     state.stats_logging_frequency = 0
     return state
 
 
 def recipe_state(density: float, warmup_steps: int, momentum: float,
                  choices: list[str] | None = None) -> gx.SparseGradState:
-    """``gx.SparseGradState.recipe`` as a user calls it, without the hook's periodic log; ``choices``: the paths
-    its ``auto`` may take (None: the default ones)."""
+    """``gx.SparseGradState.recipe`` as a user calls it, without the periodic log; ``choices``: its auto's paths."""
     path = gx.PathPolicy("auto", choices=choices) if choices else "auto"
     state = gx.SparseGradState.recipe(density=density, warmup_steps=warmup_steps, momentum=momentum, path=path)
     state.stats_logging_frequency = 0
@@ -86,7 +84,15 @@ def hook_recipe(label: str, state: Callable, momentum_in_hook: bool = False) -> 
     return Recipe(label, lambda ddp, world_size, args: attached(ddp, state(args)), momentum_in_hook=momentum_in_hook)
 
 
+def no_communication_hook(_, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The compute floor: the bucket divided by the world size, as every averaging hook does, and nothing sent."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer().div_(dist.get_world_size()))
+    return future
+
+
 def allreduce_recipe(label: str, hook=None, wire_bytes: int = 4) -> Recipe:
+    """DDP's allreduce, through ``hook`` if given, of ``wire_bytes`` per element."""
     def attach(ddp, world_size, args):
         if hook is not None:
             ddp.register_comm_hook(None, hook)
@@ -95,9 +101,8 @@ def allreduce_recipe(label: str, hook=None, wire_bytes: int = 4) -> Recipe:
 
 
 def powersgd_recipe(rank: int) -> Recipe:
-    """PowerSGD with one bucket: with several on Gloo its hook's callbacks allreduce P and Q on Gloo's threads while
-    the autograd thread issues the next bucket's allreduce, so the ranks' collectives go out of order and the group
-    fails ("Received data size doesn't match expected size") or hangs (every run, at the first compressed step)."""
+    """PowerSGD with one bucket: with several on Gloo, the ranks' allreduces of P and Q (on Gloo's threads) and of the
+    next bucket go out of order, and the group fails ("Received data size doesn't match expected size") or hangs."""
     def attach(ddp, world_size, args):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=START_ITER)
@@ -112,9 +117,8 @@ def powersgd_recipe(rank: int) -> Recipe:
 
 
 def dgc_recipe(density: float, per_tensor: bool = False, path: str | None = None) -> Recipe:
-    """Deep Gradient Compression's momentum correction (the optimizer's momentum moves into the hook), its warm-up
-    over ``--dgc-warmup`` iterations and momentum factor masking after it (during it most elements are sent nearly
-    every step: masking would train them without momentum); the other ``--dgc-*`` levers."""
+    """Deep Gradient Compression's momentum correction (in the hook), warm-up over ``--dgc-warmup`` iterations and
+    momentum factor masking after it (during it most elements go nearly every step), and the other ``--dgc-*``."""
     return hook_recipe(
         f"Gaussian-k + gTop-k, d={density:g}, momentum correction + warm-up" + (" + per-tensor" * per_tensor)
         + (f", path {path}" if path else ""),
@@ -146,18 +150,6 @@ def add_dgc_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auto-choices", nargs="+", default=None, choices=gx.paths.PATHS,
                         help="the paths the recipe methods' auto may take (gx.PathPolicy(choices=); default: "
                              "the hook's, all but dense8)")
-
-
-def no_communication_hook(world_size: int, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The compute floor: the bucket divided by the world size, as every averaging hook does, and nothing sent."""
-    future = torch.futures.Future()
-    future.set_result(bucket.buffer().div_(world_size))
-    return future
-
-
-def attach_floor(ddp, world_size: int, args: argparse.Namespace) -> Accounting:
-    ddp.register_comm_hook(world_size, no_communication_hook)
-    return Accounting()
 
 
 @dataclass(frozen=True)
@@ -198,7 +190,7 @@ METHODS = {
     "ddp": lambda: allreduce_recipe("DDP allreduce"),
     "fp16": lambda: allreduce_recipe("fp16_compress_hook", default_hooks.fp16_compress_hook, 2),
     "bf16": lambda: allreduce_recipe("bf16_compress_hook", default_hooks.bf16_compress_hook, 2),
-    "floor": lambda: Recipe("no communication (compute floor)", attach_floor),
+    "floor": lambda: allreduce_recipe("no communication (compute floor)", no_communication_hook, 0),
     "powersgd-<rank>": powersgd_recipe,
     "dgc-<d>": lambda d: dgc_recipe(d),  # the --dgc-* flags
     "dgc-<d>-<path>": lambda d, path: dgc_recipe(d, path=path),  # the recipe on one path, or auto
@@ -262,9 +254,8 @@ def add_outer_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class LocalExchange:
-    """A local method around its inner optimizer (use :attr:`optimizer`, call :meth:`after_step` after each step):
-    PyTorch's local SGD (the weights averaged every H steps, from the first), or SparseLocalSGD (a sync after every
-    H-th step), and the bytes this rank sent (a ring allreduce of the model per average; SparseLocalSGD's count)."""
+    """A local method around its inner optimizer (use :attr:`optimizer`; :meth:`after_step` after each step): PyTorch's
+    local SGD (averaging from the first step) or SparseLocalSGD, and the bytes this rank sent by its count."""
 
     def __init__(self, method: LocalMethod, model: torch.nn.Module, inner: torch.optim.Optimizer,
                  args: argparse.Namespace, world_size: int):
@@ -274,12 +265,11 @@ class LocalExchange:
         if method.kind == "postlocal":
             self.optimizer = PostLocalSGDOptimizer(inner, PeriodicModelAverager(period=method.period, warmup_steps=0))
         else:
-            self.outer = gx.SparseLocalSGD(model.parameters(), sync_every=method.period, density=method.density,
-                                           collective=method.collective, outer_lr=args.outer_lr,
-                                           outer_momentum=args.outer_momentum,
-                                           nesterov=args.outer_nesterov and args.outer_momentum > 0,
-                                           wire=method.wire,
-                                           error_decay=args.error_decay if method.kind == "sparse" else 1.0)
+            self.outer = gx.SparseLocalSGD(
+                model.parameters(), sync_every=method.period, density=method.density, collective=method.collective,
+                outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, wire=method.wire,
+                nesterov=args.outer_nesterov and args.outer_momentum > 0,
+                error_decay=args.error_decay if method.kind == "sparse" else 1.0)
 
     def after_step(self) -> None:
         self.steps += 1
@@ -293,7 +283,7 @@ class LocalExchange:
         return self.finished or (self.steps - (self.outer is None)) % self.method.period == 0
 
     def finish(self) -> None:
-        """Exchanges once more when the last step was not an exchange: every method ends with one model."""
+        """Exchanges once more unless the last step was an exchange: every method ends with one model."""
         if not self.synced():
             if self.outer is not None:
                 self.outer.sync()

@@ -29,8 +29,7 @@ def write_json(path, settings, **record) -> None:
 
 
 def table(rows: list, columns: list[tuple], markdown: bool = False, header: bool = True) -> str:
-    """``rows`` as a text or Markdown table. ``columns``: (title, format spec, the row's key or a function of the
-    row); None shows as "-". A column is as wide as its title, its spec's width or its widest cell."""
+    """``rows`` as a text or Markdown table of ``columns``: (title, format spec, a row's key or function of a row)."""
     lines = [[title for title, _, _ in columns]] if header else []
     for row in rows:
         values = [get(row) if callable(get) else row[get] for _, _, get in columns]
@@ -55,8 +54,7 @@ def streamed(rows, columns: list[tuple]) -> list[dict]:
 
 
 def to_target(curves: list[list[dict]], reached, seconds_key: str) -> dict:
-    """The medians over ``curves`` (one per seed) of the ``step`` and ``seconds_key`` of the first point where
-    ``reached(point)``; both None unless every curve got there."""
+    """Medians over ``curves`` of ``step`` and ``seconds_key`` where first ``reached``; None unless all got there."""
     firsts = [next((point for point in curve if reached(point)), None) for curve in curves]
     if not firsts or None in firsts:
         return {"steps_to_target": None, "seconds_to_target": None}
@@ -84,8 +82,8 @@ def save(figure, path) -> None:
 
 def plot_curves(runs: list[dict], path, title: str, ylabel: str, y, panels: list[tuple], yscale: str = "linear",
                 style=None) -> None:
-    """One line per run (its ``curve`` of points, labelled ``label``) of ``y(point)`` against each panel's
-    ``x(point)``: ``panels`` are (x label, x, x scale); ``style(index, run)``: the line's matplotlib options."""
+    """A line per run (its ``curve``, labelled ``label``) of ``y(point)`` against each panel's ``x(point)``: ``panels``
+    are (x label, x, x scale); ``style(index, run)``: the line's matplotlib options."""
     import matplotlib.ticker
 
     fig, axes = figure(1, len(panels), (max(9.0, 5.5 * len(panels) + 0.5), 5.5))
@@ -108,8 +106,8 @@ def plot_curves(runs: list[dict], path, title: str, ylabel: str, y, panels: list
 
 
 def progress(total: int, rank: int, args, config: dict):
-    """Rank 0's progress bar in steps (disabled, drawing nothing, elsewhere or with ``args.no_progress``). The driver
-    streams it from a log file: redrawn every 0.1 s it would flood a redirect of the driver's output."""
+    """Rank 0's progress bar in steps (none elsewhere, or with ``args.no_progress``). The driver streams it from a
+    log: redrawn every 0.1 s it would flood a redirect of the driver's output."""
     from tqdm import tqdm
 
     return tqdm(total=total, unit="step", mininterval=0.5 if config["tty"] else 30, file=sys.stdout,

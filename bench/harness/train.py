@@ -1,5 +1,4 @@
-"""The benchmarks' training loop: one method on this rank (``Trainer``), its measured curve, the batches, the
-evaluation, and the reductions over ranks that the measurements take."""
+"""The benchmarks' training loop (``Trainer``, ``train_curve``), batches, evaluation and reductions over the ranks."""
 
 from __future__ import annotations
 
@@ -18,24 +17,23 @@ from bench.harness.methods import LocalExchange, Recipe, method as method_named,
 
 class Trainer:
     """One method (a name of bench.harness.methods, or a Recipe) on this rank: ``model`` under DDP with the
-    method's hook, or a replica under a local method; :func:`sgd`; the bytes this rank sent by the method's count."""
+    method's hook, or a replica under a local method (``local``); :func:`sgd`; the bytes sent by the method's count."""
 
     def __init__(self, method: str | Recipe, model: nn.Module, args: argparse.Namespace, world_size: int):
-        self.model, self.trained, self.local, self.sent, self.mean = model, model, None, 0, None
         found = method if isinstance(method, Recipe) else method_named(method)
+        self.model, self.trained, self.sent, self.mean = model, model, 0, None
         self.recipe = found if isinstance(found, Recipe) else None
-        if self.recipe is not None:
-            # One bucket: a cap above the model's size (DDP's first bucket then has that cap too).
+        self.optimizer = sgd(model, args, self.recipe is not None and self.recipe.momentum_in_hook)
+        self.local = None if self.recipe is not None else LocalExchange(found, model, self.optimizer, args, world_size)
+        if self.local is not None:
+            self.optimizer = self.local.optimizer
+        else:  # one bucket: a cap above the model's size (DDP's first bucket then has that cap too)
             cap_mb = numel_of(model) * 4 / 2**20 + 1 if self.recipe.one_bucket else getattr(args, "bucket_cap_mb", None)
             self.trained = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
             self.accounting = self.recipe.attach(self.trained, world_size, args)
-        self.optimizer = sgd(model, args, self.recipe is not None and self.recipe.momentum_in_hook)
-        if self.recipe is None:
-            self.local = LocalExchange(found, model, self.optimizer, args, world_size)
-            self.optimizer = self.local.optimizer
 
     def measured_step(self, loss_of, tx, last: bool = False) -> dict:
-        """One step on ``loss_of(trained model)``, started by every rank together (then, when ``last``, the exchange
+        """One step on ``loss_of(trained model)``, started by every rank together (with ``last``, then the exchange
         that leaves one model): its loss, seconds, CPU seconds (all threads), bytes sent by the method's count and
         by ``tx`` (a TxCounter), and its buckets' paths."""
         dist.barrier()
@@ -46,7 +44,7 @@ class Trainer:
         self.optimizer.step()
         if self.local is not None:
             self.local.after_step()
-            if last:  # every method ends with one model
+            if last:
                 self.local.finish()
         else:
             self.sent += self.accounting.bytes_sent()
@@ -58,8 +56,8 @@ class Trainer:
         return self.local.bytes_sent() if self.local is not None else self.sent
 
     def shared_model(self) -> nn.Module:
-        """The model the ranks share: the replica where they are one model, else the mean of the replicas in a copy
-        (an allreduce the byte counts leave out)."""
+        """The model the ranks share: the replica where they are one model, else the replicas' mean in a copy (an
+        allreduce the byte counts leave out)."""
         if self.local is None or self.local.synced():
             return self.model
         if self.mean is None:
@@ -68,8 +66,7 @@ class Trainer:
 
 
 def sgd(model: nn.Module, args: argparse.Namespace, momentum_in_hook: bool = False) -> torch.optim.SGD:
-    """SGD with ``args.lr`` and, unless the hook applies them, ``args.momentum`` and, where given, ``args.nesterov``
-    and ``args.weight_decay``."""
+    """SGD with ``args.lr`` and, unless the hook applies them, ``args.momentum``, ``nesterov`` and ``weight_decay``."""
     return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if momentum_in_hook else args.momentum,
                            nesterov=getattr(args, "nesterov", False) and not momentum_in_hook,
                            weight_decay=0.0 if momentum_in_hook else getattr(args, "weight_decay", 0.0))
@@ -77,11 +74,9 @@ def sgd(model: nn.Module, args: argparse.Namespace, momentum_in_hook: bool = Fal
 
 def train_curve(trainer: Trainer, steps: int, loss_at, evaluate, eval_every: int, tx, progress=None,
                 after_step=None, stop=None) -> tuple[list[dict], list[dict]]:
-    """Trains ``trainer`` for ``steps`` measured steps on ``loss_at(step)`` (a ``loss_of(model)``), calling
-    ``after_step(step)`` after each. Returns the curve (a point at step 0, every ``eval_every`` steps and the last:
-    ``evaluate(shared model)``, the slowest rank's training seconds and this rank's bytes sent so far) and every
-    step's measurements. ``stop(point)``: ends the training after that point (the same on every rank: a point's
-    figures are)."""
+    """Trains ``steps`` measured steps on ``loss_at(step)``, calling ``after_step(step)`` after each. Returns the curve
+    (at step 0, every ``eval_every`` steps and the last: ``evaluate(shared model)``, the slowest rank's seconds and
+    this rank's bytes) and every step's measurements. ``stop(point)``: stops there (on every rank: points agree)."""
     curve, measured = [], []
     for step in range(steps + 1):
         if step:
@@ -101,8 +96,7 @@ def train_curve(trainer: Trainer, steps: int, loss_at, evaluate, eval_every: int
 
 
 def epoch_batches(epoch: int, seed: int, n_train: int, rank: int, world_size: int, batch_size: int) -> list:
-    """This rank's index batches for one epoch: one shuffle shared by the ranks, each global batch split by rank;
-    the incomplete last batch is dropped."""
+    """This rank's index batches of an epoch: one shuffle, each global batch split by rank, no incomplete one."""
     order = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     global_batch = world_size * batch_size
     return [order[start + rank * batch_size: start + (rank + 1) * batch_size]
@@ -110,7 +104,7 @@ def epoch_batches(epoch: int, seed: int, n_train: int, rank: int, world_size: in
 
 
 def batch_loss(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor):
-    """A ``loss_of(model)``: the cross-entropy of the classifier on the examples ``index`` of (x, y)."""
+    """A ``loss_of(model)``: the classifier's cross-entropy on the examples ``index`` of (x, y)."""
     return lambda model: nn.functional.cross_entropy(model(x[index]), y[index])
 
 
@@ -122,7 +116,7 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
 
 
 def evaluation(x: torch.Tensor, y: torch.Tensor, accuracy_key: str, loss_key: str):
-    """An ``evaluate(model)`` for :func:`train_curve`: :func:`evaluate` on (x, y), as a point's two keys."""
+    """An ``evaluate(model)`` for :func:`train_curve`: :func:`evaluate` on (x, y) as a point's two keys."""
     return lambda model: dict(zip((accuracy_key, loss_key), evaluate(model, x, y)))
 
 

@@ -34,10 +34,11 @@ TRACED_STEP = 5
 
 
 class Tracer:
-    """A profile function that records (event, file, function, whether an argument is the bucket's storage)."""
+    """The hook's state for ``traced_hook``, and a profile function that records (thread, event, file, whether an
+    argument is the bucket's storage, frame)."""
 
-    def __init__(self):
-        self.on, self.storage, self.events = False, None, []
+    def __init__(self, state: gx.SparseGradState):
+        self.state, self.on, self.storage, self.events = state, False, None, []
 
     def __call__(self, frame, event, arg):
         filename = frame.f_code.co_filename
@@ -48,23 +49,25 @@ class Tracer:
         passed = event == "call" and any(
             isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == self.storage
             for value in (frame.f_locals.get(name) for name in names))
-        self.events.append((event, filename[len(PACKAGE):], code.co_name, passed, id(frame)))
+        self.events.append((threading.get_ident(), event, filename[len(PACKAGE):], passed, id(frame)))
 
 
 def visits(events, only_passed: bool) -> list[str]:
     """The file the step is in after each call and return (of the calls that pass the bucket, if only_passed),
-    one entry per stay."""
-    route, stack, followed = [], [], set()
-    for event, filename, _, passed, frame in events:
-        if event == "call" and (passed or not only_passed):
-            stack.append(filename)
-            followed.add(frame)
-            route.append(filename)
-        elif event == "return" and frame in followed:
-            followed.discard(frame)
-            stack.pop()
-            if stack:
-                route.append(stack[-1])
+    one entry per stay; thread by thread, in the order the threads start (interleaved, the count would vary)."""
+    route = []
+    for thread in dict.fromkeys(thread for thread, *_ in events):
+        stack, followed = [], set()
+        for _, event, filename, passed, frame in (e for e in events if e[0] == thread):
+            if event == "call" and (passed or not only_passed):
+                stack.append(filename)
+                followed.add(frame)
+                route.append(filename)
+            elif event == "return" and frame in followed:
+                followed.discard(frame)
+                stack.pop()
+                if stack:
+                    route.append(stack[-1])
     return [f for i, f in enumerate(route) if i == 0 or route[i - 1] != f]
 
 
@@ -84,8 +87,7 @@ def run(rank: int, world_size: int, init: str, args: argparse.Namespace) -> None
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10)))
-    tracer = Tracer()
-    tracer.state = gx.SparseGradState(density=0.01, path="sparse", collective=args.collective, wire=args.wire)
+    tracer = Tracer(gx.SparseGradState(density=0.01, path="sparse", collective=args.collective, wire=args.wire))
     model.register_comm_hook(tracer, traced_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if rank == 0:

@@ -29,7 +29,8 @@ def write_json(path, settings, **record) -> None:
 
 
 def table(rows: list, columns: list[tuple], markdown: bool = False, header: bool = True) -> str:
-    """``rows`` as a text or Markdown table of ``columns``: (title, format spec, a row's key or function of a row)."""
+    """``rows`` as a text or Markdown table of ``columns``: (title, format spec, a row's key or function of a row);
+    None shows as "-"."""
     lines = [[title for title, _, _ in columns]] if header else []
     for row in rows:
         values = [get(row) if callable(get) else row[get] for _, _, get in columns]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from collections import Counter
+from types import SimpleNamespace
 from typing import Union
 
 import torch
@@ -31,7 +31,7 @@ BACKEND_NAMES = ("auto", "cpu", "cuda", "triton")
 
 
 class Backend:
-    """Runs the ops on the devices and dtypes it declares. ``calls`` counts the op calls made through it."""
+    """Runs the ops on the devices and dtypes it declares; :attr:`kernels` holds them, loaded at first use."""
 
     name = ""
     dtypes = FLOAT_DTYPES
@@ -40,9 +40,6 @@ class Backend:
 
     # merge_topk by gtopk_ext.torch_kernels rather than by a kernel of this backend.
     merges_with_torch = False
-
-    def __init__(self):
-        self.calls: Counter[str] = Counter()
 
     def not_supported_reasons(self, device: torch.device, dtype: torch.dtype | None = None,
                               op: str | None = None) -> list[str]:
@@ -61,11 +58,17 @@ class Backend:
         """The namespace whose attributes are the ops, called with the C++ schema's arguments."""
         raise NotImplementedError
 
-    def run(self, op: str, *args, **kwargs):
-        """``op(*args, **kwargs)`` on this backend's kernels."""
-        self.calls[op] += 1
-        kernels = torch_kernels if op == "merge_topk" and self.merges_with_torch else self._kernels()
-        return getattr(kernels, op)(*args, **kwargs)
+    @functools.cached_property
+    def ready(self) -> set[torch.device]:
+        """The devices on which :func:`choose` found that this backend can run."""
+        return set()
+
+    @functools.cached_property
+    def kernels(self) -> SimpleNamespace:
+        """Every op this backend runs, by name, called with the C++ schema's arguments in order."""
+        namespace = self._kernels()
+        return SimpleNamespace(**{op: torch_kernels.merge_topk if op == "merge_topk" and self.merges_with_torch
+                                  else getattr(namespace, op) for op in self.ops})
 
     def __reduce__(self):
         return backend_named, (self.name,)  # one object per backend, also across pickling
@@ -187,6 +190,7 @@ def choose(device: torch.device, backend: BackendLike = None, *, dtype: torch.dt
         chosen = _BY_NAME[name]
     if chosen.not_supported_reasons(device, dtype, op):
         raise _unsupported(chosen, device, dtype, op)
+    chosen.ready.add(device)
     return chosen
 
 

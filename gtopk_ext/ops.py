@@ -9,18 +9,17 @@ of the kernels.
 
 from __future__ import annotations
 
-import functools
 import math
 from statistics import NormalDist
+from types import SimpleNamespace
 
 import torch
 
-from gtopk_ext import _contract, backends
-from gtopk_ext._contract import (NUM_STATS, STAT_GAUSSIAN_THRESHOLD, STAT_MAX_ABS,  # noqa: F401  (re-exported)
-                                 STAT_MEAN, STAT_STD, STAT_THRESHOLD)
-from gtopk_ext.backends import BACKEND_NAMES as BACKENDS  # noqa: F401  (re-exported)
-from gtopk_ext.backends import Backend, BackendLike  # noqa: F401  (re-exported)
-from gtopk_ext.torch_kernels import merge_topk as merge_topk_with_torch  # noqa: F401  (re-exported)
+from gtopk_ext import backends
+# gaussian_threshold's output layout, read through this module by its callers.
+from gtopk_ext._contract import (NUM_STATS, STAT_GAUSSIAN_THRESHOLD, STAT_MAX_ABS, STAT_MEAN,  # noqa: F401
+                                 STAT_STD, STAT_THRESHOLD)
+from gtopk_ext.backends import Backend, BackendLike
 
 
 def z_for_density(density: float) -> float:
@@ -38,30 +37,13 @@ def is_finite(tensor: torch.Tensor) -> bool:
     return math.isfinite(smallest) and math.isfinite(largest)
 
 
-def resolve_backend(device: torch.device, backend: BackendLike = None) -> str:
-    """The name of the backend that runs the ops on ``device`` (see :func:`gtopk_ext.backends.choose`)."""
-    return backends.choose(device, backend).name
-
-
-def _kernels(device: torch.device, backend: BackendLike):
-    """The op namespace of the backend chosen for ``device`` (for tests that call the ops positionally)."""
-    return backends.choose(device, backend)._kernels()
-
-
-@functools.cache
-def _number_types(op: str) -> dict[str, type]:
-    """The float and int arguments of op's schema, by name."""
-    python_types = {torch.FloatType: float, torch.IntType: int}
-    return {a.name: python_types[type(a.type)] for a in _contract.schema(op).arguments if type(a.type) in python_types}
-
-
-def _run(op: str, backend: BackendLike, **arguments):
-    """``op`` with its schema's arguments by name (numbers converted to the schema's types) on the backend chosen
-    for the device of its tensors (a kernel rejects tensors on several devices)."""
-    for name, python_type in _number_types(op).items():
-        arguments[name] = python_type(arguments[name])
-    device = next(value.device for value in arguments.values() if isinstance(value, torch.Tensor))
-    return backends.choose(device, backend, op=op).run(op, **arguments)
+def _kernels(tensor: torch.Tensor, backend: BackendLike, op: str) -> SimpleNamespace:
+    """The kernels of ``backend`` for ``op`` on the tensor's device (a kernel rejects tensors on several devices):
+    a :class:`~gtopk_ext.backends.Backend` already checked on that device (what compressors, collectives and the
+    hooks pass) as it is; else the one that a name, the object or ``$GTOPK_EXT_BACKEND`` chooses, checked."""
+    if not (isinstance(backend, Backend) and op in backend.ops and tensor.device in backend.ready):
+        backend = backends.choose(tensor.device, backend, op=op)
+    return backend.kernels
 
 
 def _raise_on_invalid(invalid: torch.Tensor, op: str, numel: int) -> None:
@@ -79,7 +61,7 @@ def gaussian_threshold(grad: torch.Tensor, residual: torch.Tensor | None = None,
     to select with: when ``k > 0`` the one that a log-scale histogram of |acc| says keeps about ``k`` elements,
     else the Gaussian one. No host sync.
     """
-    return _run("gaussian_threshold", backend, grad=grad, residual=residual, z=z, k=k)
+    return _kernels(grad, backend, "gaussian_threshold").gaussian_threshold(grad, residual, float(z), int(k))
 
 
 def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int, *,
@@ -91,7 +73,7 @@ def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int, *,
     ``capacity`` pass, the ones at or above the upper edge of the threshold's histogram bin (2.2% above it) are
     kept first and the rest of the slots go to the others in index order, so no large element is dropped.
     """
-    return _run("compact", backend, acc=acc, threshold=threshold, capacity=capacity)
+    return _kernels(acc, backend, "compact").compact(acc, threshold, int(capacity))
 
 
 def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None = None, *, z: float, k: int, capacity: int,
@@ -105,8 +87,8 @@ def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None = None, *,
     :func:`residual_update_` with the returned values and indices would make it (the selected elements become
     +0.0), without its sort: error feedback in one call.
     """
-    return _run("gaussian_select", backend, grad=grad, residual=residual, z=z, k=k, capacity=capacity,
-                update_residual=update_residual)
+    return _kernels(grad, backend, "gaussian_select").gaussian_select(grad, residual, float(z), int(k), int(capacity),
+                                                                     bool(update_residual))
 
 
 def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch.Tensor, values_b: torch.Tensor,
@@ -118,8 +100,7 @@ def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch
     Returns ``(indices int32[k], values[k] in values_a's dtype, union_size int32[1])``. Deterministic: partners
     that pass the same two sets in the same order get bitwise the same result.
     """
-    return _run("merge_topk", backend, indices_a=indices_a, values_a=values_a, indices_b=indices_b,
-                values_b=values_b, k=k)
+    return _kernels(values_a, backend, "merge_topk").merge_topk(indices_a, values_a, indices_b, values_b, int(k))
 
 
 def scatter_add_(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, backend: BackendLike = None,
@@ -129,7 +110,7 @@ def scatter_add_(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tenso
     Indices outside ``[0, dense.numel())`` are never written; with ``check`` they raise ValueError (one host
     sync), else their number is lost. Use ``torch.ops.gtopk_ext.scatter_add`` to get it as a tensor.
     """
-    invalid = _run("scatter_add", backend, dense=dense, indices=indices, values=values)
+    invalid = _kernels(dense, backend, "scatter_add").scatter_add(dense, indices, values)
     if check:
         _raise_on_invalid(invalid, "scatter_add", dense.numel())
     return dense
@@ -142,11 +123,10 @@ def residual_update_(residual: torch.Tensor, indices: torch.Tensor, values: torc
     With values taken from ``compact`` of this residual, the sent entries become exactly zero. Index rules as in
     :func:`scatter_add_`.
     """
-    invalid = _run("residual_update", backend, residual=residual, indices=indices, values=values)
+    invalid = _kernels(residual, backend, "residual_update").residual_update(residual, indices, values)
     if check:
         _raise_on_invalid(invalid, "residual_update", residual.numel())
     return residual
-
 
 
 def wire_encode(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor, numel: int, *,
@@ -157,7 +137,7 @@ def wire_encode(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor
     one pattern), the int16 low 16 bits of each index, and ``pages`` (int32, one entry per 65536 elements plus
     one: how many slots have a smaller index than the page's first) from which the high bits follow. 4 bytes per
     slot and 4 per 65536 elements of the tensor; slots past the count are (0, 0). No host sync on GPUs."""
-    return _run("wire_encode", backend, indices=indices, values=values, count=count, numel=numel)
+    return _kernels(values, backend, "wire_encode").wire_encode(indices, values, count, int(numel))
 
 
 def wire_decode(halves: torch.Tensor, low: torch.Tensor, pages: torch.Tensor, shift: torch.Tensor,
@@ -167,5 +147,4 @@ def wire_decode(halves: torch.Tensor, low: torch.Tensor, pages: torch.Tensor, sh
     exactly ``float(half) * 2^-shift``. ``invalid`` counts the signs of a corrupted message (a shift out of range,
     a page table that does not ascend from 0 to the count, indices that do not ascend or reach ``numel``); the
     slots concerned come out as (0, 0), so nothing is written out of bounds downstream."""
-    return _run("wire_decode", backend, halves=halves, low=low, pages=pages, shift=shift, count=count,
-                numel=numel)
+    return _kernels(halves, backend, "wire_decode").wire_decode(halves, low, pages, shift, count, int(numel))

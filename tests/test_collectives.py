@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import gtopk_ext as gx
 from gtopk_ext.ddp import reduce_buffer
-from gtopk_ext import ops, reference
+from gtopk_ext import ops, reference, torch_kernels
 from gtopk_ext.collectives import Traffic, _transport
 from tests.distributed import run_distributed
 
@@ -93,7 +93,7 @@ index_lists = st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True)
 value_choices = st.sampled_from([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0, 0.0, 3.25])
 
 
-MERGES = {"cpp": ops.merge_topk, "torch": ops.merge_topk_with_torch}  # the CPU kernel, and what GPUs run
+MERGES = {"cpp": ops.merge_topk, "torch": torch_kernels.merge_topk}  # the CPU kernel, and what GPUs run
 
 
 def assert_merge_matches_reference(ia, va, ib, vb, k):
@@ -144,7 +144,7 @@ def test_merge_topk_large_sets_and_bad_arguments():
         ib = torch.cat([ib, torch.zeros(k - ib.numel(), dtype=torch.int32)])  # padded, as after a small union
         va, vb = torch.randn(k, generator=generator), torch.randn(k, generator=generator)
         vb[k // 2:] = 0.0
-        for actual, want in zip(ops.merge_topk(ia, va, ib, vb, k), ops.merge_topk_with_torch(ia, va, ib, vb, k)):
+        for actual, want in zip(ops.merge_topk(ia, va, ib, vb, k), torch_kernels.merge_topk(ia, va, ib, vb, k)):
             assert torch.equal(actual, want), k
     idx, val = torch.zeros(4, dtype=torch.int32), torch.zeros(4)
     for args, message in (((idx.long(), val, idx, val, 4), "indices_a must be a 1-D int32 tensor"),

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gtopk_ext as gx
-from gtopk_ext import collectives, ops, reference, wire
+from gtopk_ext import backends, collectives, ops, reference, wire
 from tests.distributed import run_distributed
 from tests.test_collectives import Members, bucket_input, equal_on_every_rank, reduce_and_check_bucket
 from tests.test_ops import BACKENDS, DTYPES, backend_device
@@ -170,7 +170,7 @@ def bad_wire_calls():
 
 
 def test_bad_wire_arguments_are_rejected_clearly(backend):
-    kernels = ops._kernels(backend_device(backend), backend)
+    kernels = backends.choose(backend_device(backend), backend).kernels
     for op_name, args, message in bad_wire_calls():
         args = tuple(a.to(backend_device(backend)) if isinstance(a, torch.Tensor) else a for a in args)
         with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace("^", r"\^").replace("[", r"\[")):

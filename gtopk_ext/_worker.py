@@ -49,7 +49,10 @@ class Worker:
 
     A job may run long and wait for peers on a condition of its own (WAGMA's: a whole run of rounds): ``wake`` is
     called, with none of the worker's locks held, when the worker fails or starts closing, so that such a job (or
-    a thread beside it) looks again at ``failure`` and ``closed``."""
+    a thread beside it) looks again at ``failure`` and ``closed``.
+
+    ``busy_until``: when the latest asynchronous collective that its jobs issued completed (``perf_counter``), set
+    by the issuer: the group runs them one after another, so a later one's own time starts there."""
 
     def __init__(self, group: dist.ProcessGroup, name: str = "sparse_grad_hook",
                  wake: Optional[Callable[[], None]] = None):
@@ -59,6 +62,7 @@ class Worker:
         self.rank = dist.get_rank(group)
         self.failure: Optional[BaseException] = None
         self.closed = False
+        self.busy_until = 0.0
         self._store = distributed_c10d._get_process_group_store(group)
         serial = _states_started[group.group_name] = _states_started.get(group.group_name, -1) + 1
         self._key = f"gtopk_ext/{name}/{group.group_name}/{serial}/failure"

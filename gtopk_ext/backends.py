@@ -194,24 +194,23 @@ def choose(device: torch.device, backend: BackendLike = None, *, dtype: torch.dt
     return chosen
 
 
-class BackendChoice:
-    """A backend preference (a name, a ``Backend`` or None) resolved once per device, at the first call that
-    sees the device, and remembered: what compressors, collectives and the DDP hook hand to every op."""
+class BackendChoice(dict):
+    """A backend preference (a name, a ``Backend`` or None) resolved once per device and remembered, by device:
+    ``choice[device]`` is the :class:`Backend` that compressors, collectives and the hooks hand to every op on
+    ``device`` (chosen at the first lookup of the device, a dictionary lookup after it)."""
 
     def __init__(self, backend: BackendLike = None):
+        super().__init__()
         if isinstance(backend, BackendChoice):
             backend = backend.preference
         if not (backend is None or isinstance(backend, Backend) or backend in BACKEND_NAMES):
             raise ValueError(f"backend must be one of {BACKEND_NAMES} or a gtopk_ext.backends.Backend, got "
                              f"{backend!r}")
         self.preference = backend
-        self._chosen: dict[torch.device, Backend] = {}
 
-    def for_device(self, device: torch.device) -> Backend:
-        chosen = self._chosen.get(device)
-        if chosen is None:
-            chosen = self._chosen[device] = choose(device, self.preference)
+    def __missing__(self, device: torch.device) -> Backend:
+        chosen = self[device] = choose(device, self.preference)
         return chosen
 
     def __repr__(self) -> str:
-        return f"BackendChoice({self.preference!r}, chosen={dict(self._chosen)})"
+        return f"BackendChoice({self.preference!r}, chosen={dict(self)})"

@@ -26,7 +26,8 @@ PAPER_CORRECTION_STEPS = 3
 
 def k_for_density(density: float, numel: int) -> int:
     """``ceil(density * numel)`` clamped to [1, numel]; float noise below 1e-6 (0.07 * 100) is not rounded up."""
-    check_density(density)
+    if not (isinstance(density, float) and 0.0 < density <= 1.0):  # the full check only then: this runs per step
+        check_density(density)
     return max(1, min(numel, math.ceil(round(density * numel, 6))))
 
 
@@ -99,7 +100,7 @@ class Compressor:
         _check_inputs(grad, residual)
         flat_grad = grad.detach().reshape(-1)
         flat_residual = residual.view(-1) if residual is not None else None
-        backend = self.backend.for_device(flat_grad.device)
+        backend = self.backend[flat_grad.device]
         if k is None:
             k = self.k_for(flat_grad.numel())
         elif isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= flat_grad.numel():
@@ -238,3 +239,80 @@ def compressor_at(compressor: "str | Compressor", density: float, **options) -> 
         raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS} or a gx.make_compressor(...), got "
                          f"{compressor!r}")
     return make_compressor(compressor, density, **options)
+
+
+# ----- a flat tensor made of parts (a DDP bucket's parameters) -----
+
+
+def part_maxima(tensor: torch.Tensor, parts: list[int] | None) -> torch.Tensor:
+    """max |tensor| over each part (the whole tensor without ``parts``); NaN where one is NaN. (aminmax: one
+    vectorised pass, much faster on the CPU than an inf-norm, which takes an absolute value first.)"""
+    slices = tensor.split(parts) if parts is not None else [tensor]
+    extremes = [torch.stack(torch.aminmax(s)) if s.numel() else tensor.new_zeros(2) for s in slices]
+    return torch.stack(extremes).abs().amax(dim=1)
+
+
+def hold_unused(residual: torch.Tensor, maxima: list[float], parts: list[int] | None,
+                zero: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Save (and ``zero``, for the selection) each part whose gradient is all zero (``maxima`` 0: unused by this
+    rank); returns (part, saved copy) pairs to restore afterwards."""
+    if parts is None:
+        return []
+    held, offset = [], 0
+    for numel, largest in zip(parts, maxima):
+        if largest == 0 and numel:
+            part = residual[offset:offset + numel]
+            held.append((part, part.clone()))
+            if zero:
+                part.zero_()
+        offset += numel
+    return held
+
+
+def select(compressor: Compressor, tensor: torch.Tensor, residual: torch.Tensor | None, maxima: list[float],
+           parts: list[int] | None, k: int, step: int) -> tuple[SparseMessage, torch.Tensor | None]:
+    """``tensor + residual`` compressed to k slots (what is not selected stays in the residual), the whole tensor at
+    once or, with a per-tensor compressor, each part with its share of k; a part unused here (an all-zero
+    gradient) keeps its residual out of the selection. Returns the message and a bound on the residual's max
+    |value| after it (None when unknown)."""
+    if compressor.per_tensor and parts is not None and len(parts) > 1:
+        return _select_per_part(compressor, tensor, residual, maxima, parts, k, step)
+    held = hold_unused(residual, maxima, parts) if residual is not None else []
+    msg = compressor.compress(tensor, residual, step=step)
+    for part, saved in held:  # compressed as zeros: nothing of them was taken
+        part.copy_(saved)
+    bound = msg.stats[ops.STAT_MAX_ABS] if msg.stats is not None and not held else None
+    return msg, bound
+
+
+def _select_per_part(compressor: Compressor, tensor: torch.Tensor, residual: torch.Tensor | None,
+                     maxima: list[float], parts: list[int], k: int, step: int
+                     ) -> tuple[SparseMessage, torch.Tensor | None]:
+    """Each part compressed with its share of k; a part unused here sends nothing and keeps its residual. Used
+    slots first, in ascending index order, then the padding."""
+    grads = tensor.split(parts)
+    residuals = residual.split(parts) if residual is not None else [None] * len(parts)
+    values, indices, used, bounds, offset = [], [], [], [], 0
+    for grad, part_residual, share, largest, numel in zip(grads, residuals, tensor_shares(k, parts), maxima, parts):
+        if share and largest != 0:
+            part = compressor.compress(grad, part_residual, step=step, k=share)
+            values.append(part.values)
+            indices.append(part.indices + offset)
+            used.append(torch.arange(share, device=tensor.device) < part.count)
+            bounds.append(part.stats[ops.STAT_MAX_ABS] if part.stats is not None else None)
+        elif share:
+            values.append(torch.zeros(share, dtype=tensor.dtype, device=tensor.device))
+            indices.append(torch.zeros(share, dtype=torch.int32, device=tensor.device))
+            used.append(torch.zeros(share, dtype=torch.bool, device=tensor.device))
+            bounds.append(None)
+        elif part_residual is not None:  # no slot this step: the gradient waits in the residual
+            part_residual.add_(grad)
+            bounds.append(None)
+        offset += numel
+    used = torch.cat(used)
+    order = torch.argsort((~used).to(torch.int32), stable=True)
+    in_use = used[order]
+    msg = SparseMessage(torch.cat(values)[order], torch.where(in_use, torch.cat(indices)[order], 0),
+                        in_use.sum(dtype=torch.int32).reshape(1), tensor.numel())
+    bound = None if any(b is None for b in bounds) else torch.stack(bounds).max()
+    return msg, bound

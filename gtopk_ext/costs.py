@@ -1,29 +1,15 @@
-"""What moving bytes costs: this rank's byte counter, the byte formulas of the collectives (the ring algorithms
-the backends run; the hierarchical collective's node phases), and the alpha-beta model of one exchange that
+"""What moving bytes costs: the byte formulas of the collectives (the ring algorithms the backends run; the
+hierarchical collective's node phases), the summaries' byte lines, and the alpha-beta model of one exchange that
 bench/cost_model.py fits (docs/scaling.md), from each collective's :meth:`Collective.cost_terms`."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gtopk_ext.collectives import Collective
     from gtopk_ext.wire import Wire
-
-
-@dataclass
-class Traffic:
-    """Bytes this rank sent and received, counted by the collectives that are given one. Collectives run by the
-    backend (all_gather, all_reduce) are counted as a ring algorithm moves them."""
-
-    sent: int = 0
-    received: int = 0
-
-    def add(self, sent: int, received: int) -> None:
-        self.sent += sent
-        self.received += received
 
 
 def format_bytes(count: float) -> str:

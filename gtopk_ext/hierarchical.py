@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gtopk_ext.collectives import SPARSE_COLLECTIVES, OkTopkState, Reduced, collective_named, group_rank_and_size
+from gtopk_ext.collectives import (SPARSE_COLLECTIVES, OkTopkState, Reduced, Traffic, collective_named,
+                                   group_rank_and_size, keep_unapplied)
 from gtopk_ext.collectives._transport import sparse_alltoallv
 from gtopk_ext.compressors import Compressor, tensor_shares
-from gtopk_ext.costs import Traffic, inner_result_slots, node_gather_bytes, ring_allgather_bytes
+from gtopk_ext.costs import inner_result_slots, node_gather_bytes, ring_allgather_bytes
 from gtopk_ext.message import SparseMessage, padding_message
 from gtopk_ext.ops import is_finite
-from gtopk_ext.reduction import keep_unapplied
 from gtopk_ext.wire import Rounding, WireLike, wire_named
 
 HIERARCHICAL_INNER = SPARSE_COLLECTIVES
@@ -127,7 +127,7 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
 
     ``residual`` (flat, the tensor's size, or None: no error feedback) is zero outside this rank's shard and
     becomes, on return, zero outside it and the shard's node sum minus what was applied inside it
-    (:func:`gtopk_ext.reduction.keep_unapplied`): every other element of ``tensor + residual`` is in the average.
+    (:func:`gtopk_ext.collectives.keep_unapplied`): every other element of ``tensor + residual`` is in the average.
     ``flags`` (int32[1], optional): bits this rank raises; on return their OR over the group. A shard whose node
     sum is not finite sends nothing and raises ``nonfinite_flag``; when any bit is raised, nothing is applied and
     ``tensor`` and ``residual`` are left as they were (``average`` None). ``wire``: the inner collective's wire
@@ -141,7 +141,7 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
     collective = collective_named(inner, compressor.backend)
     node_group, cross_group = node_groups(group, local_size)
     local_rank, numel, device = rank % local_size, tensor.numel(), tensor.device
-    backend = compressor.backend.for_device(device)
+    backend = compressor.backend[device]
     bounds = shard_bounds(numel, local_size)
     widths = [end - start for start, end in zip(bounds, bounds[1:])]
     shard = slice(bounds[local_rank], bounds[local_rank + 1])

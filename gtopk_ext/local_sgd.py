@@ -30,17 +30,16 @@ import torch
 import torch.distributed as dist
 
 from gtopk_ext._contract import FLOAT_DTYPES
-from gtopk_ext._validate import check_number, tensor_list
-from gtopk_ext.collectives import MAX_NUMEL, SPARSE_COLLECTIVES, agree, collective_named, group_rank_and_size
+from gtopk_ext._validate import check_int, check_number, tensor_list
+from gtopk_ext.collectives import MAX_NUMEL, SPARSE_COLLECTIVES, Traffic, agree, group_rank_and_size
 from gtopk_ext.compressors import COMPRESSOR_KINDS, check_density, make_compressor
-from gtopk_ext.costs import Traffic, format_bytes, latest_line, ring_allreduce_bytes, sent_and_received
+from gtopk_ext.config import SparseConfig
+from gtopk_ext.costs import format_bytes, latest_line, ring_allreduce_bytes, sent_and_received
 from gtopk_ext.reduction import reduce
 from gtopk_ext.resume import StateDicts, plan_resume, world_fields
-from gtopk_ext.wire import WIRES, wire_named
+from gtopk_ext.wire import WIRES
 
-__all__ = ["SparseLocalSGD", "COLLECTIVES"]
-
-COLLECTIVES = (*SPARSE_COLLECTIVES, "dense")
+__all__ = ["SparseLocalSGD"]
 
 
 class _Shard:
@@ -123,11 +122,12 @@ class SparseLocalSGD:
                  nesterov: bool = False, process_group: dist.ProcessGroup | None = None, *,
                  compressor: str = "gaussiank", compressor_kwargs: dict | None = None,
                  buffers: Iterable[torch.Tensor] = (), wire: str = "plain", error_decay: float = 1.0):
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        check_int("sync_every", sync_every, 1)
+        if compressor not in COMPRESSOR_KINDS:
+            raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {compressor!r}")
         check_density(density)
-        if collective not in COLLECTIVES:
-            raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+        self.config = SparseConfig(density, make_compressor(compressor, density, **dict(compressor_kwargs or {})),
+                                   collective, wire)
         if collective == "dense" and density != 1.0:
             raise ValueError(f"collective='dense' sends every element: density must be 1.0, got {density!r} "
                              f"(a sparse collective sends a fraction: {SPARSE_COLLECTIVES})")
@@ -142,12 +142,9 @@ class SparseLocalSGD:
         if nesterov and self.outer_momentum == 0.0:
             raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD): set a momentum or "
                              "nesterov=False")
-        wire_named(wire)
         if collective == "dense" and wire != "plain":
             raise ValueError(f"collective='dense' allreduces float32 on the plain wire, got wire={wire!r} (the "
                              f"compact wire is for the sparse collectives: {SPARSE_COLLECTIVES})")
-        if compressor not in COMPRESSOR_KINDS:
-            raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {compressor!r}")
         self.params = tensor_list(params, "params")
         if not self.params:
             raise ValueError("params is empty: pass the model's parameters")
@@ -158,9 +155,7 @@ class SparseLocalSGD:
         self.buffers = tensor_list(buffers, "buffers")
         self.sync_every, self.density, self.collective, self.wire = sync_every, float(density), collective, wire
         self.nesterov, self.process_group, self.compressor = nesterov, process_group, compressor
-        self._compressor = (make_compressor(compressor, self.density, **dict(compressor_kwargs or {}))
-                            if collective != "dense" else None)
-        self._collective = collective_named(collective, self._compressor.backend) if self._compressor else None
+        self._compressor = self.config.compressor if collective != "dense" else None
         self.local_step = 0  # calls of step() so far
         self.syncs = 0
         self.traffic = Traffic()  # every sync's bytes, this rank
@@ -239,8 +234,8 @@ class SparseLocalSGD:
         accumulator = self._accumulator[index]
         # accumulator becomes delta + old accumulator - what this rank sends
         msg = self._compressor.compress(delta, accumulator, step=self.syncs * len(self._shards) + index)
-        outcome = reduce(delta, accumulator, msg, self._collective, group, k=msg.k,
-                         wire=wire_named(self.wire), backend=self._compressor.backend.for_device(delta.device),
+        outcome = reduce(delta, accumulator, msg, self.config.reducer, group, k=msg.k,
+                         wire=self.config.wire, backend=self._compressor.backend[delta.device],
                          traffic=traffic)
         return delta, outcome.msg.k, int(outcome.msg.count)
 
@@ -292,7 +287,7 @@ class SparseLocalSGD:
         signature = repr([(tuple(t.shape), str(t.dtype)) for t in [*self.params, *self.buffers]])
         agree({"params": len(self.params), "buffers": len(self.buffers), "numel": sum(p.numel() for p in self.params),
                "signature": zlib.crc32(signature.encode()), "sync_every": self.sync_every,
-               "wire": wire_named(self.wire).code}, group, self._shards[0].device, "SparseLocalSGD")
+               "wire": self.config.wire.code}, group, self._shards[0].device, "SparseLocalSGD")
 
     # ----- statistics and checkpoints -----
 

@@ -16,10 +16,13 @@ its own, and no header at all in a steady step. A tensor that has been on the sp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
+from gtopk_ext._validate import check_int
 from gtopk_ext.collectives import COLLECTIVES, Agreement, Collective, DenseAllreduce, RoundedDense
 from gtopk_ext.wire import Wire
 
@@ -61,29 +64,49 @@ class PathPolicy:
             taken for the first time is agreed on again at the next iteration, once it has been timed).
         choices: with ``"auto"``, the paths it may take (default :data:`AUTO_CHOICES`: all but ``"dense8"``;
             ``choices=gx.paths.PATHS`` lets it take dense8 where that is cheapest).
+        calibration: with ``"auto"``, the costs to decide from instead of this run's timings, per tensor index
+            (a DDP bucket's, an FSDP parameter group's): a front end's ``state_dict()["calibration"]``. A run given
+            one takes the same paths as every other run given it: decisions then depend on no timing.
     """
 
     mode: str = "auto"
     min_compress_numel: int = 1024
     recalibrate_every: int = 50
     choices: tuple[str, ...] = AUTO_CHOICES
+    calibration: Optional[dict] = field(default=None, hash=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"path mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("min_compress_numel", "recalibrate_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "recalibrate_every"):
-                raise ValueError(f"{name} must be an int >= {int(name == 'recalibrate_every')}, got {value!r}")
+        check_int("min_compress_numel", self.min_compress_numel)
+        check_int("recalibrate_every", self.recalibrate_every, 1)
         choices = None if isinstance(self.choices, str) else tuple(self.choices)
         if not choices or any(c not in PATHS for c in choices) or len(set(choices)) < len(choices):
             raise ValueError(f"choices must be distinct paths of {PATHS}, got {self.choices!r}")
         object.__setattr__(self, "choices", choices)
+        if self.calibration is not None:
+            object.__setattr__(self, "calibration", _checked_calibration(self.calibration))
 
     @property
     def code(self) -> int:
-        """The mode and the choices as one integer, for the header the ranks agree on."""
-        return MODES.index(self.mode) + len(MODES) * sum(1 << PATHS.index(path) for path in self.choices)
+        """The mode, the choices and the calibration as one integer, for the header the ranks agree on."""
+        code = MODES.index(self.mode) + len(MODES) * sum(1 << PATHS.index(path) for path in self.choices)
+        if self.calibration is not None:
+            code += 1024 * (1 + zlib.crc32(repr(sorted(self.calibration.items())).encode()))
+        return code
+
+
+def _checked_calibration(calibration) -> dict[int, dict[str, Optional[int]]]:
+    """``calibration`` as ``{index: {"numel": int, figure: int picoseconds or None}}``, checked."""
+    try:
+        checked = {int(index): {"numel": int(entry["numel"]),
+                                **{name: None if entry[name] is None else int(entry[name])
+                                   for name in CostModel.FIGURES}}
+                   for index, entry in dict(calibration).items()}
+    except (TypeError, ValueError, KeyError) as error:
+        raise ValueError(f"calibration must map tensor indices to {{'numel', {', '.join(CostModel.FIGURES)}}} "
+                         f"(a state_dict()['calibration']), got {calibration!r} ({error})") from None
+    return checked
 
 
 def path_policy(path) -> PathPolicy:
@@ -124,19 +147,13 @@ class CostModel:
                 for name in self.FIGURES}
 
 
-class DenseQueue:
-    """When the backend's dense allreduces, which run one after another, last finished: an allreduce issued at
-    ``start`` and completed at ``end`` (``perf_counter``) took ``end - max(start, busy_until)`` of its own."""
-
-    __slots__ = ("busy_until",)
-
-    def __init__(self):
-        self.busy_until = 0.0
-
-    def own_seconds(self, start: float, end: float) -> float:
-        seconds = end - max(start, self.busy_until)
-        self.busy_until = end
-        return seconds
+def own_seconds(queue, start: float, end: float) -> float:
+    """The seconds of its own of a collective issued at ``start`` and completed at ``end`` (``perf_counter``) on a
+    group that runs its collectives one after another: from the later of its issue and the completion of the one
+    before it, ``queue.busy_until``, which becomes ``end``."""
+    seconds = end - max(start, queue.busy_until)
+    queue.busy_until = end
+    return seconds
 
 
 def agreed_costs(headers: list[dict[str, int]]) -> dict[str, int | None]:
@@ -186,10 +203,13 @@ def choose(times: dict[str, int | None]) -> str:
 class PathPlan:
     """What the ranks agreed for one tensor reduced step after step: the ``agreement`` of its header, the
     ``path`` decided with it, and, for ``auto``, the ``round`` of agreement (a header field), the iteration
-    ``until`` which it holds, this rank's measured ``costs`` of the tensor's paths and the ``sparse_steps`` it
-    took since its last dense one."""
+    ``until`` which it holds, this rank's measured ``costs`` of the tensor's paths, the ``sparse_steps`` it took
+    since its last dense one, the header ``decided`` from (a plan agreed again unchanged, after a resume, is not
+    decided again), the ``agreed`` costs it was decided from, and how many of its decisions were ``measured``
+    (made from this run's timings rather than a calibration)."""
 
-    __slots__ = ("agreement", "path", "round", "until", "costs", "sparse_steps")
+    __slots__ = ("agreement", "path", "round", "until", "costs", "sparse_steps", "decided", "agreed", "measured")
+    SAVED = ("path", "round", "until", "sparse_steps", "decided", "agreed", "measured")
 
     def __init__(self):
         self.agreement = Agreement()
@@ -198,6 +218,9 @@ class PathPlan:
         self.until = 0
         self.costs = CostModel()
         self.sparse_steps = 0
+        self.decided: Optional[dict[str, int]] = None
+        self.agreed: Optional[dict[str, Optional[int]]] = None
+        self.measured = 0
 
     def decide(self, policy: PathPolicy, times: dict[str, int | None], costs: dict[str, int | None],
                iteration: int, *, k: int, numel: int) -> None:
@@ -210,3 +233,13 @@ class PathPlan:
         self.path = choose(times)
         timed = costs["slot"] if self.path == "sparse" else costs[self.path]
         self.until = iteration + (1 if timed is None else policy.recalibrate_every)
+
+    def state_dict(self) -> dict:
+        return {**{name: getattr(self, name) for name in self.SAVED},
+                "costs": {name: getattr(self.costs, name) for name in CostModel.FIGURES}}
+
+    def load_state_dict(self, saved: dict) -> None:
+        for name in self.SAVED:
+            setattr(self, name, saved[name])
+        for name in CostModel.FIGURES:
+            setattr(self.costs, name, saved["costs"][name])

@@ -92,10 +92,10 @@ def test_the_cuda_path_is_read_once_from_the_environment(value, first, second):
 def test_the_choice_is_made_once_per_device_and_survives_pickling(monkeypatch):
     choice = backends.BackendChoice(None)
     monkeypatch.setenv("GTOPK_EXT_BACKEND", "triton")
-    assert choice.for_device(CPU) is backends.TRITON
+    assert choice[CPU] is backends.TRITON
     monkeypatch.setenv("GTOPK_EXT_BACKEND", "cpu")  # later changes do not move a device already seen
-    assert choice.for_device(CPU) is backends.TRITON
-    assert pickle.loads(pickle.dumps(choice)).for_device(CPU) is backends.TRITON
+    assert choice[CPU] is backends.TRITON
+    assert pickle.loads(pickle.dumps(choice))[CPU] is backends.TRITON
     with pytest.raises(ValueError, match="backend must be one of"):
         backends.BackendChoice("gpu")
 
@@ -130,7 +130,8 @@ def every_op_through_one_backend(rank: int, world_size: int) -> dict[str, dict[s
         for collective in ("gtopk", "allgather"):
             state = gx.SparseGradState(density=0.01, collective=collective,
                                        path=gx.PathPolicy("sparse", min_compress_numel=0),
-                                       compressor_kwargs={"mode": mode, "backend": backends.TRITON})
+                                       compressor=gx.make_compressor("gaussiank", 0.01, mode=mode,
+                                                                     backend=backends.TRITON))
             state.synchronous = True
             for _ in range(3):  # two dense warm-up iterations, then a compressed one
                 reduce_buffer(state, torch.randn(4000, generator=generator), 0).wait()

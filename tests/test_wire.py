@@ -214,10 +214,12 @@ def check_hook_conservation(members: Members, checked: tuple[str, ...] | None = 
         checked = WIRE_COLLECTIVES + (("hierarchical",) if members.size == dist.get_world_size() else ())
     for collective in checked:
         for dtype in DTYPES:
-            state = gx.SparseGradState(members.group, density=0.02, collective=collective, start_iter=2,
+            options = ({"collective": "gtopk", "hierarchical": gx.Hierarchical(2)} if collective == "hierarchical"
+                       else {"collective": collective})
+            state = gx.SparseGradState(members.group, density=0.02, start_iter=2,
                                        path=gx.PathPolicy("sparse", min_compress_numel=1000),
-                                       stats_logging_frequency=0, wire="compact",
-                                       synchronous=True, local_size=2)
+                                       stats_logging_frequency=0, wire="compact", **options)
+            state.synchronous = True
             for step in range(STEPS):
                 for index, numel in enumerate(BUCKET_NUMELS):
                     where = f"{members.name}, {collective}/{dtype}, step {step}, bucket {index}"

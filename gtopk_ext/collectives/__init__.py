@@ -11,12 +11,13 @@ reduction (:mod:`gtopk_ext.reduction`) drives.
 from gtopk_ext.backends import BackendLike
 from gtopk_ext.collectives._protocol import (DTYPE_CODES, MAX_NUMEL, Agreement, Collective, Disagreement, Reduced,
                                              agree, carried_dtype, check_message, gather_headers,
-                                             group_rank_and_size, require_same)
+                                             group_rank_and_size, keep_unapplied, require_same)
 from gtopk_ext.collectives.allgather import Allgather, sparse_allgather
 from gtopk_ext.collectives.dense import Dense8, Dense16, DenseAllreduce, RoundedDense
 from gtopk_ext.collectives.gtopk import GTopK, gtopk_allreduce
 from gtopk_ext.collectives.oktopk import OKTOPK_PERIOD, OKTOPK_REUSE_BOUNDS, OkTopk, OkTopkState, oktopk_allreduce
-from gtopk_ext.costs import Traffic, ring_allgather_bytes, ring_allreduce_bytes
+from gtopk_ext.collectives._transport import Traffic
+from gtopk_ext.costs import ring_allgather_bytes, ring_allreduce_bytes
 
 # The one registry of collectives by name.
 COLLECTIVES: dict[str, type[Collective]] = {c.name: c for c in (GTopK, Allgather, OkTopk, DenseAllreduce, Dense16,
@@ -36,4 +37,4 @@ __all__ = ["COLLECTIVES", "SPARSE_COLLECTIVES", "collective_named", "Collective"
            "OKTOPK_PERIOD", "OKTOPK_REUSE_BOUNDS", "Allgather", "GTopK", "OkTopk", "DenseAllreduce", "Dense16",
            "Dense8", "RoundedDense", "Traffic",
            "ring_allgather_bytes", "ring_allreduce_bytes", "carried_dtype", "check_message", "gather_headers",
-           "group_rank_and_size", "require_same", "DTYPE_CODES", "MAX_NUMEL"]
+           "group_rank_and_size", "keep_unapplied", "require_same", "DTYPE_CODES", "MAX_NUMEL"]

@@ -22,7 +22,8 @@ from gtopk_ext import ops
 from gtopk_ext._contract import FLOAT_DTYPES
 from gtopk_ext._worker import Disagreement
 from gtopk_ext.backends import Backend, BackendChoice, BackendLike
-from gtopk_ext.costs import Traffic, ring_allgather_bytes
+from gtopk_ext.collectives._transport import Traffic
+from gtopk_ext.costs import ring_allgather_bytes
 from gtopk_ext.message import SparseMessage
 from gtopk_ext.wire import Rounding, Wire, WireLike, wire_named
 
@@ -199,6 +200,19 @@ class Reduced:
         # glob's indices are distinct: dividing its values equals dividing the dense sum.
         return ops.scatter_add_(out, self.glob.indices, (self.glob.values.float() / size).to(out.dtype),
                                 backend=backend)
+
+
+def keep_unapplied(residual: torch.Tensor, msg: SparseMessage, applied: torch.Tensor | None, rounding: Rounding,
+                   backend: Backend | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Error feedback's completion, after the compressor took the sent slots out of ``residual``: the slots the
+    collective did not apply (``applied`` False), and the wire's rounding errors, go back in. Returns the
+    rounding's (indices, errors)."""
+    if applied is not None:
+        ops.scatter_add_(residual, msg.indices, msg.values * ~applied, backend=backend, check=False)
+    error_indices, errors = rounding.pairs(residual.dtype, residual.device)
+    if rounding.parts:
+        ops.scatter_add_(residual, error_indices, errors, backend=backend, check=False)
+    return error_indices, errors
 
 
 def check_cost(size: int, wire: Wire) -> tuple[int, float]:

@@ -1,15 +1,29 @@
-"""Moving bytes between ranks: point-to-point exchanges (through host memory on Gloo), a sparse all-to-all, small
-count exchanges, and the signs of a corrupted payload."""
+"""Moving bytes between ranks, counted (:class:`Traffic`): point-to-point exchanges (through host memory on Gloo),
+a sparse all-to-all, small count exchanges, and the signs of a corrupted payload."""
 
 from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from gtopk_ext.costs import Traffic, ring_allgather_bytes, ring_allreduce_bytes
+from gtopk_ext.costs import ring_allgather_bytes, ring_allreduce_bytes
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent and received, counted by the collectives that are given one. Collectives run by the
+    backend (all_gather, all_reduce) are counted as a ring algorithm moves them."""
+
+    sent: int = 0
+    received: int = 0
+
+    def add(self, sent: int, received: int) -> None:
+        self.sent += sent
+        self.received += received
 
 
 # A large message goes in pieces of at least EXCHANGE_PIECE_BYTES, at most EXCHANGE_PIECES of them: on Gloo one

@@ -10,7 +10,8 @@ from gtopk_ext.backends import BackendLike
 from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, group_rank_and_size,
                                              payload_head)
 from gtopk_ext.collectives._transport import or_flags, raise_if_corrupt
-from gtopk_ext.costs import Traffic, ring_allgather_bytes
+from gtopk_ext.collectives._transport import Traffic
+from gtopk_ext.costs import ring_allgather_bytes
 from gtopk_ext.message import SparseMessage
 from gtopk_ext.wire import Rounding, WireLike, rounding_error, wire_named
 
@@ -44,7 +45,7 @@ def sparse_allgather(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     if traffic is not None:
         nbytes = ring_allgather_bytes(payload.numel(), size)
         traffic.add(nbytes, nbytes)
-    pairs = [wire.unpack(p, msg.k, msg.numel, msg.values.dtype, head.numel(), backend) for p in gathered]
+    pairs = [wire.unpack(p, msg.values.numel(), msg.numel, msg.values.dtype, head.numel(), backend) for p in gathered]
     if wire.lossy:
         raise_if_corrupt(int(sum(invalid for _, _, _, invalid in pairs)), "sparse_allgather")
     if flags is not None:
@@ -72,5 +73,5 @@ class Allgather(Collective):
 
     def reduce(self, msg, group, *, wire, traffic=None, flags=None, rounding=None, state=None):
         summed = sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=traffic, flags=flags,
-                                  wire=wire, rounding=rounding, backend=self.backend.for_device(msg.values.device))
+                                  wire=wire, rounding=rounding, backend=self.backend[msg.values.device])
         return Reduced(summed=summed)

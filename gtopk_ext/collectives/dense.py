@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from gtopk_ext.collectives._protocol import Collective
 from gtopk_ext.collectives._transport import p2p_device
-from gtopk_ext.costs import Traffic, ring_allreduce_bytes
+from gtopk_ext.collectives._transport import Traffic
+from gtopk_ext.costs import ring_allreduce_bytes
 from gtopk_ext.ops import is_finite
 
 # torch 2.14 renamed all_gather_into_tensor (the name older torch versions have).

@@ -9,9 +9,8 @@ from gtopk_ext import ops
 from gtopk_ext.backends import BackendLike
 from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, carried_dtype,
                                              check_cost, group_rank_and_size, payload_head)
-from gtopk_ext.collectives._transport import (allreduce_invalid, exchange, in_set, mask_from_bytes, mask_to_bytes,
-                                              raise_if_corrupt, recv_from, send_to)
-from gtopk_ext.costs import Traffic
+from gtopk_ext.collectives._transport import (Traffic, allreduce_invalid, exchange, in_set, mask_from_bytes,
+                                              mask_to_bytes, raise_if_corrupt, recv_from, send_to)
 from gtopk_ext.message import SparseMessage
 from gtopk_ext.wire import Rounding, WireLike, rounding_error, wire_named
 
@@ -49,7 +48,7 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
     group, rank, size = group_rank_and_size(group)
     if check:
         agree_on_message(msg, flags, group, "gtopk_allreduce", traffic, wire=wire)
-    k, dtype, numel = msg.k, carried_dtype(msg.values.dtype), msg.numel
+    k, dtype, numel = msg.values.numel(), carried_dtype(msg.values.dtype), msg.numel
     device = msg.values.device
     applied = torch.ones(k, dtype=torch.bool, device=device)
     own_values = msg.values.to(dtype, copy=True)
@@ -193,5 +192,5 @@ class GTopK(Collective):
 
     def reduce(self, msg, group, *, wire, traffic=None, flags=None, rounding=None, state=None):
         glob, applied = gtopk_allreduce(msg, group, check=False, traffic=traffic, flags=flags, wire=wire,
-                                        rounding=rounding, backend=self.backend.for_device(msg.values.device))
+                                        rounding=rounding, backend=self.backend[msg.values.device])
         return Reduced(glob=glob, applied=applied)

@@ -14,9 +14,8 @@ from gtopk_ext import ops
 from gtopk_ext.backends import BackendLike
 from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, carried_dtype, check_cost,
                                              group_rank_and_size)
-from gtopk_ext.collectives._transport import (allreduce_counts, allreduce_invalid, exchange_counts, gather_counts,
-                                              in_set, raise_if_corrupt, sparse_alltoallv)
-from gtopk_ext.costs import Traffic
+from gtopk_ext.collectives._transport import (Traffic, allreduce_counts, allreduce_invalid, exchange_counts,
+                                              gather_counts, in_set, raise_if_corrupt, sparse_alltoallv)
 from gtopk_ext.message import SparseMessage
 from gtopk_ext.wire import Rounding, WireLike, rounding_error, wire_named
 
@@ -211,7 +210,7 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
 
         agree_on_message(msg, flags, group, "oktopk_allreduce", traffic, plan_fields,
                           ("state_step", "repartition", "reestimate"), wire=wire)
-    k, numel, device = msg.k, msg.numel, msg.values.device
+    k, numel, device = msg.values.numel(), msg.numel, msg.values.device
     dtype = carried_dtype(msg.values.dtype)
     if size == 1:
         return (SparseMessage(msg.values.to(dtype, copy=True), msg.indices.clone(), msg.count.clone(), numel),
@@ -329,5 +328,5 @@ class OkTopk(Collective):
     def reduce(self, msg, group, *, wire, traffic=None, flags=None, rounding=None, state=None):
         glob, applied = oktopk_allreduce(msg, group, state=state, check=False, traffic=traffic, flags=flags,
                                          wire=wire, rounding=rounding,
-                                         backend=self.backend.for_device(msg.values.device))
+                                         backend=self.backend[msg.values.device])
         return Reduced(glob=glob, applied=applied)

@@ -112,23 +112,23 @@ class Progress(threading.Thread):
 
     def __init__(self, build_temp: str, quiet: float = 20.0):
         super().__init__(daemon=True)
-        self.build_temp, self.quiet, self.start, self.done = build_temp, quiet, time.time(), threading.Event()
+        self.build_temp, self.quiet, self.began, self.done = build_temp, quiet, time.time(), threading.Event()
         self.objects = {os.path.join(build_temp, os.path.splitext(source)[0] + ".o"): source for source in SOURCES}
 
     def run(self):
-        reported, last = set(), self.start
+        reported, last = set(), self.began
         while not self.done.wait(1.0):
             now = time.time()
             for obj, source in self.objects.items():
-                if obj not in reported and os.path.exists(obj) and os.path.getmtime(obj) >= self.start:
+                if obj not in reported and os.path.exists(obj) and os.path.getmtime(obj) >= self.began:
                     reported.add(obj)
                     last = now
                     print(f"gtopk_ext: compiled {source} ({len(reported)} of {len(SOURCES)}, "
-                          f"{now - self.start:.0f} s)", flush=True)
+                          f"{now - self.began:.0f} s)", flush=True)
             if now - last >= self.quiet:
                 last = now
                 print(f"gtopk_ext: still compiling ({len(reported)} of {len(SOURCES)} sources done, "
-                      f"{now - self.start:.0f} s)", flush=True)
+                      f"{now - self.began:.0f} s)", flush=True)
 
 
 class BuildWithProgress(BuildExtension):
@@ -141,7 +141,7 @@ class BuildWithProgress(BuildExtension):
         finally:
             progress.done.set()
             progress.join()
-        print(f"gtopk_ext: built in {time.time() - progress.start:.0f} s", flush=True)
+        print(f"gtopk_ext: built in {time.time() - progress.began:.0f} s", flush=True)
 
 
 setup(

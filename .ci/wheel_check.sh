@@ -22,8 +22,7 @@ echo "wheel_check: a fresh virtual environment ($python -m venv) with $torch_pin
 . "$work/venv/bin/activate"
 python -m pip install -q --no-compile "$torch_pin" numpy setuptools wheel ninja
 echo "wheel_check: installed in $SECONDS s; pip install --no-build-isolation . (GTOPK_EXT_CUDA=0)"
-(cd "$work/src" && GTOPK_EXT_CUDA=0 MAX_JOBS=${MAX_JOBS:-2} PIP_LOG="$work/pip.log" \
-  bash scripts/pip_install.sh --no-build-isolation --no-compile .)
+(cd "$work/src" && GTOPK_EXT_CUDA=0 MAX_JOBS=${MAX_JOBS:-2} bash scripts/pip_install.sh --no-build-isolation --no-compile .)
 
 cd "$work/run"
 echo "wheel_check: after $SECONDS s, importing gtopk_ext in $PWD"

@@ -28,12 +28,21 @@ fingerprint() {
 }
 # Whether a step must run: its stamp is missing or holds another fingerprint.
 changed() { [ "$(cat "$STAMPS/$1" 2>/dev/null)" != "$2" ]; }
+# Runs a command, saying every 30 s that it still runs (pip is silent for minutes while it unpacks torch).
+with_heartbeat() {
+  local status=0 beat
+  (elapsed=0; while sleep 30; do elapsed=$((elapsed + 30)); echo "   ... still installing (${elapsed} s)"; done) &
+  beat=$!
+  "$@" || status=$?
+  kill "$beat"
+  return "$status"
+}
 
 packages=$(fingerprint "" requirements.txt)
 if changed packages "$packages"; then
   echo "== installing dependencies (torch 2.14.1, triton 3.8.0, test and demo packages)"
-  python -m pip install -q --upgrade pip
-  python -m pip install -q -r requirements.txt
+  with_heartbeat python -m pip install -q --upgrade pip
+  with_heartbeat python -m pip install -q -r requirements.txt
   echo "$packages" > "$STAMPS/packages"
 else
   echo "== dependencies: requirements.txt unchanged since they were installed"

@@ -47,14 +47,14 @@ import torch  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 
-def cuda_choice() -> tuple[bool, str]:
-    """Whether to build the CUDA kernels, and why."""
-    if "GTOPK_EXT_BUILD_CUDA" in os.environ:
+def cuda_choice(environ) -> tuple[bool, str]:
+    """Whether to build the CUDA kernels under the environment ``environ``, and why."""
+    if "GTOPK_EXT_BUILD_CUDA" in environ:
         raise SystemExit("GTOPK_EXT_BUILD_CUDA is now GTOPK_EXT_CUDA (auto, 0 or 1), as in CMakeLists.txt")
-    choice = os.environ.get("GTOPK_EXT_CUDA", "auto").lower()
+    choice = environ.get("GTOPK_EXT_CUDA", "auto").lower()
     if choice not in ("auto", "0", "1"):
         raise SystemExit(f"GTOPK_EXT_CUDA must be auto, 0 or 1, got {choice!r}")
-    force = os.environ.get("FORCE_CUDA", "0")
+    force = environ.get("FORCE_CUDA", "0")
     if force not in ("0", "1"):
         raise SystemExit(f"FORCE_CUDA must be 0 or 1, got {force!r}")
     if force == "1" and choice == "0":
@@ -77,8 +77,13 @@ def cuda_choice() -> tuple[bool, str]:
     return True, "torch sees a GPU"
 
 
-CUDA, WHY = cuda_choice()
-SOURCES = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp")), *(sorted(glob.glob("csrc/cuda/*.cu")) if CUDA else [])]
+def sources(cuda: bool) -> list[str]:
+    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) if cuda else []
+    return ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp")), *cuda_sources]
+
+
+CUDA, WHY = cuda_choice(os.environ)
+SOURCES = sources(CUDA)
 
 
 def extensions():
@@ -95,14 +100,14 @@ def extensions():
                           extra_link_args=["-fopenmp"])]
 
 
-def plan() -> str:
+def plan(sources: list[str], why: str) -> str:
     """The build's first line: what it compiles, why, and how to change that."""
-    cpu = len(SOURCES) - sum(source.endswith(".cu") for source in SOURCES)
-    if CUDA:
-        return (f"gtopk_ext: compiling {cpu} C++ and {len(SOURCES) - cpu} CUDA sources for "
-                f"{os.environ['TORCH_CUDA_ARCH_LIST']} ({WHY}); the CUDA kernels take several minutes, "
-                "GTOPK_EXT_CUDA=0 skips them")
-    return (f"gtopk_ext: compiling {cpu} C++ sources, the CPU kernels only ({WHY}); FORCE_CUDA=1 (or "
+    cuda = sum(source.endswith(".cu") for source in sources)
+    if cuda:
+        return (f"gtopk_ext: compiling {len(sources) - cuda} C++ and {cuda} CUDA sources for "
+                f"{os.environ.get('TORCH_CUDA_ARCH_LIST', '8.0;9.0+PTX')} ({why}); the CUDA kernels take several "
+                "minutes, GTOPK_EXT_CUDA=0 skips them")
+    return (f"gtopk_ext: compiling {len(sources)} C++ sources, the CPU kernels only ({why}); FORCE_CUDA=1 (or "
             "GTOPK_EXT_CUDA=1) compiles the CUDA kernels too, with no GPU (several minutes more)")
 
 
@@ -110,10 +115,10 @@ class Progress(threading.Thread):
     """Prints each source whose object file the compilers have written, and a line every ``quiet`` seconds when
     none was: one CUDA source takes minutes. (pip hides a build's output unless run with -v.)"""
 
-    def __init__(self, build_temp: str, quiet: float = 20.0):
+    def __init__(self, build_temp: str, sources: list[str], quiet: float = 20.0):
         super().__init__(daemon=True)
-        self.build_temp, self.quiet, self.began, self.done = build_temp, quiet, time.time(), threading.Event()
-        self.objects = {os.path.join(build_temp, os.path.splitext(source)[0] + ".o"): source for source in SOURCES}
+        self.quiet, self.began, self.done = quiet, time.time(), threading.Event()
+        self.objects = {os.path.join(build_temp, os.path.splitext(source)[0] + ".o"): source for source in sources}
 
     def run(self):
         reported, last = set(), self.began
@@ -123,18 +128,18 @@ class Progress(threading.Thread):
                 if obj not in reported and os.path.exists(obj) and os.path.getmtime(obj) >= self.began:
                     reported.add(obj)
                     last = now
-                    print(f"gtopk_ext: compiled {source} ({len(reported)} of {len(SOURCES)}, "
+                    print(f"gtopk_ext: compiled {source} ({len(reported)} of {len(self.objects)}, "
                           f"{now - self.began:.0f} s)", flush=True)
             if now - last >= self.quiet:
                 last = now
-                print(f"gtopk_ext: still compiling ({len(reported)} of {len(SOURCES)} sources done, "
+                print(f"gtopk_ext: still compiling ({len(reported)} of {len(self.objects)} sources done, "
                       f"{now - self.began:.0f} s)", flush=True)
 
 
 class BuildWithProgress(BuildExtension):
     def build_extensions(self):
-        print(plan(), flush=True)
-        progress = Progress(self.build_temp)
+        print(plan(SOURCES, WHY), flush=True)
+        progress = Progress(self.build_temp, SOURCES)
         progress.start()
         try:
             super().build_extensions()

@@ -68,7 +68,7 @@ def train(args, device):
         run, numel = state.stats()["run"], sum(p.numel() for p in model.parameters())
         dense = run["steps"] * 2 * (world - 1) / world * 4 * numel
         print(f"bytes sent by this rank in {run['steps']} steps: {run['bytes_sent'] / 1e6:.2f} MB with the hook, "
-              f"{dense / 1e6:.2f} MB with DDP's allreduce ({run['bytes_sent'] / dense:.1%})")
+              f"{dense / 1e6:.2f} MB with DDP's allreduce" + (f" ({run['bytes_sent'] / dense:.1%})" if dense else ""))
 
 
 def main():

@@ -26,10 +26,19 @@ def test_demo_writes_sane_json_and_png(tmp_path):
     assert "gaussiank-gtopk" in result.stdout and "test acc" in result.stdout
 
     report = json.loads((tmp_path / "demo.json").read_text())
+    # the regime: DDP's step and the compute floor's, timed, and R from them, in the output and the picture's text
+    regime = report["regime"]
+    assert 0 < regime["floor_ms_per_step"] and 0 < regime["ddp_ms_per_step"]
+    assert regime["R"] == pytest.approx((regime["ddp_ms_per_step"] - regime["floor_ms_per_step"])
+                                        / regime["floor_ms_per_step"])
+    assert f"regime R = {regime['R']:.1f}: DDP's float32 gradient exchange takes" in result.stdout
+    assert f"demo.png: test accuracy against steps, training seconds (the slowest rank's) and MB sent per rank, a " \
+           f"line per method, at R = {regime['R']:.1f}; first to 30% test accuracy: " in result.stdout
     runs = {r["method"]: r for r in report["runs"]}
     assert set(runs) == {"dense", "fp16", "powersgd-2", "gaussiank-gtopk", "gaussiank-gtopk-recipe"}
     assert [runs[m]["recipe"] for m in runs] == [None] * 5
-    assert "gaussiank-gtopk-recipe: gx.SparseGradState.recipe(density, warmup_steps=8, momentum=0.9)" in result.stdout
+    assert ("gaussiank-gtopk-recipe: gx.SparseGradState.recipe(density, warmup_steps=8, momentum=0.9, path='sparse')"
+            in result.stdout)
     assert "steps to 30%" in result.stdout and "s to 30%" in result.stdout
     steps = 1438 // (2 * 32)  # the training split's images // the global batch
     dense, sparse = runs["dense"], runs["gaussiank-gtopk"]
@@ -107,8 +116,9 @@ def test_recipe_sets_the_hook_and_explicit_flags_win():
 
 def test_default_run_compares_the_package_recipe():
     """The default run: DDP, fp16_compress_hook, PowerSGD rank 2 and gx.SparseGradState.recipe at 0.01 and 0.001 with
-    the demo's 44-step warm-up, as a user calls it; the hand-built Gaussian-k + gTop-k keeps its momentum in the
-    optimizer and every compressed step sparse."""
+    the demo's 44-step warm-up, as a user calls it but with every compressed step sparse (auto's choices follow
+    timings: the same run twice would differ); the hand-built Gaussian-k + gTop-k keeps its momentum in the optimizer
+    and every compressed step sparse."""
     sys.path.insert(0, str(ROOT))
     import gtopk_ext as gx
     from bench.demo import make_hook_state, momentum_in_hook, parse_args, planned_runs
@@ -131,7 +141,9 @@ def test_default_run_compares_the_package_recipe():
         assert ours.config.momentum == package.config.momentum
         correction = ours.config.momentum
         assert (correction.momentum, correction.nesterov, correction.masking_start_iter, ours.config.path.mode) == (
-            0.9, True, 44, "auto")
+            0.9, True, 44, "sparse")
+        auto = make_hook_state("gaussiank-gtopk-recipe", density, parse_args(["--path", "auto"]))
+        assert auto.config.path.mode == package.config.path.mode == "auto"
         assert sgd(model, args, momentum_in_hook("gaussiank-gtopk-recipe")).defaults["momentum"] == 0.0
         plain = make_hook_state("gaussiank-gtopk", density, args)  # the warm-up from the dense steps' end
         assert (plain.config.momentum, plain.config.compressor.per_tensor, plain.config.path.mode) == (

@@ -383,7 +383,7 @@ def check_calibration_repeats_auto(members: Members) -> list[str]:
         failures.append(f"{name}: the measured run's summary: {summary}")
     repeated = calibrated_run(members, PathPolicy("auto", recalibrate_every=3,
                                                   calibration=measured_dear[2].state_dict()["calibration"]), 1e-12)
-    if repeated[1][-2:] != measured_dear[1][-2:]:  # its latest decision (step 10's new k), repeated from its calibration
+    if repeated[1][-2:] != measured_dear[1][-2:]:  # its latest decision (step 10's new k), from its calibration
         failures.append(f"{name}: the saved calibration took {repeated[1]}, the run it came from {measured_dear[1]}")
     return failures
 

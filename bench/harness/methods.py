@@ -43,10 +43,11 @@ def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: in
     return state
 
 
-def recipe_state(density: float, warmup_steps: int, momentum: float,
-                 choices: list[str] | None = None) -> gx.SparseGradState:
-    """``gx.SparseGradState.recipe`` as a user calls it, without the periodic log; ``choices``: its auto's paths."""
-    path = gx.PathPolicy("auto", choices=choices) if choices else "auto"
+def recipe_state(density: float, warmup_steps: int, momentum: float, choices: list[str] | None = None,
+                 path: str = "auto") -> gx.SparseGradState:
+    """``gx.SparseGradState.recipe`` as a user calls it, without the periodic log; ``path``: its path policy's mode
+    (a forced path is the same every run, auto's choices follow timings); ``choices``: auto's paths."""
+    path = gx.PathPolicy("auto", choices=choices) if choices else path
     return gx.SparseGradState.recipe(density=density, warmup_steps=warmup_steps, momentum=momentum, path=path,
                                      stats_logging_frequency=0)
 

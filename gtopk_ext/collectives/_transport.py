@@ -26,9 +26,14 @@ class Traffic:
         self.received += received
 
 
+def add_traffic(traffic: Traffic | None, sent: int, received: int | None = None) -> None:
+    """Counts in ``traffic`` when the caller gave one; ``received`` defaults to ``sent`` (a ring)."""
+    if traffic is not None:
+        traffic.add(sent, sent if received is None else received)
+
+
 # A large message goes in pieces of at least EXCHANGE_PIECE_BYTES, at most EXCHANGE_PIECES of them: on Gloo one
-# message each way moved at about half a link's rate (gTop-k of 1.68M slots on 4 ranks behind 100 Mbit/s links,
-# bench.netem_scaling: 4.96 s as one message a round, 3.18 s as 8 pieces; 1 Gbit/s: 968 ms, 751 ms).
+# message each way moves at about half a link's rate (docs/performance.md).
 EXCHANGE_PIECE_BYTES = 128 * 1024
 EXCHANGE_PIECES = 8
 
@@ -54,14 +59,12 @@ def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: dist.Proc
         work.wait()
     if received is not recv:
         recv.copy_(received)
-    if traffic is not None:
-        traffic.add(send.numel() * send.element_size(), recv.numel() * recv.element_size())
+    add_traffic(traffic, send.numel() * send.element_size(), recv.numel() * recv.element_size())
 
 
 def send_to(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic: Traffic | None) -> None:
     dist.send(p2p_buffer(tensor, group), dist.get_global_rank(group, peer), group=group)
-    if traffic is not None:
-        traffic.add(tensor.numel() * tensor.element_size(), 0)
+    add_traffic(traffic, tensor.numel() * tensor.element_size(), 0)
 
 
 def recv_from(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic: Traffic | None) -> torch.Tensor:
@@ -69,8 +72,7 @@ def recv_from(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic
     dist.recv(buffer, dist.get_global_rank(group, peer), group=group)
     if buffer is not tensor:
         tensor.copy_(buffer)
-    if traffic is not None:
-        traffic.add(0, tensor.numel() * tensor.element_size())
+    add_traffic(traffic, 0, tensor.numel() * tensor.element_size())
     return tensor
 
 
@@ -109,8 +111,7 @@ def sparse_alltoallv(payloads: list[torch.Tensor | None], recv_nbytes: list[int]
         for work in dist.batch_isend_irecv(works):
             work.wait()
     received = [None if payload is None else payload.to(device) for payload in received]
-    if traffic is not None:
-        traffic.add(sent_bytes, sum(nbytes for r, nbytes in enumerate(recv_nbytes) if r != rank))
+    add_traffic(traffic, sent_bytes, sum(nbytes for r, nbytes in enumerate(recv_nbytes) if r != rank))
     return received
 
 
@@ -121,36 +122,25 @@ def exchange_counts(counts: list[int], group: dist.ProcessGroup, device: torch.d
     send = torch.tensor(counts, dtype=torch.int64, device=device)
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
-    if traffic is not None:
-        traffic.add(8 * (size - 1), 8 * (size - 1))
+    add_traffic(traffic, 8 * (size - 1))
     return received.tolist()
 
 
-def gather_counts(counts: list[int], group: dist.ProcessGroup, size: int, device: torch.device,
-                   traffic: Traffic | None) -> list[list[int]]:
+def gather_counts(counts: list[int], group: dist.ProcessGroup, device: torch.device,
+                  traffic: Traffic | None) -> list[list[int]]:
     """Every rank's ``counts`` (the same number on every rank), in group-rank order."""
     mine = torch.tensor(counts, dtype=torch.int64, device=device)
+    size = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(gathered, mine, group=group)
-    if traffic is not None:
-        nbytes = ring_allgather_bytes(mine.numel() * 8, size)
-        traffic.add(nbytes, nbytes)
+    add_traffic(traffic, ring_allgather_bytes(mine.numel() * 8, size))
     return [g.tolist() for g in gathered]
 
 
 def allreduce_counts(counts: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic | None) -> torch.Tensor:
     dist.all_reduce(counts, group=group)
-    if traffic is not None:
-        nbytes = ring_allreduce_bytes(counts.numel() * counts.element_size(), dist.get_world_size(group))
-        traffic.add(nbytes, nbytes)
+    add_traffic(traffic, ring_allreduce_bytes(counts.numel() * counts.element_size(), dist.get_world_size(group)))
     return counts
-
-
-def or_flags(flag_words) -> torch.Tensor:
-    combined = None
-    for words in flag_words:
-        combined = words.clone() if combined is None else combined.bitwise_or_(words)
-    return combined
 
 
 def raise_if_corrupt(invalid: int, what: str) -> None:
@@ -159,11 +149,6 @@ def raise_if_corrupt(invalid: int, what: str) -> None:
     if invalid:
         raise ValueError(f"{what}: a compact payload arrived corrupted ({invalid} slots or table entries that no "
                          "encoding makes); nothing of it was written")
-
-
-def allreduce_invalid(invalid: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic | None) -> int:
-    """The group's total of the corruption signs that its ranks decoded (one int32 allreduce)."""
-    return int(allreduce_counts(invalid, group, traffic))
 
 
 def mask_to_bytes(mask: torch.Tensor) -> torch.Tensor:
@@ -181,8 +166,7 @@ def in_set(set_indices: torch.Tensor, queries: list[torch.Tensor], numel: int,
            used: torch.Tensor | None = None) -> list[torch.Tensor]:
     """For each tensor of ``queries``, whether each of its indices is one of ``set_indices`` (``used``: the mask of
     the slots of ``set_indices`` that count; None: all); every index in [0, ``numel``). A bitmap over the index
-    space, zeroed again after use and kept per thread and device: O(k) a call, where a binary search is O(k log k)
-    (a tenth of a sparse step at density 0.01, most of one at 0.25)."""
+    space, zeroed again after use and kept per thread and device: O(k) a call, where a binary search is O(k log k)."""
     slots = set_indices.long() if used is None else torch.where(used, set_indices, numel).long()
     marks = _bitmap(numel + 1, set_indices.device)
     marks.index_fill_(0, slots, True)

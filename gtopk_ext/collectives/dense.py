@@ -41,7 +41,7 @@ def _segments(chunk: int) -> tuple[int, int]:
     return count, -(-chunk // count)
 
 
-def _reduce_scatter(parts: list[torch.Tensor], losses: list, send: torch.Tensor, receive: torch.Tensor,
+def _reduce_scatter(parts: tuple[torch.Tensor, ...], losses: tuple | list, send: torch.Tensor, receive: torch.Tensor,
                     codec: "RoundedDense", group: dist.ProcessGroup, rank: int, size: int) -> None:
     """The ring reduce-scatter: at step s this rank sends chunk (rank - s) % P (its own values, then the partial
     sum it received plus its own) and receives chunk (rank - s - 1) % P, adding its own values to it in float32 in
@@ -92,8 +92,7 @@ class DenseAllreduce(Collective):
     name = "dense"
     sparse = False
 
-    def reduce_dense(self, tensor: torch.Tensor, group: dist.ProcessGroup, size: int,
-                     traffic: Traffic | None = None,
+    def reduce_dense(self, tensor: torch.Tensor, group: dist.ProcessGroup, size: int, traffic: Traffic | None = None,
                      on_done=None) -> torch.futures.Future:
         """A future of ``tensor``, averaged in place, issued now and completed by the backend (asynchronous);
         ``on_done(start, end)`` is called with the ``perf_counter`` times of issue and completion."""
@@ -150,9 +149,9 @@ class RoundedDense(Collective):
             return
         numel, rank = tensor.numel(), dist.get_rank(group)
         chunk = -(-numel // size)
-        parts = [tensor[min(c * chunk, numel):min((c + 1) * chunk, numel)] for c in range(size)]
-        losses = [None] * size if lost is None else [
-            lost[min(c * chunk, numel):min((c + 1) * chunk, numel)] for c in range(size)]
+        cuts = [c * chunk for c in range(1, size)]
+        parts = tensor.tensor_split(cuts)
+        losses = [None] * size if lost is None else lost.tensor_split(cuts)
         count, length = _segments(chunk)
         row = self.message_bytes(chunk) + self.element_size  # the allgather's message: a chunk and a flag
         wire = _kept_buffer("wire", 2 * max(count * self.message_bytes(length), row) + size * row, torch.uint8,

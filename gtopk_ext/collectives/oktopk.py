@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -56,9 +56,7 @@ class OkTopkState:
                 fresh or self.threshold is None or self.step % self.threshold_period == 0)
 
     def state_dict(self) -> dict:
-        return {"boundary_period": self.boundary_period, "threshold_period": self.threshold_period,
-                "step": self.step, "boundaries": None if self.boundaries is None else list(self.boundaries),
-                "threshold": self.threshold, "shape": None if self.shape is None else list(self.shape)}
+        return {**asdict(self), "shape": None if self.shape is None else list(self.shape)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         restored = OkTopkState(**{**state_dict, "shape": None if state_dict.get("shape") is None
@@ -301,6 +299,5 @@ class OkTopk(Collective):
 
     def reduce(self, msg, group, *, wire, traffic=None, flags=None, rounding=None, state=None):
         glob, applied = oktopk_allreduce(msg, group, state=state, check=False, traffic=traffic, flags=flags,
-                                         wire=wire, rounding=rounding,
-                                         backend=self.backend[msg.values.device])
+                                         wire=wire, rounding=rounding, backend=self.backend[msg.values.device])
         return Reduced(glob=glob, applied=applied)

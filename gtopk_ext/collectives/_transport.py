@@ -168,7 +168,7 @@ def in_set(set_indices: torch.Tensor, queries: list[torch.Tensor], numel: int,
     the slots of ``set_indices`` that count; None: all); every index in [0, ``numel``). A bitmap over the index
     space, zeroed again after use and kept per thread and device: O(k) a call, where a binary search is O(k log k)."""
     slots = set_indices.long() if used is None else torch.where(used, set_indices, numel).long()
-    marks = _bitmap(numel + 1, set_indices.device)
+    marks = kept_tensor(f"bitmap {set_indices.device}", numel + 1, torch.bool, set_indices.device, torch.zeros)
     marks.index_fill_(0, slots, True)
     try:
         return [marks.index_select(0, q) for q in queries]
@@ -176,15 +176,14 @@ def in_set(set_indices: torch.Tensor, queries: list[torch.Tensor], numel: int,
         marks.index_fill_(0, slots, False)
 
 
-_bitmaps = threading.local()
+_kept = threading.local()
 
 
-def _bitmap(numel: int, device: torch.device) -> torch.Tensor:
-    """A zeroed bool tensor of at least ``numel`` elements on ``device``, this thread's own."""
-    kept = getattr(_bitmaps, "by_device", None)
-    if kept is None:
-        kept = _bitmaps.by_device = {}
-    marks = kept.get(device)
-    if marks is None or marks.numel() < numel:
-        marks = kept[device] = torch.zeros(numel, dtype=torch.bool, device=device)
-    return marks[:numel]
+def kept_tensor(key: str, numel: int, dtype: torch.dtype, device: torch.device, make=torch.empty) -> torch.Tensor:
+    """``numel`` elements of a tensor kept between calls under ``key``, made by ``make`` when none is large enough;
+    one per thread (the hooks reduce on threads of their own)."""
+    kept = getattr(_kept, key, None)
+    if kept is None or kept.numel() < numel:
+        kept = make(numel, dtype=dtype, device=device)
+        setattr(_kept, key, kept)
+    return kept[:numel]

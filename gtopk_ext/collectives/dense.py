@@ -5,34 +5,27 @@ the wire with every rounding error written where the caller says (the reduction:
 from __future__ import annotations
 
 import math
-import threading
 from time import perf_counter
 
 import torch
 import torch.distributed as dist
 
 from gtopk_ext.collectives._protocol import Collective
-from gtopk_ext.collectives._transport import Traffic, add_traffic, p2p_device
+from gtopk_ext.collectives._transport import Traffic, add_traffic, kept_tensor, p2p_device
 from gtopk_ext.costs import ring_allreduce_bytes
 from gtopk_ext.ops import is_finite
 
 # torch 2.14 renamed all_gather_into_tensor (the name older torch versions have).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_kept = threading.local()
 SEGMENT = 1 << 19  # elements of one ring message at most: the next segment travels while this one is summed
 
 
 def _kept_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A buffer of ``numel`` elements kept between calls on the CPU, where a new large tensor costs its page faults
-    every time (the allocator gives large blocks back to the system). One per thread: the hooks reduce on threads
-    of their own."""
+    """A buffer of ``numel`` elements, kept between calls on the CPU, where a new large tensor costs its page faults
+    every time (the allocator gives large blocks back to the system)."""
     if device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
-    kept = getattr(_kept, name, None)
-    if kept is None or kept.numel() < numel:
-        kept = torch.empty(numel, dtype=dtype)
-        setattr(_kept, name, kept)
-    return kept[:numel]
+    return kept_tensor(name, numel, dtype, device)
 
 
 def _segments(chunk: int) -> tuple[int, int]:

@@ -54,8 +54,7 @@ def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: dist.Proc
     ops = [dist.P2POp(op, piece, global_peer, group)
            for out, into in itertools.zip_longest(pieces(sent), pieces(received))
            for op, piece in ((dist.isend, out), (dist.irecv, into)) if piece is not None]
-    works = dist.batch_isend_irecv(ops)
-    for work in works:
+    for work in dist.batch_isend_irecv(ops):
         work.wait()
     if received is not recv:
         recv.copy_(received)

@@ -1,17 +1,10 @@
 """The backends that run the ops, as objects: what each supports, why it cannot run somewhere, and its kernels.
 
-* ``CPU``: the C++ kernels (``torch.ops.gtopk_ext`` on CPU tensors).
-* ``CUDA``: the CUDA kernels (``torch.ops.gtopk_ext`` on CUDA tensors; merge_topk by torch, see ``TORCH``), on the
-  host path :func:`cuda_path` names.
-* ``TRITON``: the Triton kernels (``torch.ops.gtopk_ext_triton``: CUDA tensors, or any under TRITON_INTERPRET=1;
-  merge_topk by torch).
-* ``TORCH``: plain torch (unique and sort): the merge of gTop-k on GPUs, on any device. It has no other op.
-
-A caller names a backend (``"auto"``, ``"cpu"``, ``"cuda"``, ``"triton"``, or a ``Backend`` object) or leaves it
-to ``$GTOPK_EXT_BACKEND`` (default ``"auto"``: CPU for CPU tensors; CUDA, else Triton, for CUDA tensors).
-:class:`BackendChoice` resolves that preference once per device and remembers it: compressors, collectives and
-the DDP hook hold one and hand the same object to every op they call. A backend that cannot run raises one
-ValueError that lists every backend's reasons. (Bad op arguments raise RuntimeError, as TORCH_CHECK does.)
+``CPU`` and ``CUDA`` run the C++/CUDA kernels (``torch.ops.gtopk_ext``), ``TRITON`` the Triton ones (CUDA tensors,
+or any under TRITON_INTERPRET=1); on GPUs merge_topk is ``TORCH``'s (plain torch, any device, no other op).
+A caller names one (``"auto"``, ``"cpu"``, ``"cuda"``, ``"triton"``, a ``Backend``) or leaves it to
+``$GTOPK_EXT_BACKEND`` (default ``"auto"``: CPU for CPU tensors; CUDA, else Triton, for CUDA tensors). A backend
+that cannot run raises one ValueError listing every backend's reasons.
 """
 
 from __future__ import annotations
@@ -37,9 +30,7 @@ class Backend:
     dtypes = FLOAT_DTYPES
     ops = ("gaussian_threshold", "compact", "gaussian_select", "merge_topk", "scatter_add", "residual_update",
            "wire_encode", "wire_decode")
-
-    # merge_topk by gtopk_ext.torch_kernels rather than by a kernel of this backend.
-    merges_with_torch = False
+    merges_with_torch = False  # merge_topk by gtopk_ext.torch_kernels
 
     def not_supported_reasons(self, device: torch.device, dtype: torch.dtype | None = None,
                               op: str | None = None) -> list[str]:
@@ -55,7 +46,7 @@ class Backend:
         raise NotImplementedError
 
     def _kernels(self):
-        """The namespace whose attributes are the ops, called with the C++ schema's arguments."""
+        """The namespace whose attributes are the ops."""
         raise NotImplementedError
 
     @functools.cached_property
@@ -71,7 +62,7 @@ class Backend:
                                   else getattr(namespace, op) for op in self.ops})
 
     def __reduce__(self):
-        return backend_named, (self.name,)  # one object per backend, also across pickling
+        return self.name.upper()  # the module's global of that name: one object per backend, also across pickling
 
     def __repr__(self) -> str:
         return f"<gtopk_ext backend {self.name!r}>"
@@ -93,9 +84,8 @@ def cuda_kernels_built() -> bool:
 
 
 def cuda_path() -> str:
-    """The CUDA kernels' host path, from ``$GTOPK_EXT_CUDA_PATH`` as the library read it at its first call (once
-    per process): ``"fused"`` (default: a cached workspace, 5 launches per error-feedback selection) or
-    ``"legacy"`` (the path before it, kept until a GPU run confirms the fused one). ValueError for another value."""
+    """The CUDA kernels' host path, from ``$GTOPK_EXT_CUDA_PATH`` as read at the library's first call:
+    ``"fused"`` (default) or ``"legacy"`` (kept until a GPU run confirms the fused one). ValueError for another."""
     return _C.cuda_path()
 
 
@@ -155,12 +145,6 @@ TRITON = TritonBackend()
 TORCH = TorchBackend()
 ALL = (CPU, CUDA, TRITON, TORCH)
 _BY_NAME = {backend.name: backend for backend in (CPU, CUDA, TRITON)}
-
-
-def backend_named(name: str) -> Backend:
-    """The backend object of that name (``"torch"`` included)."""
-    return {backend.name: backend for backend in ALL}[name]
-
 BackendLike = Union[str, Backend, None]
 
 
@@ -195,9 +179,8 @@ def choose(device: torch.device, backend: BackendLike = None, *, dtype: torch.dt
 
 
 class BackendChoice(dict):
-    """A backend preference (a name, a ``Backend`` or None) resolved once per device and remembered, by device:
-    ``choice[device]`` is the :class:`Backend` that compressors, collectives and the hooks hand to every op on
-    ``device`` (chosen at the first lookup of the device, a dictionary lookup after it)."""
+    """A backend preference (a name, a ``Backend`` or None) resolved once per device and remembered:
+    ``choice[device]`` is the :class:`Backend` that compressors, collectives and the hooks hand to every op."""
 
     def __init__(self, backend: BackendLike = None):
         super().__init__()

@@ -1,10 +1,6 @@
-"""The Python side of the op contract: the layout constants, and the schemas and argument checks of the C++ ops.
-
-Each op's contract is stated once, in csrc/ops.cpp: its schema, and its Meta kernel, which checks the arguments
-(RuntimeError naming the argument) and gives the outputs' dtypes and shapes. torch.compile's fake tensors run the
-Meta kernels; every kernel runs their checks first: the C++ ones in C++, the Triton ops and the torch merge through
-:func:`check_args`. The layout constants equal those of csrc/layout.h (``gtopk_ext._C`` exports them; a test
-compares) and are imported by the Triton kernels and the reference.
+"""The Python side of the op contract, which csrc/ops.cpp states once (each op's schema, and its Meta kernel, which
+checks the arguments and gives the outputs' shapes): the layout constants of csrc/layout.h (a test compares), the
+schemas, and :func:`check_args`, which the Triton ops and the torch merge run first.
 """
 
 from __future__ import annotations

@@ -33,10 +33,7 @@ WIRE_SHIFT_MAX = 126
 WIRE_SHIFT_BASE = 141
 WIRE_HALF_NAN = 0x7E00
 
-LAYOUT = {name: globals()[name] for name in (
-    "STAT_MEAN", "STAT_STD", "STAT_MAX_ABS", "STAT_GAUSSIAN_THRESHOLD", "STAT_THRESHOLD", "NUM_STATS", "HIST_SHIFT",
-    "HIST_BINS", "HIST_INF_KEY", "FINE_SHIFT", "FINE_BINS", "SCATTER_TILE", "WIRE_PAGE_SHIFT", "WIRE_SHIFT_MAX",
-    "WIRE_SHIFT_BASE", "WIRE_HALF_NAN")}
+LAYOUT = {name: value for name, value in globals().items() if name.isupper() and isinstance(value, int)}
 
 
 def wire_num_pages(numel: int) -> int:

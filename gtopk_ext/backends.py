@@ -43,11 +43,11 @@ class Backend:
         return reasons + self._device_reasons(torch.device(device))
 
     def _device_reasons(self, device: torch.device) -> list[str]:
-        raise NotImplementedError
+        return []
 
     def _kernels(self):
         """The namespace whose attributes are the ops."""
-        raise NotImplementedError
+        return torch.ops.gtopk_ext
 
     @functools.cached_property
     def ready(self) -> set[torch.device]:
@@ -74,9 +74,6 @@ class CppCpuBackend(Backend):
     def _device_reasons(self, device):
         return [] if device.type == "cpu" else [f"needs CPU tensors, got {device}"]
 
-    def _kernels(self):
-        return torch.ops.gtopk_ext
-
 
 @functools.cache
 def cuda_kernels_built() -> bool:
@@ -99,9 +96,6 @@ class CudaBackend(Backend):
             reasons.append("the CUDA kernels were not built (install with a CUDA toolkit and a CUDA build of torch, "
                            "GTOPK_EXT_CUDA=1)")
         return reasons
-
-    def _kernels(self):
-        return torch.ops.gtopk_ext
 
 
 @functools.cache
@@ -131,9 +125,6 @@ class TorchBackend(Backend):
     name = "torch"
     ops = ("merge_topk",)
     merges_with_torch = True
-
-    def _device_reasons(self, device):
-        return []
 
     def _kernels(self):
         return torch_kernels

@@ -154,24 +154,19 @@ class GaussianK(Compressor):
                                                                 update_residual=True, backend=backend)
             return SparseMessage(values, indices, count, acc.numel(), stats)
         stats = ops.gaussian_threshold(grad, residual, z=self.z, k=0, backend=backend)
-        gaussian = stats[ops.STAT_GAUSSIAN_THRESHOLD:ops.STAT_GAUSSIAN_THRESHOLD + 1]
-        # The loop can end above every element (equal values: the deviation is 0 and the count jumps between
-        # all and none): then the largest |acc| is sent rather than nothing, step after step.
-        largest = stats[ops.STAT_MAX_ABS:ops.STAT_MAX_ABS + 1]
-        threshold = torch.minimum(self._paper_correction(acc, gaussian, k), largest)
-        values, indices, count = ops.compact(acc, threshold, k, backend=backend)
-        return self._message(acc, residual, values, indices, count, backend, stats)
-
-    @staticmethod
-    def _paper_correction(acc: torch.Tensor, threshold: torch.Tensor, k: int) -> torch.Tensor:
-        # The paper's 3 steps: halve below 2k/3, x1.5 above 4k/3. Once the count is inside, the factor is 1 and
-        # stays 1: that is the paper's early stop, without a host sync.
+        threshold = stats[ops.STAT_GAUSSIAN_THRESHOLD:ops.STAT_GAUSSIAN_THRESHOLD + 1]
+        # The paper's 3 correction steps: halve below 2k/3, x1.5 above 4k/3. Once the count is inside, the factor
+        # is 1 and stays 1: that is the paper's early stop, without a host sync.
         magnitude = acc.float().abs()
         for _ in range(3):
             count = (magnitude >= threshold).sum()
             factor = torch.where(count < 2 * k / 3, 0.5, torch.where(count > 4 * k / 3, 1.5, 1.0))
             threshold = threshold * factor
-        return threshold.float()
+        # The loop can end above every element (equal values: the deviation is 0 and the count jumps between
+        # all and none): then the largest |acc| is sent rather than nothing, step after step.
+        threshold = torch.minimum(threshold.float(), stats[ops.STAT_MAX_ABS:ops.STAT_MAX_ABS + 1])
+        values, indices, count = ops.compact(acc, threshold, k, backend=backend)
+        return self._message(acc, residual, values, indices, count, backend, stats)
 
 
 class TopK(Compressor):

@@ -139,17 +139,7 @@ _BY_NAME = {backend.name: backend for backend in (CPU, CUDA, TRITON)}
 BackendLike = Union[str, Backend, None]
 
 
-def _unsupported(requested: Backend, device: torch.device, dtype, op) -> ValueError:
-    lines = []
-    for backend in ALL:
-        reasons = backend.not_supported_reasons(device, dtype, op)
-        lines.append(f"backend {backend.name!r} " + ("can run" if not reasons else "; ".join(reasons)))
-    return ValueError(f"backend {requested.name!r} cannot run on tensors on {device}"
-                      + (f" ({op})" if op else "") + ". Every backend: " + "; ".join(lines))
-
-
-def choose(device: torch.device, backend: BackendLike = None, *, dtype: torch.dtype | None = None,
-           op: str | None = None) -> Backend:
+def choose(device: torch.device, backend: BackendLike = None, *, op: str | None = None) -> Backend:
     """The backend that runs ``op`` on ``device``: ``backend`` (a name or object), else ``$GTOPK_EXT_BACKEND``,
     else ``"auto"``. Raises ValueError listing every backend's reasons when the requested one cannot run."""
     device = torch.device(device)
@@ -163,8 +153,11 @@ def choose(device: torch.device, backend: BackendLike = None, *, dtype: torch.dt
             name = "cuda" if device.type == "cuda" and not CUDA.not_supported_reasons(device) else (
                 "triton" if device.type == "cuda" else "cpu")
         chosen = _BY_NAME[name]
-    if chosen.not_supported_reasons(device, dtype, op):
-        raise _unsupported(chosen, device, dtype, op)
+    if chosen.not_supported_reasons(device, op=op):
+        lines = [f"backend {other.name!r} " + ("; ".join(other.not_supported_reasons(device, op=op)) or "can run")
+                 for other in ALL]
+        raise ValueError(f"backend {chosen.name!r} cannot run on tensors on {device}"
+                         + (f" ({op})" if op else "") + ". Every backend: " + "; ".join(lines))
     chosen.ready.add(device)
     return chosen
 
@@ -175,8 +168,6 @@ class BackendChoice(dict):
 
     def __init__(self, backend: BackendLike = None):
         super().__init__()
-        if isinstance(backend, BackendChoice):
-            backend = backend.preference
         if not (backend is None or isinstance(backend, Backend) or backend in BACKEND_NAMES):
             raise ValueError(f"backend must be one of {BACKEND_NAMES} or a gtopk_ext.backends.Backend, got "
                              f"{backend!r}")

@@ -67,7 +67,7 @@ class Worker:
         self._watcher.start()
         _open_threads.add(self)
 
-    def close(self, timeout: float = _CLOSE_SECONDS) -> None:
+    def close(self) -> None:
         """End both threads once the jobs handed over have finished, and let go of the group. Runs at exit and
         from :func:`gtopk_ext.destroy_process_group`: a daemon thread still inside a torch call when the
         interpreter finalizes aborts the process."""
@@ -82,7 +82,7 @@ class Worker:
         self._jobs.put(None)
         for thread in (self._worker, self._watcher):
             if thread is not threading.current_thread():
-                thread.join(timeout)
+                thread.join(_CLOSE_SECONDS)
         if not self._worker.is_alive():  # else its jobs still need them
             self.group = self._store = None
 

@@ -71,8 +71,7 @@ class Wire:
     def unpack(self, payload: torch.Tensor, k: int, numel: int, dtype: torch.dtype, head_words: int,
                backend=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(indices, values in dtype, head, invalid)`` of a payload made by :meth:`pack`; ``invalid`` (lossy
-        wires only, int32[1] on the device) counts the signs of a corrupted message (see
-        :func:`gtopk_ext.ops.wire_decode`), whose slots concerned come out as (0, 0)."""
+        wires only) is :func:`gtopk_ext.ops.wire_decode`'s count of the signs of corruption."""
         raise NotImplementedError
 
     def ascending(self, indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor

@@ -20,8 +20,6 @@ from gtopk_ext.message import SparseMessage
 
 COMPRESSOR_KINDS = ("gaussiank", "topk", "randomk")
 GAUSSIANK_MODES = ("accurate", "paper")
-# The paper's threshold correction (Shi et al. 2019): at most 3 steps, halve below 2k/3, x1.5 above 4k/3.
-PAPER_CORRECTION_STEPS = 3
 
 
 def k_for_density(density: float, numel: int) -> int:
@@ -67,13 +65,11 @@ def _check_inputs(grad: torch.Tensor, residual: torch.Tensor | None) -> None:
 class Compressor:
     """Base class: ``compress(grad, residual=None, *, step=None) -> SparseMessage``.
 
-    ``step`` identifies the call for randomized kinds (every rank must pass the same one to draw the same
-    indices); deterministic kinds ignore it. ``backend`` (a name, a :class:`gtopk_ext.backends.Backend` or None
-    for ``$GTOPK_EXT_BACKEND``) is resolved once per device, at the first message on it, and runs every op of
-    the compressor and of the collectives that reduce its messages. ``per_tensor``: the DDP hook selects within
-    each parameter of a bucket separately, each with its share of the bucket's k
-    (:func:`tensor_shares`), so that a tensor of small gradients (a LayerNorm, an embedding) is not starved by a
-    larger-scaled one. ``options``: the keyword arguments it was made with (:meth:`with_density` reuses them).
+    ``step`` makes randomized kinds draw the same indices on every rank; deterministic kinds ignore it.
+    ``backend`` (a name, a :class:`gtopk_ext.backends.Backend` or None for ``$GTOPK_EXT_BACKEND``) runs every op
+    of the compressor and of the collectives that reduce its messages. ``per_tensor``: the DDP hook selects within
+    each parameter of a bucket, each with its share of k (:func:`tensor_shares`), so that a tensor of small
+    gradients is not starved by a larger-scaled one. ``options``: the keyword arguments it was made with.
     """
 
     kind = ""
@@ -109,32 +105,35 @@ class Compressor:
 
     def _compress(self, grad: torch.Tensor, residual: torch.Tensor | None, k: int, step: int | None,
                   backend: Backend) -> SparseMessage:
-        raise NotImplementedError
+        """The k slots of :meth:`_indices` of acc = grad + residual (kept in the residual, less what is sent)."""
+        acc = residual.add_(grad) if residual is not None else grad
+        indices = self._indices(acc, k, step)
+        count = torch.full((1,), k, dtype=torch.int32, device=acc.device)
+        return self._message(acc, residual, acc[indices.long()], indices, count, backend)
 
-    def _accumulate(self, grad: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """acc = grad + residual, stored in the residual (error feedback); grad itself without one."""
-        return residual.add_(grad) if residual is not None else grad
+    def _indices(self, acc: torch.Tensor, k: int, step: int | None) -> torch.Tensor:
+        """k distinct int32 indices of acc, ascending."""
+        raise NotImplementedError
 
     def _message(self, acc: torch.Tensor, residual: torch.Tensor | None, values: torch.Tensor,
                  indices: torch.Tensor, count: torch.Tensor, backend: Backend,
                  stats: torch.Tensor | None = None) -> SparseMessage:
-        """The message of (values, indices) taken from acc; what is sent leaves the residual."""
         if residual is not None:
             ops.residual_update_(residual, indices, values, backend=backend, check=False)
         return SparseMessage(values, indices, count, acc.numel(), stats)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(density={self.density})"
+        extra = "".join(f", {name}={value!r}" for name, value in self.options.items()
+                        if name not in ("backend", "per_tensor"))
+        return f"{type(self).__name__}(density={self.density}{extra})"
 
 
 class GaussianK(Compressor):
     """Gaussian-k (Shi et al. 2019): a threshold from one statistics pass instead of a sort.
 
-    ``mode="accurate"`` (default) selects with ``ops.gaussian_select``: the histogram threshold of the statistics
-    pass, refined inside its bin (k elements, plus the ties of a 32-float sub-bin, on any distribution);
-    ``mode="paper"`` with the Gaussian estimate ``|mean| + z * std`` and the paper's correction loop (up to 3
-    steps, on the device, no host sync), never above the largest |acc| (where the loop would send nothing).
-    Elements past k slots (in index order) stay in the residual.
+    ``mode="accurate"`` (default) selects with ``ops.gaussian_select`` (about k elements on any distribution);
+    ``mode="paper"`` with the Gaussian estimate ``|mean| + z * std`` and the paper's correction loop, never above
+    the largest |acc|. Elements past k slots (in index order) stay in the residual.
     """
 
     kind = "gaussiank"
@@ -155,26 +154,19 @@ class GaussianK(Compressor):
                                                                 update_residual=True, backend=backend)
             return SparseMessage(values, indices, count, acc.numel(), stats)
         stats = ops.gaussian_threshold(grad, residual, z=self.z, k=0, backend=backend)
-        gaussian = stats[ops.STAT_GAUSSIAN_THRESHOLD:ops.STAT_GAUSSIAN_THRESHOLD + 1]
-        # The loop can end above every element (equal values: the deviation is 0 and the count jumps between
-        # all and none): then the largest |acc| is sent rather than nothing, step after step.
-        largest = stats[ops.STAT_MAX_ABS:ops.STAT_MAX_ABS + 1]
-        threshold = torch.minimum(self._paper_correction(acc, gaussian, k), largest)
-        values, indices, count = ops.compact(acc, threshold, k, backend=backend)
-        return self._message(acc, residual, values, indices, count, backend, stats)
-
-    @staticmethod
-    def _paper_correction(acc: torch.Tensor, threshold: torch.Tensor, k: int) -> torch.Tensor:
-        # Once the count is inside [2k/3, 4k/3] the factor is 1 and stays 1: that is the paper's early stop.
+        threshold = stats[ops.STAT_GAUSSIAN_THRESHOLD:ops.STAT_GAUSSIAN_THRESHOLD + 1]
+        # The paper's 3 correction steps: halve below 2k/3, x1.5 above 4k/3. Once the count is inside, the factor
+        # is 1 and stays 1: that is the paper's early stop, without a host sync.
         magnitude = acc.float().abs()
-        for _ in range(PAPER_CORRECTION_STEPS):
+        for _ in range(3):
             count = (magnitude >= threshold).sum()
             factor = torch.where(count < 2 * k / 3, 0.5, torch.where(count > 4 * k / 3, 1.5, 1.0))
             threshold = threshold * factor
-        return threshold.float()
-
-    def __repr__(self) -> str:
-        return f"GaussianK(density={self.density}, mode={self.mode!r})"
+        # The loop can end above every element (equal values: the deviation is 0 and the count jumps between
+        # all and none): then the largest |acc| is sent rather than nothing, step after step.
+        threshold = torch.minimum(threshold.float(), stats[ops.STAT_MAX_ABS:ops.STAT_MAX_ABS + 1])
+        values, indices, count = ops.compact(acc, threshold, k, backend=backend)
+        return self._message(acc, residual, values, indices, count, backend, stats)
 
 
 class TopK(Compressor):
@@ -182,11 +174,8 @@ class TopK(Compressor):
 
     kind = "topk"
 
-    def _compress(self, grad, residual, k, step, backend):
-        acc = self._accumulate(grad, residual)
-        indices = torch.topk(acc.abs(), k, sorted=False).indices.sort().values.int()
-        count = torch.full((1,), k, dtype=torch.int32, device=acc.device)
-        return self._message(acc, residual, acc[indices.long()], indices, count, backend)
+    def _indices(self, acc, k, step):
+        return torch.topk(acc.abs(), k, sorted=False).indices.sort().values.int()
 
 
 class RandomK(Compressor):
@@ -203,16 +192,10 @@ class RandomK(Compressor):
         self.options["seed"] = seed
         self.calls = 0
 
-    def _compress(self, grad, residual, k, step, backend):
+    def _indices(self, acc, k, step):
         generator = torch.Generator().manual_seed(self.seed + (self.calls if step is None else step))
         self.calls += 1
-        acc = self._accumulate(grad, residual)
-        indices = torch.randperm(acc.numel(), generator=generator)[:k].sort().values.int().to(acc.device)
-        count = torch.full((1,), k, dtype=torch.int32, device=acc.device)
-        return self._message(acc, residual, acc[indices.long()], indices, count, backend)
-
-    def __repr__(self) -> str:
-        return f"RandomK(density={self.density}, seed={self.seed})"
+        return torch.randperm(acc.numel(), generator=generator)[:k].sort().values.int().to(acc.device)
 
 
 _KINDS = {cls.kind: cls for cls in (GaussianK, TopK, RandomK)}
@@ -245,8 +228,7 @@ def compressor_at(compressor: "str | Compressor", density: float, **options) -> 
 
 
 def part_maxima(tensor: torch.Tensor, parts: list[int] | None) -> torch.Tensor:
-    """max |tensor| over each part (the whole tensor without ``parts``); NaN where one is NaN. (aminmax: one
-    vectorised pass, much faster on the CPU than an inf-norm, which takes an absolute value first.)"""
+    """max |tensor| over each part (the whole tensor without ``parts``); NaN where one is NaN."""
     slices = tensor.split(parts) if parts is not None else [tensor]
     extremes = [torch.stack(torch.aminmax(s)) if s.numel() else tensor.new_zeros(2) for s in slices]
     return torch.stack(extremes).abs().amax(dim=1)
@@ -271,10 +253,9 @@ def hold_unused(residual: torch.Tensor, maxima: list[float], parts: list[int] | 
 
 def select(compressor: Compressor, tensor: torch.Tensor, residual: torch.Tensor | None, maxima: list[float],
            parts: list[int] | None, k: int, step: int) -> tuple[SparseMessage, torch.Tensor | None]:
-    """``tensor + residual`` compressed to k slots (what is not selected stays in the residual), the whole tensor at
-    once or, with a per-tensor compressor, each part with its share of k; a part unused here (an all-zero
-    gradient) keeps its residual out of the selection. Returns the message and a bound on the residual's max
-    |value| after it (None when unknown)."""
+    """``tensor + residual`` compressed to k slots, the whole tensor at once or, with a per-tensor compressor, each
+    part with its share of k; a part unused here (an all-zero gradient) keeps its residual out of the selection.
+    Returns the message and a bound on the residual's max |value| after it (None when unknown)."""
     if compressor.per_tensor and parts is not None and len(parts) > 1:
         return _select_per_part(compressor, tensor, residual, maxima, parts, k, step)
     held = hold_unused(residual, maxima, parts) if residual is not None else []
@@ -288,8 +269,7 @@ def select(compressor: Compressor, tensor: torch.Tensor, residual: torch.Tensor 
 def _select_per_part(compressor: Compressor, tensor: torch.Tensor, residual: torch.Tensor | None,
                      maxima: list[float], parts: list[int], k: int, step: int
                      ) -> tuple[SparseMessage, torch.Tensor | None]:
-    """Each part compressed with its share of k; a part unused here sends nothing and keeps its residual. Used
-    slots first, in ascending index order, then the padding."""
+    """Used slots first, in ascending index order, then the padding."""
     grads = tensor.split(parts)
     residuals = residual.split(parts) if residual is not None else [None] * len(parts)
     values, indices, used, bounds, offset = [], [], [], [], 0

@@ -79,7 +79,7 @@ class SparseLocalSGD:
         sync_every: inner steps between syncs (H): :meth:`step` syncs at every ``sync_every``-th call.
         density: fraction of the pseudo-gradient each rank sends, in (0, 1]. ``collective="dense"`` sends all of
             it and needs ``density=1.0``.
-        collective: ``"gtopk"`` (O(k log P)), ``"allgather"`` (O(kP)) or ``"dense"`` (allreduce: DiLoCo).
+        collective: ``"gtopk"`` (O(k log P)), ``"allgather"`` (O(kP)), ``"oktopk"`` or ``"dense"`` (DiLoCo).
         outer_lr, outer_momentum, nesterov: the outer step, ``torch.optim.SGD``'s on the global weights with the
             averaged pseudo-gradient as gradient (``nesterov`` needs a momentum); the defaults: docs/local_sgd.md.
         process_group: the group to reduce over (``None``: the default group).

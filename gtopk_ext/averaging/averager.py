@@ -13,6 +13,7 @@ import torch.distributed as dist
 from gtopk_ext._validate import check_int
 from gtopk_ext.averaging._wait_avoiding import _WaitAvoidingRounds
 from gtopk_ext.averaging.butterfly import _check_group_size, butterfly_groups, group_schedule_length
+from gtopk_ext.collectives import agree
 
 __all__ = ["GroupModelAverager"]
 
@@ -253,14 +254,9 @@ class GroupModelAverager:
     def _check_same_layout_on_all_ranks(self, layout: list[tuple]) -> None:
         signature = repr([(shape, str(dtype)) for shape, dtype, _ in layout])
         device = layout[0][2] if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
-        mine = torch.tensor([len(layout), sum(math.prod(s) for s, _, _ in layout), zlib.crc32(signature.encode())],
-                            dtype=torch.int64, device=device)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self.process_group)
-        if any(not torch.equal(other, mine) for other in everyone):
-            summary = [(int(t[0]), int(t[1])) for t in everyone]
-            raise ValueError("average_parameters needs the same parameters (shapes, dtypes, order) on every rank; "
-                             f"(tensor count, element count) per rank: {summary}")
+        agree({"tensors": len(layout), "numel": sum(math.prod(s) for s, _, _ in layout),
+               "signature": zlib.crc32(signature.encode())}, self.process_group, device,
+              "average_parameters needs the same parameters (shapes, dtypes, order) on every rank")
 
 
 def _parameter_list(params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> list[torch.Tensor]:

@@ -31,9 +31,6 @@ class LossScaling:
         self.velocities_before: dict[int, torch.Tensor] = {}
         self.open = False
 
-    def record_taken(self, index: int, indices: Optional[torch.Tensor], values: torch.Tensor) -> None:
-        self.taken[index] = (indices, values)
-
     def start_iteration(self, residuals: dict[int, torch.Tensor], velocities: dict[int, torch.Tensor],
                         others: list[torch.Tensor], backend) -> bool:
         """Put back what a skipped step took, and bring ``residuals`` and ``velocities`` (per tensor index) and

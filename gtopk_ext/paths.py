@@ -108,8 +108,7 @@ class CostModel:
     compressed, ``slot`` per slot of a sparse exchange (bytes, merges and waiting together), ``dense16``,
     ``dense`` and ``dense8`` per element of the dense paths (None: not measured yet)."""
 
-    __slots__ = ("select", "slot", "dense16", "dense", "dense8")
-    FIGURES = ("select", "slot", "dense16", "dense", "dense8")
+    __slots__ = FIGURES = ("select", "slot", "dense16", "dense", "dense8")
 
     def __init__(self):
         self.select = self.slot = self.dense16 = self.dense = self.dense8 = None
@@ -186,12 +185,11 @@ def choose(times: dict[str, int | None]) -> str:
 
 
 class PathPlan:
-    """What the ranks agreed for one tensor reduced step after step: the ``agreement`` of its header, the
-    ``path`` decided with it, and, for ``auto``, the ``round`` of agreement (a header field), the iteration
-    ``until`` which it holds, this rank's measured ``costs`` of the tensor's paths, the ``sparse_steps`` it took
-    since its last dense one, the header ``decided`` from (a plan agreed again unchanged, after a resume, is not
-    decided again), the ``agreed`` costs it was decided from, and how many of its decisions were ``measured``
-    (made from this run's timings rather than a calibration)."""
+    """What the ranks agreed for one tensor: the ``agreement`` of its header, the ``path`` decided with it, and,
+    for ``auto``, the ``round`` of agreement (a header field), the iteration ``until`` which it holds, this rank's
+    measured ``costs``, the ``sparse_steps`` since its last dense one, the header ``decided`` from (one agreed again
+    unchanged, after a resume, is not decided again), the ``agreed`` costs, and how many decisions were
+    ``measured`` (from this run's timings, not a calibration)."""
 
     __slots__ = ("agreement", "path", "round", "until", "costs", "sparse_steps", "decided", "agreed", "measured")
     SAVED = ("path", "round", "until", "sparse_steps", "decided", "agreed", "measured")

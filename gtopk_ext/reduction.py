@@ -47,6 +47,12 @@ class StepStats:
     exchange_seconds: float = 0.0  # the collective and the average (a dense path: from issuing its allreduce)
     traffic: Traffic = field(default_factory=Traffic, repr=False)
 
+    def as_dict(self) -> dict:
+        """The figures a front end's ``stats()`` reports (bytes: this rank's)."""
+        return {"path": self.path, "numel": self.numel, "k": self.k, "selected": int(self.selected),
+                "bytes_sent": self.traffic.sent, "bytes_received": self.traffic.received,
+                "select_seconds": self.select_seconds, "exchange_seconds": self.exchange_seconds}
+
 
 class Slot:
     """What the reduction keeps per tensor between steps (a DDP bucket, an FSDP parameter group): the ``plan`` agreed

@@ -205,14 +205,8 @@ class SparseGradState:
         (the paths ``auto`` chose from this run's timings: a rerun may choose otherwise)."""
         if self.worker is not None:
             self.worker.drain()
-        buckets = {}
-        for index, slot in sorted(self.buckets.items()):
-            s = slot.stats
-            if s is None:
-                continue
-            buckets[index] = {"path": s.path, "numel": s.numel, "k": s.k, "selected": int(s.selected),
-                              "bytes_sent": s.traffic.sent, "bytes_received": s.traffic.received,
-                              "select_seconds": s.select_seconds, "exchange_seconds": s.exchange_seconds}
+        buckets = {index: slot.stats.as_dict() for index, slot in sorted(self.buckets.items())
+                   if slot.stats is not None}
         total = {key: sum(b[key] for b in buckets.values()) for key in SUMMED}
         measured = sum(slot.plan.measured for slot in self.buckets.values())
         return {"iter": self.iter, "buckets": buckets, "total": total,

@@ -55,8 +55,7 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     tensors = group.memory.tensors
     if tensors["residual"].device != work.device:  # CPU offload: parameters (where it was made) live on the host
         group.memory.tensors = {kind: tensor.to(work.device) for kind, tensor in tensors.items()}
-    decays = correction is not None and correction.weight_decay
-    weights = group.parameters() if decays else None
+    weights = group.parameters() if correction is not None and correction.weight_decay else None
     if state.nodes == 1:  # 2. One node.
         group.slot.stats = StepStats("none", layout.numel, 0)
         if is_finite(work):

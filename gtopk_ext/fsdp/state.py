@@ -195,14 +195,10 @@ class SparseFSDPState:
         ``numel``, ``padded_numel``, ``k``, ``selected``, ``bytes_sent`` / ``bytes_received`` (this rank, between
         nodes), ``select_seconds``, ``exchange_seconds``, and the run's ``run_bytes_sent`` /
         ``run_bytes_received``; "total" sums them."""
-        groups = {}
-        for g in self.groups:
-            s = g.slot.stats or StepStats("none", g.layout.numel, 0)
-            groups[g.index] = {"name": g.name, "path": s.path, "calls": g.calls, "numel": g.layout.numel,
-                               "padded_numel": g.layout.padded_numel, "k": s.k, "selected": int(s.selected),
-                               "bytes_sent": s.traffic.sent, "bytes_received": s.traffic.received,
-                               "select_seconds": s.select_seconds, "exchange_seconds": s.exchange_seconds,
-                               "run_bytes_sent": g.run_traffic.sent, "run_bytes_received": g.run_traffic.received}
+        groups = {g.index: {"name": g.name, "calls": g.calls, "padded_numel": g.layout.padded_numel,
+                            **(g.slot.stats or StepStats("none", g.layout.numel, 0)).as_dict(),
+                            "run_bytes_sent": g.run_traffic.sent, "run_bytes_received": g.run_traffic.received}
+                  for g in self.groups}
         summed = ("numel", "padded_numel", "k", "selected", "bytes_sent", "bytes_received", "select_seconds",
                   "exchange_seconds", "run_bytes_sent", "run_bytes_received")
         return {"groups": groups, "total": {key: sum(g[key] for g in groups.values()) for key in summed}}

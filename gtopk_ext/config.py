@@ -69,11 +69,10 @@ class SparseConfig:
     """What a front end sends each step and how it is reduced, checked when made.
 
     Args:
-        density: the fraction of each tensor sent, in (0, 1]; or a schedule: a list of ``(start_iter, density)``
-            (each from its iteration on, e.g. :func:`exponential_warmup`), or a callable ``iter -> density`` (a pure
-            function: every rank must get the same density for the same iteration).
+        density: the fraction of each tensor sent, in (0, 1]; or a schedule: ``(start_iter, density)`` pairs (e.g.
+            :func:`exponential_warmup`) or a pure callable ``iter -> density`` (the same on every rank).
         compressor: ``"gaussiank"`` (default), ``"topk"``, ``"randomk"``, or a :func:`gtopk_ext.make_compressor`
-            with its options; its backend runs every op of the reduction.
+            (its backend runs every op of the reduction).
         collective: ``"gtopk"`` (default, O(k log P)), ``"allgather"`` (O(kP)), ``"oktopk"`` (O(k) for any P) or
             ``"dense"`` (a plain allreduce).
         wire: the sparse collectives' wire format (:mod:`gtopk_ext.wire`): ``"plain"`` or ``"compact"``.
@@ -82,13 +81,12 @@ class SparseConfig:
         momentum: :class:`gtopk_ext.MomentumCorrection` (a number m is ``MomentumCorrection(m)``), or None.
         hierarchical: :class:`gtopk_ext.Hierarchical` (dense inside a node, ``collective`` between nodes), or None.
         error_feedback: keep what is not applied in a residual (default); False drops it.
-        optimizer_check: with momentum correction, what an optimizer that has momentum or weight decay on the
-            same parameters gets before its first step: ``"raise"`` (a ValueError that says what to do), ``"warn"``
-            or ``"off"``.
+        optimizer_check: with momentum correction, what an optimizer with momentum or weight decay on the same
+            parameters gets before its first step: ``"raise"`` (a ValueError), ``"warn"`` or ``"off"``.
 
-    Once made, ``density`` is the first density, ``schedule`` the checked schedule (or None), ``compressor`` a
-    Compressor at ``density``, ``wire`` a Wire, ``path`` a PathPolicy, ``momentum`` a MomentumCorrection or None
-    (when it would do nothing), and ``reducer`` the collective on the compressor's backend.
+    Once made, ``density`` is the first density, ``schedule`` the checked schedule (or None), ``compressor``,
+    ``wire``, ``path`` and ``momentum`` objects (``momentum`` None when it would do nothing), and ``reducer`` the
+    collective on the compressor's backend.
     """
 
     density: DensitySchedule = 0.01

@@ -39,19 +39,16 @@ class PathPolicy:
     """How a tensor's path is chosen each step.
 
     Args:
-        mode: ``"auto"`` (default: the path the cost model predicts cheapest), or one path for every step that
-            may compress: ``"sparse"`` (the collective at the step's density), ``"dense16"`` (bfloat16 on the
-            wire, float32 sums; its rounding stays in the residual), ``"dense8"`` (8-bit floats scaled per
-            message, the same way) or ``"dense"`` (the tensor's dtype). A tensor not in float32 takes ``"dense"``
-            for the rounded paths.
+        mode: ``"auto"`` (default: the path the cost model predicts cheapest), or one path for every step that may
+            compress: ``"sparse"`` (the collective at the step's density), ``"dense16"`` (bfloat16 on the wire,
+            float32 sums, the rounding kept in the residual), ``"dense8"`` (8-bit floats scaled per message, the
+            same way; a tensor not in float32 takes ``"dense"`` for both) or ``"dense"`` (the tensor's dtype).
         min_compress_numel: tensors with fewer elements always take ``"dense"``.
         recalibrate_every: with ``"auto"``, the iterations between two agreements of the measured costs (a path
             taken for the first time is agreed on again at the next iteration, once it has been timed).
-        choices: with ``"auto"``, the paths it may take (default :data:`AUTO_CHOICES`: all but ``"dense8"``;
-            ``choices=gx.paths.PATHS`` lets it take dense8 where that is cheapest).
-        calibration: with ``"auto"``, the costs to decide from instead of this run's timings, per tensor index
-            (a DDP bucket's, an FSDP parameter group's): a front end's ``state_dict()["calibration"]``. A run given
-            one takes the same paths as every other run given it: decisions then depend on no timing.
+        choices: with ``"auto"``, the paths it may take (default :data:`AUTO_CHOICES`: all but ``"dense8"``).
+        calibration: with ``"auto"``, the costs to decide from instead of this run's timings, per tensor index: a
+            front end's ``state_dict()["calibration"]``. Every run given it takes the same paths.
     """
 
     mode: str = "auto"

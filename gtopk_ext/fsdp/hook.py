@@ -81,7 +81,7 @@ def register_sparse_all_reduce(model: nn.Module, state: SparseFSDPState) -> None
         raise ValueError("state is registered on a model already: make one SparseFSDPState per model")
     found, error = [], None
     try:
-        shard_ranks = dist.get_process_group_ranks(state.shard_group)
+        shard_ranks = dist.get_process_group_ranks(state.mesh.get_group(1))
         for name, module in fsdp_modules(model):
             param_group = parameter_group(module, name)
             if param_group is None:

@@ -129,10 +129,6 @@ class SparseFSDPState:
         return self.mesh.get_group(0)
 
     @property
-    def shard_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group(1)
-
-    @property
     def nodes(self) -> int:
         return self.mesh.size(0)
 

@@ -46,9 +46,10 @@ class StepStats:
     select_seconds: float = 0.0  # grad + residual, statistics, compaction, residual update
     exchange_seconds: float = 0.0  # the collective and the average (a dense path: from issuing its allreduce)
     traffic: Traffic = field(default_factory=Traffic, repr=False)
+    SUMMED = ("numel", "k", "selected", "bytes_sent", "bytes_received", "select_seconds", "exchange_seconds")
 
     def as_dict(self) -> dict:
-        """The figures a front end's ``stats()`` reports (bytes: this rank's)."""
+        """The figures a front end's ``stats()`` reports (bytes: this rank's); ``SUMMED``: those it adds up."""
         return {"path": self.path, "numel": self.numel, "k": self.k, "selected": int(self.selected),
                 "bytes_sent": self.traffic.sent, "bytes_received": self.traffic.received,
                 "select_seconds": self.select_seconds, "exchange_seconds": self.exchange_seconds}

@@ -22,7 +22,6 @@ from gtopk_ext.resume import StateDicts, plan_resume, world_fields
 
 logger = logging.getLogger("gtopk_ext.ddp")
 
-SUMMED = ("numel", "k", "selected", "bytes_sent", "bytes_received", "select_seconds", "exchange_seconds")
 SUMMARY_BUCKETS = 12  # rows of buckets a summary shows: it fits one screen
 
 
@@ -168,9 +167,7 @@ class SparseGradState:
         missing = {"iter", "residuals"} - set(saved)
         if missing:
             raise KeyError(f"state_dict is missing {sorted(missing)} (expected SparseGradState.state_dict()'s keys)")
-        iteration = saved["iter"]
-        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-            raise ValueError(f"state_dict['iter'] must be an int >= 0, got {iteration!r}")
+        iteration = check_int("state_dict['iter']", saved["iter"])
         if self.worker is not None:
             self.worker.drain()
         self.iter, self.totals, self.buckets = iteration, RunTotals(saved.get("totals")), {}
@@ -207,7 +204,7 @@ class SparseGradState:
             self.worker.drain()
         buckets = {index: slot.stats.as_dict() for index, slot in sorted(self.buckets.items())
                    if slot.stats is not None}
-        total = {key: sum(b[key] for b in buckets.values()) for key in SUMMED}
+        total = {key: sum(b[key] for b in buckets.values()) for key in StepStats.SUMMED}
         measured = sum(slot.plan.measured for slot in self.buckets.values())
         return {"iter": self.iter, "buckets": buckets, "total": total,
                 "run": {**self.totals.as_dict(), "measured_decisions": measured}}

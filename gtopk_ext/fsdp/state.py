@@ -195,8 +195,7 @@ class SparseFSDPState:
                             **(g.slot.stats or StepStats("none", g.layout.numel, 0)).as_dict(),
                             "run_bytes_sent": g.run_traffic.sent, "run_bytes_received": g.run_traffic.received}
                   for g in self.groups}
-        summed = ("numel", "padded_numel", "k", "selected", "bytes_sent", "bytes_received", "select_seconds",
-                  "exchange_seconds", "run_bytes_sent", "run_bytes_received")
+        summed = (*StepStats.SUMMED, "padded_numel", "run_bytes_sent", "run_bytes_received")
         return {"groups": groups, "total": {key: sum(g[key] for g in groups.values()) for key in summed}}
 
 

@@ -28,9 +28,8 @@ def sparse_grad_hook(state: SparseGradState, bucket: dist.GradBucket) -> torch.f
 
     1. Begin the iteration (its first bucket): with a loss scaler, put back what a skipped step took and bring the
        residuals to this step's loss scale.
-    2. Layout: the bucket's parameters, by their order of first appearance (the residuals follow them when DDP
-       changes its buckets); in the first iteration after a restore, a bucket made of the checkpoint's buckets is
-       reduced as those buckets.
+    2. Layout: the bucket's parameters, which the residuals follow when DDP changes its buckets; after a restore, a
+       first iteration's bucket made of the checkpoint's buckets is reduced as those buckets.
     3. Reduce: :func:`gtopk_ext.reduction.reduce_step` (plan, momentum correction, the sparse or a dense path).
     4. End the iteration (its last bucket): count the run's totals, advance ``state.iter``, log.
     5. Complete the bucket's future once its exchange is done.

@@ -26,9 +26,8 @@ SUMMARY_BUCKETS = 12  # rows of buckets a summary shows: it fits one screen
 
 
 class RunTotals:
-    """This rank's counts over the run: ``steps`` (iterations), ``compressed_steps`` (those in which a bucket went
-    sparse), ``bytes_sent``, ``bytes_received``, and ``paths``: the bucket steps each path took; counted by the
-    hook at the end of each iteration. Saved in the hook's state_dict, so they continue on resume."""
+    """This rank's counts over the run, at the end of each iteration (saved: a resume goes on): ``steps``,
+    ``compressed_steps`` (a bucket sparse), ``bytes_sent``, ``bytes_received``, ``paths`` (bucket steps per path)."""
 
     FIELDS = ("steps", "compressed_steps", "bytes_sent", "bytes_received")
 
@@ -136,11 +135,10 @@ class SparseGradState:
             watch(self, _reduced_parameters)
 
     def state_dict(self) -> dict:
-        """This rank's resumable state (copies), to save per rank next to the model's and the optimizer's: the
-        residuals (``"residuals"``, ``"unclaimed"``, ``"layouts"``), the velocities, the scaler's record of the
-        latest step, Ok-Topk's state, each bucket's path ``"plans"`` (a resumed run goes on with them) and
-        ``"calibration"``: the costs each bucket's latest path was decided from, for
-        ``gx.PathPolicy("auto", calibration=...)`` (another run given it takes the same paths)."""
+        """This rank's resumable state (copies), to save per rank beside the model's and the optimizer's: the
+        residuals (``"residuals"``, ``"unclaimed"``, ``"layouts"``), the velocities, the scaler's record, Ok-Topk's
+        state, each bucket's path ``"plans"`` and ``"calibration"``, the costs each bucket's latest path was decided
+        from (``gx.PathPolicy("auto", calibration=...)`` takes the same paths)."""
         if self.worker is not None:
             self.worker.drain()
         scaling = self.loss_scaling

@@ -90,9 +90,6 @@ class BucketStore:
                         self.unclaimed[kind][ordinal] = tensor[offset:offset + numel]
                         offset += numel
 
-    def holds_any(self, kind: str, index: int, layout: Layout) -> bool:
-        return index in self.tensors[kind] or any(o in self.unclaimed[kind] for o, _ in layout or ())
-
     def get(self, kind: str, index: int, like: torch.Tensor, layout: Layout) -> torch.Tensor:
         """The bucket's tensor of ``kind``; assembled from unclaimed parts, or zeros, when none is in its layout."""
         tensors = self.tensors[kind]
@@ -172,7 +169,9 @@ class BucketMemory(Memory):
         return self.store.get(kind, self.index, self.like, self.layout)
 
     def held(self, kind: str) -> Optional[torch.Tensor]:
-        return self.get(kind) if self.store.holds_any(kind, self.index, self.layout) else None
+        unclaimed = self.store.unclaimed[kind]
+        holds = self.index in self.store.tensors[kind] or any(o in unclaimed for o, _ in self.layout or ())
+        return self.get(kind) if holds else None
 
     def forget(self, kind: str) -> None:
         del self.store.tensors[kind][self.index]

@@ -25,11 +25,9 @@ MESH_DIM_NAMES = ("replicate", "shard")
 
 
 def node_mesh(node_size: Optional[int] = None, device_type: str = "cpu") -> DeviceMesh:
-    """The 2-D mesh (nodes x node_size) named ``("replicate", "shard")``: shard with ``mesh["shard"]`` (the ranks
-    of one node), exchange sparsely over ``mesh["replicate"]`` (the ranks with the same local rank on every node).
-    ``node_size`` defaults to ``$LOCAL_WORLD_SIZE`` (torchrun's ranks per agent); every rank must see the same
-    (checked on every rank: all raise the same error). Ranks ``n * node_size ...`` form node n, as torchrun numbers
-    them."""
+    """The 2-D mesh (nodes x node_size) named ``("replicate", "shard")``: shard over ``mesh["shard"]`` (one node's
+    ranks, ``n * node_size ...`` for node n, as torchrun numbers them), exchange over ``mesh["replicate"]``.
+    ``node_size`` (default ``$LOCAL_WORLD_SIZE``) must be the same on every rank, else all raise the same error."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
     if node_size is None:
@@ -144,10 +142,9 @@ class SparseFSDPState:
 
     def state_dict(self) -> dict:
         """This rank's resumable state: ``{"world_size", "rank<r>": {"group<i>": {"calls", "numel", "residual",
-        "velocity" (with momentum correction), "oktopk", "plan"}}}``. The rank in the key keeps ranks' residuals
-        apart in a ``torch.distributed.checkpoint`` (which saves one copy of a plain tensor that every rank names
-        alike); the residual and velocity tensors are the state's own (a checkpoint loader may fill them in
-        place), the rest copies."""
+        "velocity" (with momentum correction), "oktopk", "plan"}}}``; the rank in the key keeps the ranks' residuals
+        apart in a ``torch.distributed.checkpoint``. The residual and velocity are the state's own tensors (a
+        checkpoint loader may fill them in place), the rest copies."""
         rank = dist.get_rank()
         return {"world_size": self.world_size,
                 f"rank{rank}": {f"group{g.index}": {"calls": g.calls, "numel": g.layout.numel, **g.memory.tensors,

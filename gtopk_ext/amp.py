@@ -11,13 +11,11 @@ from gtopk_ext import ops
 
 
 class LossScaling:
-    """What a hook keeps to follow a loss scaler (``scaler``; None: none attached).
-
-    ``scale``: the residuals hold the gradient times this factor (the latest step's loss scale). ``taken``: per
-    tensor, what this iteration took out of the residual, (indices or None for all, values), put back if the
-    scaler skips it. ``velocities_before``: with momentum correction, what each velocity goes back to if the
-    scaler skips this iteration (a dense tensor's from before the update, a compressed one's from before the
-    masking). ``open``: an iteration has begun (:meth:`start_iteration` ran)."""
+    """What a hook keeps to follow a loss scaler (``scaler``; None: none attached): ``scale``, the factor the
+    residuals hold the gradient times (the latest step's loss scale); ``taken``, per tensor, what this iteration
+    took out of the residual, (indices or None for all, values), put back if the scaler skips it;
+    ``velocities_before``, what each velocity then goes back to (momentum correction); ``open``: an iteration has
+    begun (:meth:`start_iteration` ran)."""
 
     __slots__ = ("scaler", "scale", "taken", "velocities_before", "open")
 
@@ -30,9 +28,6 @@ class LossScaling:
         self.taken: dict[int, tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         self.velocities_before: dict[int, torch.Tensor] = {}
         self.open = False
-
-    def record_taken(self, index: int, indices: Optional[torch.Tensor], values: torch.Tensor) -> None:
-        self.taken[index] = (indices, values)
 
     def start_iteration(self, residuals: dict[int, torch.Tensor], velocities: dict[int, torch.Tensor],
                         others: list[torch.Tensor], backend) -> bool:

@@ -5,7 +5,7 @@ same on every rank."""
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields as dataclass_fields
 from typing import Callable, Optional, Sequence, Union
 
 from gtopk_ext._validate import check_int
@@ -25,8 +25,8 @@ def exponential_warmup(final_density: float, warmup_iters: int, start_density: f
                        start_iter: int = 0) -> list[tuple[int, float]]:
     """Deep Gradient Compression's exponential sparsity warm-up as a density schedule: the density falls
     geometrically from ``start_density`` to ``final_density`` in ``stages`` equal steps over the ``warmup_iters``
-    iterations from ``start_iter`` on (DGC: 0.25, 0.0625, 0.0156, 0.004, 0.001 over four epochs). No warm-up
-    (``warmup_iters=0`` or a start at or below the final density): the final density."""
+    iterations from ``start_iter`` on. No warm-up (``warmup_iters=0`` or a start at or below the final density):
+    the final density."""
     check_density(final_density, "final_density")
     check_density(start_density, "start_density")
     check_int("warmup_iters", warmup_iters)
@@ -69,11 +69,10 @@ class SparseConfig:
     """What a front end sends each step and how it is reduced, checked when made.
 
     Args:
-        density: the fraction of each tensor sent, in (0, 1]; or a schedule: a list of ``(start_iter, density)``
-            (each from its iteration on, e.g. :func:`exponential_warmup`), or a callable ``iter -> density`` (a pure
-            function: every rank must get the same density for the same iteration).
+        density: the fraction of each tensor sent, in (0, 1]; or a schedule: ``(start_iter, density)`` pairs (e.g.
+            :func:`exponential_warmup`) or a pure callable ``iter -> density`` (the same on every rank).
         compressor: ``"gaussiank"`` (default), ``"topk"``, ``"randomk"``, or a :func:`gtopk_ext.make_compressor`
-            with its options; its backend runs every op of the reduction.
+            (its backend runs every op of the reduction).
         collective: ``"gtopk"`` (default, O(k log P)), ``"allgather"`` (O(kP)), ``"oktopk"`` (O(k) for any P) or
             ``"dense"`` (a plain allreduce).
         wire: the sparse collectives' wire format (:mod:`gtopk_ext.wire`): ``"plain"`` or ``"compact"``.
@@ -82,14 +81,12 @@ class SparseConfig:
         momentum: :class:`gtopk_ext.MomentumCorrection` (a number m is ``MomentumCorrection(m)``), or None.
         hierarchical: :class:`gtopk_ext.Hierarchical` (dense inside a node, ``collective`` between nodes), or None.
         error_feedback: keep what is not applied in a residual (default); False drops it.
-        optimizer_check: with momentum correction, what an optimizer that has momentum or weight decay on the
-            same parameters gets before its first step: ``"raise"`` (a ValueError that says what to do), ``"warn"``
-            or ``"off"``.
+        optimizer_check: with momentum correction, what an optimizer with momentum or weight decay on the same
+            parameters gets before its first step: ``"raise"`` (a ValueError), ``"warn"`` or ``"off"``.
 
-    After construction ``density`` is the first density (a number), ``schedule`` the checked schedule (or None),
-    ``compressor`` a Compressor at ``density``, ``wire`` a :class:`gtopk_ext.wire.Wire`, ``path`` a PathPolicy,
-    ``momentum`` a MomentumCorrection or None (when it would do nothing), and ``reducer`` the collective, on the
-    compressor's backend.
+    Once made, ``density`` is the first density, ``schedule`` the checked schedule (or None), ``compressor``,
+    ``wire``, ``path`` and ``momentum`` objects (``momentum`` None when it would do nothing), and ``reducer`` the
+    collective on the compressor's backend.
     """
 
     density: DensitySchedule = 0.01
@@ -146,10 +143,8 @@ class SparseConfig:
 
     def replace(self, **changes) -> "SparseConfig":
         """This configuration with ``changes`` (made and checked anew)."""
-        fields = {name: getattr(self, name) for name in ("compressor", "collective", "wire", "start_iter", "path",
-                                                         "momentum", "hierarchical", "error_feedback",
-                                                         "optimizer_check")}
-        return SparseConfig(**{"density": self.schedule or self.density, **fields, **changes})
+        kept = {f.name: getattr(self, f.name) for f in dataclass_fields(self) if f.init and f.name != "density"}
+        return SparseConfig(**{"density": self.schedule or self.density, **kept, **changes})
 
     def density_at(self, iteration: int) -> float:
         """The density of ``iteration``: the schedule's, else ``density``."""

@@ -20,18 +20,16 @@ OPTIMIZER_CHECKS = ("raise", "warn", "off")
 
 @dataclass(frozen=True)
 class MomentumCorrection:
-    """DGC's momentum correction, with the optimizer then run WITHOUT momentum and weight decay
-    (``torch.optim.SGD(params, lr)``): per tensor and rank, a velocity u and the residual v:
-    ``g += weight_decay * w``, ``u = momentum * u + g``, ``v += u`` (Nesterov: ``v += g + momentum * u``), the
-    compressor selects from v, and where a slot is applied both v and u are cleared (momentum factor masking).
-    Dense paths (warm-up, small buckets, the dense collective) send u (Nesterov: g + momentum * u) and keep it.
-    Conserved: what entered v (the increments) = what was applied + what v keeps.
+    """DGC's momentum correction, the optimizer then run WITHOUT momentum and weight decay (``torch.optim.SGD(params,
+    lr)``): per tensor and rank, a velocity u and the residual v: ``g += weight_decay * w``, ``u = momentum * u + g``,
+    ``v += u`` (Nesterov: ``v += g + momentum * u``); the compressor selects from v, and where a slot is applied both
+    v and u are cleared (momentum factor masking). Dense paths send u (Nesterov: g + momentum * u) and keep it.
+    What entered v = what was applied + what v keeps.
 
-    ``masking_start_iter``: the iteration from which applied slots clear u; before it only v is cleared there
-    (masking during a dense-ish warm-up would leave most elements without momentum). ``clip_norm``: DGC's local
-    gradient clipping: each rank scales each bucket's gradient to an L2 norm of at most ``clip_norm / sqrt(P)``
-    (before weight decay and momentum), on every path; per bucket, not over the model, which would wait for the
-    last bucket. ``momentum=0`` with a ``clip_norm`` clips only."""
+    ``masking_start_iter``: the iteration from which applied slots clear u (masking during a dense-ish warm-up would
+    leave most elements without momentum). ``clip_norm``: DGC's local clipping of each tensor's gradient to an L2
+    norm of at most ``clip_norm / sqrt(P)``, before weight decay and momentum, on every path (per tensor: a
+    model-wide norm would wait for the last bucket). ``momentum=0`` with a ``clip_norm`` clips only."""
 
     momentum: float = 0.9
     nesterov: bool = False
@@ -67,16 +65,14 @@ def clip(tensor: torch.Tensor, max_norm: float) -> None:
 def increment(correction: MomentumCorrection, velocity: torch.Tensor, tensor: torch.Tensor,
               weights: Optional[list[torch.Tensor]], parts: Optional[list[int]], maxima: list[float], *,
               record: Optional[Callable[[torch.Tensor], None]] = None, sent_whole: bool) -> None:
-    """``tensor`` (the gradient) becomes what enters the residual this step: u after
-    ``u = momentum * u + g + weight_decay * w`` (Nesterov: ``g + weight_decay * w + momentum * u``). ``weights``:
-    the flat parameters laid end to end as in ``tensor`` (needed for weight decay). A part of ``parts`` whose
-    gradient is all zero here (``maxima`` 0: unused by this rank) keeps its velocity and adds nothing, as if the
-    step had not happened for it.
+    """``tensor`` (the gradient) becomes what enters the residual this step: u after ``u = momentum * u + g +
+    weight_decay * w`` (Nesterov: ``g + weight_decay * w + momentum * u``); ``weights``: the flat parameters laid end
+    to end as in ``tensor`` (for weight decay). A part of ``parts`` unused by this rank (``maxima`` 0) keeps its
+    velocity and adds nothing.
 
-    ``record`` (with a loss scaler) gets what the velocity goes back to if the scaler skips the step. ``sent_whole``
-    (a dense path): the increment is sent, not kept, so the velocity goes back to before its update. On the sparse
-    path the increment stays in the residual (nothing lost), so the velocity keeps its update and loses only the
-    step's masking: going back to before the update would count momentum * u twice."""
+    ``record`` (with a loss scaler) gets what the velocity goes back to if the scaler skips the step: before its
+    update when ``sent_whole`` (a dense path sends the increment); else before the masking only, as the increment
+    stays in the residual and undoing the update would count momentum * u twice."""
     if correction.weight_decay:
         if weights is None:
             raise ValueError("weight_decay needs the tensor's parameters (a DDP model, or reduce_buffer(parameters=))")
@@ -85,7 +81,11 @@ def increment(correction: MomentumCorrection, velocity: torch.Tensor, tensor: to
     if record is not None and sent_whole:
         record(velocity.clone())
     held = hold_unused(velocity, maxima, parts, zero=False)
-    accumulate(correction, velocity, tensor)
+    velocity.mul_(correction.momentum).add_(tensor)
+    if correction.nesterov:
+        tensor.add_(velocity, alpha=correction.momentum)
+    else:
+        tensor.copy_(velocity)
     for part, saved in held:
         part.copy_(saved)
     if record is not None and not sent_whole:
@@ -93,16 +93,6 @@ def increment(correction: MomentumCorrection, velocity: torch.Tensor, tensor: to
     for part, largest in zip(tensor.split(parts) if parts else [tensor], maxima):
         if largest == 0:
             part.zero_()
-
-
-def accumulate(correction: MomentumCorrection, velocity: torch.Tensor, tensor: torch.Tensor) -> None:
-    """The velocity's update, ``u = momentum * u + g`` (``g``: ``tensor``), and ``tensor`` becomes what enters the
-    residual: u (Nesterov: ``g + momentum * u``)."""
-    velocity.mul_(correction.momentum).add_(tensor)
-    if correction.nesterov:
-        tensor.add_(velocity, alpha=correction.momentum)
-    else:
-        tensor.copy_(velocity)
 
 
 def mask(velocity: torch.Tensor, indices: torch.Tensor, count: torch.Tensor, applied: Optional[torch.Tensor]) -> None:
@@ -114,9 +104,6 @@ def mask(velocity: torch.Tensor, indices: torch.Tensor, count: torch.Tensor, app
 # ----- momentum applied twice: the hook's and an optimizer's own, on the same parameters -----
 # Every optimizer is checked before its first step after the hook has seen its parameters, through torch's step
 # pre-hook common to all optimizers: there is no call the user could forget.
-
-# The front ends' states whose hook applies momentum, each with a function of it that gives the ids of the
-# parameters its hook reduces (None until it has seen them); and the optimizers already checked against all.
 _watched: "weakref.WeakKeyDictionary[object, Callable]" = weakref.WeakKeyDictionary()
 _checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _handle = None

@@ -1,11 +1,7 @@
-"""The one error-feedback reduction that every front end runs (the DDP hook, the FSDP2 hook, SparseLocalSGD): a
-tensor plus its residual takes this step's path, and what this rank did not get applied stays in its residual: not
-selected, dropped by a merge, or lost to the wire's rounding. Nothing is lost: ``tensor + old residual == what was
-applied + new residual`` on every rank, to float rounding. This module is the only caller of the collectives.
-
-    reduce_step(...)          one step of a front end's tensor: plan, path (sparse, dense16, dense8, dense or
-                              non-finite), momentum correction, error feedback, costs
-    outcome = reduce(...)     the sparse exchange alone: a compressor's message reduced, what was not applied kept
+"""The one error-feedback reduction of every front end (the DDP and FSDP2 hooks, SparseLocalSGD), and the only
+caller of the collectives: a tensor plus its residual takes this step's path, and what this rank did not get applied
+(not selected, dropped by a merge, lost to the wire's rounding) stays in its residual, so ``tensor + old residual ==
+what was applied + new residual`` on every rank, to float rounding.
 """
 
 from __future__ import annotations
@@ -50,13 +46,19 @@ class StepStats:
     select_seconds: float = 0.0  # grad + residual, statistics, compaction, residual update
     exchange_seconds: float = 0.0  # the collective and the average (a dense path: from issuing its allreduce)
     traffic: Traffic = field(default_factory=Traffic, repr=False)
+    SUMMED = ("numel", "k", "selected", "bytes_sent", "bytes_received", "select_seconds", "exchange_seconds")
+
+    def as_dict(self) -> dict:
+        """The figures a front end's ``stats()`` reports (bytes: this rank's); ``SUMMED``: those it adds up."""
+        return {"path": self.path, "numel": self.numel, "k": self.k, "selected": int(self.selected),
+                "bytes_sent": self.traffic.sent, "bytes_received": self.traffic.received,
+                "select_seconds": self.select_seconds, "exchange_seconds": self.exchange_seconds}
 
 
 class Slot:
-    """What the reduction keeps for one tensor that a front end reduces step after step (a DDP bucket, an FSDP
-    parameter group): the ``plan`` agreed with the other ranks, the latest step's ``stats``, Ok-Topk's state
-    (``oktopk``), and ``bound``: (the residual, a bound on its max |value|) left by the latest sparse step, with
-    which the next one can tell that grad + residual is finite without summing them."""
+    """What the reduction keeps per tensor between steps (a DDP bucket, an FSDP parameter group): the ``plan`` agreed
+    with the other ranks, the latest ``stats``, Ok-Topk's state, and ``bound``: (residual, a bound on its max |value|)
+    from the latest sparse step, so that the next can tell that grad + residual is finite without summing them."""
 
     __slots__ = ("plan", "stats", "oktopk", "bound")
 
@@ -68,15 +70,13 @@ class Slot:
 
 
 class Memory:
-    """Where a front end keeps one tensor's tensors between steps, by kind (``"residual"``, ``"velocity"``): here
-    plain tensors of the tensor's size, made at registration (an FSDP parameter group's); the DDP hook's follow the
-    parameters when DDP changes its buckets."""
+    """One tensor's tensors between steps, by kind (``"residual"``, ``"velocity"``): here plain tensors made at
+    registration (an FSDP parameter group's); the DDP hook's follow the parameters (``ddp.store.BucketMemory``)."""
 
     def __init__(self, **tensors: torch.Tensor):
         self.tensors = tensors
 
     def get(self, kind: str) -> torch.Tensor:
-        """The tensor of ``kind``."""
         return self.tensors[kind]
 
     def held(self, kind: str) -> Optional[torch.Tensor]:
@@ -92,30 +92,27 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
                 iteration: int, group: dist.ProcessGroup, what: str, parts: Optional[list[int]] = None,
                 weights: Optional[list[torch.Tensor]] = None, scaling: Optional[LossScaling] = None,
                 queue=None) -> torch.futures.Future:
-    """One step of ``tensor`` (flat: this rank's gradient of a front end's tensor number ``index``) over ``group``:
-    a future of ``tensor``, which becomes the average over the ranks of what was applied.
+    """One step of ``tensor`` (flat: this rank's gradient of the front end's tensor ``index``) over ``group``: a
+    future of ``tensor``, which becomes the average over the ranks of what was applied.
 
-    1. Plan: k follows from replicated configuration (the iteration, the density schedule, the tensor's size),
-       and the path from ``config.path``: dense during the warm-up, for small tensors and the dense collective;
-       else, with ``auto``, the cheapest of sparse, dense16, dense8 and dense that the ranks' measured costs (or
-       the policy's calibration) predict (:func:`plan_path`). Ranks exchange a header only when the plan changes,
-       and all raise the same error if they differ.
-    2. Prepare: DGC's clipping and momentum correction (``config.momentum``; ``weights``: the parameters, laid end
-       to end as in ``tensor``, for weight decay) turn the gradient into what enters the residual; each part's
-       largest |gradient| (``parts``: their sizes, a DDP bucket's parameters) says which parts this rank did not
-       use (their residual waits) and whether grad + residual can be non-finite.
-    3. Reduce (sparse path, :func:`reduce`): acc = grad + residual is compressed to k slots and reduced by the
-       collective (``config.hierarchical``: the hierarchical one); what was not applied (not selected, dropped
-       by a merge, lost to the wire's rounding) stays in the residual. A rank whose acc is not finite raises a
-       flag instead.
+    1. Plan (:func:`plan_path`): k from the iteration, the density schedule and the tensor's size; the path dense
+       during the warm-up, for small tensors and the dense collective, else ``config.path``'s (``auto``: the
+       cheapest that the ranks' measured costs, or the policy's calibration, predict). The ranks exchange a header
+       only when the plan changes, and all raise the same error if they differ.
+    2. Prepare: DGC's clipping and momentum correction (``weights``: the parameters laid end to end as in
+       ``tensor``, for weight decay) make the gradient what enters the residual; each part's largest |gradient|
+       (``parts``: their sizes) tells which parts this rank did not use (their residual waits) and whether
+       grad + residual can be non-finite.
+    3. Reduce (sparse, :func:`reduce`): acc = grad + residual is compressed to k slots and reduced by the
+       collective (or the hierarchical one); what was not applied stays in the residual. A rank whose acc is not
+       finite raises a flag instead.
     4. Keep: the loss scaler's record of what the step took (``scaling``), and momentum factor masking.
-    5. Dense paths (the warm-up, small tensors, the dense collective, or a flag raised by any rank): the tensor
-       (plus any residual it still holds) is divided by P and allreduced asynchronously; on dense16 and dense8 all
-       of grad + residual is averaged in bfloat16 or scaled 8-bit floats (float32 sums), the rounding kept in the
-       residual.
+    5. Dense (the warm-up, small tensors, the dense collective, a flag from any rank): the tensor, plus any residual
+       it holds, / P, allreduced asynchronously; dense16 and dense8 average all of grad + residual in bfloat16 or
+       scaled 8-bit floats (float32 sums), the rounding kept in the residual.
 
-    ``queue``: an object whose ``busy_until`` says when this group's latest asynchronous allreduce completed (the
-    DDP hook's worker), so that a dense step's own time is told from its wait in the queue."""
+    ``queue``: its ``busy_until`` is when this group's latest asynchronous allreduce completed (the DDP hook's
+    worker), so that a dense step's own time is told from its wait in the queue."""
     size = dist.get_world_size(group)
     numel = tensor.numel()
     stats = slot.stats = StepStats("dense", numel, numel, selected=numel)
@@ -143,7 +140,7 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
             tensor.add_(held)
             memory.forget("residual")
             if scaling is not None:
-                scaling.record_taken(index, None, held)
+                scaling.taken[index] = (None, held)
         return _allreduce(tensor, slot, group, size, queue)
     stats.k, stats.selected = k, 0
     compressor = config.compressor_at(density)
@@ -178,13 +175,13 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
             memory.forget("residual")
             slot.bound = None
             if scaling is not None:
-                scaling.record_taken(index, None, residual)
+                scaling.taken[index] = (None, residual)
         return _allreduce(tensor, slot, group, size, queue)
     slot.plan.costs.observe_sparse(numel, k, stats.select_seconds, stats.exchange_seconds)
 
     # 4. Keep.
     if residual is not None and scaling is not None:
-        scaling.record_taken(index, *outcome.taken())
+        scaling.taken[index] = outcome.taken()
     if velocity is not None and iteration >= correction.masking_start_iter:
         mask(velocity, outcome.msg.indices, outcome.msg.count, outcome.applied)
     return _done(tensor)
@@ -213,13 +210,13 @@ def _reduce_hierarchical(tensor: torch.Tensor, slot: Slot, memory: Memory, confi
             tensor.add_(residual)
             memory.forget("residual")
             if scaling is not None:
-                scaling.record_taken(index, None, residual)
+                scaling.taken[index] = (None, residual)
         return _allreduce(tensor, slot, group, dist.get_world_size(group), queue)
     slot.plan.costs.observe_sparse(tensor.numel(), k, 0.0, stats.exchange_seconds)
     tensor.copy_(result.average)
     if residual is not None and scaling is not None:
         kept = Outcome(result.msg, result.applied, rounding.pairs(residual.dtype, residual.device))
-        scaling.record_taken(index, *kept.taken())
+        scaling.taken[index] = kept.taken()
     return _done(tensor)
 
 
@@ -236,7 +233,7 @@ def _reduce_rounded(path: str, tensor: torch.Tensor, slot: Slot, memory: Memory,
             held = hold_unused(residual, part_maxima(tensor, parts).tolist(), parts)
         slot.bound = None
         if scaling is not None:
-            scaling.record_taken(index, None, residual.clone())
+            scaling.taken[index] = (None, residual.clone())
         tensor.add_(residual)
     _DENSE[path].reduce_dense(tensor, group, dist.get_world_size(group), slot.stats.traffic, lost=residual)
     for part, saved in held:  # the part now holds the chunk's rounding, if this rank summed it
@@ -281,12 +278,10 @@ def _accumulation_is_finite(tensor: torch.Tensor, residual: Optional[torch.Tenso
 def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, policy: PathPolicy, *,
               iteration: int, k: int | None, index: int, collective: Collective, wire: Wire, what: str,
               volatile: dict[str, int] | None = None, traffic: Traffic | None = None) -> str:
-    """Step 1: the ranks check they share the plan for ``tensor`` (its size, dtype, k, wire and policy; with an
-    ``Agreement`` in ``plan`` the header crosses only when the plan changes) and all take the same path this step:
-    ``"sparse"``, ``"dense16"``, ``"dense8"`` or ``"dense"``. ``k``: the step's k, or None when the tensor may not
-    compress this step (a warm-up; it then goes dense). With ``auto`` the header also carries each rank's measured
-    costs of the tensor (``plan.costs``), and the path follows from their mean, or from the policy's calibration
-    of tensor ``index``."""
+    """Step 1: the ranks check they share ``tensor``'s plan (size, dtype, k, wire, policy; the header crosses only
+    when it changes) and take the same path: ``"sparse"``, ``"dense16"``, ``"dense8"`` or ``"dense"``. ``k``: None
+    when the tensor may not compress this step (it goes dense). With ``auto`` the header carries each rank's
+    measured costs (``plan.costs``), and the path follows from their mean, or from the policy's calibration."""
     numel, size = tensor.numel(), dist.get_world_size(group)
     compress = k is not None and numel >= max(policy.min_compress_numel, 1)
     auto = compress and policy.mode == "auto"
@@ -316,10 +311,9 @@ def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, po
 
 @dataclass
 class Outcome:
-    """What :func:`reduce` did on this rank. ``msg``: the slots it sent; ``applied``: the mask of those inside
-    the average (None: all); ``errors``: (indices, errors) the wire's rounding took off its applied values, now in
-    its residual; ``nonfinite``: a rank's sum was not finite, so nothing sparse was applied and every rank must
-    send its tensor densely (this rank's tensor then holds what it must send)."""
+    """What :func:`reduce` did on this rank: ``msg``, the slots it sent; ``applied``, the mask of those in the
+    average (None: all); ``errors``, (indices, errors) of the wire's rounding, now in its residual; ``nonfinite``:
+    a rank's sum was not finite, nothing was applied, every rank goes dense (this rank's tensor holds what to send)."""
 
     msg: SparseMessage
     applied: torch.Tensor | None
@@ -327,8 +321,7 @@ class Outcome:
     nonfinite: bool = False
 
     def taken(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(indices, values): what this step took out of the residual (the applied slots less the rounding
-        errors kept)."""
+        """(indices, values) this step took out of the residual: the applied slots less the rounding kept."""
         values = self.msg.values if self.applied is None else self.msg.values * self.applied
         error_indices, errors = self.errors
         return torch.cat([self.msg.indices, error_indices]), torch.cat([values, -errors])
@@ -338,14 +331,10 @@ def reduce(tensor: torch.Tensor, residual: torch.Tensor | None, msg: SparseMessa
            group: dist.ProcessGroup, *, k: int, wire: Wire, backend: Backend | None, traffic: Traffic | None = None,
            state=None, out: torch.Tensor | None = None) -> Outcome:
     """The sparse exchange of ``tensor`` (flat) over ``group``, after the selection: ``msg`` is ``tensor +
-    residual`` compressed to k slots, the rest left in ``residual`` (the compressor's contract), or None from a
-    rank whose sum is not finite, which raises a flag instead. ``out`` (default ``tensor``) becomes the average
-    over the group's ranks of what was applied.
-
-    The collective reduces the messages, the flags riding inside its payloads; what was not applied goes back into
-    the residual (:func:`gtopk_ext.collectives.keep_unapplied`). If any rank raised the flag nothing is applied:
-    every rank must go dense, a finite rank sending all of ``tensor + residual`` (its ``tensor`` then holds it,
-    its residual the same) and the others their tensor, their residual untouched."""
+    residual`` compressed to k slots, the rest left in ``residual``, or None from a rank whose sum is not finite (it
+    raises a flag inside the payloads). ``out`` (default ``tensor``) becomes the average of what was applied; what
+    was not goes back into the residual. After a flag nothing is applied and every rank goes dense: a finite rank
+    with all of ``tensor + residual`` (now in its ``tensor`` and its residual), the others with their tensor."""
     size = dist.get_world_size(group)
     finite = msg is not None
     flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)

@@ -1,11 +1,6 @@
-"""The DDP communication hook: sparsified gradients with error feedback, in the shape of PyTorch's PowerSGD hook.
-
-    state = gx.SparseGradState(process_group=None, density=0.01)   # gtopk collective, Gaussian-k compressor
-    ddp_model.register_comm_hook(state, gx.sparse_grad_hook)
-
-The state is data (:mod:`gtopk_ext.ddp.state`); this module is the algorithm, one bucket at a time on the state's
-worker while the backward pass goes on; each bucket's step is the one reduction of every front end
-(:func:`gtopk_ext.reduction.reduce_step`).
+"""The DDP communication hook, in the shape of PyTorch's PowerSGD hook: the state is data (:mod:`gtopk_ext.ddp.state`),
+this module the algorithm, one bucket at a time on the state's worker while the backward pass goes on, each bucket's
+step the one reduction of every front end (:func:`gtopk_ext.reduction.reduce_step`).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations against dist.GradBucket.
@@ -28,29 +23,22 @@ def sparse_grad_hook(state: SparseGradState, bucket: dist.GradBucket) -> torch.f
     """DDP communication hook: the bucket's gradient averaged over ranks, sparsified (see :class:`SparseGradState`).
 
     Register with ``ddp_model.register_comm_hook(state, sparse_grad_hook)``; it returns a future of the bucket's
-    buffer, holding the average of what every rank applied this step. The bucket is handed to the state's worker
-    and the backward pass goes on; on the worker, for each bucket in turn (:func:`_reduce_bucket`):
+    buffer, which holds the average of what every rank applied. The bucket goes to the state's worker and the
+    backward pass goes on; on the worker, for each bucket in turn (:func:`_reduce_bucket`):
 
     1. Begin the iteration (its first bucket): with a loss scaler, put back what a skipped step took and bring the
        residuals to this step's loss scale.
-    2. Layout: the bucket's parameters, by their order of first appearance (the residuals follow them when DDP
-       changes its buckets); in the first iteration after a restore, a bucket made of the checkpoint's buckets is
-       reduced as those buckets.
-    3. Reduce (:func:`gtopk_ext.reduction.reduce_step`): plan (dense during the warm-up, for small buckets and the
-       dense collective; else the state's path policy), momentum correction, then the sparse path (acc = grad +
-       residual compressed to k slots, reduced by the collective, what was not applied kept in the residual) or a
-       dense one (dense16, dense8: the rounding kept; dense: the residual sent along; also when any rank's acc is
-       not finite).
+    2. Layout: the bucket's parameters, which the residuals follow when DDP changes its buckets; after a restore, a
+       first iteration's bucket made of the checkpoint's buckets is reduced as those buckets.
+    3. Reduce: :func:`gtopk_ext.reduction.reduce_step` (plan, momentum correction, the sparse or a dense path).
     4. End the iteration (its last bucket): count the run's totals, advance ``state.iter``, log.
     5. Complete the bucket's future once its exchange is done.
 
-    Why a worker thread rather than a chain of futures as in PyTorch's PowerSGD hook: on Gloo a future's callback runs
-    on the thread that completed the previous collective, so a callback that issues the next collective races the
-    autograd thread issuing the next bucket's, and ranks can issue them in different orders (PowerSGD's hook with
-    several buckets on Gloo fails that way); gTop-k also needs log2(P) dependent rounds. One thread per state that
-    takes the buckets in DDP's order issues every collective in the same order on every rank. The last bucket of
-    an iteration returns only once every bucket has been issued: DDP issues collectives of its own right after it
-    (``find_unused_parameters=True``); the exchanges of the earlier buckets overlap the backward pass.
+    Why a worker thread, not a chain of futures as in PowerSGD's hook: on Gloo a future's callback runs on the
+    thread that completed the previous collective, so a callback issuing the next collective races the autograd
+    thread issuing the next bucket's, and ranks can issue them in different orders; one thread per state, taking
+    the buckets in DDP's order, issues every collective in the same order on every rank. The last bucket of an
+    iteration returns once every bucket has been issued, as DDP issues collectives of its own right after it.
     """
     return reduce_buffer(state, bucket.buffer(), bucket.index(), is_last=bucket.is_last(),
                          parameters=bucket.parameters())
@@ -58,10 +46,9 @@ def sparse_grad_hook(state: SparseGradState, bucket: dist.GradBucket) -> torch.f
 
 def reduce_buffer(state: SparseGradState, buffer: torch.Tensor, bucket_index: int, *, is_last: bool = True,
                   parameters: Optional[Sequence[torch.Tensor]] = None) -> torch.futures.Future:
-    """Average ``buffer`` (a flat bucket) over the group as :func:`sparse_grad_hook` does; the future's value is
-    ``buffer``, overwritten. ``parameters``: the bucket's parameters in order (lets residuals follow them when
-    DDP changes its buckets); ``is_last`` ends the iteration. Every rank must make the same calls, in the same
-    order."""
+    """Average ``buffer`` (a flat bucket) over the group as :func:`sparse_grad_hook` does, into a future of
+    ``buffer``. ``parameters``: the bucket's, in order (the residuals follow them when DDP changes its buckets);
+    ``is_last`` ends the iteration. Every rank must make the same calls, in the same order."""
     if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.dtype not in DTYPE_CODES:
         raise ValueError(f"buffer must be a flat float32, float16 or bfloat16 tensor, got "
                          f"{getattr(buffer, 'dtype', type(buffer).__name__)} of shape "

@@ -22,14 +22,12 @@ from gtopk_ext.resume import StateDicts, plan_resume, world_fields
 
 logger = logging.getLogger("gtopk_ext.ddp")
 
-SUMMED = ("numel", "k", "selected", "bytes_sent", "bytes_received", "select_seconds", "exchange_seconds")
 SUMMARY_BUCKETS = 12  # rows of buckets a summary shows: it fits one screen
 
 
 class RunTotals:
-    """This rank's counts over the run: ``steps`` (iterations), ``compressed_steps`` (those in which a bucket went
-    sparse), ``bytes_sent``, ``bytes_received``, and ``paths``: the bucket steps each path took; counted by the
-    hook at the end of each iteration. Saved in the hook's state_dict, so they continue on resume."""
+    """This rank's counts over the run, at the end of each iteration (saved: a resume goes on): ``steps``,
+    ``compressed_steps`` (a bucket sparse), ``bytes_sent``, ``bytes_received``, ``paths`` (bucket steps per path)."""
 
     FIELDS = ("steps", "compressed_steps", "bytes_sent", "bytes_received")
 
@@ -46,51 +44,32 @@ class RunTotals:
 
 
 class SparseGradState:
-    r"""State of :func:`gtopk_ext.sparse_grad_hook`, one per DDP model (and per rank), as PyTorch's
-    ``PowerSGDState`` is for its hook: plain data.
+    r"""State of :func:`gtopk_ext.sparse_grad_hook`, one per DDP model and rank: plain data, as PyTorch's
+    ``PowerSGDState`` is for its hook.
 
     Args:
         process_group: the group to reduce over (``None``: the default group). Dropped when pickled.
         density, compressor, collective, wire, path, momentum, hierarchical, error_feedback, optimizer_check: the
-            configuration (:class:`gtopk_ext.SparseConfig`, where each is documented). ``path="auto"`` (default)
-            takes, per bucket and step, the cheapest of the sparse collective, a dense allreduce in bfloat16 or in
-            scaled 8-bit floats (their rounding kept in the residual) and the dense allreduce, as predicted from
-            this group's measured steps, the same on every rank (so a rerun may take other paths: see
-            :class:`gtopk_ext.PathPolicy`'s ``calibration``); ``"sparse"``, ``"dense16"``, ``"dense8"`` or
-            ``"dense"`` force one.
+            configuration, each documented in :class:`gtopk_ext.SparseConfig` (``path``: default ``"auto"``, the
+            cheapest path predicted from this group's measured steps; :class:`gtopk_ext.PathPolicy`).
         start_iter: iterations of dense allreduce before compressing: at least 2 with error feedback, as DDP
             rebuilds its buckets after the first iteration.
-        scaler: a ``torch.amp.GradScaler`` to follow (the scaler stays yours): the residuals are kept at the latest
-            step's loss scale (rescaled exactly when it changes: its factors are powers of two); when the scaler
-            skips a step (seen as its scale backing off at the next step: call ``scaler.update()`` once per step
-            without ``new_scale``), everything the hook took out of the residuals in that step goes back, and so
-            do momentum correction's velocities. The finite gradients of compressed buckets of a skipped step stay
-            in the residuals; those of dense buckets are dropped with the step, as plain DDP does.
+        scaler: a ``torch.amp.GradScaler`` to follow (call ``scaler.update()`` once per step, without
+            ``new_scale``): the residuals are kept at the latest step's loss scale, and what a step the scaler skips
+            took out of them goes back, and so do the velocities; a skipped step's dense buckets are dropped with
+            it, as in plain DDP.
 
-    Fields:
+    Fields: ``process_group``; ``config`` (the :class:`gtopk_ext.SparseConfig`); ``iter`` (iterations done,
+    advanced on ``bucket.is_last()``); ``store`` (:class:`gtopk_ext.ddp.store.BucketStore`: per bucket the
+    residual, ``store.residuals``, and the velocity); ``buckets`` (per bucket index, its
+    :class:`gtopk_ext.reduction.Slot`); ``totals`` (:class:`RunTotals`); ``loss_scaling``
+    (:class:`gtopk_ext.amp.LossScaling`); ``worker`` (the thread that reduces the buckets in DDP's order);
+    ``stats_logging_frequency`` (log :meth:`stats` at INFO on logger ``gtopk_ext.ddp`` every this many iterations;
+    0: never); ``synchronous`` (finish each bucket inside the hook call, for debugging: bitwise the same results).
 
-    - ``process_group``, ``config`` (the :class:`gtopk_ext.SparseConfig`), ``iter`` (iterations done; advanced on
-      ``bucket.is_last()``);
-    - ``store`` (:class:`gtopk_ext.ddp.store.BucketStore`: the residuals, ``store.residuals``, and momentum
-      correction's velocities, per bucket), ``buckets`` (per bucket index, the
-      :class:`gtopk_ext.reduction.Slot`: the path plan agreed with the other ranks, the latest step's stats, Ok-Topk's
-      state), ``totals`` (:class:`RunTotals`), ``loss_scaling`` (:class:`gtopk_ext.amp.LossScaling`);
-    - ``worker``: the thread that reduces the buckets in DDP's order, started at the first bucket;
-    - runtime options: ``stats_logging_frequency`` (log :meth:`stats`, logger ``gtopk_ext.ddp``, INFO, every this
-      many iterations; 0 never; default 1000: also an argument) and ``synchronous`` (finish each bucket inside the
-      hook call instead of on the worker, for debugging: bitwise the same results).
-
-    What is guaranteed, with error feedback on: every element of ``grad + residual`` on every rank is either in
-    the average this step returns or in the new residual (nothing is lost), in float32, bfloat16 and float16.
-
-    - A bucket whose ``grad + residual`` is not finite on some rank raises a flag inside the sparse payload; when
-      any rank raised it, every rank takes the dense path: that rank sends its gradient and keeps its residual
-      untouched (so a ``GradScaler`` sees the inf); the others send all of ``grad + residual`` and keep nothing.
-    - A parameter whose gradient in a bucket is exactly zero on this rank keeps its residual out of that step's
-      selection: with ``find_unused_parameters=True`` DDP never copies the reduced values of a parameter that no
-      rank used into ``.grad``, so what the hook sent for it would be lost.
-    - Buckets that go dense after a change of layout (a resume with other bucket sizes) add the residual parts of
-      their parameters to the gradient they send: they are applied, not left behind.
+    With error feedback on, every element of ``grad + residual`` on every rank is either in the average a step
+    returns or in the new residual, in float32, bfloat16 and float16, also when a rank's sum is not finite, a
+    parameter is unused on a rank or the buckets changed (docs/usage.md, "What the hook guarantees").
     """
 
     __slots__ = ("process_group", "config", "iter", "store", "buckets", "totals", "loss_scaling", "worker",
@@ -124,14 +103,11 @@ class SparseGradState:
     def recipe(cls, density: float = 0.01, warmup_steps: int = 44, process_group: Optional[dist.ProcessGroup] = None,
                momentum: float = 0.9, **options) -> "SparseGradState":
         """The settings that train as fast per step as dense SGD with momentum, at a fraction of its bytes
-        (docs/performance.md's race: a 44-step warm-up reached 95% in DDP's steps on every seed): two dense steps,
-        then Deep Gradient Compression's exponential warm-up of the density from 0.25 to ``density`` over
-        ``warmup_steps`` steps (``path="auto"`` sends a dense step in bfloat16 wherever a sparse one would cost
-        more), and momentum correction with Nesterov momentum ``momentum`` in the hook, its masking from the
-        warm-up's end. ``options``: other arguments (``collective``, ``compressor``, ``wire``, ...).
-
-        The hook then applies the momentum: train with an optimizer WITHOUT momentum or weight decay, e.g.
-        ``torch.optim.SGD(model.parameters(), lr)`` (one with momentum is reported before its first step)::
+        (docs/performance.md): two dense steps, then Deep Gradient Compression's exponential warm-up of the density
+        from 0.25 to ``density`` over ``warmup_steps`` steps, and Nesterov momentum correction ``momentum`` in the
+        hook, its masking from the warm-up's end; ``options``: the other arguments. Train with an optimizer
+        WITHOUT momentum or weight decay, ``torch.optim.SGD(model.parameters(), lr)`` (one with either is reported
+        before its first step)::
 
             state = gx.SparseGradState.recipe(density=0.01, warmup_steps=44)
             ddp_model.register_comm_hook(state, gx.sparse_grad_hook)
@@ -159,13 +135,10 @@ class SparseGradState:
             watch(self, _reduced_parameters)
 
     def state_dict(self) -> dict:
-        """This rank's resumable state (copies): ``{"iter", "world_size", "rank", "totals", "residual_scale",
-        "residuals", "unclaimed", "layouts", "velocities", "velocities_before", "taken", "oktopk", "plans",
-        "calibration"}``: "velocities": momentum correction's; "taken" and "velocities_before": what the latest step
-        took and the velocities before it, in case the scaler skipped it; "plans": each bucket's path plan (a
-        resumed run goes on with them); "calibration": each bucket's costs its latest path was decided from (for
-        ``gx.PathPolicy("auto", calibration=...)``: another run given it takes the same paths). Save one per rank,
-        next to the model's and the optimizer's (and the scaler's)."""
+        """This rank's resumable state (copies), to save per rank beside the model's and the optimizer's: the
+        residuals (``"residuals"``, ``"unclaimed"``, ``"layouts"``), the velocities, the scaler's record, Ok-Topk's
+        state, each bucket's path ``"plans"`` and ``"calibration"``, the costs each bucket's latest path was decided
+        from (``gx.PathPolicy("auto", calibration=...)`` takes the same paths)."""
         if self.worker is not None:
             self.worker.drain()
         scaling = self.loss_scaling
@@ -181,25 +154,18 @@ class SparseGradState:
                                 if slot.plan.agreed is not None}}
 
     def load_state_dict(self, state_dict: StateDicts, on_world_size_change: str = "error") -> None:
-        """Restore :meth:`state_dict`'s output. Load it before the DDP model's first backward of this process:
-        parameters are recognised by the order in which DDP's first buckets list them.
-
-        The residuals are per rank. At another world size than the saved one, ``on_world_size_change`` says what
-        becomes of them, on every rank alike (the iteration and the run totals always load): ``"error"``
-        (default) raises a ValueError naming both sizes (so does another rank's state_dict); ``"fold"`` takes
-        every saved rank's state_dict as a list in rank order: this rank adds up the residuals of the saved ranks
-        ``q`` with ``q % world_size == rank`` and sends them whole in the first step, dense on every rank
-        (``start_iter`` becomes at least the resumed iteration + 1): nothing is lost; ``"zero"``: they start at
-        zero (dropped). With either, the velocities, the path plans, Ok-Topk's thresholds and the scaler's record
-        start afresh."""
+        """Restore :meth:`state_dict`'s output, before the DDP model's first backward of this process (parameters
+        are recognised by the order in which DDP's first buckets list them). At another world size,
+        ``on_world_size_change`` says what becomes of the residuals (docs/usage.md, "Another world size"):
+        ``"error"`` (default: a ValueError naming both sizes), ``"fold"`` (``state_dict``: every saved rank's, in
+        rank order; this rank sends those of saved ranks ``q % world_size == rank`` whole in a first dense step) or
+        ``"zero"``; the iteration and the run totals load, the rest starts afresh."""
         plan = plan_resume(state_dict, on_world_size_change, self.process_group, "SparseGradState.load_state_dict")
         saved = plan.replicated
         missing = {"iter", "residuals"} - set(saved)
         if missing:
             raise KeyError(f"state_dict is missing {sorted(missing)} (expected SparseGradState.state_dict()'s keys)")
-        iteration = saved["iter"]
-        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-            raise ValueError(f"state_dict['iter'] must be an int >= 0, got {iteration!r}")
+        iteration = check_int("state_dict['iter']", saved["iter"])
         if self.worker is not None:
             self.worker.drain()
         self.iter, self.totals, self.buckets = iteration, RunTotals(saved.get("totals")), {}
@@ -228,23 +194,15 @@ class SparseGradState:
                 slot.oktopk.load_state_dict(oktopk[index])
 
     def stats(self) -> dict:
-        """``{"iter", "buckets": {index: {...}}, "total": {...}, "run": {...}}``: the latest step's statistics per
-        bucket and summed: ``path``, ``k`` and ``selected`` (elements), ``bytes_sent`` and ``bytes_received`` (this
-        rank), host seconds ``select_seconds`` and ``exchange_seconds``; "run": the run's totals ``steps``,
-        ``compressed_steps`` (some bucket sparse), ``bytes_sent``, ``bytes_received`` (this rank; a resume goes
-        on), ``paths`` (the bucket steps each path took), ``measured_decisions`` (paths ``auto`` chose from this
-        run's timings: a rerun may choose otherwise)."""
+        """``{"iter", "buckets": {index: {...}}, "total": {...}, "run": {...}}``: the latest step per bucket and
+        summed (``path``, ``k``, ``selected``, this rank's ``bytes_sent`` and ``bytes_received``, host seconds
+        ``select_seconds`` and ``exchange_seconds``), and the run's :class:`RunTotals` with ``measured_decisions``
+        (the paths ``auto`` chose from this run's timings: a rerun may choose otherwise)."""
         if self.worker is not None:
             self.worker.drain()
-        buckets = {}
-        for index, slot in sorted(self.buckets.items()):
-            s = slot.stats
-            if s is None:
-                continue
-            buckets[index] = {"path": s.path, "numel": s.numel, "k": s.k, "selected": int(s.selected),
-                              "bytes_sent": s.traffic.sent, "bytes_received": s.traffic.received,
-                              "select_seconds": s.select_seconds, "exchange_seconds": s.exchange_seconds}
-        total = {key: sum(b[key] for b in buckets.values()) for key in SUMMED}
+        buckets = {index: slot.stats.as_dict() for index, slot in sorted(self.buckets.items())
+                   if slot.stats is not None}
+        total = {key: sum(b[key] for b in buckets.values()) for key in StepStats.SUMMED}
         measured = sum(slot.plan.measured for slot in self.buckets.values())
         return {"iter": self.iter, "buckets": buckets, "total": total,
                 "run": {**self.totals.as_dict(), "measured_decisions": measured}}

@@ -19,15 +19,12 @@ KINDS = ("residual", "velocity")
 
 
 class BucketStore:
-    """Per-bucket tensors by kind (``"residual"``, ``"velocity"``) that follow the parameters when DDP changes its
-    buckets.
-
-    Fields: ``tensors`` (per kind, per bucket index, the flat tensor in that bucket's layout; ``residuals`` is
-    ``tensors["residual"]``), ``unclaimed`` (per kind, parts per parameter ordinal, left by a bucket whose layout
-    changed, until a bucket that holds the parameter takes them), ``layouts`` (the latest layout of every bucket
-    seen), ``restored`` (loaded and no iteration ended since), and the parameters' ordinals (in the order this
-    process first saw them: the same on every rank and in a resumed process).
-    """
+    """Per-bucket tensors by kind that follow the parameters when DDP changes its buckets: ``tensors`` (per kind,
+    per bucket index, the flat tensor in that bucket's layout; ``residuals`` is ``tensors["residual"]``),
+    ``unclaimed`` (per kind and parameter ordinal, the parts a bucket whose layout changed left, until a bucket that
+    holds the parameter takes them), ``layouts`` (every bucket's latest), ``restored`` (loaded, and no iteration
+    ended since), and the parameters' ordinals (in the order this process first saw them: the same on every rank
+    and in a resumed process)."""
 
     def __init__(self):
         self.tensors: dict[str, dict[int, torch.Tensor]] = {kind: {} for kind in KINDS}
@@ -60,13 +57,10 @@ class BucketStore:
         return {id(p) for p in self._ordinals.keys()} if self._next_ordinal else None
 
     def checkpoint_parts(self, index: int, layout: Layout) -> Optional[list[tuple[int, Layout]]]:
-        """The known buckets that this new bucket is exactly made of.
-
-        A fresh DDP model reduces its first iteration in one bucket; after a resume, reducing it in the
-        checkpoint's buckets instead keeps the run bitwise identical to one that never stopped (also when no
-        residual exists yet: the selection per bucket differs from the selection over their union). Only in the
-        first iteration after a restore: a run's own new layout (DDP's rebuilt buckets) is recorded instead, so
-        that no later step pays for reducing in parts."""
+        """The known buckets that this new bucket is exactly made of, in the first iteration after a restore: a
+        fresh DDP model's first iteration in one bucket, reduced in the checkpoint's buckets instead, keeps the
+        run bitwise identical to one that never stopped (the selection per bucket differs from that over their
+        union). A run's own new layout (DDP's rebuilt buckets) is recorded instead: no later step pays for parts."""
         if not self.restored or layout is None or self.layouts.get(index) == layout:
             return None
         numels = dict(layout)
@@ -96,12 +90,8 @@ class BucketStore:
                         self.unclaimed[kind][ordinal] = tensor[offset:offset + numel]
                         offset += numel
 
-    def holds_any(self, kind: str, index: int, layout: Layout) -> bool:
-        return index in self.tensors[kind] or any(o in self.unclaimed[kind] for o, _ in layout or ())
-
     def get(self, kind: str, index: int, like: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """The bucket's tensor of ``kind`` (assembled from unclaimed parts, or zeros, when it has none in its
-        layout)."""
+        """The bucket's tensor of ``kind``; assembled from unclaimed parts, or zeros, when none is in its layout."""
         tensors = self.tensors[kind]
         tensor = tensors.get(index)
         if tensor is not None and tensor.numel() == like.numel() and tensor.dtype == like.dtype:
@@ -154,8 +144,7 @@ class BucketStore:
         """Adds another store's saved residuals to these (another rank's, folded in at another world size): DDP
         gives every rank the same buckets, so their layouts must agree."""
         other = BucketStore()
-        other.load_state_dict({"residuals": state_dict.get("residuals", {}), "layouts": state_dict.get("layouts", {}),
-                               "unclaimed": state_dict.get("unclaimed", {})})
+        other.load_state_dict({key: state_dict.get(key, {}) for key in ("residuals", "layouts", "unclaimed")})
         self.restored = True
         for index, layout in other.layouts.items():
             if self.layouts.setdefault(index, layout) != layout:
@@ -180,7 +169,9 @@ class BucketMemory(Memory):
         return self.store.get(kind, self.index, self.like, self.layout)
 
     def held(self, kind: str) -> Optional[torch.Tensor]:
-        return self.get(kind) if self.store.holds_any(kind, self.index, self.layout) else None
+        unclaimed = self.store.unclaimed[kind]
+        holds = self.index in self.store.tensors[kind] or any(o in unclaimed for o, _ in self.layout or ())
+        return self.get(kind) if holds else None
 
     def forget(self, kind: str) -> None:
         del self.store.tensors[kind][self.index]

@@ -1,15 +1,7 @@
-"""The FSDP2 front end: sparse gradient exchange with error feedback between nodes, FSDP2 inside each node.
-
-    state = gx.fsdp.SparseFSDPState(density=0.01)       # nodes of $LOCAL_WORLD_SIZE ranks; gtopk, Gaussian-k
-    for block in model.blocks:
-        fully_shard(block, mesh=state.shard_mesh)      # shard inside the node only
-    fully_shard(model, mesh=state.shard_mesh)
-    gx.fsdp.register_sparse_all_reduce(model, state)   # the hook of every FSDP module
-
-FSDP reduce-scatters each parameter group's gradient inside the node and hands this rank's shard (the node's
-average) to the hook; the hook averages it over the nodes through the one reduction of every front end
-(:func:`gtopk_ext.reduction.reduce_step`), as the DDP hook does with a bucket. The state is data
-(:mod:`gtopk_ext.fsdp.state`); this module is the algorithm.
+"""The FSDP2 front end's algorithm (docs/fsdp.md): FSDP reduce-scatters each parameter group's gradient inside the
+node and hands this rank's shard (the node's average) to the hook, which averages it over the nodes through the one
+reduction of every front end (:func:`gtopk_ext.reduction.reduce_step`), as the DDP hook does with a bucket. The state
+is data (:mod:`gtopk_ext.fsdp.state`).
 """
 
 from __future__ import annotations
@@ -36,19 +28,12 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     :func:`register_sparse_all_reduce`; FSDP calls it once per reduce-scatter, synchronously (it uses the shard
     right after), so every buffer lives until its exchange is done.
 
-    1. Gather: the shard's real elements, without FSDP's per-parameter padding (which is thus never selected and
-       never holds residual), in float32 (the residual is float32 whatever FSDP's ``reduce_dtype``).
-    2. One node: nothing to exchange (FSDP's average is the answer), but momentum correction, which the optimizer
-       no longer applies, is applied here.
-    3. Reduce over the nodes (:func:`gtopk_ext.reduction.reduce_step`, the group's iteration being its count of
-       calls): the plan (dense during the warm-up, else the state's path policy; the replicas exchange a header
-       only when it changes), momentum correction, then the sparse path (acc = gradient + residual compressed to k
-       slots, reduced over the replicate group and divided by the number of nodes; what was not applied stays in
-       the residual) or a dense one (dense16, dense8: the rounding kept in the residual; dense: the residual sent
-       along; also when any replica's acc is not finite).
-    4. Write back: the real elements of ``shard`` take the average (in its dtype); FSDP then applies any
-       post-division of its own (float16 reduce-scatters divide in two parts: both are linear, so averaging the
-       pre-divided shards over nodes gives FSDP's node average, averaged over nodes).
+    1. Gather: the shard's real elements, without FSDP's padding (never selected, never in a residual), in
+       float32 (the residual's dtype, whatever FSDP's ``reduce_dtype``).
+    2. One node: nothing to exchange, but momentum correction, which the optimizer no longer applies, is applied.
+    3. Reduce over the nodes: :func:`gtopk_ext.reduction.reduce_step`, the group's count of calls its iteration.
+    4. Write back: the real elements of ``shard`` take the average, in its dtype (FSDP's own post-division, linear,
+       follows).
     """
     layout = group.layout
     if shard.dim() != 1 or shard.numel() != layout.padded_numel or shard.dtype not in DTYPE_CODES:
@@ -70,8 +55,7 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     tensors = group.memory.tensors
     if tensors["residual"].device != work.device:  # CPU offload: parameters (where it was made) live on the host
         group.memory.tensors = {kind: tensor.to(work.device) for kind, tensor in tensors.items()}
-    decays = correction is not None and correction.weight_decay
-    weights = group.parameters() if decays else None
+    weights = group.parameters() if correction is not None and correction.weight_decay else None
     if state.nodes == 1:  # 2. One node.
         group.slot.stats = StepStats("none", layout.numel, 0)
         if is_finite(work):
@@ -86,19 +70,18 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
 
 
 def register_sparse_all_reduce(model: nn.Module, state: SparseFSDPState) -> None:
-    """Set :func:`sparse_all_reduce_hook` as the all-reduce hook of every FSDP2 module of ``model`` (call it
-    after ``fully_shard``, on every rank). Each module must have one parameter group, sharded over
-    ``state.shard_mesh``; modules without parameters are skipped. Also sets
-    ``set_reduce_scatter_unused_params(True)`` on them, so that a parameter unused in a step (zeros) keeps its
-    place in the shard. Every rank checks the others' configuration and parameter groups first: a mismatch, or
-    an error on any rank, raises on every rank (no hang)."""
+    """Set :func:`sparse_all_reduce_hook` as the all-reduce hook of every FSDP2 module of ``model``, after
+    ``fully_shard``, on every rank. Each module must have one parameter group, sharded over ``state.shard_mesh``;
+    modules without parameters are skipped. Also sets ``set_reduce_scatter_unused_params(True)``: an unused
+    parameter (zeros) keeps its place in the shard. The ranks check each other's configuration and parameter
+    groups first: a mismatch, or an error on any rank, raises on every rank (no hang)."""
     if not isinstance(state, SparseFSDPState):
         raise TypeError(f"state must be a gtopk_ext.fsdp.SparseFSDPState, got {type(state).__name__}")
     if state.groups:
         raise ValueError("state is registered on a model already: make one SparseFSDPState per model")
     found, error = [], None
     try:
-        shard_ranks = dist.get_process_group_ranks(state.shard_group)
+        shard_ranks = dist.get_process_group_ranks(state.mesh.get_group(1))
         for name, module in fsdp_modules(model):
             param_group = parameter_group(module, name)
             if param_group is None:

@@ -25,11 +25,9 @@ MESH_DIM_NAMES = ("replicate", "shard")
 
 
 def node_mesh(node_size: Optional[int] = None, device_type: str = "cpu") -> DeviceMesh:
-    """The 2-D mesh (nodes x node_size) named ``("replicate", "shard")``: shard with ``mesh["shard"]`` (the ranks
-    of one node), exchange sparsely over ``mesh["replicate"]`` (the ranks with the same local rank on every node).
-    ``node_size`` defaults to ``$LOCAL_WORLD_SIZE`` (torchrun's ranks per agent); every rank must see the same
-    (checked on every rank: all raise the same error). Ranks ``n * node_size ...`` form node n, as torchrun numbers
-    them."""
+    """The 2-D mesh (nodes x node_size) named ``("replicate", "shard")``: shard over ``mesh["shard"]`` (one node's
+    ranks, ``n * node_size ...`` for node n, as torchrun numbers them), exchange over ``mesh["replicate"]``.
+    ``node_size`` (default ``$LOCAL_WORLD_SIZE``) must be the same on every rank, else all raise the same error."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
     if node_size is None:
@@ -48,11 +46,9 @@ def node_mesh(node_size: Optional[int] = None, device_type: str = "cpu") -> Devi
 @dataclass
 class GroupState:
     """One FSDP parameter group on this rank: ``name`` (its module's path), ``layout`` (the shard's real and
-    padding elements), ``memory`` (:class:`gtopk_ext.reduction.Memory`: the float32 ``"residual"`` of the real
-    elements and, with momentum correction, the ``"velocity"`` laid out as it), ``calls`` (the hook's calls so far:
-    the iteration of the density schedule and the warm-up), the reduction's ``slot`` (the plan agreed, the latest
-    call's stats, Ok-Topk's state), the run's bytes (``run_traffic``), and FSDP's parameter group (``fsdp_group``,
-    not saved)."""
+    padding elements), ``memory`` (the float32 ``"residual"`` of the real elements and, with momentum correction,
+    the ``"velocity"``), ``calls`` (the hook's calls so far: its iteration), the reduction's ``slot``, the run's
+    bytes (``run_traffic``), and FSDP's parameter group (``fsdp_group``, not saved)."""
 
     index: int
     name: str
@@ -70,25 +66,21 @@ class GroupState:
 
 
 class SparseFSDPState:
-    r"""State of :func:`gtopk_ext.fsdp.sparse_all_reduce_hook`, one per model and rank. Plain data:
+    r"""State of :func:`gtopk_ext.fsdp.sparse_all_reduce_hook`, one per model and rank (docs/fsdp.md). Plain data:
 
-    * ``mesh``: the 2-D :class:`DeviceMesh` (replicate, shard): ``mesh["shard"]`` (``shard_mesh``) is one node's
-      ranks, the mesh every module is ``fully_shard``-ed over; ``replicate_group`` (``mesh["replicate"]``) the
-      ranks with the same local rank on every node, which hold the same shard positions: the sparse exchange runs
-      over it. Default: :func:`node_mesh` (nodes of ``$LOCAL_WORLD_SIZE`` ranks).
-    * ``config``: the :class:`gtopk_ext.SparseConfig` of the other arguments, as for DDP (``density`` a number or
-      a schedule; k = ceil(density x the shard's real elements)), with these differences: the collective is a
-      sparse one; ``start_iter`` (default 0) counts the hook's calls; ``momentum`` applies DGC's momentum
-      correction to each shard (the node's average), the velocity per group and rank, and the optimizer then runs
-      WITHOUT momentum or weight decay; its ``clip_norm``, per-tensor selection and ``hierarchical`` are not
-      supported (a rank holds a shard of its node's average, not its own gradient: clip after the exchange).
+    * ``mesh``: the 2-D :class:`DeviceMesh` (replicate, shard), default :func:`node_mesh`: every module is
+      ``fully_shard``-ed over ``shard_mesh`` (one node's ranks); the sparse exchange runs over ``replicate_group``
+      (the ranks with the same local rank on every node, which hold the same shard positions).
+    * ``config``: the :class:`gtopk_ext.SparseConfig` of the other arguments, as for DDP, but: the collective is a
+      sparse one; ``start_iter`` (default 0) counts the hook's calls; ``momentum`` corrects each shard (the
+      optimizer then runs WITHOUT momentum or weight decay); neither ``clip_norm`` nor per-tensor selection (a
+      rank holds a shard of its node's average, not its own gradient: clip after the exchange).
     * ``groups``: a :class:`GroupState` per FSDP parameter group, filled by
-      :func:`gtopk_ext.fsdp.register_sparse_all_reduce` (the per-shard residuals live there); ``world_size``.
+      :func:`gtopk_ext.fsdp.register_sparse_all_reduce`; ``world_size``.
 
-    An iteration is one call of the hook for a group: one per optimizer step when microbatches skip the
-    reduction with ``model.set_requires_gradient_sync(False)`` (FSDP then reduce-scatters, and calls the hook,
-    once, after the last microbatch). With ``set_requires_all_reduce(False)`` alone FSDP still calls the hook
-    for every microbatch on a 1-D shard mesh: each is then exchanged (correct, more bytes).
+    An iteration is one call of the hook for a group: one per optimizer step when microbatches skip the reduction
+    with ``model.set_requires_gradient_sync(False)``; with ``set_requires_all_reduce(False)`` alone FSDP calls the
+    hook for every microbatch (each is exchanged: correct, more bytes).
     """
 
     __slots__ = ("mesh", "config", "groups", "world_size", "__weakref__")
@@ -135,31 +127,24 @@ class SparseFSDPState:
         return self.mesh.get_group(0)
 
     @property
-    def shard_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group(1)
-
-    @property
     def nodes(self) -> int:
         return self.mesh.size(0)
 
     @classmethod
     def recipe(cls, mesh: Optional[DeviceMesh] = None, density: float = 0.01, warmup_steps: int = 44,
                momentum: float = 0.9, **options) -> "SparseFSDPState":
-        """The DDP recipe's settings (:meth:`gtopk_ext.SparseGradState.recipe`) for FSDP2: Deep Gradient
-        Compression's exponential warm-up of the density from 0.25 to ``density`` over ``warmup_steps`` calls, and
-        momentum correction with Nesterov momentum ``momentum`` in the hook, its masking from the warm-up's end.
-        Train with an optimizer WITHOUT momentum or weight decay (``torch.optim.SGD(model.parameters(), lr)``).
-        ``options``: the other arguments (``collective``, ``wire``, ``start_iter``, ``path``, ...)."""
+        """The DDP recipe (:meth:`gtopk_ext.SparseGradState.recipe`: DGC's density warm-up, here over ``warmup_steps``
+        calls, and Nesterov momentum correction) for FSDP2: train with an optimizer WITHOUT momentum or weight
+        decay; ``options``: the other arguments."""
         return cls(mesh, **recipe(density, warmup_steps, momentum), **options)
 
     # ----- checkpoints (per rank) and statistics -----
 
     def state_dict(self) -> dict:
         """This rank's resumable state: ``{"world_size", "rank<r>": {"group<i>": {"calls", "numel", "residual",
-        "velocity" (with momentum correction), "oktopk", "plan"}}}``. The rank in the key keeps ranks' residuals
-        apart in a ``torch.distributed.checkpoint`` (which saves one copy of a plain tensor that every rank names
-        alike); the residual and velocity tensors are the state's own (a checkpoint loader may fill them in
-        place), the rest copies."""
+        "velocity" (with momentum correction), "oktopk", "plan"}}}``; the rank in the key keeps the ranks' residuals
+        apart in a ``torch.distributed.checkpoint``. The residual and velocity are the state's own tensors (a
+        checkpoint loader may fill them in place), the rest copies."""
         rank = dist.get_rank()
         return {"world_size": self.world_size,
                 f"rank{rank}": {f"group{g.index}": {"calls": g.calls, "numel": g.layout.numel, **g.memory.tensors,
@@ -203,16 +188,11 @@ class SparseFSDPState:
         ``numel``, ``padded_numel``, ``k``, ``selected``, ``bytes_sent`` / ``bytes_received`` (this rank, between
         nodes), ``select_seconds``, ``exchange_seconds``, and the run's ``run_bytes_sent`` /
         ``run_bytes_received``; "total" sums them."""
-        groups = {}
-        for g in self.groups:
-            s = g.slot.stats or StepStats("none", g.layout.numel, 0)
-            groups[g.index] = {"name": g.name, "path": s.path, "calls": g.calls, "numel": g.layout.numel,
-                               "padded_numel": g.layout.padded_numel, "k": s.k, "selected": int(s.selected),
-                               "bytes_sent": s.traffic.sent, "bytes_received": s.traffic.received,
-                               "select_seconds": s.select_seconds, "exchange_seconds": s.exchange_seconds,
-                               "run_bytes_sent": g.run_traffic.sent, "run_bytes_received": g.run_traffic.received}
-        summed = ("numel", "padded_numel", "k", "selected", "bytes_sent", "bytes_received", "select_seconds",
-                  "exchange_seconds", "run_bytes_sent", "run_bytes_received")
+        groups = {g.index: {"name": g.name, "calls": g.calls, "padded_numel": g.layout.padded_numel,
+                            **(g.slot.stats or StepStats("none", g.layout.numel, 0)).as_dict(),
+                            "run_bytes_sent": g.run_traffic.sent, "run_bytes_received": g.run_traffic.received}
+                  for g in self.groups}
+        summed = (*StepStats.SUMMED, "padded_numel", "run_bytes_sent", "run_bytes_received")
         return {"groups": groups, "total": {key: sum(g[key] for g in groups.values()) for key in summed}}
 
 

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from gtopk_ext._contract import FLOAT_DTYPES
 from gtopk_ext._validate import check_int, check_number, tensor_list
 from gtopk_ext.collectives import MAX_NUMEL, SPARSE_COLLECTIVES, Traffic, agree, group_rank_and_size
-from gtopk_ext.compressors import COMPRESSOR_KINDS, check_density, make_compressor
+from gtopk_ext.collectives._transport import allreduce
+from gtopk_ext.compressors import make_compressor
 from gtopk_ext.config import SparseConfig
 from gtopk_ext.costs import format_bytes, latest_line, ring_allreduce_bytes, sent_and_received
 from gtopk_ext.reduction import reduce
@@ -109,9 +110,6 @@ class SparseLocalSGD:
                  compressor: str = "gaussiank", compressor_kwargs: dict | None = None,
                  buffers: Iterable[torch.Tensor] = (), wire: str = "plain", error_decay: float = 1.0):
         check_int("sync_every", sync_every, 1)
-        if compressor not in COMPRESSOR_KINDS:
-            raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {compressor!r}")
-        check_density(density)
         self.config = SparseConfig(density, make_compressor(compressor, density, **dict(compressor_kwargs or {})),
                                    collective, wire)
         if collective == "dense" and density != 1.0:
@@ -149,9 +147,12 @@ class SparseLocalSGD:
         self._last: dict[str, Any] = {}
         self._send_accumulators = False  # load_state_dict(..., "fold"): the next sync sends them whole
         self._shards = _shards(self.params)
-        self._check_same_layout()
+        group, _, _ = group_rank_and_size(self.process_group)
+        signature = repr([(tuple(t.shape), str(t.dtype)) for t in [*self.params, *self.buffers]])
+        agree({"params": len(self.params), "buffers": len(self.buffers), "numel": sum(p.numel() for p in self.params),
+               "signature": zlib.crc32(signature.encode()), "sync_every": self.sync_every,
+               "wire": self.config.wire.code}, group, self._shards[0].device, "SparseLocalSGD")
         with torch.no_grad():  # every rank starts from the first rank's model
-            group, _, _ = group_rank_and_size(self.process_group)
             for t in [*self.params, *self.buffers]:
                 self._broadcast(t, group, None)
         self._global = [shard.flat() for shard in self._shards]
@@ -215,10 +216,7 @@ class SparseLocalSGD:
             if self._accumulator:  # a fold: delta + accumulator, all of it, so the accumulator is empty after
                 delta.add_(self._accumulator[index])
                 self._accumulator[index].zero_()
-            dist.all_reduce(delta, group=group)
-            nbytes = ring_allreduce_bytes(delta.numel() * delta.element_size(), size)
-            traffic.add(nbytes, nbytes)
-            return delta.div_(size), delta.numel(), delta.numel()
+            return allreduce(delta, group, traffic).div_(size), delta.numel(), delta.numel()
         accumulator = self._accumulator[index]
         # accumulator becomes delta + old accumulator - what this rank sends
         msg = self._compressor.compress(delta, accumulator, step=self.syncs * len(self._shards) + index)
@@ -243,10 +241,7 @@ class SparseLocalSGD:
         for device in dict.fromkeys(b.device for b in floating):  # one order on every rank
             on_device = [b for b in floating if b.device == device]
             # Divided before the sum (float32), as torch's averagers do: large float16 statistics cannot overflow.
-            flat = torch.cat([b.reshape(-1).float() for b in on_device]).div_(size)
-            dist.all_reduce(flat, group=group)
-            nbytes = ring_allreduce_bytes(flat.numel() * 4, size)
-            traffic.add(nbytes, nbytes)
+            flat = allreduce(torch.cat([b.reshape(-1).float() for b in on_device]).div_(size), group, traffic)
             for b, part in zip(on_device, flat.split([b.numel() for b in on_device])):
                 b.copy_(part.view_as(b))
         for b in self.buffers:
@@ -263,14 +258,6 @@ class SparseLocalSGD:
         if traffic is not None:
             nbytes = buffer.numel() * buffer.element_size()
             traffic.add(nbytes if dist.get_rank(group) == 0 else 0, nbytes)
-
-    def _check_same_layout(self) -> None:
-        """Every rank raises the same clear error when the ranks' parameters or buffers differ."""
-        group, _, _ = group_rank_and_size(self.process_group)
-        signature = repr([(tuple(t.shape), str(t.dtype)) for t in [*self.params, *self.buffers]])
-        agree({"params": len(self.params), "buffers": len(self.buffers), "numel": sum(p.numel() for p in self.params),
-               "signature": zlib.crc32(signature.encode()), "sync_every": self.sync_every,
-               "wire": self.config.wire.code}, group, self._shards[0].device, "SparseLocalSGD")
 
     # ----- statistics and checkpoints -----
 

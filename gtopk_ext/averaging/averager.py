@@ -70,7 +70,13 @@ class GroupModelAverager:
             raise RuntimeError("GroupModelAverager needs torch.distributed to be initialized "
                                "(dist.init_process_group) first")
         self.process_group = process_group if process_group is not None else dist.group.WORLD
-        member_ranks = self._member_global_ranks(process_group)
+        if process_group is None or process_group is dist.group.WORLD:
+            member_ranks = list(range(dist.get_world_size()))
+        else:  # its global ranks in group-rank order, also on non-members (which must create the same subgroups)
+            ranks_in_group: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks_in_group, dist.get_rank(process_group))  # -1 outside the group
+            members = sorted((group_rank, rank) for rank, group_rank in enumerate(ranks_in_group) if group_rank >= 0)
+            member_ranks = [rank for _, rank in members]
         _check_group_size(len(member_ranks), group_size)
         self.group_size = group_size
         self.global_period = global_period
@@ -92,19 +98,6 @@ class GroupModelAverager:
             if self._rank is not None:
                 self._rounds = _WaitAvoidingRounds(self, member_ranks, self._rank, self._round_groups, everyone,
                                                    control, float(timeout))
-
-    @staticmethod
-    def _member_global_ranks(process_group: dist.ProcessGroup | None) -> list[int]:
-        """The global ranks of process_group in group-rank order, known on every rank (also non-members, which
-        must create the same subgroups)."""
-        if process_group is None or process_group is dist.group.WORLD:
-            return list(range(dist.get_world_size()))
-        rank_in_group = dist.get_rank(process_group)  # -1 outside the group
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, rank_in_group)
-        members = sorted((group_rank, global_rank) for global_rank, group_rank in enumerate(everyone)
-                         if group_rank >= 0)
-        return [global_rank for _, global_rank in members]
 
     def _create_round_groups(self, member_ranks: list[int], everyone: dist.ProcessGroup
                              ) -> list[tuple[dist.ProcessGroup | None, list[int]]]:
@@ -219,44 +212,38 @@ class GroupModelAverager:
         """The parameters' buckets, created (and checked against every rank's, collectively) on the first call.
         Wait-avoiding mode: an error stops the averaging on every rank."""
         try:
-            return self._buckets_for(params)
+            if self._rounds is not None and self._rounds.stopped_here:
+                self._rounds.check_failure()
+            tensors = _parameter_list(params)
+            layout = [(tuple(t.shape), t.dtype, t.device) for t in tensors]
+            if self._buckets is not None and layout != self._layout:
+                raise ValueError("average_parameters got different parameters (shapes, dtypes or devices) than on "
+                                 "its first call; every call must pass the same parameters")
+            # Another rank's failure after the local checks: this rank's own bad input is what it reports, whichever
+            # rank raised first.
+            if self._rounds is not None:
+                self._rounds.check_failure()
+            if self._buckets is None:
+                signature = repr([(shape, str(dtype)) for shape, dtype, _ in layout])
+                device = layout[0][2] if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
+                agree({"tensors": len(layout), "numel": sum(math.prod(s) for s, _, _ in layout),
+                       "signature": zlib.crc32(signature.encode())}, self.process_group, device,
+                      "average_parameters needs the same parameters (shapes, dtypes, order) on every rank")
+                by_kind: dict[tuple, list[torch.Tensor]] = {}
+                for t in tensors:
+                    by_kind.setdefault((t.device, t.dtype), []).append(t)
+                self._buckets = [_Bucket(group, self.wait_avoiding) for group in by_kind.values()]
+                self._layout = layout
+                self._restore_correction()
+                if self._rounds is not None:
+                    self._rounds.buckets = self._buckets
+            for bucket in self._buckets:  # the same layout, maybe new tensor objects (e.g. a reloaded model)
+                bucket.params = [t for t in tensors if (t.device, t.dtype) == bucket.kind]
+            return self._buckets
         except Exception as exc:
             if self._rounds is not None:
                 self._rounds.stop(exc)
             raise
-
-    def _buckets_for(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> list[_Bucket]:
-        if self._rounds is not None and self._rounds.stopped_here:
-            self._rounds.check_failure()
-        tensors = _parameter_list(params)
-        layout = [(tuple(t.shape), t.dtype, t.device) for t in tensors]
-        if self._buckets is not None and layout != self._layout:
-            raise ValueError("average_parameters got different parameters (shapes, dtypes or devices) than on its "
-                             "first call; every call must pass the same parameters")
-        # Another rank's failure after the local checks: this rank's own bad input is what it reports, whichever
-        # rank raised first.
-        if self._rounds is not None:
-            self._rounds.check_failure()
-        if self._buckets is None:
-            self._check_same_layout_on_all_ranks(layout)
-            by_kind: dict[tuple, list[torch.Tensor]] = {}
-            for t in tensors:
-                by_kind.setdefault((t.device, t.dtype), []).append(t)
-            self._buckets = [_Bucket(group, self.wait_avoiding) for group in by_kind.values()]
-            self._layout = layout
-            self._restore_correction()
-            if self._rounds is not None:
-                self._rounds.buckets = self._buckets
-        for bucket in self._buckets:  # the same layout, maybe new tensor objects (e.g. a reloaded model)
-            bucket.params = [t for t in tensors if (t.device, t.dtype) == bucket.kind]
-        return self._buckets
-
-    def _check_same_layout_on_all_ranks(self, layout: list[tuple]) -> None:
-        signature = repr([(shape, str(dtype)) for shape, dtype, _ in layout])
-        device = layout[0][2] if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
-        agree({"tensors": len(layout), "numel": sum(math.prod(s) for s, _, _ in layout),
-               "signature": zlib.crc32(signature.encode())}, self.process_group, device,
-              "average_parameters needs the same parameters (shapes, dtypes, order) on every rank")
 
 
 def _parameter_list(params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> list[torch.Tensor]:

@@ -62,31 +62,37 @@ def require_same(headers: list[dict[str, int]], names: tuple[str, ...], what: st
                              f"{', '.join(names)}")
 
 
-def check_message(msg: SparseMessage, name: str = "msg") -> None:
-    """Raise a clear error unless ``msg`` is a well-formed SparseMessage."""
+def check_message(msg: SparseMessage, flags: torch.Tensor | None) -> None:
+    """Raise a clear error unless ``msg`` is a well-formed SparseMessage and ``flags`` None or int32[1] on its
+    device."""
     if not isinstance(msg, SparseMessage):
-        raise TypeError(f"{name} must be a SparseMessage, got {type(msg).__name__}")
+        raise TypeError(f"msg must be a SparseMessage, got {type(msg).__name__}")
     values, indices, count = msg.values, msg.indices, msg.count
     for field_name, tensor in (("values", values), ("indices", indices), ("count", count)):
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name}.{field_name} must be a tensor, got {type(tensor).__name__}")
+            raise TypeError(f"msg.{field_name} must be a tensor, got {type(tensor).__name__}")
     if values.dtype not in DTYPE_CODES:
-        raise TypeError(f"{name}.values must be float32, float16 or bfloat16, got {values.dtype}")
+        raise TypeError(f"msg.values must be float32, float16 or bfloat16, got {values.dtype}")
     if indices.dtype != torch.int32:
-        raise TypeError(f"{name}.indices must be int32, got {indices.dtype}")
+        raise TypeError(f"msg.indices must be int32, got {indices.dtype}")
     if values.dim() != 1 or indices.shape != values.shape or values.numel() == 0:
-        raise ValueError(f"{name}.values and {name}.indices must be 1-D with the same k >= 1 slots, got shapes "
+        raise ValueError(f"msg.values and msg.indices must be 1-D with the same k >= 1 slots, got shapes "
                          f"{tuple(values.shape)} and {tuple(indices.shape)}")
     if count.dtype != torch.int32 or count.shape != (1,):
-        raise ValueError(f"{name}.count must be int32 of shape (1,), got {count.dtype} of shape {tuple(count.shape)}")
+        raise ValueError(f"msg.count must be int32 of shape (1,), got {count.dtype} of shape {tuple(count.shape)}")
     if indices.device != values.device or count.device != values.device:
-        raise ValueError(f"{name}'s tensors must be on one device, got values on {values.device}, indices on "
+        raise ValueError(f"msg's tensors must be on one device, got values on {values.device}, indices on "
                          f"{indices.device}, count on {count.device}")
     if not isinstance(msg.numel, int) or not 0 < msg.numel <= MAX_NUMEL:
-        raise ValueError(f"{name}.numel must be an int in [1, 2^31 - 1], got {msg.numel!r}")
+        raise ValueError(f"msg.numel must be an int in [1, 2^31 - 1], got {msg.numel!r}")
     if not bool(((indices >= 0) & (indices < msg.numel)).all()):
-        raise ValueError(f"{name}.indices must lie in [0, {name}.numel = {msg.numel}), got "
+        raise ValueError(f"msg.indices must lie in [0, msg.numel = {msg.numel}), got "
                          f"{int(indices.min())} to {int(indices.max())}")
+    if flags is not None and (not isinstance(flags, torch.Tensor) or flags.dtype != torch.int32
+                              or flags.shape != (1,) or flags.device != values.device):
+        raise ValueError(f"flags must be an int32 tensor of shape (1,) on {values.device}, got "
+                         f"{getattr(flags, 'dtype', type(flags).__name__)} of shape "
+                         f"{tuple(getattr(flags, 'shape', ()))}")
 
 
 def agree_on_message(msg: SparseMessage, flags: torch.Tensor | None, group: dist.ProcessGroup, what: str,
@@ -98,8 +104,7 @@ def agree_on_message(msg: SparseMessage, flags: torch.Tensor | None, group: dist
     Any local error (not only the checks' TypeError and ValueError) is held until the headers are exchanged:
     raising before would leave the other ranks waiting for this one until the group's timeout."""
     try:
-        check_message(msg)
-        check_flags(flags, msg.values.device)
+        check_message(msg, flags)
         fields = {"valid": 1, "k": msg.k, "numel": msg.numel, "dtype": DTYPE_CODES[msg.values.dtype],
                   "flags": int(flags is not None), "wire": wire_named(wire).code,
                   **(extra() if extra is not None else {})}
@@ -120,14 +125,6 @@ def payload_head(count: torch.Tensor, flags: torch.Tensor | None) -> torch.Tenso
     """The int32 words in front of a payload: the count, then the flags when the caller sends some."""
     count = count.reshape(1).int()
     return count if flags is None else torch.cat([count, flags.reshape(1).int()])
-
-
-def check_flags(flags: torch.Tensor | None, device: torch.device) -> None:
-    if flags is not None and (not isinstance(flags, torch.Tensor) or flags.dtype != torch.int32
-                              or flags.shape != (1,) or flags.device != device):
-        raise ValueError(f"flags must be an int32 tensor of shape (1,) on {device}, got "
-                         f"{getattr(flags, 'dtype', type(flags).__name__)} of shape "
-                         f"{tuple(getattr(flags, 'shape', ()))}")
 
 
 def carried_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -162,8 +159,7 @@ def agree(fields: dict[str, int], group: dist.ProcessGroup, device: torch.device
 
 def message_fields(numel: int, dtype: torch.dtype, sparse: bool, k: int, wire: Wire) -> dict[str, int]:
     """The header fields that fix a payload's size: what every rank must share before a message moves."""
-    return {"numel": numel, "dtype": DTYPE_CODES[dtype], "sparse": int(sparse), "k": k,
-            "wire": wire.code}
+    return {"numel": numel, "dtype": DTYPE_CODES[dtype], "sparse": int(sparse), "k": k, "wire": wire.code}
 
 
 @dataclass
@@ -201,10 +197,13 @@ def keep_unapplied(residual: torch.Tensor, msg: SparseMessage, applied: torch.Te
     return error_indices, errors
 
 
-def check_cost(size: int, wire: Wire) -> tuple[int, float]:
-    """(messages, bytes a rank sends) of the corruption check that follows an exchange on a lossy wire (an int32
-    allreduce over the group, a ring); none on the plain wire."""
-    return (2 * (size - 1), 2 * (size - 1) / size * 4) if wire.lossy else (0, 0)
+def with_check_cost(terms: dict[str, float], size: int, wire: Wire) -> dict[str, float]:
+    """``terms`` plus the messages and bytes a rank sends in the corruption check that follows an exchange on a
+    lossy wire (an int32 allreduce over the group, a ring); none on the plain wire."""
+    if wire.lossy:
+        terms["alpha"] += 2 * (size - 1)
+        terms["beta"] += 2 * (size - 1) / size * 4
+    return terms
 
 
 class Collective:

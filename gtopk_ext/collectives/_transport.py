@@ -136,10 +136,11 @@ def gather_counts(counts: list[int], group: dist.ProcessGroup, device: torch.dev
     return [g.tolist() for g in gathered]
 
 
-def allreduce_counts(counts: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic | None) -> torch.Tensor:
-    dist.all_reduce(counts, group=group)
-    add_traffic(traffic, ring_allreduce_bytes(counts.numel() * counts.element_size(), dist.get_world_size(group)))
-    return counts
+def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic | None) -> torch.Tensor:
+    """``tensor``, summed over the group in place."""
+    dist.all_reduce(tensor, group=group)
+    add_traffic(traffic, ring_allreduce_bytes(tensor.numel() * tensor.element_size(), dist.get_world_size(group)))
+    return tensor
 
 
 def raise_if_corrupt(invalid: int, what: str) -> None:

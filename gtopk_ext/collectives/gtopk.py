@@ -8,8 +8,8 @@ import torch.distributed as dist
 from gtopk_ext import ops
 from gtopk_ext.backends import BackendLike
 from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, carried_dtype,
-                                             check_cost, group_rank_and_size, payload_head)
-from gtopk_ext.collectives._transport import (Traffic, allreduce_counts, exchange, in_set, mask_from_bytes,
+                                             group_rank_and_size, payload_head, with_check_cost)
+from gtopk_ext.collectives._transport import (Traffic, allreduce, exchange, in_set, mask_from_bytes,
                                               mask_to_bytes, raise_if_corrupt, recv_from, send_to)
 from gtopk_ext.message import SparseMessage
 from gtopk_ext.wire import Rounding, WireLike, rounding_error, wire_named
@@ -86,7 +86,7 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
             flags.copy_(head[1:])
         applied = sent_slots_only(mask_from_bytes(result[received_size:], k))
         if compact:
-            raise_if_corrupt(int(allreduce_counts(invalid, group, traffic)), "gtopk_allreduce")
+            raise_if_corrupt(int(allreduce(invalid, group, traffic)), "gtopk_allreduce")
             if rounding is not None:
                 rounding.add(own_indices, torch.where(applied, rounding_error(own_values, sent), 0))
         return (SparseMessage(values.clone(), indices.clone(), head[:1].clone(), numel),
@@ -134,7 +134,7 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
     if flags is not None:
         flags.copy_(raised)
     if compact:
-        raise_if_corrupt(int(allreduce_counts(invalid, group, traffic)), "gtopk_allreduce")
+        raise_if_corrupt(int(allreduce(invalid, group, traffic)), "gtopk_allreduce")
         if rounding is not None:
             for error_indices, errors, alive in kept_errors:
                 rounding.add(error_indices, torch.where(alive, errors, 0))
@@ -176,16 +176,13 @@ class GTopK(Collective):
                  "beta_intra": intra * message, "merge": (rounds + folds) * 2 * k * share}
         if wire.lossy:
             terms.update(encode=(rounds + 2 * folds) * k * share, decode=(2 * rounds + 3 * folds) * k * share)
-        messages, sent = check_cost(size, wire)
-        terms["alpha"] += messages
-        terms["beta"] += sent
-        return terms
+        return with_check_cost(terms, size, wire)
 
     def mean_bytes(self, numel, k, size, wire):
         rounds, folded = butterfly_shape(size)  # only the ranks folded in, and their partners, send the fold and return
         message = wire.payload_size(k, numel, torch.float32, 1)
         sent = (1 << rounds) * rounds * message + folded * (2 * message + (k + 7) // 8)
-        return sent / size + check_cost(size, wire)[1]
+        return with_check_cost({"alpha": 0, "beta": sent / size}, size, wire)["beta"]
 
     def reduce(self, msg, group, *, wire, traffic=None, flags=None, rounding=None, state=None):
         glob, applied = gtopk_allreduce(msg, group, check=False, traffic=traffic, flags=flags, wire=wire,

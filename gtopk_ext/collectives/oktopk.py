@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from gtopk_ext import ops
 from gtopk_ext.backends import BackendLike
-from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, carried_dtype, check_cost,
-                                             group_rank_and_size)
-from gtopk_ext.collectives._transport import (Traffic, allreduce_counts, exchange_counts, gather_counts, in_set,
+from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, carried_dtype,
+                                             group_rank_and_size, with_check_cost)
+from gtopk_ext.collectives._transport import (Traffic, allreduce, exchange_counts, gather_counts, in_set,
                                               raise_if_corrupt, sparse_alltoallv)
 from gtopk_ext.message import SparseMessage
 from gtopk_ext.wire import Rounding, WireLike, rounding_error, wire_named
@@ -76,13 +76,7 @@ def _balanced_boundaries(sorted_indices: torch.Tensor, numel: int, group: dist.P
     else:
         proposal = torch.tensor([numel * i // size for i in range(1, size)], dtype=torch.int64,
                                 device=sorted_indices.device)
-    return (allreduce_counts(proposal, group, traffic) // size).tolist()
-
-
-def _octave_edges(device: torch.device) -> torch.Tensor:
-    """2^-149 (float32's smallest subnormal), 2^-148, ..., 2^127, then +inf: float32 magnitudes by octave."""
-    powers = torch.ldexp(torch.ones(277, dtype=torch.float32), torch.arange(-149, 128, dtype=torch.int32))
-    return torch.cat([powers, torch.tensor([math.inf])]).to(device)
+    return (allreduce(proposal, group, traffic) // size).tolist()
 
 
 def _count_at_least(magnitude: torch.Tensor, edges: torch.Tensor, group: dist.ProcessGroup,
@@ -93,7 +87,7 @@ def _count_at_least(magnitude: torch.Tensor, edges: torch.Tensor, group: dist.Pr
     # Bin 0 (below every edge) counts for nothing. int32 is enough: the sums of all regions have distinct
     # indices, fewer than numel < 2^31.
     histogram = torch.bincount(bins, minlength=edges.numel() + 1)[1:].int()
-    return allreduce_counts(histogram, group, traffic).flip(0).cumsum(0).flip(0)
+    return allreduce(histogram, group, traffic).flip(0).cumsum(0).flip(0)
 
 
 def _global_threshold(magnitude: torch.Tensor, k: int, group: dist.ProcessGroup, traffic: Traffic | None) -> float:
@@ -103,7 +97,9 @@ def _global_threshold(magnitude: torch.Tensor, k: int, group: dist.ProcessGroup,
     Two histogram allreduces of O(1) bytes (where the paper allgathers every region's sums): one by octave, then
     one of 256 sub-bins inside the octave that holds the k-th largest. The lower edge of its sub-bin keeps at least
     k, so nothing starves when many values are equal; the surplus is cut at the end."""
-    edges = _octave_edges(magnitude.device)
+    # 2^-149 (float32's smallest subnormal), 2^-148, ..., 2^127, then +inf: float32 magnitudes by octave.
+    powers = torch.ldexp(torch.ones(277, dtype=torch.float32), torch.arange(-149, 128, dtype=torch.int32))
+    edges = torch.cat([powers, torch.tensor([math.inf])]).to(magnitude.device)
     at_least = _count_at_least(magnitude, edges, group, traffic)
     octave = int((at_least >= k).sum()) - 1  # at_least descends: the last edge that k magnitudes reach
     if octave < 0:
@@ -258,7 +254,7 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     applied = torch.zeros(k, dtype=torch.bool, device=device)
     applied[:used] = in_set(glob_indices, [msg.indices[:used]], numel)[0]
     if compact:
-        raise_if_corrupt(int(allreduce_counts(invalid, group, traffic)), "oktopk_allreduce")
+        raise_if_corrupt(int(allreduce(invalid, group, traffic)), "oktopk_allreduce")
         if rounding is not None:
             for error_indices, errors in sent_errors:
                 rounding.add(error_indices, torch.where(in_set(glob_indices, [error_indices], numel)[0], errors, 0))
@@ -289,10 +285,7 @@ class OkTopk(Collective):
                  "beta_intra": inside / size * 2 * k * pair + 2 * inside * header, "merge": 2 * k * share}
         if wire.lossy:
             terms.update(encode=k * share, decode=(1 + 2 * (size - 1) / size) * k * share)
-        messages, sent = check_cost(size, wire)
-        terms["alpha"] += messages
-        terms["beta"] += sent
-        return terms
+        return with_check_cost(terms, size, wire)
 
     def new_state(self) -> OkTopkState:
         return OkTopkState()

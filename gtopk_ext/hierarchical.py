@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from gtopk_ext.collectives import (SPARSE_COLLECTIVES, OkTopkState, Reduced, Traffic, collective_named,
                                    group_rank_and_size, keep_unapplied)
-from gtopk_ext.collectives._transport import sparse_alltoallv
+from gtopk_ext.collectives._transport import add_traffic, sparse_alltoallv
 from gtopk_ext.compressors import Compressor, tensor_shares
 from gtopk_ext.costs import inner_result_slots, node_gather_bytes, ring_allgather_bytes
 from gtopk_ext.message import SparseMessage, padding_message
@@ -23,8 +23,9 @@ from gtopk_ext.wire import Rounding, WireLike, wire_named
 
 
 # Per (process group name, local_size): (that group, this rank's node group, its cross-node group); a group
-# destroyed and created again under the same name gets new ones.
-_node_groups: dict[tuple[str, int], tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]] = {}
+# destroyed and created again under the same name gets new ones. Cleared by gtopk_ext.destroy_process_group: held
+# past dist.destroy_process_group, their Gloo threads can abort the process at exit.
+cached_node_groups: dict[tuple[str, int], tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 @dataclass
@@ -71,7 +72,7 @@ def node_groups(group: dist.ProcessGroup, local_size: int) -> tuple[dist.Process
     call at the same point (group names count the groups created before). Only ``group``'s ranks create them:
     when ``group`` is not the whole world, create the groups that every rank must create before this call."""
     key = (group.group_name, local_size)
-    if _node_groups.get(key, (None,))[0] is not group:
+    if cached_node_groups.get(key, (None,))[0] is not group:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         if size % local_size:
             raise ValueError(f"local_size ({local_size}) must divide the group's size ({size}): a node is local_size "
@@ -79,15 +80,9 @@ def node_groups(group: dist.ProcessGroup, local_size: int) -> tuple[dist.Process
         node, local_rank = divmod(rank, local_size)
         node_ranks = [dist.get_global_rank(group, node * local_size + i) for i in range(local_size)]
         cross_ranks = [dist.get_global_rank(group, n * local_size + local_rank) for n in range(size // local_size)]
-        _node_groups[key] = (group, dist.new_group(node_ranks, use_local_synchronization=True),
+        cached_node_groups[key] = (group, dist.new_group(node_ranks, use_local_synchronization=True),
                              dist.new_group(cross_ranks, use_local_synchronization=True))
-    return _node_groups[key][1:]
-
-
-def forget_node_groups() -> None:
-    """Let go of the cached groups of :func:`node_groups` (held past ``dist.destroy_process_group``, their Gloo
-    threads can abort the process at exit)."""
-    _node_groups.clear()
+    return cached_node_groups[key][1:]
 
 
 def shard_bounds(numel: int, local_size: int) -> list[int]:
@@ -124,11 +119,9 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
     collective = collective_named(inner, compressor.backend)
     node_group, cross_group = node_groups(group, local_size)
     local_rank, numel, device = rank % local_size, tensor.numel(), tensor.device
-    backend = compressor.backend[device]
     bounds = shard_bounds(numel, local_size)
     widths = [end - start for start, end in zip(bounds, bounds[1:])]
     shard = slice(bounds[local_rank], bounds[local_rank + 1])
-    width = widths[0]
 
     # 1. Reduce-scatter inside the node.
     acc = tensor if residual is None else tensor + residual
@@ -161,7 +154,7 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
         mine = (reduced.summed / size).to(tensor.dtype)
         indices = mine.nonzero().view(-1).to(torch.int32)
         values = mine[indices.long()]
-    most = min(width, inner_result_slots(inner, max(shares), size // local_size))
+    most = min(widths[0], inner_result_slots(inner, max(shares), size // local_size))
     average, combined = node_allgather(indices, values, int(raised), widths, most, node_group, traffic)
     if flags is not None:
         flags.fill_(combined)
@@ -170,7 +163,7 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
         return HierarchicalResult(None, shifted, torch.zeros_like(applied), shard)
     if residual is not None:
         if share:
-            keep_unapplied(kept, msg, applied, shard_rounding, backend)
+            keep_unapplied(kept, msg, applied, shard_rounding, compressor.backend[device])
         else:
             kept.copy_(shard_acc)
         residual.zero_()
@@ -184,8 +177,7 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
 def node_reduce_scatter(tensor: torch.Tensor, bounds: list[int], node_group: dist.ProcessGroup, local_rank: int,
                         traffic: Traffic | None) -> torch.Tensor:
     """Shard ``local_rank`` (of ``bounds``) of the sum over the node's ranks of ``tensor`` (flat, contiguous): this
-    rank's own part, then the others' in local-rank order. Every rank sends shard r straight to local rank r, all
-    at once: the same bytes as a ring, faster than Gloo's ``reduce_scatter`` (docs/scaling.md)."""
+    rank's own part, then the others' in local-rank order (sent all at once: faster than Gloo's reduce_scatter)."""
     shards = [tensor[start:end] for start, end in zip(bounds, bounds[1:])]
     mine = shards[local_rank]
     received = sparse_alltoallv([shard.view(torch.uint8) for shard in shards],
@@ -221,8 +213,7 @@ def node_allgather(indices: torch.Tensor, values: torch.Tensor, flags: int, widt
         packed[width] = flags
     gathered = [torch.empty_like(packed) for _ in range(local_size)]
     dist.all_gather(gathered, packed, group=node_group)
-    if traffic is not None:
-        traffic.add(ring_allgather_bytes(nbytes, local_size), ring_allgather_bytes(nbytes, local_size))
+    add_traffic(traffic, ring_allgather_bytes(nbytes, local_size))
     if not sparse:
         combined = functools.reduce(operator.or_, (int(g[width]) for g in gathered))
         return torch.cat([g[:w] for g, w in zip(gathered, widths)]), combined

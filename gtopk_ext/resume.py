@@ -4,7 +4,7 @@ one by a policy the user names: what ``SparseGradState`` and ``SparseLocalSGD`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch.distributed as dist
 
@@ -46,8 +46,10 @@ def plan_resume(state_dict: StateDicts, on_world_size_change: str, process_group
     saved_list = isinstance(state_dict, (list, tuple))
     dicts = list(state_dict) if saved_list else [state_dict]
     if not dicts or not all(isinstance(d, dict) for d in dicts):
+        kinds = sorted({type(d).__name__ for d in dicts})
+        got = f"a {type(state_dict).__name__} of {kinds}" if saved_list else type(state_dict).__name__
         raise TypeError(f"{what}: state_dict must be a dict (this rank's state_dict()) or a non-empty list of them "
-                        f"(every saved rank's, in rank order), got {_kinds(state_dict)}")
+                        f"(every saved rank's, in rank order), got {got}")
     if saved_list:
         for q, saved in enumerate(dicts):
             recorded = (saved.get("world_size"), saved.get("rank"))
@@ -76,9 +78,3 @@ def plan_resume(state_dict: StateDicts, on_world_size_change: str, process_group
                          f"must come from one checkpoint")
     own = [dicts[q] for q in range(len(dicts)) if q % size == rank] if saved_list else dicts
     return Resume(dicts[0], own if on_world_size_change == "fold" else [], on_world_size_change)
-
-
-def _kinds(value: Any) -> str:
-    if isinstance(value, (list, tuple)):
-        return f"a {type(value).__name__} of {sorted({type(v).__name__ for v in value})}"
-    return type(value).__name__

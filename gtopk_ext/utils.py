@@ -10,13 +10,11 @@ from gtopk_ext import _worker, hierarchical
 
 
 def destroy_process_group() -> None:
-    """``dist.destroy_process_group()`` after closing the background workers (the DDP hooks', WAGMA's rounds),
-    letting go of the hierarchical collective's node groups and freeing the objects that still hold a group (DDP
-    models sit in reference cycles): left to the interpreter's exit, a thread inside a torch call can abort the
-    process ("terminate called without an active exception") after its work is done. Without a default process
-    group it only closes the workers, so that it can sit in a ``finally`` block."""
+    """``dist.destroy_process_group()`` after closing the background workers (the DDP hooks', WAGMA's rounds) and
+    letting go of every object that holds a group: left to the interpreter's exit, their threads can abort the
+    process. Without a default process group it only closes the workers (it can sit in a ``finally`` block)."""
     _worker.close_workers()
-    hierarchical.forget_node_groups()
+    hierarchical.cached_node_groups.clear()
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

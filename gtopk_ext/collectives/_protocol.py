@@ -98,11 +98,9 @@ def check_message(msg: SparseMessage, flags: torch.Tensor | None) -> None:
 def agree_on_message(msg: SparseMessage, flags: torch.Tensor | None, group: dist.ProcessGroup, what: str,
                      traffic: Traffic | None, extra: Callable[[], dict[str, int]] | None = None,
                      extra_names: tuple[str, ...] = (), wire: WireLike = "plain") -> None:
-    """Every rank checks its message and wire format and the ranks compare (k, numel, dtype, whether flags are
-    sent, the wire), and the fields ``extra()`` returns (named ``extra_names``), so all of them raise together.
-
-    Any local error (not only the checks' TypeError and ValueError) is held until the headers are exchanged:
-    raising before would leave the other ranks waiting for this one until the group's timeout."""
+    """Every rank checks its message, flags and wire, and the ranks compare (k, numel, dtype, whether flags are
+    sent, the wire) and the fields ``extra()`` returns (named ``extra_names``): all raise together, any local error
+    held until the headers are exchanged (else the other ranks would wait for this one until the timeout)."""
     try:
         check_message(msg, flags)
         fields = {"valid": 1, "k": msg.k, "numel": msg.numel, "dtype": DTYPE_CODES[msg.values.dtype],

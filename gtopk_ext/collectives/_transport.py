@@ -89,8 +89,7 @@ def p2p_device(device: torch.device, group: dist.ProcessGroup) -> torch.device:
 def sparse_alltoallv(payloads: list[torch.Tensor | None], recv_nbytes: list[int], group: dist.ProcessGroup,
                       rank: int, traffic: Traffic | None) -> list[torch.Tensor | None]:
     """Sends ``payloads[r]`` to every group rank r != rank and receives ``recv_nbytes[r]`` bytes from each, all at
-    once; in round s of the paper's destination rotation a rank sends to rank + s and receives from rank - s, so
-    no rank is every sender's first destination. Empty messages are not sent (both sides know their size).
+    once, in the paper's destination rotation (round s: to rank + s, from rank - s); empty messages are not sent.
     Returns the received payloads by source rank (None for this rank and for empty ones)."""
     size = len(payloads)
     device = payloads[rank].device
@@ -165,8 +164,7 @@ def mask_from_bytes(raw: torch.Tensor, k: int) -> torch.Tensor:
 def in_set(set_indices: torch.Tensor, queries: list[torch.Tensor], numel: int,
            used: torch.Tensor | None = None) -> list[torch.Tensor]:
     """For each tensor of ``queries``, whether each of its indices is one of ``set_indices`` (``used``: the mask of
-    the slots of ``set_indices`` that count; None: all); every index in [0, ``numel``). A bitmap over the index
-    space, zeroed again after use and kept per thread and device: O(k) a call, where a binary search is O(k log k)."""
+    the slots of ``set_indices`` that count; None: all); every index in [0, ``numel``). O(k): a bitmap per thread."""
     slots = set_indices.long() if used is None else torch.where(used, set_indices, numel).long()
     marks = kept_tensor(f"bitmap {set_indices.device}", numel + 1, torch.bool, set_indices.device, torch.zeros)
     marks.index_fill_(0, slots, True)

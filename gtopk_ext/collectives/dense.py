@@ -112,8 +112,7 @@ class RoundedDense(Collective):
     add their own float32 values to the partial sums they receive and pass them on rounded, then an allgather of
     the chunks' averages, rounded. Nothing is lost to the rounding: each rank writes what its roundings took (of
     every partial sum it sent on, and ``P`` times that of the average of the chunk it completed) for the caller to
-    keep: ``sum over ranks (tensor) = P x average + sum over ranks (lost)``, to float32 rounding. (A ring for both
-    phases: one flow per link direction, as the backends' allreduce.)
+    keep: ``sum over ranks (tensor) = P x average + sum over ranks (lost)``, to float32 rounding.
 
     A subclass is the wire's format: a message of n elements is ``header_size`` bytes and n elements of
     ``element_size`` bytes. ``encode(values, message, lost)`` writes ``values`` rounded into ``message`` (bytes) and
@@ -197,9 +196,8 @@ class Dense16(RoundedDense):
 
 
 class Dense8(RoundedDense):
-    """Every element in 8 bits: float8 e5m2 (e4m3's conversions are much slower on the CPU) times a power of two per
-    message, a byte ahead of its elements, that brings the message's largest magnitude to the format's largest. A
-    quarter of float32's bytes; each rounding takes up to 1/8 of an element, which the residual keeps."""
+    """Every element in 8 bits: float8 e5m2 times a power of two per message (a byte ahead of its elements) that
+    brings the message's largest magnitude to the format's largest; each rounding takes up to 1/8 of an element."""
 
     name = "dense8"
     wire_dtype = torch.float8_e5m2
@@ -207,15 +205,13 @@ class Dense8(RoundedDense):
     _LARGEST = 57344.0  # e5m2's largest finite value
     _BIAS = 128  # the header byte is the exponent plus this
 
-    def _exponent(self, values: torch.Tensor) -> int:
-        low, high = torch.aminmax(values)
-        largest = float(torch.maximum(-low, high))  # one host sync
-        if not math.isfinite(largest) or largest == 0.0:  # a non-finite element must reach the sum as it is
-            return 0
-        return max(-120, min(120, math.floor(math.log2(self._LARGEST / largest))))
-
     def encode(self, values, message, lost):
-        exponent = self._exponent(values) if values.numel() else 0
+        exponent = 0  # also when an element is not finite: it must reach the sum as it is
+        if values.numel():
+            low, high = torch.aminmax(values)
+            largest = float(torch.maximum(-low, high))  # one host sync
+            if math.isfinite(largest) and largest != 0.0:
+                exponent = max(-120, min(120, math.floor(math.log2(self._LARGEST / largest))))
         message[0] = exponent + self._BIAS
         sent = torch.mul(values, 2.0 ** exponent, out=message[1:].view(self.wire_dtype))
         if lost is not None:  # exact: scaling by a power of two rounds nothing

@@ -25,20 +25,17 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
                     traffic: Traffic | None = None, flags: torch.Tensor | None = None, wire: WireLike = "plain",
                     rounding: Rounding | None = None, backend: BackendLike = None
                     ) -> tuple[SparseMessage, torch.Tensor]:
-    """gTop-k: the global top-k of the sum of every rank's sparse message, in O(k log P) traffic.
+    """gTop-k: the global top-k of the sum of every rank's sparse message, in O(k log P) traffic: in round r each
+    rank merges its set with that of rank ``rank XOR 2^r``; the ranks past the largest power of two fold in first.
 
-    In round r each rank merges its current set with that of rank ``rank XOR 2^r``
-    (:func:`gtopk_ext.ops.merge_topk`); when P is not a power of two, the ranks past the largest power of two
-    first fold their set into rank ``rank - 2^floor(log2 P)`` and receive the result at the end. Returns
-    ``(glob, applied)``: ``glob``, the same SparseMessage on every rank (values summed over ranks, not averaged,
+    Returns ``(glob, applied)``: ``glob``, the same SparseMessage on every rank (values summed over ranks, not averaged,
     in :func:`carried_dtype` of the message's dtype; ``glob.count``: the size of the last merged union);
     ``applied[j]``, whether this rank's slot j is inside glob's sums. The caller keeps ``msg.values[~applied]``
     (error feedback). ``check`` and ``flags`` as in :func:`sparse_allgather`.
 
     ``wire="compact"`` (:mod:`gtopk_ext.wire`) sends each set in 4 bytes a pair, its used slots only (the others
-    are not applied). Both partners of a round merge the sets as the wire carried them, so they compute the same
-    merge; the rounding error of a set that reaches glob is added to ``rounding`` (when given) by exactly one
-    rank. A corrupted compact payload raises ValueError on every rank, nothing of it written out of bounds.
+    are not applied); the rounding error of a set that reaches glob is added to ``rounding`` (when given) by
+    exactly one rank. A corrupted compact payload raises ValueError on every rank, nothing written out of bounds.
     """
     group, rank, size = group_rank_and_size(group)
     if check:

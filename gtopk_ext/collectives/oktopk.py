@@ -92,11 +92,8 @@ def _count_at_least(magnitude: torch.Tensor, edges: torch.Tensor, group: dist.Pr
 
 def _global_threshold(magnitude: torch.Tensor, k: int, group: dist.ProcessGroup, traffic: Traffic | None) -> float:
     """The threshold on the regions' |sums| that the k-th largest of them over all ranks reaches, to 1/256 of its
-    value: the lowest edge that at least k magnitudes reach (all nonzero ones when fewer than k are nonzero).
-
-    Two histogram allreduces of O(1) bytes (where the paper allgathers every region's sums): one by octave, then
-    one of 256 sub-bins inside the octave that holds the k-th largest. The lower edge of its sub-bin keeps at least
-    k, so nothing starves when many values are equal; the surplus is cut at the end."""
+    value: the lowest edge that at least k magnitudes reach (all nonzero ones when fewer than k are nonzero), from
+    two histogram allreduces (by octave, then 256 sub-bins of the octave that holds the k-th largest)."""
     # 2^-149 (float32's smallest subnormal), 2^-148, ..., 2^127, then +inf: float32 magnitudes by octave.
     powers = torch.ldexp(torch.ones(277, dtype=torch.float32), torch.arange(-149, 128, dtype=torch.int32))
     edges = torch.cat([powers, torch.tensor([math.inf])]).to(magnitude.device)
@@ -155,9 +152,8 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     3. Every owner sends what it kept to every rank. If more than k were kept, the k largest |sums| stay (NaN
        counts as infinite; ties to the lower index).
 
-    The region boundaries (averages of the points that split each rank's selection into equal counts) and the
-    threshold are reused between re-estimations as ``state`` says (:class:`OkTopkState`; None: both estimated in
-    the call). Each phase first exchanges its counts (O(P) bytes), so payloads carry exactly the pairs.
+    The region boundaries and the threshold are reused between re-estimations as ``state`` says
+    (:class:`OkTopkState`; None: both estimated in the call).
 
     Returns ``(glob, applied)`` as :func:`gtopk_allreduce` does, glob's indices ascending and distinct, padded
     with (0, 0) to k slots, ``glob.count`` how many sums reached the threshold. ``check`` and ``flags`` as in

@@ -159,8 +159,6 @@ class SparseLocalSGD:
         self._momentum = [torch.zeros_like(g) for g in self._global] if self.outer_momentum else []
         self._accumulator = [torch.zeros_like(g) for g in self._global] if self._compressor is not None else []
 
-    # ----- the training loop's calls -----
-
     @torch.no_grad()
     def step(self) -> bool:
         """Counts one inner step; syncs at every ``sync_every``-th call. Returns whether it synced."""
@@ -184,12 +182,21 @@ class SparseLocalSGD:
         if diverged:
             raise FloatingPointError(f"SparseLocalSGD.sync: the pseudo-gradient of rank(s) {diverged} is not finite "
                                      f"(inner training diverged); nothing was applied")
-        decayed = self._decay()
+        decayed = 0.0  # the L1 norm of what error_decay drops from the accumulators: (1 - decay) x |old|
+        if self.error_decay != 1.0:
+            decayed = (1.0 - self.error_decay) * sum(float(a.abs().sum(dtype=torch.float64)) for a in self._accumulator)
+            for a in self._accumulator:
+                a.mul_(self.error_decay)
         k = selected = 0
         for index, delta in enumerate(deltas):
             averaged, shard_k, shard_selected = self._reduce(index, delta, group, size, traffic)
             k, selected = k + shard_k, selected + shard_selected
-            self._outer_step(index, averaged)
+            # torch.optim.SGD's step (dampening 0, no weight decay), from the same bits on every rank
+            update = averaged
+            if self.outer_momentum:
+                momentum = self._momentum[index].mul_(self.outer_momentum).add_(averaged)
+                update = averaged.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
+            self._global[index].add_(update, alpha=-self.outer_lr)
             self._shards[index].adopt(self._global[index])
         self._average_buffers(group, size, traffic)
         self._send_accumulators = False
@@ -199,15 +206,6 @@ class SparseLocalSGD:
         self._last = {"numel": sum(s.numel for s in self._shards), "k": k, "selected": selected,
                       "bytes_sent": traffic.sent, "bytes_received": traffic.received, "decayed": decayed,
                       "seconds": perf_counter() - start}
-
-    def _decay(self) -> float:
-        """Scales the accumulators by error_decay; returns the L1 norm of what it dropped, (1 - decay) x |old|."""
-        if self.error_decay == 1.0:
-            return 0.0
-        norm = sum(float(a.abs().sum(dtype=torch.float64)) for a in self._accumulator)
-        for a in self._accumulator:
-            a.mul_(self.error_decay)
-        return (1.0 - self.error_decay) * norm
 
     def _reduce(self, index: int, delta: torch.Tensor, group: dist.ProcessGroup, size: int,
                 traffic: Traffic) -> tuple[torch.Tensor, int, int]:
@@ -224,17 +222,6 @@ class SparseLocalSGD:
                          wire=self.config.wire, backend=self._compressor.backend[delta.device],
                          traffic=traffic)
         return delta, outcome.msg.k, int(outcome.msg.count)
-
-    def _outer_step(self, index: int, averaged: torch.Tensor) -> None:
-        """torch.optim.SGD's step (dampening 0, no weight decay) with the averaged pseudo-gradient as gradient.
-        Every rank computes it from the same bits, so the global weights stay bitwise equal."""
-        update = averaged
-        if self.outer_momentum:
-            momentum = self._momentum[index].mul_(self.outer_momentum).add_(averaged)
-            update = averaged.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
-        self._global[index].add_(update, alpha=-self.outer_lr)
-
-    # ----- buffers and the layout -----
 
     def _average_buffers(self, group: dist.ProcessGroup, size: int, traffic: Traffic) -> None:
         floating = [b for b in self.buffers if b.is_floating_point()]
@@ -258,8 +245,6 @@ class SparseLocalSGD:
         if traffic is not None:
             nbytes = buffer.numel() * buffer.element_size()
             traffic.add(nbytes if dist.get_rank(group) == 0 else 0, nbytes)
-
-    # ----- statistics and checkpoints -----
 
     def stats(self) -> dict[str, Any]:
         """``{"local_step", "syncs", "bytes_sent", "bytes_received", "decayed"}`` (this rank, all syncs; ``decayed``:

@@ -89,7 +89,8 @@ class _WaitAvoidingRounds:
         with self._cond:
             self._start_run(step)
             for bucket in self.buckets:
-                self._apply_correction(bucket)
+                torch._foreach_add_(bucket.params, bucket.views(bucket.correction))
+                bucket.correction.zero_()
                 bucket.flatten_into(bucket.staging)
             self._staged = "snapshot"
             self._arrived = step + 1
@@ -114,7 +115,8 @@ class _WaitAvoidingRounds:
             self._drain_at = None
             if apply and self.buckets is not None:
                 for bucket in self.buckets:
-                    self._apply_correction(bucket)
+                    torch._foreach_add_(bucket.params, bucket.views(bucket.correction))
+                    bucket.correction.zero_()
         # The run is over: its threads end here, not where the interpreter may be finalizing (the worker's thread
         # is still inside the torch call that completed the run).
         self._worker.close()
@@ -135,10 +137,6 @@ class _WaitAvoidingRounds:
     @property
     def in_run(self) -> bool:
         return self._run is not None and not self._run.done()
-
-    def _apply_correction(self, bucket: _Bucket) -> None:
-        torch._foreach_add_(bucket.params, bucket.views(bucket.correction))
-        bucket.correction.zero_()
 
     def _raise_failure(self) -> None:
         failure = None if self._worker is None else self._worker.failure

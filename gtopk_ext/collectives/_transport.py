@@ -48,10 +48,9 @@ def pieces(buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: dist.ProcessGroup,
              traffic: Traffic | None) -> None:
     """Send ``send`` to and receive ``recv`` from group rank ``peer`` at the same time (flat buffers)."""
-    global_peer = dist.get_global_rank(group, peer)
     sent, received = p2p_buffer(send, group), p2p_buffer(recv, group)
     # Each piece's send and receive posted together (all sends first moved at the single message's pace).
-    ops = [dist.P2POp(op, piece, global_peer, group)
+    ops = [dist.P2POp(op, piece, dist.get_global_rank(group, peer), group)
            for out, into in itertools.zip_longest(pieces(sent), pieces(received))
            for op, piece in ((dist.isend, out), (dist.irecv, into)) if piece is not None]
     for work in dist.batch_isend_irecv(ops):

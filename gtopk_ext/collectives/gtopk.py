@@ -115,10 +115,8 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         peer_indices, peer_values, peer_head = decode(received)
         raised = None if flags is None else raised.bitwise_or_(peer_head[1:])
         # Both partners put the lower rank's set first, so they compute bitwise the same merge.
-        if rank < peer:
-            indices, values, count = ops.merge_topk(indices, values, peer_indices, peer_values, k, backend=backend)
-        else:
-            indices, values, count = ops.merge_topk(peer_indices, peer_values, indices, values, k, backend=backend)
+        low, high = ((indices, values), (peer_indices, peer_values))[::1 if rank < peer else -1]
+        indices, values, count = ops.merge_topk(*low, *high, k, backend=backend)
         _mark_survivors(tracked + [(i, alive) for i, _, alive in kept_errors], indices, count, numel)
     if size != butterfly and (compact or folded < size):  # glob, as the wire carries it to the folded ranks
         payload, sent_indices, sent_values = wire.pack(indices, values, payload_head(count, raised), numel, backend)

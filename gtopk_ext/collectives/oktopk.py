@@ -198,8 +198,7 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     wire = wire_named(wire)
     compact = wire.lossy
     invalid = torch.zeros(1, dtype=torch.int32, device=device)  # signs of corruption in what this rank decoded
-    sent_errors = []  # (indices, rounding errors) of the pairs this rank sent, with compact
-    outgoing = []
+    outgoing, sent_errors = [], []  # sent_errors: (indices, rounding errors) of the pairs sent, with compact
     for r, (start, end) in enumerate(zip(cuts, cuts[1:])):
         run = (indices[start:end], values[start:end])
         if r == rank:  # its own region's pairs stay here, exact

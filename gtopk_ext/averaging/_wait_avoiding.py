@@ -1,12 +1,9 @@
 """One rank's side of WAGMA's wait-avoiding group rounds (see :mod:`gtopk_ext.averaging`).
 
-Gloo and NCCL collectives start only when every member calls them, so a thread (the background
-:class:`gtopk_ext._worker.Worker`, as the DDP hook's) stands in for the busy training loop: the first member to
-reach a group round sends the others' threads an activation message, and each joins the allreduce with the
-weights p its rank last published. The round turns p into the group mean a; the thread sets p <- a and adds
-``a - p`` to the correction the training loop applies at its next call. Over a group the corrections sum to zero,
-so no rank's progress is lost or counted twice. The messages go over a Gloo group of their own, so the data may
-use NCCL."""
+A thread (a :class:`gtopk_ext._worker.Worker`) joins each group round with the weights p its rank last published,
+once the round's first member has sent the others an activation message (over a Gloo group of its own). The round
+turns p into the group mean a; the thread sets p <- a and adds ``a - p`` to the correction the training loop
+applies at its next call: over a group the corrections sum to zero, so no progress is lost or counted twice."""
 
 from __future__ import annotations
 

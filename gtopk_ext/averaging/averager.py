@@ -110,13 +110,9 @@ class GroupModelAverager:
             my_group, partners = None, []
             for local_ranks in butterfly_groups(self.world_size, self.group_size, level):
                 key = tuple(sorted(local_ranks))
-                if key not in created:
-                    if len(key) == 1:
-                        created[key] = None  # a group of one averages nothing
-                    elif len(key) == self.world_size:
-                        created[key] = everyone
-                    else:
-                        created[key] = dist.new_group([member_ranks[r] for r in key])
+                if key not in created:  # a group of one averages nothing
+                    created[key] = (None if len(key) == 1 else everyone if len(key) == self.world_size
+                                    else dist.new_group([member_ranks[r] for r in key]))
                 if self._rank in key:
                     my_group, partners = created[key], [r for r in key if r != self._rank]
             mine.append((my_group, partners))

@@ -4,10 +4,8 @@ Before any payload moves, the ranks agree on a small header (k, numel, dtype, th
 aborts the whole process when a message's size differs from the receiver's buffer, and a check between two
 partners only would leave the other ranks waiting, so the header is gathered over the group and every rank raises
 the same clear error (:class:`Disagreement`). A caller that reduces the same tensor step after step (a bucket)
-keeps an :class:`Agreement`: the header is exchanged again only when the plan changes.
-
-A collective is a :class:`Collective`: ``reduce(msg, group, ...) -> Reduced``, the sum over the group's ranks and
-the mask of this rank's slots that the sum holds; the reduction (:mod:`gtopk_ext.reduction`) keeps the rest.
+keeps an :class:`Agreement`: the header is exchanged again only when the plan changes. A collective is a
+:class:`Collective`, its result a :class:`Reduced`.
 """
 
 from __future__ import annotations

@@ -108,11 +108,9 @@ class DenseAllreduce(Collective):
 
 
 class RoundedDense(Collective):
-    """Every element rounded to a narrower float on the wire, summed in float32: a ring reduce-scatter whose ranks
-    add their own float32 values to the partial sums they receive and pass them on rounded, then an allgather of
-    the chunks' averages, rounded. Nothing is lost to the rounding: each rank writes what its roundings took (of
-    every partial sum it sent on, and ``P`` times that of the average of the chunk it completed) for the caller to
-    keep: ``sum over ranks (tensor) = P x average + sum over ranks (lost)``, to float32 rounding.
+    """Every element rounded to a narrower float on the wire, summed in float32 (a ring reduce-scatter, then an
+    allgather of the chunks' averages). Nothing is lost to the rounding: each rank writes what its roundings took
+    for the caller to keep: ``sum over ranks (tensor) = P x average + sum over ranks (lost)``, to float32 rounding.
 
     A subclass is the wire's format: a message of n elements is ``header_size`` bytes and n elements of
     ``element_size`` bytes. ``encode(values, message, lost)`` writes ``values`` rounded into ``message`` (bytes) and

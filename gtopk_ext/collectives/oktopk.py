@@ -146,11 +146,9 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     """Ok-Topk (Li and Hoefler, PPoPP 2022): a global top-k of the sum of every rank's sparse message with about
     2k(P-1)/P pairs sent per rank, for any world size P.
 
-    1. Split and reduce: the index space is cut into P regions, region r owned by rank r; each rank sends its
-       pairs (its first ``min(count, k)`` slots) to the owners of their regions, which sum them per index.
-    2. Each owner keeps its sums whose |value| reaches the global threshold (NaN and inf always).
-    3. Every owner sends what it kept to every rank. If more than k were kept, the k largest |sums| stay (NaN
-       counts as infinite; ties to the lower index).
+    Rank r owns region r of the index space and sums the pairs (each rank's first ``min(count, k)`` slots) that
+    fall in it; it keeps the sums whose |value| reaches the global threshold (NaN and inf always) and sends them
+    to every rank. Of more than k kept, the k largest |sums| stay (NaN as infinite; ties to the lower index).
 
     The region boundaries and the threshold are reused between re-estimations as ``state`` says
     (:class:`OkTopkState`; None: both estimated in the call).

@@ -68,9 +68,8 @@ class Worker:
         _open_threads.add(self)
 
     def close(self) -> None:
-        """End both threads once the jobs handed over have finished, and let go of the group. Runs at exit and
-        from :func:`gtopk_ext.destroy_process_group`: a daemon thread still inside a torch call when the
-        interpreter finalizes aborts the process."""
+        """End both threads once the jobs handed over have finished, and let go of the group (at exit too: a daemon
+        thread still inside a torch call when the interpreter finalizes aborts the process)."""
         if self.closed:
             return
         self.closed = True

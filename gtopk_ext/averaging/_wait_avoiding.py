@@ -86,8 +86,7 @@ class _WaitAvoidingRounds:
         with self._cond:
             self._start_run(step)
             for bucket in self.buckets:
-                torch._foreach_add_(bucket.params, bucket.views(bucket.correction))
-                bucket.correction.zero_()
+                self._apply_correction(bucket)
                 bucket.flatten_into(bucket.staging)
             self._staged = "snapshot"
             self._arrived = step + 1
@@ -112,8 +111,7 @@ class _WaitAvoidingRounds:
             self._drain_at = None
             if apply and self.buckets is not None:
                 for bucket in self.buckets:
-                    torch._foreach_add_(bucket.params, bucket.views(bucket.correction))
-                    bucket.correction.zero_()
+                    self._apply_correction(bucket)
         # The run is over: its threads end here, not where the interpreter may be finalizing (the worker's thread
         # is still inside the torch call that completed the run).
         self._worker.close()
@@ -134,6 +132,10 @@ class _WaitAvoidingRounds:
     @property
     def in_run(self) -> bool:
         return self._run is not None and not self._run.done()
+
+    def _apply_correction(self, bucket: _Bucket) -> None:
+        torch._foreach_add_(bucket.params, bucket.views(bucket.correction))
+        bucket.correction.zero_()
 
     def _raise_failure(self) -> None:
         failure = None if self._worker is None else self._worker.failure

@@ -75,9 +75,8 @@ def recv_from(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic
 
 
 def p2p_buffer(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The tensor that a point-to-point op may hand to the group's backend: Gloo's send and recv read and write
-    the buffer from the CPU, so a CUDA tensor goes through a host copy (the caller copies a received one back);
-    Gloo's collectives and NCCL take CUDA tensors as they are."""
+    """The tensor that a point-to-point op may hand to the group's backend: a host copy of a CUDA tensor for Gloo's
+    send and recv (the caller copies a received one back), else the tensor."""
     return tensor.to(p2p_device(tensor.device, group))
 
 

@@ -21,8 +21,7 @@ SEGMENT = 1 << 19  # elements of one ring message at most: the next segment trav
 
 
 def _kept_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A buffer of ``numel`` elements, kept between calls on the CPU, where a new large tensor costs its page faults
-    every time (the allocator gives large blocks back to the system)."""
+    """A buffer of ``numel`` elements, kept between calls on the CPU (where a new large tensor costs page faults)."""
     if device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
     return kept_tensor(name, numel, dtype, device)
@@ -36,11 +35,9 @@ def _segments(chunk: int) -> tuple[int, int]:
 
 def _reduce_scatter(parts: tuple[torch.Tensor, ...], losses: tuple | list, send: torch.Tensor, receive: torch.Tensor,
                     codec: "RoundedDense", group: dist.ProcessGroup, rank: int, size: int) -> None:
-    """The ring reduce-scatter: at step s this rank sends chunk (rank - s) % P (its own values, then the partial
-    sum it received plus its own) and receives chunk (rank - s - 1) % P, adding its own values to it in float32 in
-    its ``parts`` (whose chunks it no longer needs once sent); each rounding's loss goes to ``losses``. Each chunk
-    travels in segments (tagged by their number; ``send`` and ``receive`` hold their bytes), so that summing one
-    overlaps receiving the next."""
+    """The ring reduce-scatter: at step s this rank sends chunk (rank - s) % P and receives chunk (rank - s - 1) % P,
+    adding its own values to it in float32 in its ``parts``; each rounding's loss goes to ``losses``. Chunks travel
+    in segments (``send`` and ``receive`` hold their bytes), so that summing one overlaps receiving the next."""
     if size == 1:
         return
     count, length = _segments(parts[0].numel())

@@ -72,6 +72,17 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         used = torch.arange(k, device=device) < count.clamp(0, k)
         kept_errors.append((indices, torch.where(used, rounding_error(values, sent_values), 0), used))
 
+    def finish(glob: SparseMessage, raised: torch.Tensor | None, applied: torch.Tensor):
+        if flags is not None:
+            flags.copy_(raised)
+        if compact:
+            raise_if_corrupt(int(allreduce(invalid, group, traffic)), "gtopk_allreduce")
+            if rounding is not None:
+                for error_indices, errors, alive in kept_errors:
+                    rounding.add(error_indices, torch.where(alive, errors, 0))
+        return glob, _in_slot_order(sent_slots_only(applied), order)
+
+    kept_errors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (indices, errors, still in the set)
     if rank >= butterfly:  # folded into rank - butterfly; the result comes back with this rank's applied mask
         partner = rank - butterfly
         payload, _, sent = wire.pack(own_indices, own_values, payload_head(msg.count, flags), numel, backend)
@@ -79,22 +90,16 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         result = recv_from(torch.empty(received_size + mask_size, dtype=torch.uint8, device=device), partner, group,
                        traffic)
         indices, values, head = decode(result[:received_size])
-        if flags is not None:
-            flags.copy_(head[1:])
         applied = sent_slots_only(mask_from_bytes(result[received_size:], k))
         if compact:
-            raise_if_corrupt(int(allreduce(invalid, group, traffic)), "gtopk_allreduce")
-            if rounding is not None:
-                rounding.add(own_indices, torch.where(applied, rounding_error(own_values, sent), 0))
-        return (SparseMessage(values.clone(), indices.clone(), head[:1].clone(), numel),
-                _in_slot_order(applied, order))
+            kept_errors.append((own_indices, rounding_error(own_values, sent), applied))
+        return finish(SparseMessage(values.clone(), indices.clone(), head[:1].clone(), numel), head[1:], applied)
 
     indices, values, count = own_indices, own_values, msg.count
     raised = None if flags is None else flags.clone()  # the OR of the flags this rank has seen so far
     # (slot indices, applied mask) of every contribution this rank answers for: its slots, a folded rank's, and
     # with compact the rounding errors it keeps (their mask: still in the set).
     tracked = [(own_indices, applied)]
-    kept_errors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (indices, errors, still in the set)
     folded = rank + butterfly
     if folded < size:
         received = recv_from(torch.empty(received_size, dtype=torch.uint8, device=device), folded, group, traffic)
@@ -126,14 +131,7 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
             indices, values = sent_indices, sent_values
         if folded < size:
             send_to(torch.cat([payload, mask_to_bytes(tracked[1][1])]), folded, group, traffic)
-    if flags is not None:
-        flags.copy_(raised)
-    if compact:
-        raise_if_corrupt(int(allreduce(invalid, group, traffic)), "gtopk_allreduce")
-        if rounding is not None:
-            for error_indices, errors, alive in kept_errors:
-                rounding.add(error_indices, torch.where(alive, errors, 0))
-    return SparseMessage(values, indices, count, numel), _in_slot_order(sent_slots_only(applied), order)
+    return finish(SparseMessage(values, indices, count, numel), raised, applied)
 
 
 def _in_slot_order(mask: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:

@@ -1,6 +1,5 @@
-"""One background worker per state (the DDP hook's, a run of WAGMA's rounds): runs jobs in order on a thread of its
-own, publishes a failure to the other ranks and fails their waiting jobs with it, and closes before the interpreter
-finalizes."""
+"""The ordered background worker of a DDP hook's state (and of a run of WAGMA's rounds), with failures published to
+every rank."""
 
 from __future__ import annotations
 

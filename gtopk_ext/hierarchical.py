@@ -1,6 +1,5 @@
-"""The hierarchical collective: dense inside a node (fast links), the error-feedback reduction between nodes among
-the ranks of the same local rank, each on its shard; the result shared back inside the node. A composition above
-the flat collectives."""
+"""The hierarchical collective (:func:`hierarchical_allreduce`): dense inside a node, a sparse collective between
+nodes; a composition above the flat collectives."""
 
 from __future__ import annotations
 

@@ -148,18 +148,13 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
 
     Rank r owns region r of the index space and sums the pairs (each rank's first ``min(count, k)`` slots) that
     fall in it; it keeps the sums whose |value| reaches the global threshold (NaN and inf always) and sends them
-    to every rank. Of more than k kept, the k largest |sums| stay (NaN as infinite; ties to the lower index).
-
-    The region boundaries and the threshold are reused between re-estimations as ``state`` says
-    (:class:`OkTopkState`; None: both estimated in the call).
+    to every rank. Of more than k kept, the k largest |sums| stay (NaN as infinite; ties to the lower index). The
+    region boundaries and the threshold are reused between re-estimations as ``state`` says (:class:`OkTopkState`;
+    None: both estimated in the call).
 
     Returns ``(glob, applied)`` as :func:`gtopk_allreduce` does, glob's indices ascending and distinct, padded
-    with (0, 0) to k slots, ``glob.count`` how many sums reached the threshold. ``check`` and ``flags`` as in
-    :func:`sparse_allgather` (with ``check``, the ranks also compare their states' plans).
-
-    ``wire="compact"`` (:mod:`gtopk_ext.wire`) sends the pairs of both phases in 4 bytes a pair; the rounding
-    errors that reach glob go to ``rounding`` (when given). A corrupted compact payload raises ValueError on every
-    rank, nothing of it written out of bounds.
+    with (0, 0) to k slots, ``glob.count`` how many sums reached the threshold. ``check``, ``flags``, ``wire`` and
+    ``rounding`` as in :func:`gtopk_allreduce` (with ``check``, the ranks also compare their states' plans).
     """
     group, rank, size = group_rank_and_size(group)
     if state is None:

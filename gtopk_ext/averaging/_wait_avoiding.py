@@ -42,20 +42,16 @@ class _WaitAvoidingRounds:
     A run starts at the first call after construction or after a finish and ends at finish or state_dict; its
     worker and threads exist only during a run (a failed run's worker keeps the failure until closed).
 
-    A failure here or on another rank fails the worker, which carries it to every rank. This rank then sends
-    _STOP to every member: the commit rule of :meth:`_run_round` needs to know, in the order of a member's own
-    messages, whether it joined a round before it stopped.
+    A failure here or on another rank fails the worker, which carries it to every rank; this rank then sends _STOP
+    to every member (see :meth:`_wake` and the commit rule of :meth:`_run_round`).
     """
 
-    def __init__(self, schedule: GroupModelAverager, member_ranks: list[int], rank: int,
-                 round_groups: list[tuple[dist.ProcessGroup | None, list[int]]],
-                 global_group: dist.ProcessGroup, control: dist.ProcessGroup, timeout: float) -> None:
+    def __init__(self, schedule: GroupModelAverager, member_ranks: list[int], rank: int, control: dist.ProcessGroup,
+                 timeout: float) -> None:
         self._schedule = schedule
         self._member_ranks = member_ranks
         self._rank = rank
         self._everyone = [i for i in range(len(member_ranks)) if i != rank]
-        self._round_groups = round_groups
-        self._global_group = global_group
         self._control = control  # a Gloo group for the control messages, whatever backend the data uses
         self._timeout = timeout
         self.buckets: list[_Bucket] | None = None
@@ -269,10 +265,7 @@ class _WaitAvoidingRounds:
     def _run_round(self, r: int) -> bool:
         """Runs round ``r`` (the lock is not held); False when the run ends before it."""
         synchronous = self._schedule.is_global_step(r)
-        if synchronous:
-            group, partners = self._global_group, self._everyone
-        else:
-            group, partners = self._round_groups[self._schedule.group_round(r) % len(self._round_groups)]
+        group, partners = self._schedule._group_at(r)
 
         def activated() -> bool:  # by this rank reaching step r, or (group rounds) by the first member to reach it
             return self._arrived > r or (not synchronous and bool(self._activations.get(r)))

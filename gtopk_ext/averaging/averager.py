@@ -87,8 +87,8 @@ class GroupModelAverager:
         self._rank = member_ranks.index(dist.get_rank()) if dist.get_rank() in member_ranks else None
         # Wait-avoiding mode: the communication thread alone uses groups of its own (collectives on one group
         # from two threads could pair up differently on different ranks).
-        everyone = dist.new_group(member_ranks) if wait_avoiding else self.process_group
-        self._round_groups = self._create_round_groups(member_ranks, everyone)
+        self._everyone = dist.new_group(member_ranks) if wait_avoiding else self.process_group
+        self._round_groups = self._create_round_groups(member_ranks, self._everyone)
         self._buckets: list[_Bucket] | None = None
         self._layout: list[tuple] | None = None
         self._loaded_correction: list[torch.Tensor] | None = None
@@ -96,8 +96,7 @@ class GroupModelAverager:
         if wait_avoiding:
             control = dist.new_group(member_ranks, backend="gloo")  # collective: created on every rank
             if self._rank is not None:
-                self._rounds = _WaitAvoidingRounds(self, member_ranks, self._rank, self._round_groups, everyone,
-                                                   control, float(timeout))
+                self._rounds = _WaitAvoidingRounds(self, member_ranks, self._rank, control, float(timeout))
 
     def _create_round_groups(self, member_ranks: list[int], everyone: dist.ProcessGroup
                              ) -> list[tuple[dist.ProcessGroup | None, list[int]]]:
@@ -127,6 +126,12 @@ class GroupModelAverager:
         after_warmup = step - self.warmup_steps
         return after_warmup - after_warmup // self.global_period
 
+    def _group_at(self, step: int) -> tuple[dist.ProcessGroup | None, list[int]]:
+        """The group that averages at ``step`` (None: a group of one) and this rank's other members in it."""
+        if self.is_global_step(step):
+            return self._everyone, [i for i in range(self.world_size) if i != self._rank]
+        return self._round_groups[self.group_round(step) % len(self._round_groups)]
+
     @torch.no_grad()
     def average_parameters(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> None:
         """Averages the parameters (a model's ``parameters()`` or an optimizer's ``param_groups``) for this step,
@@ -141,12 +146,10 @@ class GroupModelAverager:
             self._rounds.publish(step)
             if self.is_global_step(step):
                 self._rounds.take_global_average(step)
-        elif self.is_global_step(step):
-            self._average_now(buckets, self.process_group, self.world_size)
         else:
-            group, _ = self._round_groups[self.group_round(step) % len(self._round_groups)]
+            group, partners = self._group_at(step)
             if group is not None:
-                self._average_now(buckets, group, self.group_size)
+                self._average_now(buckets, group, len(partners) + 1)
         self.step += 1
 
     @torch.no_grad()

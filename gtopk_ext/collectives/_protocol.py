@@ -109,8 +109,7 @@ def agree_on_message(msg: SparseMessage, flags: torch.Tensor | None, group: dist
         fields = {"valid": 0, **dict.fromkeys(("k", "numel", "dtype", "flags", "wire", *extra_names), _INVALID)}
         values = getattr(msg, "values", None)
         usable = isinstance(values, torch.Tensor) and values.device.type != "meta"
-        device = values.device if usable else torch.device("cpu")
-        local_error = error
+        device, local_error = values.device if usable else torch.device("cpu"), error
     headers = gather_headers(fields, group, device, traffic)
     if local_error is not None:
         raise local_error

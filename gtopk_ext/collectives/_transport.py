@@ -155,8 +155,7 @@ def mask_to_bytes(mask: torch.Tensor) -> torch.Tensor:
 
 
 def mask_from_bytes(raw: torch.Tensor, k: int) -> torch.Tensor:
-    shifts = torch.arange(8, dtype=torch.uint8, device=raw.device)
-    return ((raw.unsqueeze(1) >> shifts) & 1).view(-1)[:k].bool()
+    return ((raw.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=raw.device)) & 1).view(-1)[:k].bool()
 
 
 def in_set(set_indices: torch.Tensor, queries: list[torch.Tensor], numel: int,

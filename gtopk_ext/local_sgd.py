@@ -218,9 +218,8 @@ class SparseLocalSGD:
         accumulator = self._accumulator[index]
         # accumulator becomes delta + old accumulator - what this rank sends
         msg = self._compressor.compress(delta, accumulator, step=self.syncs * len(self._shards) + index)
-        outcome = reduce(delta, accumulator, msg, self.config.reducer, group, k=msg.k,
-                         wire=self.config.wire, backend=self._compressor.backend[delta.device],
-                         traffic=traffic)
+        outcome = reduce(delta, accumulator, msg, self.config.reducer, group, k=msg.k, wire=self.config.wire,
+                         backend=self._compressor.backend[delta.device], traffic=traffic)
         return delta, outcome.msg.k, int(outcome.msg.count)
 
     def _average_buffers(self, group: dist.ProcessGroup, size: int, traffic: Traffic) -> None:
@@ -331,7 +330,6 @@ class SparseLocalSGD:
         return saved
 
     def __repr__(self) -> str:
-        return (f"SparseLocalSGD(sync_every={self.sync_every}, density={self.density}, "
-                f"collective={self.collective!r}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, "
-                f"nesterov={self.nesterov}, compressor={self.compressor!r}, wire={self.wire!r}, "
-                f"error_decay={self.error_decay})")
+        return (f"SparseLocalSGD(sync_every={self.sync_every}, density={self.density}, collective={self.collective!r}, "
+                f"outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, nesterov={self.nesterov}, "
+                f"compressor={self.compressor!r}, wire={self.wire!r}, error_decay={self.error_decay})")

@@ -102,8 +102,7 @@ def agree_on_message(msg: SparseMessage, flags: torch.Tensor | None, group: dist
     try:
         check_message(msg, flags)
         fields = {"valid": 1, "k": msg.k, "numel": msg.numel, "dtype": DTYPE_CODES[msg.values.dtype],
-                  "flags": int(flags is not None), "wire": wire_named(wire).code,
-                  **(extra() if extra is not None else {})}
+                  "flags": int(flags is not None), "wire": wire_named(wire).code, **(extra() if extra else {})}
         device, local_error = msg.values.device, None
     except Exception as error:  # noqa: BLE001 - raised below, once every rank knows
         fields = {"valid": 0, **dict.fromkeys(("k", "numel", "dtype", "flags", "wire", *extra_names), _INVALID)}

@@ -100,8 +100,7 @@ def sparse_alltoallv(payloads: list[torch.Tensor | None], recv_nbytes: list[int]
                                     group))
             sent_bytes += payload.numel()
         if recv_nbytes[source]:
-            received[source] = torch.empty(recv_nbytes[source], dtype=torch.uint8,
-                                           device=p2p_device(device, group))
+            received[source] = torch.empty(recv_nbytes[source], dtype=torch.uint8, device=p2p_device(device, group))
             works.append(dist.P2POp(dist.irecv, received[source], dist.get_global_rank(group, source), group))
     if works:
         for work in dist.batch_isend_irecv(works):

@@ -9,8 +9,7 @@ import torch.distributed as dist
 
 from gtopk_ext import ops
 from gtopk_ext.backends import BackendLike
-from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, group_rank_and_size,
-                                             payload_head)
+from gtopk_ext.collectives._protocol import Collective, Reduced, agree_on_message, group_rank_and_size, payload_head
 from gtopk_ext.collectives._transport import Traffic, add_traffic, raise_if_corrupt
 from gtopk_ext.costs import ring_allgather_bytes
 from gtopk_ext.message import SparseMessage

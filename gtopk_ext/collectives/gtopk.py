@@ -57,8 +57,7 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
     invalid = torch.zeros(1, dtype=torch.int32, device=device)  # signs of corruption in what this rank decoded
 
     def decode(payload: torch.Tensor):
-        peer_indices, peer_values, peer_head, peer_invalid = wire.unpack(payload, k, numel, dtype, head_words,
-                                                                         backend)
+        peer_indices, peer_values, peer_head, peer_invalid = wire.unpack(payload, k, numel, dtype, head_words, backend)
         if peer_invalid is not None:
             invalid.add_(peer_invalid)
         return peer_indices, peer_values, peer_head

@@ -49,19 +49,6 @@ def check_density(density: float, name: str = "density") -> None:
     check_number(name, density, 0.0, 1.0, low_open=True)
 
 
-def _check_inputs(grad: torch.Tensor, residual: torch.Tensor | None) -> None:
-    if not isinstance(grad, torch.Tensor) or grad.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"grad must be a float32, float16 or bfloat16 tensor, got "
-                        f"{grad.dtype if isinstance(grad, torch.Tensor) else type(grad).__name__}")
-    if grad.numel() == 0:
-        raise ValueError("grad must have at least one element")
-    if residual is not None and (residual.shape != grad.shape or residual.dtype != grad.dtype
-                                 or residual.device != grad.device or not residual.is_contiguous()):
-        raise ValueError(f"residual must be a contiguous tensor of grad's shape {tuple(grad.shape)}, dtype "
-                         f"{grad.dtype} and device {grad.device}, got shape {tuple(residual.shape)}, dtype "
-                         f"{residual.dtype}, device {residual.device}, contiguous={residual.is_contiguous()}")
-
-
 class Compressor:
     """Base class: ``compress(grad, residual=None, *, step=None) -> SparseMessage``.
 
@@ -93,7 +80,16 @@ class Compressor:
     def compress(self, grad: torch.Tensor, residual: torch.Tensor | None = None, *,
                  step: int | None = None, k: int | None = None) -> SparseMessage:
         """``k``: the message's slots (default ``ceil(density * numel)``; the hook's per-tensor shares set it)."""
-        _check_inputs(grad, residual)
+        if not isinstance(grad, torch.Tensor) or grad.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"grad must be a float32, float16 or bfloat16 tensor, got "
+                            f"{grad.dtype if isinstance(grad, torch.Tensor) else type(grad).__name__}")
+        if grad.numel() == 0:
+            raise ValueError("grad must have at least one element")
+        if residual is not None and (residual.shape != grad.shape or residual.dtype != grad.dtype
+                                     or residual.device != grad.device or not residual.is_contiguous()):
+            raise ValueError(f"residual must be a contiguous tensor of grad's shape {tuple(grad.shape)}, dtype "
+                             f"{grad.dtype} and device {grad.device}, got shape {tuple(residual.shape)}, dtype "
+                             f"{residual.dtype}, device {residual.device}, contiguous={residual.is_contiguous()}")
         flat_grad = grad.detach().reshape(-1)
         flat_residual = residual.view(-1) if residual is not None else None
         backend = self.backend[flat_grad.device]
@@ -204,7 +200,7 @@ _KINDS = {cls.kind: cls for cls in (GaussianK, TopK, RandomK)}
 def make_compressor(kind: str = "gaussiank", density: float = 0.01, **kwargs) -> Compressor:
     """A compressor by name: ``"gaussiank"`` (``mode=``), ``"topk"`` or ``"randomk"`` (``seed=``); every kind
     takes ``backend=`` and ``per_tensor=``."""
-    if kind not in _KINDS:
+    if kind not in COMPRESSOR_KINDS:
         raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {kind!r}")
     try:
         return _KINDS[kind](density, **kwargs)
@@ -212,16 +208,6 @@ def make_compressor(kind: str = "gaussiank", density: float = 0.01, **kwargs) ->
         if "unexpected keyword" not in str(error):
             raise
         raise TypeError(f"make_compressor({kind!r}): {error}") from None
-
-
-def compressor_at(compressor: "str | Compressor", density: float, **options) -> Compressor:
-    """``compressor`` at ``density``: a Compressor with its own options, or a kind made with ``options``."""
-    if isinstance(compressor, Compressor):
-        return compressor.with_density(density)
-    if compressor not in COMPRESSOR_KINDS:
-        raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS} or a gx.make_compressor(...), got "
-                         f"{compressor!r}")
-    return make_compressor(compressor, density, **options)
 
 
 # ----- a flat tensor made of parts (a DDP bucket's parameters) -----

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from gtopk_ext._validate import check_int
-from gtopk_ext.collectives import COLLECTIVES, Agreement, Collective, DenseAllreduce, RoundedDense
+from gtopk_ext.collectives import COLLECTIVES, Agreement, Collective, DenseAllreduce
 from gtopk_ext.wire import Wire
 
 PATHS = ("sparse", "dense16", "dense", "dense8")  # ties go to the first: the more precise of two dense paths
@@ -66,8 +66,17 @@ class PathPolicy:
         if not choices or any(c not in PATHS for c in choices) or len(set(choices)) < len(choices):
             raise ValueError(f"choices must be distinct paths of {PATHS}, got {self.choices!r}")
         object.__setattr__(self, "choices", choices)
-        if self.calibration is not None:
-            object.__setattr__(self, "calibration", _checked_calibration(self.calibration))
+        if self.calibration is None:
+            return
+        try:  # {index: {"numel": int, figure: int picoseconds or None}}
+            checked = {int(index): {"numel": int(entry["numel"]),
+                                    **{name: None if entry[name] is None else int(entry[name])
+                                       for name in CostModel.FIGURES}}
+                       for index, entry in dict(self.calibration).items()}
+        except (TypeError, ValueError, KeyError) as error:
+            raise ValueError(f"calibration must map tensor indices to {{'numel', {', '.join(CostModel.FIGURES)}}} "
+                             f"(a state_dict()['calibration']), got {self.calibration!r} ({error})") from None
+        object.__setattr__(self, "calibration", checked)
 
     @property
     def code(self) -> int:
@@ -76,19 +85,6 @@ class PathPolicy:
         if self.calibration is not None:
             code += 1024 * (1 + zlib.crc32(repr(sorted(self.calibration.items())).encode()))
         return code
-
-
-def _checked_calibration(calibration) -> dict[int, dict[str, Optional[int]]]:
-    """``calibration`` as ``{index: {"numel": int, figure: int picoseconds or None}}``, checked."""
-    try:
-        checked = {int(index): {"numel": int(entry["numel"]),
-                                **{name: None if entry[name] is None else int(entry[name])
-                                   for name in CostModel.FIGURES}}
-                   for index, entry in dict(calibration).items()}
-    except (TypeError, ValueError, KeyError) as error:
-        raise ValueError(f"calibration must map tensor indices to {{'numel', {', '.join(CostModel.FIGURES)}}} "
-                         f"(a state_dict()['calibration']), got {calibration!r} ({error})") from None
-    return checked
 
 
 def path_policy(path) -> PathPolicy:
@@ -161,9 +157,8 @@ def predicted(costs: dict[str, int | None], *, numel: int, k: int, size: int, dt
     times = {"dense": dense}
     if dtype == torch.float32:
         for path in ROUNDED:
-            rounded: RoundedDense = COLLECTIVES[path]()
             times[path] = (costs[path] * numel if costs[path] is not None else
-                           on_the_link(rounded.wire_bytes(numel, k, size, dtype)))
+                           on_the_link(COLLECTIVES[path]().wire_bytes(numel, k, size, dtype)))
     exchange = (costs["slot"] * k if costs["slot"] is not None else
                 on_the_link(collective.wire_bytes(numel, k, size, dtype, wire), UNTIMED_SPARSE))
     times["sparse"] = None if exchange is None else exchange + (costs["select"] or 0) * numel

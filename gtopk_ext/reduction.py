@@ -27,7 +27,7 @@ from gtopk_ext.hierarchical import hierarchical_allreduce
 from gtopk_ext.message import SparseMessage, padding_message
 from gtopk_ext.momentum import clip, increment, mask
 from gtopk_ext.ops import is_finite
-from gtopk_ext.paths import ROUNDED, PathPlan, PathPolicy, agreed_costs, own_seconds, predicted
+from gtopk_ext.paths import ROUNDED, PathPlan, agreed_costs, own_seconds, predicted
 from gtopk_ext.wire import Rounding, Wire
 
 FLAG_NONFINITE = 1  # a flag bit carried inside the sparse payload (every rank learns the OR)
@@ -120,9 +120,8 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     may_compress = config.collective != "dense" and iteration >= config.start_iter
     density = config.density_at(iteration) if may_compress else 1.0
     k = k_for_density(density, numel) if may_compress else None
-    path = stats.path = plan_path(tensor, group, slot.plan, config.path, iteration=iteration, k=k, index=index,
-                                  collective=config.reducer, wire=config.wire, what=what,
-                                  volatile={"iter": iteration, "index": index}, traffic=stats.traffic)
+    path = stats.path = plan_path(tensor, group, slot.plan, config, iteration=iteration, k=k, index=index, what=what,
+                                  traffic=stats.traffic)
     # 2. Prepare.
     correction = config.momentum
     if correction is not None and correction.clip_norm is not None:
@@ -138,19 +137,15 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
         held = memory.held("residual") if config.error_feedback else None
         if held is not None:  # 5. a residual left by sparse steps (or another layout) is sent too
             tensor.add_(held)
-            memory.forget("residual")
-            if scaling is not None:
-                scaling.taken[index] = (None, held)
-        return _allreduce(tensor, slot, group, size, queue)
+        return _dense(tensor, held, slot, memory, group, queue, scaling, index)
     stats.k, stats.selected = k, 0
     compressor = config.compressor_at(density)
-    backend = compressor.backend[tensor.device]
-    if config.hierarchical is not None:
-        return _reduce_hierarchical(tensor, slot, memory, config, compressor, k, index, iteration, group, parts,
-                                    scaling, queue)
     start = perf_counter()
     residual = memory.get("residual") if config.error_feedback else None
     maxima = part_maxima(tensor, parts).tolist()
+    if config.hierarchical is not None:
+        return _reduce_hierarchical(tensor, residual, maxima, start, slot, memory, config, compressor, k, index,
+                                    iteration, group, parts, scaling, queue)
     velocity = None
     if accumulates and all(math.isfinite(m) for m in maxima):  # tensor becomes the increment of the residual
         velocity = memory.get("velocity")
@@ -165,18 +160,13 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
         msg, bound = select(compressor, tensor, residual, maxima, parts, k, iteration * STEPS_PER_ITER + index)
         slot.bound = (residual, bound) if residual is not None and bound is not None else None
         stats.select_seconds = perf_counter() - begin
-    outcome = reduce(tensor, residual, msg, config.reducer, group, k=k, wire=config.wire, backend=backend,
-                     traffic=stats.traffic, state=slot.oktopk)
+    outcome = reduce(tensor, residual, msg, config.reducer, group, k=k, wire=config.wire,
+                     backend=compressor.backend[tensor.device], traffic=stats.traffic, state=slot.oktopk)
     stats.selected = outcome.msg.count
     stats.exchange_seconds = perf_counter() - start - stats.select_seconds
-    if outcome.nonfinite:  # 5. every rank goes dense
-        stats.path, stats.k, stats.selected = "nonfinite", numel, numel
-        if finite and residual is not None:  # its whole sum is in tensor: nothing stays behind
-            memory.forget("residual")
-            slot.bound = None
-            if scaling is not None:
-                scaling.taken[index] = (None, residual)
-        return _allreduce(tensor, slot, group, size, queue)
+    if outcome.nonfinite:  # 5. every rank goes dense; a finite rank's whole sum is in tensor
+        stats.path = "nonfinite"
+        return _dense(tensor, residual if finite else None, slot, memory, group, queue, scaling, index)
     slot.plan.costs.observe_sparse(numel, k, stats.select_seconds, stats.exchange_seconds)
 
     # 4. Keep.
@@ -187,14 +177,13 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     return _done(tensor)
 
 
-def _reduce_hierarchical(tensor: torch.Tensor, slot: Slot, memory: Memory, config: SparseConfig, compressor, k: int,
-                         index: int, iteration: int, group: dist.ProcessGroup, parts: Optional[list[int]],
+def _reduce_hierarchical(tensor: torch.Tensor, residual: Optional[torch.Tensor], maxima: list[float], start: float,
+                         slot: Slot, memory: Memory, config: SparseConfig, compressor, k: int, index: int,
+                         iteration: int, group: dist.ProcessGroup, parts: Optional[list[int]],
                          scaling: Optional[LossScaling], queue) -> torch.futures.Future:
     """Steps 3-5 with ``config.hierarchical``: the collective selects, from this rank's shard of its node's sum,
     and raises the non-finite flag inside its payloads."""
-    stats, start = slot.stats, perf_counter()
-    residual = memory.get("residual") if config.error_feedback else None
-    maxima = part_maxima(tensor, parts).tolist()
+    stats = slot.stats
     held = hold_unused(residual, maxima, parts) if residual is not None else []
     rounding = Rounding()
     result = hierarchical_allreduce(tensor, residual, compressor, k, config.hierarchical.local_size, group,
@@ -205,13 +194,11 @@ def _reduce_hierarchical(tensor: torch.Tensor, slot: Slot, memory: Memory, confi
         part.add_(saved)
     stats.selected, stats.exchange_seconds = result.msg.count, perf_counter() - start
     if result.average is None:  # a flag: every rank goes dense, nothing was changed
-        stats.path, stats.k, stats.selected = "nonfinite", tensor.numel(), tensor.numel()
-        if residual is not None and _accumulation_is_finite(tensor, residual, maxima, slot):
+        stats.path = "nonfinite"
+        whole = residual is not None and _accumulation_is_finite(tensor, residual, maxima, slot)
+        if whole:
             tensor.add_(residual)
-            memory.forget("residual")
-            if scaling is not None:
-                scaling.taken[index] = (None, residual)
-        return _allreduce(tensor, slot, group, dist.get_world_size(group), queue)
+        return _dense(tensor, residual if whole else None, slot, memory, group, queue, scaling, index)
     slot.plan.costs.observe_sparse(tensor.numel(), k, 0.0, stats.exchange_seconds)
     tensor.copy_(result.average)
     if residual is not None and scaling is not None:
@@ -243,17 +230,24 @@ def _reduce_rounded(path: str, tensor: torch.Tensor, slot: Slot, memory: Memory,
     return _done(tensor)
 
 
-def _allreduce(tensor: torch.Tensor, slot: Slot, group: dist.ProcessGroup, size: int,
-               queue) -> torch.futures.Future:
+def _dense(tensor: torch.Tensor, residual: Optional[torch.Tensor], slot: Slot, memory: Memory,
+           group: dist.ProcessGroup, queue, scaling: Optional[LossScaling], index: int) -> torch.futures.Future:
     """Step 5: ``tensor / P`` allreduced asynchronously; its time, less its wait behind the group's earlier
-    allreduces, is the dense path's cost."""
+    allreduces, is the dense path's cost. ``residual``: all of it is in ``tensor``, so none stays (a step the
+    loss scaler skips puts it back)."""
     stats, plan = slot.stats, slot.plan
+    stats.k = stats.selected = tensor.numel()
+    if residual is not None:
+        memory.forget("residual")
+        slot.bound = None
+        if scaling is not None:
+            scaling.taken[index] = (None, residual)
 
     def done(start: float, end: float) -> None:
         stats.exchange_seconds = end - start
         plan.costs.observe_dense(tensor.numel(), end - start if queue is None else own_seconds(queue, start, end))
 
-    return _DENSE["dense"].reduce_dense(tensor, group, size, stats.traffic, on_done=done)
+    return _DENSE["dense"].reduce_dense(tensor, group, dist.get_world_size(group), stats.traffic, on_done=done)
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future:
@@ -275,14 +269,13 @@ def _accumulation_is_finite(tensor: torch.Tensor, residual: Optional[torch.Tenso
     return is_finite(tensor + residual)
 
 
-def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, policy: PathPolicy, *,
-              iteration: int, k: int | None, index: int, collective: Collective, wire: Wire, what: str,
-              volatile: dict[str, int] | None = None, traffic: Traffic | None = None) -> str:
+def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, config: SparseConfig, *,
+              iteration: int, k: int | None, index: int, what: str, traffic: Traffic | None = None) -> str:
     """Step 1: the ranks check they share ``tensor``'s plan (size, dtype, k, wire, policy; the header crosses only
     when it changes) and take the same path: ``"sparse"``, ``"dense16"``, ``"dense8"`` or ``"dense"``. ``k``: None
     when the tensor may not compress this step (it goes dense). With ``auto`` the header carries each rank's
     measured costs (``plan.costs``), and the path follows from their mean, or from the policy's calibration."""
-    numel, size = tensor.numel(), dist.get_world_size(group)
+    numel, size, policy, wire = tensor.numel(), dist.get_world_size(group), config.path, config.wire
     compress = k is not None and numel >= max(policy.min_compress_numel, 1)
     auto = compress and policy.mode == "auto"
     if auto and iteration >= plan.until:
@@ -290,7 +283,7 @@ def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, po
     fields = {**message_fields(numel, tensor.dtype, compress, k if compress else numel, wire),
               "policy": policy.code, "round": plan.round if auto else 0}
     headers = agree(fields, group, tensor.device, what, traffic=traffic, agreement=plan.agreement,
-                    volatile=volatile, reported=plan.costs.report())
+                    volatile={"iter": iteration, "index": index}, reported=plan.costs.report())
     if not compress:
         plan.path = "dense"
     elif not auto:
@@ -303,7 +296,7 @@ def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, po
         plan.agreed = calibrated or {"numel": numel, **agreed_costs(headers)}
         plan.measured += calibrated is None
         plan.decide(policy, predicted(plan.agreed, numel=numel, k=k, size=size, dtype=tensor.dtype,
-                                      collective=collective, wire=wire), plan.agreed, iteration, k=k, numel=numel)
+                                      collective=config.reducer, wire=wire), plan.agreed, iteration, k=k, numel=numel)
         plan.decided = fields
     plan.sparse_steps = plan.sparse_steps + 1 if plan.path == "sparse" else 0
     return plan.path

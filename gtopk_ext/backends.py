@@ -98,18 +98,13 @@ class CudaBackend(Backend):
         return reasons
 
 
-@functools.cache
-def triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 class TritonBackend(Backend):
     name = "triton"
     merges_with_torch = True
 
     def _device_reasons(self, device):
         reasons = []
-        if not triton_importable():
+        if importlib.util.find_spec("triton") is None:
             reasons.append("needs the triton package (pip install triton)")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             reasons.append(f"needs CUDA tensors (or TRITON_INTERPRET=1), got {device}")
@@ -135,7 +130,6 @@ CUDA = CudaBackend()
 TRITON = TritonBackend()
 TORCH = TorchBackend()
 ALL = (CPU, CUDA, TRITON, TORCH)
-_BY_NAME = {backend.name: backend for backend in (CPU, CUDA, TRITON)}
 BackendLike = Union[str, Backend, None]
 
 
@@ -152,7 +146,7 @@ def choose(device: torch.device, backend: BackendLike = None, *, op: str | None 
         if name == "auto":
             name = "cuda" if device.type == "cuda" and not CUDA.not_supported_reasons(device) else (
                 "triton" if device.type == "cuda" else "cpu")
-        chosen = _BY_NAME[name]
+        chosen = next(b for b in ALL if b.name == name)
     if chosen.not_supported_reasons(device, op=op):
         lines = [f"backend {other.name!r} " + ("; ".join(other.not_supported_reasons(device, op=op)) or "can run")
                  for other in ALL]

@@ -194,16 +194,13 @@ class RandomK(Compressor):
         return torch.randperm(acc.numel(), generator=generator)[:k].sort().values.int().to(acc.device)
 
 
-_KINDS = {cls.kind: cls for cls in (GaussianK, TopK, RandomK)}
-
-
 def make_compressor(kind: str = "gaussiank", density: float = 0.01, **kwargs) -> Compressor:
     """A compressor by name: ``"gaussiank"`` (``mode=``), ``"topk"`` or ``"randomk"`` (``seed=``); every kind
     takes ``backend=`` and ``per_tensor=``."""
     if kind not in COMPRESSOR_KINDS:
         raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {kind!r}")
     try:
-        return _KINDS[kind](density, **kwargs)
+        return (GaussianK, TopK, RandomK)[COMPRESSOR_KINDS.index(kind)](density, **kwargs)
     except TypeError as error:
         if "unexpected keyword" not in str(error):
             raise

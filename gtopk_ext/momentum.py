@@ -120,34 +120,29 @@ def watch(owner, reduced: Callable[[object], Optional[set[int]]]) -> None:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Raises (or warns, or nothing: ``config.optimizer_check``) when ``optimizer`` has momentum or weight decay on
+    parameters whose gradients a watched state's hook gives momentum to."""
     if optimizer in _checked:
         return
     known = [(owner, reduced(owner)) for owner, reduced in list(_watched.items())]
     for owner, ids in known:
-        if ids is not None:
-            check_optimizer(owner, ids, optimizer)
+        config = owner.config
+        if ids is None or config.optimizer_check == "off" or not (config.momentum and config.momentum.accumulates):
+            continue
+        for group in optimizer.param_groups:
+            doubled = [f"{name}={group[name]}" for name in ("momentum", "weight_decay") if group.get(name)]
+            if group.get("betas") and group["betas"][0]:  # Adam's first moment is a momentum
+                doubled.append(f"betas={tuple(group['betas'])}")
+            shared = sum(1 for p in group["params"] if id(p) in ids)
+            if not doubled or not shared:
+                continue
+            message = (f"{type(optimizer).__name__} has {', '.join(doubled)} on {shared} parameter(s) whose gradients "
+                       f"the hook already gives momentum to ({type(owner).__name__}(momentum={config.momentum})): "
+                       f"momentum would be applied twice. Make the optimizer plain (torch.optim.SGD(params, lr): no "
+                       f"momentum, no weight decay) and give weight decay to the hook (gx.MomentumCorrection(..., "
+                       f"weight_decay=...)); or, to keep both on purpose, pass optimizer_check='warn' or 'off'")
+            if config.optimizer_check == "raise":
+                raise ValueError(message)
+            warnings.warn(message, UserWarning, stacklevel=2)
     if all(ids is not None for _, ids in known):  # else again at the next step
         _checked.add(optimizer)
-
-
-def check_optimizer(owner, reduced: set[int], optimizer: torch.optim.Optimizer) -> None:
-    """Raises (or warns, or nothing: ``owner.config.optimizer_check``) when ``optimizer`` has momentum or weight
-    decay on parameters (of the ids ``reduced``) whose gradients ``owner``'s hook gives momentum to."""
-    config = owner.config
-    if config.optimizer_check == "off" or config.momentum is None or not config.momentum.accumulates:
-        return
-    for group in optimizer.param_groups:
-        doubled = [f"{name}={group[name]}" for name in ("momentum", "weight_decay") if group.get(name)]
-        if group.get("betas") and group["betas"][0]:  # Adam's first moment is a momentum
-            doubled.append(f"betas={tuple(group['betas'])}")
-        shared = sum(1 for p in group["params"] if id(p) in reduced)
-        if not doubled or not shared:
-            continue
-        message = (f"{type(optimizer).__name__} has {', '.join(doubled)} on {shared} parameter(s) whose gradients "
-                   f"the hook already gives momentum to ({type(owner).__name__}(momentum={config.momentum})): "
-                   f"momentum would be applied twice. Make the optimizer plain (torch.optim.SGD(params, lr): no "
-                   f"momentum, no weight decay) and give weight decay to the hook (gx.MomentumCorrection(..., "
-                   f"weight_decay=...)); or, to keep both on purpose, pass optimizer_check='warn' or 'off'")
-        if config.optimizer_check == "raise":
-            raise ValueError(message)
-        warnings.warn(message, UserWarning, stacklevel=3)

@@ -23,7 +23,6 @@ ROUNDED = ("dense16", "dense8")  # the dense paths whose rounding stays in the r
 # The paths ``auto`` takes unless told otherwise. Not dense8: its rounding (up to 1/8 of an element) costs progress
 # per step, which the cost model does not price (docs/performance.md).
 AUTO_CHOICES = ("sparse", "dense16", "dense")
-_PS = 1e12  # the figures travel as integer picoseconds a unit
 _UNKNOWN = -1
 _EMA = 0.5  # weight of the newest measurement: the costs follow a change of load within a few steps
 # An untimed sparse exchange is predicted at this many times its bytes' time on the dense path's link: its merges
@@ -120,7 +119,7 @@ class CostModel:
         self._observe(path, seconds, numel)
 
     def report(self) -> dict[str, int]:
-        return {f"cost_{name}": _UNKNOWN if getattr(self, name) is None else round(getattr(self, name) * _PS)
+        return {f"cost_{name}": _UNKNOWN if getattr(self, name) is None else round(getattr(self, name) * 1e12)
                 for name in self.FIGURES}
 
 

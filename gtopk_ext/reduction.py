@@ -95,10 +95,8 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     """One step of ``tensor`` (flat: this rank's gradient of the front end's tensor ``index``) over ``group``: a
     future of ``tensor``, which becomes the average over the ranks of what was applied.
 
-    1. Plan (:func:`plan_path`): k from the iteration, the density schedule and the tensor's size; the path dense
-       during the warm-up, for small tensors and the dense collective, else ``config.path``'s (``auto``: the
-       cheapest that the ranks' measured costs, or the policy's calibration, predict). The ranks exchange a header
-       only when the plan changes, and all raise the same error if they differ.
+    1. Plan (:func:`plan_path`): k from the iteration's density, and the path every rank takes (dense during the
+       warm-up, for small tensors and the dense collective, else ``config.path``'s).
     2. Prepare: DGC's clipping and momentum correction (``weights``: the parameters laid end to end as in
        ``tensor``, for weight decay) make the gradient what enters the residual; each part's largest |gradient|
        (``parts``: their sizes) tells which parts this rank did not use (their residual waits) and whether
@@ -181,8 +179,7 @@ def _reduce_hierarchical(tensor: torch.Tensor, residual: Optional[torch.Tensor],
                          slot: Slot, memory: Memory, config: SparseConfig, compressor, k: int, index: int,
                          iteration: int, group: dist.ProcessGroup, parts: Optional[list[int]],
                          scaling: Optional[LossScaling], queue) -> torch.futures.Future:
-    """Steps 3-5 with ``config.hierarchical``: the collective selects, from this rank's shard of its node's sum,
-    and raises the non-finite flag inside its payloads."""
+    """Steps 3-5 with ``config.hierarchical``, whose collective selects (from this rank's shard of its node's sum)."""
     stats = slot.stats
     held = hold_unused(residual, maxima, parts) if residual is not None else []
     rounding = Rounding()
@@ -210,8 +207,8 @@ def _reduce_hierarchical(tensor: torch.Tensor, residual: Optional[torch.Tensor],
 def _reduce_rounded(path: str, tensor: torch.Tensor, slot: Slot, memory: Memory, config: SparseConfig, index: int,
                     group: dist.ProcessGroup, parts: Optional[list[int]],
                     scaling: Optional[LossScaling]) -> torch.futures.Future:
-    """Step 5 on a rounded dense path (dense16, dense8): all of grad + residual is sent, the rounding stays in the
-    residual. A part this rank did not use keeps its residual out, as on the sparse path."""
+    """Step 5 on a rounded dense path (dense16, dense8): all of grad + residual is sent (but a part this rank did not
+    use), the rounding stays in the residual."""
     start = perf_counter()
     residual, held = None, []
     if config.error_feedback:

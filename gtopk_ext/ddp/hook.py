@@ -4,6 +4,7 @@ step the one reduction of every front end (:func:`gtopk_ext.reduction.reduce_ste
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations against dist.GradBucket.
+import functools
 import logging
 from itertools import accumulate
 from typing import Optional, Sequence
@@ -61,10 +62,7 @@ def reduce_buffer(state: SparseGradState, buffer: torch.Tensor, bucket_index: in
     if worker.failure is not None:
         raise RuntimeError(f"sparse_grad_hook: an earlier exchange failed ({worker.failure}); the state "
                            f"cannot go on") from worker.failure
-
-    def job(result: torch.futures.Future) -> None:
-        _reduce_bucket(state, buffer, bucket_index, is_last, parameters, result)
-
+    job = functools.partial(_reduce_bucket, state, buffer, bucket_index, is_last, parameters)
     if not state.synchronous:
         result = worker.submit(job, buffer.device)
         if is_last:

@@ -132,8 +132,7 @@ class BucketStore:
                                "unclaimed": copies(self.unclaimed["velocity"])}}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        velocities = state_dict.get("velocities", {})
-        for kind, saved in (("residual", state_dict), ("velocity", velocities)):
+        for kind, saved in (("residual", state_dict), ("velocity", state_dict.get("velocities", {}))):
             self.tensors[kind] = {int(i): t.detach().clone() for i, t in saved.get("residuals", {}).items()}
             self.unclaimed[kind] = {int(o): t.detach().clone() for o, t in saved.get("unclaimed", {}).items()}
         self.layouts = {int(i): None if layout is None else tuple((int(o), int(n)) for o, n in layout)

@@ -49,7 +49,7 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
         group.slot.stats = StepStats("none", layout.numel, 0)
         return
     # 1. Gather.
-    in_place = not layout.padded and shard.dtype == torch.float32
+    in_place = layout.numel == layout.padded_numel and shard.dtype == torch.float32
     index = None if in_place else layout.real_index(shard.device)
     work = shard if in_place else shard.index_select(0, index).float()
     tensors = group.memory.tensors

@@ -35,10 +35,6 @@ class ShardLayout:
         """Elements of the shard FSDP hands the hook."""
         return sum(padded for _, padded in self.parts)
 
-    @property
-    def padded(self) -> bool:
-        return self.numel != self.padded_numel
-
     def real_index(self, device: torch.device) -> torch.Tensor:
         """int64 positions of the real elements in the shard, ascending (built once per device)."""
         if device not in self._index:

@@ -52,11 +52,10 @@ def check_density(density: float, name: str = "density") -> None:
 class Compressor:
     """Base class: ``compress(grad, residual=None, *, step=None) -> SparseMessage``.
 
-    ``step`` makes randomized kinds draw the same indices on every rank; deterministic kinds ignore it.
-    ``backend`` (a name, a :class:`gtopk_ext.backends.Backend` or None for ``$GTOPK_EXT_BACKEND``) runs every op
-    of the compressor and of the collectives that reduce its messages. ``per_tensor``: the DDP hook selects within
-    each parameter of a bucket, each with its share of k (:func:`tensor_shares`), so that a tensor of small
-    gradients is not starved by a larger-scaled one. ``options``: the keyword arguments it was made with.
+    ``step`` makes randomized kinds draw the same indices on every rank. ``backend`` (a name, a
+    :class:`gtopk_ext.backends.Backend` or None for ``$GTOPK_EXT_BACKEND``) runs every op of the compressor and of
+    the collectives that reduce its messages. ``per_tensor``: select within each parameter of a bucket, each with
+    its share of k (:func:`tensor_shares`). ``options``: the keyword arguments it was made with.
     """
 
     kind = ""

@@ -43,9 +43,8 @@ class MomentumCorrection:
             raise ValueError("nesterov=True needs momentum > 0")
         weight_decay = check_number("weight_decay", self.weight_decay, 0.0, float("inf"), high_open=True)
         check_int("masking_start_iter", self.masking_start_iter)
-        clip_norm = self.clip_norm
-        if clip_norm is not None:
-            clip_norm = check_number("clip_norm", clip_norm, 0.0, float("inf"), low_open=True, high_open=True)
+        clip_norm = None if self.clip_norm is None else check_number("clip_norm", self.clip_norm, 0.0, float("inf"),
+                                                                     low_open=True, high_open=True)
         for name, value in (("momentum", momentum), ("nesterov", bool(self.nesterov)),
                             ("weight_decay", weight_decay), ("clip_norm", clip_norm)):
             object.__setattr__(self, name, value)

@@ -43,8 +43,8 @@ def _kernels(tensor: torch.Tensor, backend: BackendLike, op: str) -> SimpleNames
     return backend.kernels
 
 
-def _raise_on_invalid(invalid: torch.Tensor, op: str, numel: int) -> None:
-    skipped = int(invalid.item())
+def _raise_on_invalid(invalid: torch.Tensor, op: str, numel: int, check: bool) -> None:
+    skipped = int(invalid.item()) if check else 0
     if skipped:
         raise ValueError(f"{op}: {skipped} indices outside [0, {numel}) were skipped (corrupted message?)")
 
@@ -96,8 +96,7 @@ def scatter_add_(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tenso
     """``dense[indices[j]] += values[j]`` in place, duplicate indices summed; returns ``dense``. Indices outside
     ``[0, dense.numel())`` are never written; with ``check`` they raise ValueError (one host sync)."""
     invalid = _kernels(dense, backend, "scatter_add").scatter_add(dense, indices, values)
-    if check:
-        _raise_on_invalid(invalid, "scatter_add", dense.numel())
+    _raise_on_invalid(invalid, "scatter_add", dense.numel(), check)
     return dense
 
 
@@ -106,8 +105,7 @@ def residual_update_(residual: torch.Tensor, indices: torch.Tensor, values: torc
     """``residual[indices[j]] -= values[j]`` in place (what was sent leaves the residual); returns ``residual``.
     Index rules as in :func:`scatter_add_`."""
     invalid = _kernels(residual, backend, "residual_update").residual_update(residual, indices, values)
-    if check:
-        _raise_on_invalid(invalid, "residual_update", residual.numel())
+    _raise_on_invalid(invalid, "residual_update", residual.numel(), check)
     return residual
 
 

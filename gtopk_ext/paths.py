@@ -1,8 +1,5 @@
-"""Which path a tensor takes in a step: the sparse collective at the step's density, a dense allreduce in bfloat16
-or in scaled 8-bit floats whose rounding stays in the residual, or a dense allreduce in the tensor's dtype.
-``auto`` takes the one a cost model predicts cheapest (docs/architecture.md), learned per tensor from the steps
-themselves: each rank reports its measured costs in the header the ranks exchange when the tensor's plan changes,
-and every rank decides from their mean by integer arithmetic, the same path everywhere.
+"""Which path a tensor takes in a step (docs/architecture.md): sparse, dense16, dense8 or dense; ``auto`` takes the
+one predicted cheapest from the costs every rank measured, agreed in the tensor's header: the same path everywhere.
 """
 
 from __future__ import annotations

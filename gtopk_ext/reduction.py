@@ -111,7 +111,6 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
 
     ``queue``: its ``busy_until`` is when this group's latest asynchronous allreduce completed (the DDP hook's
     worker), so that a dense step's own time is told from its wait in the queue."""
-    size = dist.get_world_size(group)
     numel = tensor.numel()
     stats = slot.stats = StepStats("dense", numel, numel, selected=numel)
     # 1. Plan.
@@ -123,7 +122,7 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     # 2. Prepare.
     correction = config.momentum
     if correction is not None and correction.clip_norm is not None:
-        clip(tensor, correction.clip_norm / math.sqrt(size))
+        clip(tensor, correction.clip_norm / math.sqrt(dist.get_world_size(group)))
     accumulates = correction is not None and correction.accumulates
     record = None if scaling is None else functools.partial(scaling.velocities_before.__setitem__, index)
     if path != "sparse":

@@ -36,11 +36,9 @@ def sparse_grad_hook(state: SparseGradState, bucket: dist.GradBucket) -> torch.f
     4. End the iteration (its last bucket): count the run's totals, advance ``state.iter``, log.
     5. Complete the bucket's future once its exchange is done.
 
-    Why a worker thread, not a chain of futures as in PowerSGD's hook: on Gloo a future's callback runs on the
-    thread that completed the previous collective, so a callback issuing the next collective races the autograd
-    thread issuing the next bucket's, and ranks can issue them in different orders; one thread per state, taking
-    the buckets in DDP's order, issues every collective in the same order on every rank. The last bucket of an
-    iteration returns once every bucket has been issued, as DDP issues collectives of its own right after it.
+    Why a worker thread, not a chain of futures as in PowerSGD's hook: on Gloo a callback runs on the thread that
+    completed the previous collective, so ranks could issue collectives in different orders; one thread per state
+    issues them in DDP's order. The last bucket returns once every bucket is issued (DDP's own collectives follow).
     """
     return reduce_buffer(state, bucket.buffer(), bucket.index(), is_last=bucket.is_last(),
                          parameters=bucket.parameters())

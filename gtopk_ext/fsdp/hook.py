@@ -1,8 +1,5 @@
-"""The FSDP2 front end's algorithm (docs/fsdp.md): FSDP reduce-scatters each parameter group's gradient inside the
-node and hands this rank's shard (the node's average) to the hook, which averages it over the nodes through the one
-reduction of every front end (:func:`gtopk_ext.reduction.reduce_step`), as the DDP hook does with a bucket. The state
-is data (:mod:`gtopk_ext.fsdp.state`).
-"""
+"""The FSDP2 front end's algorithm (docs/fsdp.md): this rank's shard of its node's average gradient, averaged over
+the nodes by :func:`gtopk_ext.reduction.reduce_step`; the state is data (:mod:`gtopk_ext.fsdp.state`)."""
 
 from __future__ import annotations
 

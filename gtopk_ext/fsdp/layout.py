@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 import torch.nn as nn
@@ -38,10 +39,8 @@ class ShardLayout:
     def real_index(self, device: torch.device) -> torch.Tensor:
         """int64 positions of the real elements in the shard, ascending (built once per device)."""
         if device not in self._index:
-            starts, offset = [], 0
-            for real, padded in self.parts:
-                starts.append(torch.arange(offset, offset + real))
-                offset += padded
+            offsets = accumulate((padded for _, padded in self.parts), initial=0)
+            starts = [torch.arange(offset, offset + real) for offset, (real, _) in zip(offsets, self.parts)]
             self._index[device] = torch.cat(starts).to(device) if starts else torch.zeros(0, dtype=torch.int64)
         return self._index[device]
 
@@ -72,9 +71,5 @@ def shard_layout(param_group) -> ShardLayout:
     """The layout of the shard that ``param_group`` reduces on this rank: its parameters that require a gradient
     (frozen ones are never reduce-scattered), in order; an unused one is there too, as zeros (the registration sets
     ``set_reduce_scatter_unused_params(True)``)."""
-    parts = []
-    for fsdp_param in param_group.fsdp_params:
-        if not fsdp_param.sharded_param.requires_grad:
-            continue
-        parts.append((math.prod(fsdp_param.sharded_size), math.prod(fsdp_param.padded_sharded_param_size)))
-    return ShardLayout(tuple(parts))
+    return ShardLayout(tuple((math.prod(p.sharded_size), math.prod(p.padded_sharded_param_size))
+                             for p in param_group.fsdp_params if p.sharded_param.requires_grad))

@@ -198,6 +198,4 @@ class SparseFSDPState:
 
 def _reduced_parameters(state: SparseFSDPState) -> Optional[set[int]]:
     """The ids of the parameters the hook reduces (None before registration)."""
-    if not state.groups:
-        return None
-    return {id(p.sharded_param) for g in state.groups for p in g.fsdp_group.fsdp_params}
+    return {id(p.sharded_param) for g in state.groups for p in g.fsdp_group.fsdp_params} if state.groups else None

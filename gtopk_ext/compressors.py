@@ -127,8 +127,7 @@ class GaussianK(Compressor):
     """Gaussian-k (Shi et al. 2019): a threshold from one statistics pass instead of a sort.
 
     ``mode="accurate"`` (default) selects with ``ops.gaussian_select`` (about k elements on any distribution);
-    ``mode="paper"`` with the Gaussian estimate ``|mean| + z * std`` and the paper's correction loop, never above
-    the largest |acc|. Elements past k slots (in index order) stay in the residual.
+    ``mode="paper"`` with ``|mean| + z * std`` and the paper's correction loop. Elements past k stay in the residual.
     """
 
     kind = "gaussiank"

@@ -98,16 +98,14 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     1. Plan (:func:`plan_path`): k from the iteration's density, and the path every rank takes (dense during the
        warm-up, for small tensors and the dense collective, else ``config.path``'s).
     2. Prepare: DGC's clipping and momentum correction (``weights``: the parameters laid end to end as in
-       ``tensor``, for weight decay) make the gradient what enters the residual; each part's largest |gradient|
-       (``parts``: their sizes) tells which parts this rank did not use (their residual waits) and whether
-       grad + residual can be non-finite.
-    3. Reduce (sparse, :func:`reduce`): acc = grad + residual is compressed to k slots and reduced by the
-       collective (or the hierarchical one); what was not applied stays in the residual. A rank whose acc is not
-       finite raises a flag instead.
+       ``tensor``, for weight decay); each part's largest |gradient| (``parts``: their sizes) tells which parts
+       this rank did not use (their residual waits) and whether grad + residual can be non-finite.
+    3. Reduce (sparse, :func:`reduce`): acc = grad + residual compressed to k slots, reduced by the collective (or
+       the hierarchical one); what was not applied stays in the residual. A rank whose acc is not finite raises a
+       flag instead.
     4. Keep: the loss scaler's record of what the step took (``scaling``), and momentum factor masking.
     5. Dense (the warm-up, small tensors, the dense collective, a flag from any rank): the tensor, plus any residual
-       it holds, / P, allreduced asynchronously; dense16 and dense8 average all of grad + residual in bfloat16 or
-       scaled 8-bit floats (float32 sums), the rounding kept in the residual.
+       it holds, averaged; dense16 and dense8 in bfloat16 or scaled 8-bit floats, the rounding kept in the residual.
 
     ``queue``: its ``busy_until`` is when this group's latest asynchronous allreduce completed (the DDP hook's
     worker), so that a dense step's own time is told from its wait in the queue."""
@@ -268,9 +266,8 @@ def _accumulation_is_finite(tensor: torch.Tensor, residual: Optional[torch.Tenso
 def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, config: SparseConfig, *,
               iteration: int, k: int | None, index: int, what: str, traffic: Traffic | None = None) -> str:
     """Step 1: the ranks check they share ``tensor``'s plan (size, dtype, k, wire, policy; the header crosses only
-    when it changes) and take the same path: ``"sparse"``, ``"dense16"``, ``"dense8"`` or ``"dense"``. ``k``: None
-    when the tensor may not compress this step (it goes dense). With ``auto`` the header carries each rank's
-    measured costs (``plan.costs``), and the path follows from their mean, or from the policy's calibration."""
+    when it changes) and take the same path (``k`` None: the tensor may not compress, it goes dense). With ``auto``
+    the path follows from the mean of the ranks' measured costs in the header, or from the policy's calibration."""
     numel, size, policy, wire = tensor.numel(), dist.get_world_size(group), config.path, config.wire
     compress = k is not None and numel >= max(policy.min_compress_numel, 1)
     auto = compress and policy.mode == "auto"
@@ -322,8 +319,8 @@ def reduce(tensor: torch.Tensor, residual: torch.Tensor | None, msg: SparseMessa
     """The sparse exchange of ``tensor`` (flat) over ``group``, after the selection: ``msg`` is ``tensor +
     residual`` compressed to k slots, the rest left in ``residual``, or None from a rank whose sum is not finite (it
     raises a flag inside the payloads). ``out`` (default ``tensor``) becomes the average of what was applied; what
-    was not goes back into the residual. After a flag nothing is applied and every rank goes dense: a finite rank
-    with all of ``tensor + residual`` (now in its ``tensor`` and its residual), the others with their tensor."""
+    was not goes back into the residual. After a flag nothing is applied: a finite rank's ``tensor`` holds all of
+    its ``tensor + residual``, to send densely."""
     size = dist.get_world_size(group)
     finite = msg is not None
     flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)

@@ -147,9 +147,8 @@ def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch
 
 def _signed_scatter(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, sign: float) -> torch.Tensor:
     """Duplicates in slot order (a stable sort by index), summed in float32 from dense's value, one rounding per
-    index. A run of equal indices that enters a new tile of ``_contract.SCATTER_TILE`` sorted slots sums each
-    tile's piece from -0.0 and adds the pieces in order, as the GPU kernels do (the CPU kernel adds one slot at a
-    time, rounding each)."""
+    index; a run of equal indices over several tiles of ``_contract.SCATTER_TILE`` sorted slots sums each tile's
+    piece from -0.0 and adds the pieces in order, as the GPU kernels do."""
     flat = dense.view(-1)
     n = flat.numel()
     order = sorted(range(indices.numel()), key=indices.tolist().__getitem__)

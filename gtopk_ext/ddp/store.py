@@ -57,10 +57,8 @@ class BucketStore:
         return {id(p) for p in self._ordinals.keys()} if self._next_ordinal else None
 
     def checkpoint_parts(self, index: int, layout: Layout) -> Optional[list[tuple[int, Layout]]]:
-        """The known buckets that this new bucket is exactly made of, in the first iteration after a restore: a
-        fresh DDP model's first iteration in one bucket, reduced in the checkpoint's buckets instead, keeps the
-        run bitwise identical to one that never stopped (the selection per bucket differs from that over their
-        union). A run's own new layout (DDP's rebuilt buckets) is recorded instead: no later step pays for parts."""
+        """The known buckets that this new bucket is exactly made of, in the first iteration after a restore: reduced
+        as those, a resumed run stays bitwise that of one that never stopped (DDP's first bucket is one)."""
         if not self.restored or layout is None or self.layouts.get(index) == layout:
             return None
         numels = dict(layout)

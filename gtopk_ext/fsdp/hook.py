@@ -42,7 +42,7 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     group.calls += 1
     config = state.config
     correction = config.momentum
-    if layout.numel == 0 or (state.nodes == 1 and correction is None):  # one node: FSDP's average is the answer
+    if layout.numel == 0 or (state.mesh.size(0) == 1 and correction is None):  # one node: FSDP's average is the answer
         group.slot.stats = StepStats("none", layout.numel, 0)
         return
     # 1. Gather.
@@ -53,13 +53,13 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     if tensors["residual"].device != work.device:  # CPU offload: parameters (where it was made) live on the host
         group.memory.tensors = {kind: tensor.to(work.device) for kind, tensor in tensors.items()}
     weights = group.parameters() if correction is not None and correction.weight_decay else None
-    if state.nodes == 1:  # 2. One node.
+    if state.mesh.size(0) == 1:  # 2. One node.
         group.slot.stats = StepStats("none", layout.numel, 0)
         if is_finite(work):
             increment(correction, group.memory.get("velocity"), work, weights, None, [1.0], sent_whole=True)
     else:  # 3. Reduce over the nodes.
         reduce_step(work, group.slot, group.memory, config, index=group.index, iteration=iteration,
-                    group=state.replicate_group, what="sparse_all_reduce_hook", weights=weights).wait()
+                    group=state.mesh.get_group(0), what="sparse_all_reduce_hook", weights=weights).wait()
         group.run_traffic.add(group.slot.stats.traffic.sent, group.slot.stats.traffic.received)
     # 4. Write back.
     if not in_place:
@@ -97,8 +97,8 @@ def register_sparse_all_reduce(model: nn.Module, state: SparseFSDPState) -> None
     # replicate group its shards' real sizes (which differ between local ranks).
     checks = ((dist.group.WORLD, {"error": code, "groups": len(found),
                                   "padded": sum(layout.padded_numel for *_, layout in found),
-                                  **state.config.fields(), "nodes": state.nodes}),
-              (state.replicate_group, {"error": code, "layouts": zlib.crc32(repr(layouts).encode())}))
+                                  **state.config.fields(), "nodes": state.mesh.size(0)}),
+              (state.mesh.get_group(0), {"error": code, "layouts": zlib.crc32(repr(layouts).encode())}))
     for process_group, fields in checks:
         try:
             agree(fields, process_group, device, "register_sparse_all_reduce")

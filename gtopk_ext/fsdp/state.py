@@ -65,16 +65,16 @@ class GroupState:
                 if p.sharded_param.requires_grad]
 
 
+
 class SparseFSDPState:
     r"""State of :func:`gtopk_ext.fsdp.sparse_all_reduce_hook`, one per model and rank (docs/fsdp.md). Plain data:
 
     * ``mesh``: the 2-D :class:`DeviceMesh` (replicate, shard), default :func:`node_mesh`: every module is
-      ``fully_shard``-ed over ``shard_mesh`` (one node's ranks); the sparse exchange runs over ``replicate_group``
+      ``fully_shard``-ed over ``shard_mesh`` (one node's ranks); the sparse exchange runs over ``mesh["replicate"]``
       (the ranks with the same local rank on every node, which hold the same shard positions).
     * ``config``: the :class:`gtopk_ext.SparseConfig` of the other arguments, as for DDP, but: the collective is a
       sparse one; ``start_iter`` (default 0) counts the hook's calls; ``momentum`` corrects each shard (the
-      optimizer then runs WITHOUT momentum or weight decay); neither ``clip_norm`` nor per-tensor selection (a
-      rank holds a shard of its node's average, not its own gradient: clip after the exchange).
+      optimizer then runs WITHOUT momentum or weight decay); neither ``clip_norm`` nor per-tensor selection.
     * ``groups``: a :class:`GroupState` per FSDP parameter group, filled by
       :func:`gtopk_ext.fsdp.register_sparse_all_reduce`; ``world_size``.
 
@@ -121,14 +121,6 @@ class SparseFSDPState:
     def shard_mesh(self) -> DeviceMesh:
         """The 1-D mesh of this rank's node: ``fully_shard(module, mesh=state.shard_mesh)``."""
         return self.mesh[MESH_DIM_NAMES[1]]
-
-    @property
-    def replicate_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group(0)
-
-    @property
-    def nodes(self) -> int:
-        return self.mesh.size(0)
 
     @classmethod
     def recipe(cls, mesh: Optional[DeviceMesh] = None, density: float = 0.01, warmup_steps: int = 44,
@@ -184,9 +176,8 @@ class SparseFSDPState:
                 g.slot.plan.load_state_dict(entry["plan"])
 
     def stats(self) -> dict:
-        """``{"groups": {index: {...}}, "total": {...}}``: per group the latest call's ``path``, ``calls``,
-        ``numel``, ``padded_numel``, ``k``, ``selected``, ``bytes_sent`` / ``bytes_received`` (this rank, between
-        nodes), ``select_seconds``, ``exchange_seconds``, and the run's ``run_bytes_sent`` /
+        """``{"groups": {index: {...}}, "total": {...}}``: per group its ``name``, ``calls``, ``padded_numel``, the
+        latest call's figures (as for DDP; bytes between nodes) and the run's ``run_bytes_sent`` /
         ``run_bytes_received``; "total" sums them."""
         groups = {g.index: {"name": g.name, "calls": g.calls, "padded_numel": g.layout.padded_numel,
                             **(g.slot.stats or StepStats("none", g.layout.numel, 0)).as_dict(),

@@ -90,13 +90,12 @@ class Compressor:
                              f"{grad.dtype} and device {grad.device}, got shape {tuple(residual.shape)}, dtype "
                              f"{residual.dtype}, device {residual.device}, contiguous={residual.is_contiguous()}")
         flat_grad = grad.detach().reshape(-1)
-        flat_residual = residual.view(-1) if residual is not None else None
         backend = self.backend[flat_grad.device]
         if k is None:
             k = self.k_for(flat_grad.numel())
         elif isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= flat_grad.numel():
             raise ValueError(f"k must be an int in [1, numel = {flat_grad.numel()}], got {k!r}")
-        return self._compress(flat_grad, flat_residual, k, step, backend)
+        return self._compress(flat_grad, residual.view(-1) if residual is not None else None, k, step, backend)
 
     def _compress(self, grad: torch.Tensor, residual: torch.Tensor | None, k: int, step: int | None,
                   backend: Backend) -> SparseMessage:

@@ -36,9 +36,8 @@ class PathPolicy:
 
     Args:
         mode: ``"auto"`` (default: the path the cost model predicts cheapest), or one path for every step that may
-            compress: ``"sparse"`` (the collective at the step's density), ``"dense16"`` (bfloat16 on the wire,
-            float32 sums, the rounding kept in the residual), ``"dense8"`` (8-bit floats scaled per message, the
-            same way; a tensor not in float32 takes ``"dense"`` for both) or ``"dense"`` (the tensor's dtype).
+            compress: ``"sparse"``, ``"dense16"``, ``"dense8"`` (a tensor not in float32 takes ``"dense"`` for
+            both) or ``"dense"`` (docs/architecture.md).
         min_compress_numel: tensors with fewer elements always take ``"dense"``.
         recalibrate_every: with ``"auto"``, the iterations between two agreements of the measured costs (a path
             taken for the first time is agreed on again at the next iteration, once it has been timed).

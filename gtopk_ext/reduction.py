@@ -56,9 +56,8 @@ class StepStats:
 
 
 class Slot:
-    """What the reduction keeps per tensor between steps (a DDP bucket, an FSDP parameter group): the ``plan`` agreed
-    with the other ranks, the latest ``stats``, Ok-Topk's state, and ``bound``: (residual, a bound on its max |value|)
-    from the latest sparse step, so that the next can tell that grad + residual is finite without summing them."""
+    """What the reduction keeps per tensor between steps: the ``plan`` agreed with the other ranks, the latest
+    ``stats``, Ok-Topk's state, and ``bound``: (residual, a bound on its max |value|) from the latest sparse step."""
 
     __slots__ = ("plan", "stats", "oktopk", "bound")
 
@@ -138,25 +137,25 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     start = perf_counter()
     residual = memory.get("residual") if config.error_feedback else None
     maxima = part_maxima(tensor, parts).tolist()
-    if config.hierarchical is not None:
-        return _reduce_hierarchical(tensor, residual, maxima, start, slot, memory, config, compressor, k, index,
-                                    iteration, group, parts, scaling, queue)
     velocity = None
-    if accumulates and all(math.isfinite(m) for m in maxima):  # tensor becomes the increment of the residual
-        velocity = memory.get("velocity")
-        increment(correction, velocity, tensor, weights, parts, maxima, record=record, sent_whole=False)
-        maxima = [0.0 if old == 0 else new for old, new in zip(maxima, part_maxima(tensor, parts).tolist())]
-    finite = _accumulation_is_finite(tensor, residual, maxima, slot)
-
-    # 3. Reduce: select (unless acc is not finite: then a flag), exchange, keep what was not applied.
-    msg = None
-    if finite:
-        begin = perf_counter()
-        msg, bound = select(compressor, tensor, residual, maxima, parts, k, iteration * STEPS_PER_ITER + index)
-        slot.bound = (residual, bound) if residual is not None and bound is not None else None
-        stats.select_seconds = perf_counter() - begin
-    outcome = reduce(tensor, residual, msg, config.reducer, group, k=k, wire=config.wire,
-                     backend=compressor.backend[tensor.device], traffic=stats.traffic, state=slot.oktopk)
+    if config.hierarchical is not None:
+        outcome, finite = _reduce_hierarchical(tensor, residual, maxima, slot, config, compressor, k,
+                                               iteration * STEPS_PER_ITER + index, group, parts)
+    else:
+        if accumulates and all(math.isfinite(m) for m in maxima):  # tensor becomes the increment of the residual
+            velocity = memory.get("velocity")
+            increment(correction, velocity, tensor, weights, parts, maxima, record=record, sent_whole=False)
+            maxima = [0.0 if old == 0 else new for old, new in zip(maxima, part_maxima(tensor, parts).tolist())]
+        finite = _accumulation_is_finite(tensor, residual, maxima, slot)
+        # 3. Reduce: select (unless acc is not finite: then a flag), exchange, keep what was not applied.
+        msg = None
+        if finite:
+            begin = perf_counter()
+            msg, bound = select(compressor, tensor, residual, maxima, parts, k, iteration * STEPS_PER_ITER + index)
+            slot.bound = (residual, bound) if residual is not None and bound is not None else None
+            stats.select_seconds = perf_counter() - begin
+        outcome = reduce(tensor, residual, msg, config.reducer, group, k=k, wire=config.wire,
+                         backend=compressor.backend[tensor.device], traffic=stats.traffic, state=slot.oktopk)
     stats.selected = outcome.msg.count
     stats.exchange_seconds = perf_counter() - start - stats.select_seconds
     if outcome.nonfinite:  # 5. every rank goes dense; a finite rank's whole sum is in tensor
@@ -172,33 +171,27 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     return _done(tensor)
 
 
-def _reduce_hierarchical(tensor: torch.Tensor, residual: Optional[torch.Tensor], maxima: list[float], start: float,
-                         slot: Slot, memory: Memory, config: SparseConfig, compressor, k: int, index: int,
-                         iteration: int, group: dist.ProcessGroup, parts: Optional[list[int]],
-                         scaling: Optional[LossScaling], queue) -> torch.futures.Future:
-    """Steps 3-5 with ``config.hierarchical``, whose collective selects (from this rank's shard of its node's sum)."""
-    stats = slot.stats
+def _reduce_hierarchical(tensor: torch.Tensor, residual: Optional[torch.Tensor], maxima: list[float], slot: Slot,
+                         config: SparseConfig, compressor, k: int, step: int, group: dist.ProcessGroup,
+                         parts: Optional[list[int]]) -> tuple[Outcome, bool]:
+    """Step 3 with ``config.hierarchical``, whose collective selects (from this rank's shard of its node's sum) and
+    raises the flag; after a flag, whether this rank's grad + residual is finite (then all of it is in ``tensor``)."""
     held = hold_unused(residual, maxima, parts) if residual is not None else []
     rounding = Rounding()
     result = hierarchical_allreduce(tensor, residual, compressor, k, config.hierarchical.local_size, group,
-                                    inner=config.collective, inner_state=slot.oktopk,
-                                    step=iteration * STEPS_PER_ITER + index, traffic=stats.traffic,
-                                    nonfinite_flag=FLAG_NONFINITE, wire=config.wire, rounding=rounding)
+                                    inner=config.collective, inner_state=slot.oktopk, step=step,
+                                    traffic=slot.stats.traffic, nonfinite_flag=FLAG_NONFINITE, wire=config.wire,
+                                    rounding=rounding)
     for part, saved in held:  # kept out of this step: its parameter was unused here
         part.add_(saved)
-    stats.selected, stats.exchange_seconds = result.msg.count, perf_counter() - start
-    if result.average is None:  # a flag: every rank goes dense, nothing was changed
-        stats.path = "nonfinite"
-        whole = residual is not None and _accumulation_is_finite(tensor, residual, maxima, slot)
-        if whole:
+    errors = rounding.pairs(tensor.dtype, tensor.device)
+    if result.average is None:  # a flag: nothing was changed
+        finite = residual is not None and _accumulation_is_finite(tensor, residual, maxima, slot)
+        if finite:
             tensor.add_(residual)
-        return _dense(tensor, residual if whole else None, slot, memory, group, queue, scaling, index)
-    slot.plan.costs.observe_sparse(tensor.numel(), k, 0.0, stats.exchange_seconds)
+        return Outcome(result.msg, result.applied, errors, nonfinite=True), finite
     tensor.copy_(result.average)
-    if residual is not None and scaling is not None:
-        kept = Outcome(result.msg, result.applied, rounding.pairs(residual.dtype, residual.device))
-        scaling.taken[index] = kept.taken()
-    return _done(tensor)
+    return Outcome(result.msg, result.applied, errors), True
 
 
 def _reduce_rounded(path: str, tensor: torch.Tensor, slot: Slot, memory: Memory, config: SparseConfig, index: int,
@@ -257,9 +250,9 @@ def _accumulation_is_finite(tensor: torch.Tensor, residual: Optional[torch.Tenso
         return False
     if residual is None:
         return True
-    if slot.bound is not None and slot.bound[0] is residual:
-        if max(maxima) + float(slot.bound[1]) < torch.finfo(tensor.dtype).max:
-            return True
+    bound = slot.bound
+    if bound is not None and bound[0] is residual and max(maxima) + float(bound[1]) < torch.finfo(tensor.dtype).max:
+        return True
     return is_finite(tensor + residual)
 
 
@@ -321,7 +314,6 @@ def reduce(tensor: torch.Tensor, residual: torch.Tensor | None, msg: SparseMessa
     raises a flag inside the payloads). ``out`` (default ``tensor``) becomes the average of what was applied; what
     was not goes back into the residual. After a flag nothing is applied: a finite rank's ``tensor`` holds all of
     its ``tensor + residual``, to send densely."""
-    size = dist.get_world_size(group)
     finite = msg is not None
     flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
     if not finite:
@@ -337,5 +329,5 @@ def reduce(tensor: torch.Tensor, residual: torch.Tensor | None, msg: SparseMessa
         return Outcome(msg, nothing, rounding.pairs(tensor.dtype, tensor.device), nonfinite=True)
     errors = (keep_unapplied(residual, msg, reduced.applied, rounding, backend) if residual is not None
               else rounding.pairs(tensor.dtype, tensor.device))
-    reduced.average_into(tensor if out is None else out, size, backend)
+    reduced.average_into(tensor if out is None else out, dist.get_world_size(group), backend)
     return Outcome(msg, reduced.applied, errors)

@@ -58,13 +58,11 @@ class SparseGradState:
             ``new_scale``): the residuals and velocities follow its loss scale, and a step it skips gives back
             what it took from them (its dense buckets are dropped, as in plain DDP).
 
-    Fields: ``process_group``; ``config`` (the :class:`gtopk_ext.SparseConfig`); ``iter`` (iterations done,
-    advanced on ``bucket.is_last()``); ``store`` (:class:`gtopk_ext.ddp.store.BucketStore`: per bucket the
-    residual, ``store.residuals``, and the velocity); ``buckets`` (per bucket index, its
-    :class:`gtopk_ext.reduction.Slot`); ``totals`` (:class:`RunTotals`); ``loss_scaling``
-    (:class:`gtopk_ext.amp.LossScaling`); ``worker`` (the thread that reduces the buckets in DDP's order);
-    ``stats_logging_frequency`` (log :meth:`stats` at INFO on logger ``gtopk_ext.ddp`` every this many iterations;
-    0: never); ``synchronous`` (finish each bucket inside the hook call, for debugging: bitwise the same results).
+    Fields: ``process_group``; ``config``; ``iter`` (iterations done); ``store`` (per bucket the residual,
+    ``store.residuals``, and the velocity); ``buckets`` (per bucket index, its reduction ``Slot``); ``totals``;
+    ``loss_scaling``; ``worker`` (the thread that reduces the buckets in DDP's order); ``stats_logging_frequency``
+    (log :meth:`stats` at INFO every this many iterations; 0: never); ``synchronous`` (finish each bucket inside
+    the hook call, for debugging).
 
     With error feedback on, every element of ``grad + residual`` on every rank is either in the average a step
     returns or in the new residual, in float32, bfloat16 and float16, also when a rank's sum is not finite, a

@@ -19,12 +19,10 @@ KINDS = ("residual", "velocity")
 
 
 class BucketStore:
-    """Per-bucket tensors by kind that follow the parameters when DDP changes its buckets: ``tensors`` (per kind,
-    per bucket index, the flat tensor in that bucket's layout; ``residuals`` is ``tensors["residual"]``),
-    ``unclaimed`` (per kind and parameter ordinal, the parts a bucket whose layout changed left, until a bucket that
-    holds the parameter takes them), ``layouts`` (every bucket's latest), ``restored`` (loaded, and no iteration
-    ended since), and the parameters' ordinals (in the order this process first saw them: the same on every rank
-    and in a resumed process)."""
+    """Per-bucket tensors by kind that follow the parameters when DDP changes its buckets: ``tensors`` (per kind and
+    bucket index, in that bucket's layout; ``residuals`` is ``tensors["residual"]``), ``unclaimed`` (per kind and
+    parameter ordinal, the parts a changed bucket left), ``layouts`` (every bucket's latest), ``restored`` (loaded,
+    and no iteration ended since), and the parameters' ordinals (in the order first seen: the same on every rank)."""
 
     def __init__(self):
         self.tensors: dict[str, dict[int, torch.Tensor]] = {kind: {} for kind in KINDS}

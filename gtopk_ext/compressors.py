@@ -1,8 +1,7 @@
 """Compressors: a dense gradient (+ error-feedback residual) -> a fixed-size sparse message.
 
-Every compressor keeps exactly ``k = ceil(density * numel)`` slots, so every collective moves fixed sizes.
-With a residual, ``compress`` leaves ``residual == grad + old_residual - msg.to_dense()`` (error feedback: what
-is not sent is kept, never lost); ``residual=None`` compresses ``grad`` alone.
+Every compressor keeps exactly ``k = ceil(density * numel)`` slots. With a residual, ``compress`` leaves
+``residual == grad + old_residual - msg.to_dense()`` (error feedback); ``residual=None`` compresses ``grad`` alone.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ def k_for_density(density: float, numel: int) -> int:
 
 def tensor_shares(k: int, numels: Sequence[int]) -> list[int]:
     """``k`` slots split over tensors of ``numels`` elements (``k <= sum(numels)``): in proportion to their sizes
-    (largest remainders first), at least one each while k allows, never more than a tensor holds; they sum to k.
-    A pure function of the sizes, so every rank splits alike."""
+    (largest remainders first), at least one each while k allows, never more than a tensor holds; they sum to k."""
     exact = [k * n / sum(numels) for n in numels]
     least = 1 if k >= len(numels) else 0
     shares = [min(n, max(least, int(e))) for n, e in zip(numels, exact)]
@@ -233,9 +231,8 @@ def hold_unused(residual: torch.Tensor, maxima: list[float], parts: list[int] | 
 
 def select(compressor: Compressor, tensor: torch.Tensor, residual: torch.Tensor | None, maxima: list[float],
            parts: list[int] | None, k: int, step: int) -> tuple[SparseMessage, torch.Tensor | None]:
-    """``tensor + residual`` compressed to k slots, the whole tensor at once or, with a per-tensor compressor, each
-    part with its share of k; a part unused here (an all-zero gradient) keeps its residual out of the selection.
-    Returns the message and a bound on the residual's max |value| after it (None when unknown)."""
+    """``tensor + residual`` compressed to k slots (per-tensor: each part its share); a part unused here (an all-zero
+    gradient) keeps its residual out. Returns the message and a bound on the residual's max |value| (or None)."""
     if compressor.per_tensor and parts is not None and len(parts) > 1:
         return _select_per_part(compressor, tensor, residual, maxima, parts, k, step)
     held = hold_unused(residual, maxima, parts) if residual is not None else []

@@ -23,10 +23,8 @@ FLAT_COLLECTIVES = (*SPARSE_COLLECTIVES, "dense")
 
 def exponential_warmup(final_density: float, warmup_iters: int, start_density: float = 0.25, stages: int = 4,
                        start_iter: int = 0) -> list[tuple[int, float]]:
-    """Deep Gradient Compression's exponential sparsity warm-up as a density schedule: the density falls
-    geometrically from ``start_density`` to ``final_density`` in ``stages`` equal steps over the ``warmup_iters``
-    iterations from ``start_iter`` on. No warm-up (``warmup_iters=0`` or a start at or below the final density):
-    the final density."""
+    """DGC's exponential sparsity warm-up as a density schedule: from ``start_density`` to ``final_density`` in
+    ``stages`` geometric steps over ``warmup_iters`` iterations from ``start_iter`` on (none: the final density)."""
     check_density(final_density, "final_density")
     check_density(start_density, "start_density")
     check_int("warmup_iters", warmup_iters)
@@ -67,8 +65,7 @@ class SparseConfig:
             parameters gets before its first step: ``"raise"`` (a ValueError), ``"warn"`` or ``"off"``.
 
     Once made, ``density`` is the first density, ``schedule`` the checked schedule (or None), ``compressor``,
-    ``wire``, ``path`` and ``momentum`` objects (``momentum`` None when it would do nothing), and ``reducer`` the
-    collective on the compressor's backend.
+    ``wire``, ``path`` and ``momentum`` objects (``momentum`` None when it does nothing), ``reducer`` the collective.
     """
 
     density: DensitySchedule = 0.01

@@ -23,13 +23,11 @@ class MomentumCorrection:
     """DGC's momentum correction, the optimizer then run WITHOUT momentum and weight decay (``torch.optim.SGD(params,
     lr)``): per tensor and rank, a velocity u and the residual v: ``g += weight_decay * w``, ``u = momentum * u + g``,
     ``v += u`` (Nesterov: ``v += g + momentum * u``); the compressor selects from v, and where a slot is applied both
-    v and u are cleared (momentum factor masking). Dense paths send u (Nesterov: g + momentum * u) and keep it.
-    What entered v = what was applied + what v keeps.
+    v and u are cleared (momentum factor masking). Dense paths send u (Nesterov: g + momentum * u).
 
-    ``masking_start_iter``: the iteration from which applied slots clear u (masking during a dense-ish warm-up would
-    leave most elements without momentum). ``clip_norm``: DGC's local clipping of each tensor's gradient to an L2
-    norm of at most ``clip_norm / sqrt(P)``, before weight decay and momentum, on every path (per tensor: a
-    model-wide norm would wait for the last bucket). ``momentum=0`` with a ``clip_norm`` clips only."""
+    ``masking_start_iter``: the iteration from which applied slots clear u. ``clip_norm``: DGC's local clipping of
+    each tensor's gradient to an L2 norm of at most ``clip_norm / sqrt(P)``, before weight decay and momentum, on
+    every path. ``momentum=0`` with a ``clip_norm`` clips only."""
 
     momentum: float = 0.9
     nesterov: bool = False
@@ -70,8 +68,7 @@ def increment(correction: MomentumCorrection, velocity: torch.Tensor, tensor: to
     velocity and adds nothing.
 
     ``record`` (with a loss scaler) gets what the velocity goes back to if the scaler skips the step: before its
-    update when ``sent_whole`` (a dense path sends the increment); else before the masking only, as the increment
-    stays in the residual and undoing the update would count momentum * u twice."""
+    update when ``sent_whole`` (a dense path), else before the masking only (the increment stays in the residual)."""
     if correction.weight_decay:
         if weights is None:
             raise ValueError("weight_decay needs the tensor's parameters (a DDP model, or reduce_buffer(parameters=))")

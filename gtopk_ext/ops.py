@@ -1,8 +1,6 @@
-"""Typed wrappers over the gtopk_ext ops, one per op.
-
-Every wrapper takes ``backend=None``: a name or a :class:`gtopk_ext.backends.Backend`; ``None`` reads
-``$GTOPK_EXT_BACKEND`` (default ``"auto"``). Each op's schema and argument checks are in csrc/ops.cpp (bad
-arguments raise RuntimeError, also under ``torch.compile``).
+"""Typed wrappers over the gtopk_ext ops, one per op, each taking ``backend=None`` (a name or a
+:class:`gtopk_ext.backends.Backend`; ``None`` reads ``$GTOPK_EXT_BACKEND``). Each op's schema and argument checks
+are in csrc/ops.cpp (bad arguments raise RuntimeError, also under ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -66,8 +64,7 @@ def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int, *,
 
     ``values`` (acc's dtype) and ``indices`` (int32) have ``capacity`` slots, padded with (0, 0); ``count``
     (int32[1]) is how many passed. When more than ``capacity`` pass, those above the threshold's histogram bin
-    are kept first, then the others in index order, so no large element is dropped.
-    """
+    are kept first, then the others in index order."""
     return _kernels(acc, backend, "compact").compact(acc, threshold, int(capacity))
 
 
@@ -111,10 +108,10 @@ def residual_update_(residual: torch.Tensor, indices: torch.Tensor, values: torc
 
 def wire_encode(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor, numel: int, *,
                 backend: BackendLike = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The compact wire: the first ``clamp(count, 0, k)`` slots of a message (indices ascending in
-    ``[0, numel)``) as ``(halves, low, pages, shift)``: float16 ``value * 2^shift`` (one shift per message: never
-    an overflow), the int16 low 16 bits of each index, and ``pages`` (int32, per 65536 elements plus one: how many
-    slots have a smaller index than the page's first). Slots past the count are (0, 0). No host sync on GPUs."""
+    """The compact wire: the first ``clamp(count, 0, k)`` slots of a message (indices ascending in ``[0, numel)``)
+    as ``(halves, low, pages, shift)``: float16 ``value * 2^shift`` (one shift per message: never an overflow), the
+    int16 low 16 bits of each index, and ``pages`` (int32, per 65536 elements plus one: how many slots have a
+    smaller index than the page's first). Slots past the count are (0, 0). No host sync on GPUs."""
     return _kernels(values, backend, "wire_encode").wire_encode(indices, values, count, int(numel))
 
 

@@ -92,9 +92,8 @@ def path_policy(path) -> PathPolicy:
 
 
 class CostModel:
-    """This rank's measured costs of one tensor's paths, in seconds: ``select`` per element of the tensor
-    compressed, ``slot`` per slot of a sparse exchange (bytes, merges and waiting together), ``dense16``,
-    ``dense`` and ``dense8`` per element of the dense paths (None: not measured yet)."""
+    """This rank's measured costs of one tensor's paths, in seconds: ``select`` per element compressed, ``slot`` per
+    slot of a sparse exchange, the dense paths' per element (None: not measured yet)."""
 
     __slots__ = FIGURES = ("select", "slot", "dense16", "dense", "dense8")
 
@@ -120,9 +119,8 @@ class CostModel:
 
 
 def own_seconds(queue, start: float, end: float) -> float:
-    """The seconds of its own of a collective issued at ``start`` and completed at ``end`` (``perf_counter``) on a
-    group that runs its collectives one after another: from the later of its issue and the completion of the one
-    before it, ``queue.busy_until``, which becomes ``end``."""
+    """The seconds of its own of a collective issued at ``start`` and completed at ``end`` on a group that runs its
+    collectives in turn: from the later of its issue and ``queue.busy_until`` (the previous one's end)."""
     seconds = end - max(start, queue.busy_until)
     queue.busy_until = end
     return seconds
@@ -140,9 +138,8 @@ def agreed_costs(headers: list[dict[str, int]]) -> dict[str, int | None]:
 
 def predicted(costs: dict[str, int | None], *, numel: int, k: int, size: int, dtype: torch.dtype,
               collective: Collective, wire: Wire) -> dict[str, int | None]:
-    """Each path's predicted picoseconds for one exchange (None: nothing to predict it from). A path not timed yet
-    is predicted from the dense path's time per byte: a rounded one from its bytes, sparse from :data:`UNTIMED_SPARSE`
-    times its bytes; once it was taken, from its own time."""
+    """Each path's predicted picoseconds for one exchange (None: nothing to predict it from): from its own time, or
+    before it was taken from its bytes at the dense path's time per byte (sparse: :data:`UNTIMED_SPARSE` times)."""
     dense = None if costs["dense"] is None else costs["dense"] * numel
     dense_bytes = DenseAllreduce().wire_bytes(numel, numel, size, dtype)
 
@@ -173,10 +170,9 @@ def choose(times: dict[str, int | None]) -> str:
 
 class PathPlan:
     """What the ranks agreed for one tensor: the ``agreement`` of its header, the ``path`` decided with it, and,
-    for ``auto``, the ``round`` of agreement (a header field), the iteration ``until`` which it holds, this rank's
-    measured ``costs``, the ``sparse_steps`` since its last dense one, the header ``decided`` from (one agreed again
-    unchanged, after a resume, is not decided again), the ``agreed`` costs, and how many decisions were
-    ``measured`` (from this run's timings, not a calibration)."""
+    for ``auto``, the ``round`` of agreement, the iteration ``until`` which it holds, this rank's measured ``costs``,
+    the ``sparse_steps`` since its last dense one, the header ``decided`` from, the ``agreed`` costs, and how many
+    decisions were ``measured`` (from this run's timings, not a calibration)."""
 
     __slots__ = ("agreement", "path", "round", "until", "costs", "sparse_steps", "decided", "agreed", "measured")
     SAVED = ("path", "round", "until", "sparse_steps", "decided", "agreed", "measured")
@@ -194,9 +190,8 @@ class PathPlan:
 
     def decide(self, policy: PathPolicy, times: dict[str, int | None], costs: dict[str, int | None],
                iteration: int, *, k: int, numel: int) -> None:
-        """The cheapest path of the policy's choices (dense when it has none for this tensor), agreed on again at
-        the next iteration when it has not been timed yet; sparse again when a dense step would send more than
-        :data:`MAX_FLUSH_STEPS` steps' worth of residual at once."""
+        """The cheapest path of the policy's choices (dense when it has none), agreed on again at the next iteration
+        when not timed yet; sparse while a dense step would send over :data:`MAX_FLUSH_STEPS` steps of residual."""
         times = {path: t for path, t in times.items() if path in policy.choices} or {"dense": times["dense"]}
         if self.sparse_steps > MAX_FLUSH_STEPS and k * MAX_FLUSH_STEPS < numel:
             times = {"sparse": times["sparse"]}

@@ -219,9 +219,8 @@ def _reduce_rounded(path: str, tensor: torch.Tensor, slot: Slot, memory: Memory,
 
 def _dense(tensor: torch.Tensor, residual: Optional[torch.Tensor], slot: Slot, memory: Memory,
            group: dist.ProcessGroup, queue, scaling: Optional[LossScaling], index: int) -> torch.futures.Future:
-    """Step 5: ``tensor / P`` allreduced asynchronously; its time, less its wait behind the group's earlier
-    allreduces, is the dense path's cost. ``residual``: all of it is in ``tensor``, so none stays (a step the
-    loss scaler skips puts it back)."""
+    """Step 5: ``tensor / P`` allreduced asynchronously, its own time the dense path's cost; ``residual``: all of it
+    is in ``tensor``, so none stays (a step the loss scaler skips puts it back)."""
     stats, plan = slot.stats, slot.plan
     stats.k = stats.selected = tensor.numel()
     if residual is not None:
@@ -292,7 +291,7 @@ def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, co
 class Outcome:
     """What :func:`reduce` did on this rank: ``msg``, the slots it sent; ``applied``, the mask of those in the
     average (None: all); ``errors``, (indices, errors) of the wire's rounding, now in its residual; ``nonfinite``:
-    a rank's sum was not finite, nothing was applied, every rank goes dense (this rank's tensor holds what to send)."""
+    a rank's sum was not finite, nothing was applied."""
 
     msg: SparseMessage
     applied: torch.Tensor | None
@@ -309,11 +308,10 @@ class Outcome:
 def reduce(tensor: torch.Tensor, residual: torch.Tensor | None, msg: SparseMessage | None, collective: Collective,
            group: dist.ProcessGroup, *, k: int, wire: Wire, backend: Backend | None, traffic: Traffic | None = None,
            state=None, out: torch.Tensor | None = None) -> Outcome:
-    """The sparse exchange of ``tensor`` (flat) over ``group``, after the selection: ``msg`` is ``tensor +
-    residual`` compressed to k slots, the rest left in ``residual``, or None from a rank whose sum is not finite (it
-    raises a flag inside the payloads). ``out`` (default ``tensor``) becomes the average of what was applied; what
-    was not goes back into the residual. After a flag nothing is applied: a finite rank's ``tensor`` holds all of
-    its ``tensor + residual``, to send densely."""
+    """The sparse exchange of ``tensor`` (flat) over ``group``: ``msg`` is ``tensor + residual`` compressed to k
+    slots, the rest left in ``residual``, or None from a rank whose sum is not finite (it raises a flag). ``out``
+    (default ``tensor``) becomes the average of what was applied; what was not goes back into the residual. After
+    a flag nothing is applied: a finite rank's ``tensor`` holds all of its ``tensor + residual``."""
     finite = msg is not None
     flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
     if not finite:

@@ -26,8 +26,8 @@ SUMMARY_BUCKETS = 12  # rows of buckets a summary shows: it fits one screen
 
 
 class RunTotals:
-    """This rank's counts over the run, at the end of each iteration (saved: a resume goes on): ``steps``,
-    ``compressed_steps`` (a bucket sparse), ``bytes_sent``, ``bytes_received``, ``paths`` (bucket steps per path)."""
+    """This rank's counts over the run (saved): ``steps``, ``compressed_steps`` (a bucket sparse), ``bytes_sent``,
+    ``bytes_received``, ``paths`` (bucket steps per path)."""
 
     FIELDS = ("steps", "compressed_steps", "bytes_sent", "bytes_received")
 

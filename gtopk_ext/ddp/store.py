@@ -1,5 +1,4 @@
-"""The DDP hook's per-bucket tensors (the residual; with momentum correction the velocity), which follow the
-parameters when DDP changes its buckets."""
+"""The DDP hook's per-bucket residuals and velocities, which follow the parameters when DDP changes its buckets."""
 
 from __future__ import annotations
 

@@ -22,15 +22,13 @@ from gtopk_ext.reduction import Memory, Slot, StepStats, reduce_step
 def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: torch.Tensor) -> None:
     """FSDP2 all-reduce hook of one parameter group: ``shard`` (this rank's reduce-scattered gradient shard, the
     node's average) becomes, in place, the average over the nodes of what was applied. Registered by
-    :func:`register_sparse_all_reduce`; FSDP calls it once per reduce-scatter, synchronously (it uses the shard
-    right after), so every buffer lives until its exchange is done.
+    :func:`register_sparse_all_reduce`; FSDP calls it once per reduce-scatter, synchronously.
 
     1. Gather: the shard's real elements, without FSDP's padding (never selected, never in a residual), in
        float32 (the residual's dtype, whatever FSDP's ``reduce_dtype``).
     2. One node: nothing to exchange, but momentum correction, which the optimizer no longer applies, is applied.
     3. Reduce over the nodes: :func:`gtopk_ext.reduction.reduce_step`, the group's count of calls its iteration.
-    4. Write back: the real elements of ``shard`` take the average, in its dtype (FSDP's own post-division, linear,
-       follows).
+    4. Write back: the real elements of ``shard`` take the average, in its dtype (FSDP's post-division follows).
     """
     layout = group.layout
     if shard.dim() != 1 or shard.numel() != layout.padded_numel or shard.dtype not in DTYPE_CODES:
@@ -69,9 +67,8 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
 def register_sparse_all_reduce(model: nn.Module, state: SparseFSDPState) -> None:
     """Set :func:`sparse_all_reduce_hook` as the all-reduce hook of every FSDP2 module of ``model``, after
     ``fully_shard``, on every rank. Each module must have one parameter group, sharded over ``state.shard_mesh``;
-    modules without parameters are skipped. Also sets ``set_reduce_scatter_unused_params(True)``: an unused
-    parameter (zeros) keeps its place in the shard. The ranks check each other's configuration and parameter
-    groups first: a mismatch, or an error on any rank, raises on every rank (no hang)."""
+    modules without parameters are skipped; sets ``set_reduce_scatter_unused_params(True)``. The ranks check each
+    other's configuration and parameter groups first: a mismatch, or an error on any rank, raises on every rank."""
     if not isinstance(state, SparseFSDPState):
         raise TypeError(f"state must be a gtopk_ext.fsdp.SparseFSDPState, got {type(state).__name__}")
     if state.groups:
@@ -132,8 +129,7 @@ def _check_mesh(param_group, name: str, shard_ranks: list[int]) -> None:
 
 
 def _check_divide_factor(param_group, name: str) -> None:
-    """A custom divide factor would make FSDP's shard a sum over the node scaled by the user's factor, which
-    averaging over the nodes would not turn into what the factor asks for; refused rather than guessed."""
+    """A custom divide factor is refused: averaging over the nodes would not turn it into what it asks for."""
     if param_group is not None and param_group.gradient_divide_factor is not None:
         raise ValueError(f"FSDP module {name!r} has a gradient divide factor "
                          f"({param_group.gradient_divide_factor}): the sparse hook averages over the nodes, which "

@@ -25,9 +25,9 @@ MESH_DIM_NAMES = ("replicate", "shard")
 
 
 def node_mesh(node_size: Optional[int] = None, device_type: str = "cpu") -> DeviceMesh:
-    """The 2-D mesh (nodes x node_size) named ``("replicate", "shard")``: shard over ``mesh["shard"]`` (one node's
-    ranks, ``n * node_size ...`` for node n, as torchrun numbers them), exchange over ``mesh["replicate"]``.
-    ``node_size`` (default ``$LOCAL_WORLD_SIZE``) must be the same on every rank, else all raise the same error."""
+    """The 2-D mesh (nodes x node_size, torchrun's numbering) named ``("replicate", "shard")``: shard over
+    ``mesh["shard"]``, exchange over ``mesh["replicate"]``. ``node_size`` (default ``$LOCAL_WORLD_SIZE``) must be
+    the same on every rank, else all raise the same error."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
     if node_size is None:
@@ -45,10 +45,9 @@ def node_mesh(node_size: Optional[int] = None, device_type: str = "cpu") -> Devi
 
 @dataclass
 class GroupState:
-    """One FSDP parameter group on this rank: ``name`` (its module's path), ``layout`` (the shard's real and
-    padding elements), ``memory`` (the float32 ``"residual"`` of the real elements and, with momentum correction,
-    the ``"velocity"``), ``calls`` (the hook's calls so far: its iteration), the reduction's ``slot``, the run's
-    bytes (``run_traffic``), and FSDP's parameter group (``fsdp_group``, not saved)."""
+    """One FSDP parameter group on this rank: ``name`` (its module's path), ``layout``, ``memory`` (float32
+    ``"residual"`` and, with momentum correction, ``"velocity"`` of the real elements), ``calls`` (its iteration),
+    the reduction's ``slot``, the run's bytes, and FSDP's parameter group (``fsdp_group``, not saved)."""
 
     index: int
     name: str
@@ -79,8 +78,7 @@ class SparseFSDPState:
       :func:`gtopk_ext.fsdp.register_sparse_all_reduce`; ``world_size``.
 
     An iteration is one call of the hook for a group: one per optimizer step when microbatches skip the reduction
-    with ``model.set_requires_gradient_sync(False)``; with ``set_requires_all_reduce(False)`` alone FSDP calls the
-    hook for every microbatch (each is exchanged: correct, more bytes).
+    with ``model.set_requires_gradient_sync(False)`` (with ``set_requires_all_reduce(False)``: one per microbatch).
     """
 
     __slots__ = ("mesh", "config", "groups", "world_size", "__weakref__")
@@ -125,18 +123,16 @@ class SparseFSDPState:
     @classmethod
     def recipe(cls, mesh: Optional[DeviceMesh] = None, density: float = 0.01, warmup_steps: int = 44,
                momentum: float = 0.9, **options) -> "SparseFSDPState":
-        """The DDP recipe (:meth:`gtopk_ext.SparseGradState.recipe`: DGC's density warm-up, here over ``warmup_steps``
-        calls, and Nesterov momentum correction) for FSDP2: train with an optimizer WITHOUT momentum or weight
-        decay; ``options``: the other arguments."""
+        """The DDP recipe (:meth:`gtopk_ext.SparseGradState.recipe`; ``warmup_steps`` counts calls) for FSDP2: train
+        with an optimizer WITHOUT momentum or weight decay; ``options``: the other arguments."""
         return cls(mesh, **recipe(density, warmup_steps, momentum), **options)
 
     # ----- checkpoints (per rank) and statistics -----
 
     def state_dict(self) -> dict:
         """This rank's resumable state: ``{"world_size", "rank<r>": {"group<i>": {"calls", "numel", "residual",
-        "velocity" (with momentum correction), "oktopk", "plan"}}}``; the rank in the key keeps the ranks' residuals
-        apart in a ``torch.distributed.checkpoint``. The residual and velocity are the state's own tensors (a
-        checkpoint loader may fill them in place), the rest copies."""
+        "velocity" (with momentum correction), "oktopk", "plan"}}}`` (the rank keeps the ranks' residuals apart in a
+        ``torch.distributed.checkpoint``); the residual and velocity are the state's own tensors, the rest copies."""
         rank = dist.get_rank()
         return {"world_size": self.world_size,
                 f"rank{rank}": {f"group{g.index}": {"calls": g.calls, "numel": g.layout.numel, **g.memory.tensors,

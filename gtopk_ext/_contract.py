@@ -1,7 +1,5 @@
-"""The Python side of the op contract, which csrc/ops.cpp states once (each op's schema, and its Meta kernel, which
-checks the arguments and gives the outputs' shapes): the layout constants of csrc/layout.h (a test compares), the
-schemas, and :func:`check_args`, which the Triton ops and the torch merge run first.
-"""
+"""The Python side of the op contract that csrc/ops.cpp states: the layout constants of csrc/layout.h, the ops'
+schemas, and :func:`check_args` (their Meta kernels' checks), which the Triton ops and the torch merge run first."""
 
 from __future__ import annotations
 

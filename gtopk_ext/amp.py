@@ -11,11 +11,9 @@ from gtopk_ext import ops
 
 
 class LossScaling:
-    """What a hook keeps to follow a loss scaler (``scaler``; None: none attached): ``scale``, the factor the
-    residuals hold the gradient times (the latest step's loss scale); ``taken``, per tensor, what this iteration
-    took out of the residual, (indices or None for all, values), put back if the scaler skips it;
-    ``velocities_before``, what each velocity then goes back to (momentum correction); ``open``: an iteration has
-    begun (:meth:`start_iteration` ran)."""
+    """What a hook keeps to follow a loss scaler (``scaler``; None: none attached): ``scale``, the residuals' loss
+    scale; ``taken``, per tensor, what this iteration took out of the residual, (indices or None for all, values),
+    and ``velocities_before``, put back if the scaler skips it; ``open``: an iteration has begun."""
 
     __slots__ = ("scaler", "scale", "taken", "velocities_before", "open")
 
@@ -46,8 +44,7 @@ class LossScaling:
         self.taken, self.velocities_before = {}, {}
         if scale == self.scale:
             return False
-        factor = scale / self.scale
         for tensor in [*residuals.values(), *velocities.values(), *others]:
-            tensor.mul_(factor)
+            tensor.mul_(scale / self.scale)
         self.scale = scale
         return True

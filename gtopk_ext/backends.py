@@ -1,10 +1,8 @@
 """The backends that run the ops, as objects: what each supports, why it cannot run somewhere, and its kernels.
 
-``CPU`` and ``CUDA`` run the C++/CUDA kernels (``torch.ops.gtopk_ext``), ``TRITON`` the Triton ones (CUDA tensors,
-or any under TRITON_INTERPRET=1); on GPUs merge_topk is ``TORCH``'s (plain torch, any device, no other op).
+``CPU``, ``CUDA`` and ``TRITON`` (CUDA tensors, or any under TRITON_INTERPRET=1); on GPUs merge_topk is ``TORCH``'s.
 A caller names one (``"auto"``, ``"cpu"``, ``"cuda"``, ``"triton"``, a ``Backend``) or leaves it to
-``$GTOPK_EXT_BACKEND`` (default ``"auto"``: CPU for CPU tensors; CUDA, else Triton, for CUDA tensors). A backend
-that cannot run raises one ValueError listing every backend's reasons.
+``$GTOPK_EXT_BACKEND`` (default ``"auto"``: CPU for CPU tensors; CUDA, else Triton, for CUDA tensors).
 """
 
 from __future__ import annotations
@@ -80,10 +78,9 @@ def cuda_kernels_built() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("gtopk_ext::compact", "CUDA")
 
 
-def cuda_path() -> str:
-    """The CUDA kernels' host path, from ``$GTOPK_EXT_CUDA_PATH`` as read at the library's first call:
-    ``"fused"`` (default) or ``"legacy"`` (kept until a GPU run confirms the fused one). ValueError for another."""
-    return _C.cuda_path()
+# The CUDA kernels' host path, from $GTOPK_EXT_CUDA_PATH as read at the library's first call: "fused" (default) or
+# "legacy" (kept until a GPU run confirms the fused one); ValueError for another.
+cuda_path = _C.cuda_path
 
 
 class CudaBackend(Backend):
@@ -98,18 +95,13 @@ class CudaBackend(Backend):
         return reasons
 
 
-@functools.cache
-def triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 class TritonBackend(Backend):
     name = "triton"
     merges_with_torch = True
 
     def _device_reasons(self, device):
         reasons = []
-        if not triton_importable():
+        if importlib.util.find_spec("triton") is None:
             reasons.append("needs the triton package (pip install triton)")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             reasons.append(f"needs CUDA tensors (or TRITON_INTERPRET=1), got {device}")
@@ -135,7 +127,6 @@ CUDA = CudaBackend()
 TRITON = TritonBackend()
 TORCH = TorchBackend()
 ALL = (CPU, CUDA, TRITON, TORCH)
-_BY_NAME = {backend.name: backend for backend in (CPU, CUDA, TRITON)}
 BackendLike = Union[str, Backend, None]
 
 
@@ -152,7 +143,7 @@ def choose(device: torch.device, backend: BackendLike = None, *, op: str | None 
         if name == "auto":
             name = "cuda" if device.type == "cuda" and not CUDA.not_supported_reasons(device) else (
                 "triton" if device.type == "cuda" else "cpu")
-        chosen = _BY_NAME[name]
+        chosen = next(b for b in ALL if b.name == name)
     if chosen.not_supported_reasons(device, op=op):
         lines = [f"backend {other.name!r} " + ("; ".join(other.not_supported_reasons(device, op=op)) or "can run")
                  for other in ALL]

@@ -1,8 +1,7 @@
 """Compressors: a dense gradient (+ error-feedback residual) -> a fixed-size sparse message.
 
-Every compressor keeps exactly ``k = ceil(density * numel)`` slots, so every collective moves fixed sizes.
-With a residual, ``compress`` leaves ``residual == grad + old_residual - msg.to_dense()`` (error feedback: what
-is not sent is kept, never lost); ``residual=None`` compresses ``grad`` alone.
+Every compressor keeps exactly ``k = ceil(density * numel)`` slots. With a residual, ``compress`` leaves
+``residual == grad + old_residual - msg.to_dense()`` (error feedback); ``residual=None`` compresses ``grad`` alone.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ def k_for_density(density: float, numel: int) -> int:
 
 def tensor_shares(k: int, numels: Sequence[int]) -> list[int]:
     """``k`` slots split over tensors of ``numels`` elements (``k <= sum(numels)``): in proportion to their sizes
-    (largest remainders first), at least one each while k allows, never more than a tensor holds; they sum to k.
-    A pure function of the sizes, so every rank splits alike."""
+    (largest remainders first), at least one each while k allows, never more than a tensor holds; they sum to k."""
     exact = [k * n / sum(numels) for n in numels]
     least = 1 if k >= len(numels) else 0
     shares = [min(n, max(least, int(e))) for n, e in zip(numels, exact)]
@@ -49,27 +47,13 @@ def check_density(density: float, name: str = "density") -> None:
     check_number(name, density, 0.0, 1.0, low_open=True)
 
 
-def _check_inputs(grad: torch.Tensor, residual: torch.Tensor | None) -> None:
-    if not isinstance(grad, torch.Tensor) or grad.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"grad must be a float32, float16 or bfloat16 tensor, got "
-                        f"{grad.dtype if isinstance(grad, torch.Tensor) else type(grad).__name__}")
-    if grad.numel() == 0:
-        raise ValueError("grad must have at least one element")
-    if residual is not None and (residual.shape != grad.shape or residual.dtype != grad.dtype
-                                 or residual.device != grad.device or not residual.is_contiguous()):
-        raise ValueError(f"residual must be a contiguous tensor of grad's shape {tuple(grad.shape)}, dtype "
-                         f"{grad.dtype} and device {grad.device}, got shape {tuple(residual.shape)}, dtype "
-                         f"{residual.dtype}, device {residual.device}, contiguous={residual.is_contiguous()}")
-
-
 class Compressor:
     """Base class: ``compress(grad, residual=None, *, step=None) -> SparseMessage``.
 
-    ``step`` makes randomized kinds draw the same indices on every rank; deterministic kinds ignore it.
-    ``backend`` (a name, a :class:`gtopk_ext.backends.Backend` or None for ``$GTOPK_EXT_BACKEND``) runs every op
-    of the compressor and of the collectives that reduce its messages. ``per_tensor``: the DDP hook selects within
-    each parameter of a bucket, each with its share of k (:func:`tensor_shares`), so that a tensor of small
-    gradients is not starved by a larger-scaled one. ``options``: the keyword arguments it was made with.
+    ``step`` makes randomized kinds draw the same indices on every rank. ``backend`` (a name, a
+    :class:`gtopk_ext.backends.Backend` or None for ``$GTOPK_EXT_BACKEND``) runs every op of the compressor and of
+    the collectives that reduce its messages. ``per_tensor``: select within each parameter of a bucket, each with
+    its share of k (:func:`tensor_shares`). ``options``: the keyword arguments it was made with.
     """
 
     kind = ""
@@ -93,15 +77,23 @@ class Compressor:
     def compress(self, grad: torch.Tensor, residual: torch.Tensor | None = None, *,
                  step: int | None = None, k: int | None = None) -> SparseMessage:
         """``k``: the message's slots (default ``ceil(density * numel)``; the hook's per-tensor shares set it)."""
-        _check_inputs(grad, residual)
+        if not isinstance(grad, torch.Tensor) or grad.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"grad must be a float32, float16 or bfloat16 tensor, got "
+                            f"{grad.dtype if isinstance(grad, torch.Tensor) else type(grad).__name__}")
+        if grad.numel() == 0:
+            raise ValueError("grad must have at least one element")
+        if residual is not None and (residual.shape != grad.shape or residual.dtype != grad.dtype
+                                     or residual.device != grad.device or not residual.is_contiguous()):
+            raise ValueError(f"residual must be a contiguous tensor of grad's shape {tuple(grad.shape)}, dtype "
+                             f"{grad.dtype} and device {grad.device}, got shape {tuple(residual.shape)}, dtype "
+                             f"{residual.dtype}, device {residual.device}, contiguous={residual.is_contiguous()}")
         flat_grad = grad.detach().reshape(-1)
-        flat_residual = residual.view(-1) if residual is not None else None
         backend = self.backend[flat_grad.device]
         if k is None:
             k = self.k_for(flat_grad.numel())
         elif isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= flat_grad.numel():
             raise ValueError(f"k must be an int in [1, numel = {flat_grad.numel()}], got {k!r}")
-        return self._compress(flat_grad, flat_residual, k, step, backend)
+        return self._compress(flat_grad, residual.view(-1) if residual is not None else None, k, step, backend)
 
     def _compress(self, grad: torch.Tensor, residual: torch.Tensor | None, k: int, step: int | None,
                   backend: Backend) -> SparseMessage:
@@ -132,8 +124,7 @@ class GaussianK(Compressor):
     """Gaussian-k (Shi et al. 2019): a threshold from one statistics pass instead of a sort.
 
     ``mode="accurate"`` (default) selects with ``ops.gaussian_select`` (about k elements on any distribution);
-    ``mode="paper"`` with the Gaussian estimate ``|mean| + z * std`` and the paper's correction loop, never above
-    the largest |acc|. Elements past k slots (in index order) stay in the residual.
+    ``mode="paper"`` with ``|mean| + z * std`` and the paper's correction loop. Elements past k stay in the residual.
     """
 
     kind = "gaussiank"
@@ -198,30 +189,17 @@ class RandomK(Compressor):
         return torch.randperm(acc.numel(), generator=generator)[:k].sort().values.int().to(acc.device)
 
 
-_KINDS = {cls.kind: cls for cls in (GaussianK, TopK, RandomK)}
-
-
 def make_compressor(kind: str = "gaussiank", density: float = 0.01, **kwargs) -> Compressor:
     """A compressor by name: ``"gaussiank"`` (``mode=``), ``"topk"`` or ``"randomk"`` (``seed=``); every kind
     takes ``backend=`` and ``per_tensor=``."""
-    if kind not in _KINDS:
+    if kind not in COMPRESSOR_KINDS:
         raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {kind!r}")
     try:
-        return _KINDS[kind](density, **kwargs)
+        return (GaussianK, TopK, RandomK)[COMPRESSOR_KINDS.index(kind)](density, **kwargs)
     except TypeError as error:
         if "unexpected keyword" not in str(error):
             raise
         raise TypeError(f"make_compressor({kind!r}): {error}") from None
-
-
-def compressor_at(compressor: "str | Compressor", density: float, **options) -> Compressor:
-    """``compressor`` at ``density``: a Compressor with its own options, or a kind made with ``options``."""
-    if isinstance(compressor, Compressor):
-        return compressor.with_density(density)
-    if compressor not in COMPRESSOR_KINDS:
-        raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS} or a gx.make_compressor(...), got "
-                         f"{compressor!r}")
-    return make_compressor(compressor, density, **options)
 
 
 # ----- a flat tensor made of parts (a DDP bucket's parameters) -----
@@ -253,9 +231,8 @@ def hold_unused(residual: torch.Tensor, maxima: list[float], parts: list[int] | 
 
 def select(compressor: Compressor, tensor: torch.Tensor, residual: torch.Tensor | None, maxima: list[float],
            parts: list[int] | None, k: int, step: int) -> tuple[SparseMessage, torch.Tensor | None]:
-    """``tensor + residual`` compressed to k slots, the whole tensor at once or, with a per-tensor compressor, each
-    part with its share of k; a part unused here (an all-zero gradient) keeps its residual out of the selection.
-    Returns the message and a bound on the residual's max |value| after it (None when unknown)."""
+    """``tensor + residual`` compressed to k slots (per-tensor: each part its share); a part unused here (an all-zero
+    gradient) keeps its residual out. Returns the message and a bound on the residual's max |value| (or None)."""
     if compressor.per_tensor and parts is not None and len(parts) > 1:
         return _select_per_part(compressor, tensor, residual, maxima, parts, k, step)
     held = hold_unused(residual, maxima, parts) if residual is not None else []

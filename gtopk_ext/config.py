@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from gtopk_ext._validate import check_int
 from gtopk_ext.collectives import COLLECTIVES, SPARSE_COLLECTIVES, Collective, collective_named
-from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, compressor_at
+from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, make_compressor
 from gtopk_ext.hierarchical import Hierarchical
 from gtopk_ext.momentum import OPTIMIZER_CHECKS, MomentumCorrection
 from gtopk_ext.paths import PathPolicy, path_policy
@@ -23,10 +23,8 @@ FLAT_COLLECTIVES = (*SPARSE_COLLECTIVES, "dense")
 
 def exponential_warmup(final_density: float, warmup_iters: int, start_density: float = 0.25, stages: int = 4,
                        start_iter: int = 0) -> list[tuple[int, float]]:
-    """Deep Gradient Compression's exponential sparsity warm-up as a density schedule: the density falls
-    geometrically from ``start_density`` to ``final_density`` in ``stages`` equal steps over the ``warmup_iters``
-    iterations from ``start_iter`` on. No warm-up (``warmup_iters=0`` or a start at or below the final density):
-    the final density."""
+    """DGC's exponential sparsity warm-up as a density schedule: from ``start_density`` to ``final_density`` in
+    ``stages`` geometric steps over ``warmup_iters`` iterations from ``start_iter`` on (none: the final density)."""
     check_density(final_density, "final_density")
     check_density(start_density, "start_density")
     check_int("warmup_iters", warmup_iters)
@@ -44,24 +42,6 @@ def recipe(density: float, warmup_steps: int, momentum: float) -> dict:
     ``momentum`` (Nesterov momentum correction, its masking from the warm-up's end), for every front end."""
     return {"density": exponential_warmup(density, warmup_steps, start_density=max(density, 0.25)),
             "momentum": MomentumCorrection(momentum, nesterov=momentum > 0, masking_start_iter=warmup_steps)}
-
-
-def checked_schedule(schedule) -> Union[Callable[[int], float], list[tuple[int, float]]]:
-    """``schedule`` checked: a callable, or the (start_iter, density) pairs sorted by start_iter; of pairs with the
-    same start_iter the last one given holds (a warm-up shorter than its stages has such pairs)."""
-    if callable(schedule):
-        return schedule
-    try:
-        entries = [(start, density) for start, density in schedule]
-    except (TypeError, ValueError):
-        raise ValueError(f"density must be a number in (0, 1], a callable iter -> density or a list of "
-                         f"(start_iter, density) pairs, got {schedule!r}") from None
-    if not entries:
-        raise ValueError("density: the schedule is empty")
-    for start, density in entries:
-        check_int("density schedule: start_iter", start)
-        check_density(density, f"density schedule: the density for iteration {start}")
-    return sorted(entries, key=lambda entry: entry[0])  # stable: the order given settles equal starts
 
 
 @dataclass(frozen=True)
@@ -85,8 +65,7 @@ class SparseConfig:
             parameters gets before its first step: ``"raise"`` (a ValueError), ``"warn"`` or ``"off"``.
 
     Once made, ``density`` is the first density, ``schedule`` the checked schedule (or None), ``compressor``,
-    ``wire``, ``path`` and ``momentum`` objects (``momentum`` None when it would do nothing), and ``reducer`` the
-    collective on the compressor's backend.
+    ``wire``, ``path`` and ``momentum`` objects (``momentum`` None when it does nothing), ``reducer`` the collective.
     """
 
     density: DensitySchedule = 0.01
@@ -105,16 +84,27 @@ class SparseConfig:
 
     def __post_init__(self):
         density, schedule = self.density, None
-        if not isinstance(density, (int, float)):
-            schedule = checked_schedule(density)
-            density = schedule[0][1] if isinstance(schedule, list) else 0.01
+        if callable(density):
+            density, schedule = 0.01, density
+        elif not isinstance(density, (int, float)):
+            try:
+                schedule = [(start, scheduled) for start, scheduled in density]
+            except (TypeError, ValueError):
+                raise ValueError(f"density must be a number in (0, 1], a callable iter -> density or a list of "
+                                 f"(start_iter, density) pairs, got {density!r}") from None
+            if not schedule:
+                raise ValueError("density: the schedule is empty")
+            for start, scheduled in schedule:
+                check_int("density schedule: start_iter", start)
+                check_density(scheduled, f"density schedule: the density for iteration {start}")
+            # Stable: of pairs with the same start_iter the last one given holds (a warm-up shorter than its stages).
+            schedule.sort(key=lambda entry: entry[0])
+            density = schedule[0][1]
         check_density(density)
         if self.collective not in FLAT_COLLECTIVES:
             raise ValueError(f"collective must be one of {FLAT_COLLECTIVES}, got {self.collective!r}")
-        if not isinstance(self.compressor, Compressor) and self.compressor not in COMPRESSOR_KINDS:
-            raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS} or a gx.make_compressor(...), got "
-                             f"{self.compressor!r}")
-        compressor = compressor_at(self.compressor, float(density))
+        compressor = (self.compressor.with_density(float(density)) if isinstance(self.compressor, Compressor)
+                      else make_compressor(self.compressor, float(density)))
         momentum = self.momentum
         if momentum is not None and not isinstance(momentum, MomentumCorrection):
             momentum = MomentumCorrection(momentum)

@@ -1,5 +1,4 @@
-"""What moving bytes costs: the collectives' byte formulas, the summaries' byte lines, and the alpha-beta terms of
-one exchange that bench/cost_model.py fits (docs/scaling.md)."""
+"""What moving bytes costs: byte formulas, the summaries' byte lines, the alpha-beta terms bench/cost_model.py fits."""
 
 from __future__ import annotations
 
@@ -66,9 +65,8 @@ def exchange_terms(collective: Collective, numel: int, k: int, size: int, share:
 
 def hierarchical_terms(inner: Collective, numel: int, k: int, size: int, share: float, wire: Wire,
                        local: int) -> dict[str, float]:
-    """The hierarchical collective's terms (gtopk_ext.hierarchical) in nodes of ``local`` ranks: the node's
-    reduce-scatter and allgather, its passes over the gradient (``copy``), and ``inner`` between the nodes on each
-    shard (the local ranks' exchanges share the node's link)."""
+    """The hierarchical collective's terms in nodes of ``local`` ranks: the node's reduce-scatter and allgather, its
+    passes over the gradient (``copy``), and ``inner`` between the nodes on each shard (sharing the node's link)."""
     if local < 1 or size % local:
         raise ValueError(f"local must divide size, got local={local}, size={size}")
     nodes, shard, shard_k = size // local, math.ceil(numel / local), math.ceil(max(k, local) / local)

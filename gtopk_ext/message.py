@@ -15,9 +15,8 @@ class SparseMessage:
     """k (index, value) slots of a flattened tensor of ``numel`` elements.
 
     ``values`` has the gradient's dtype, ``indices`` is int32; the slots in use come first with ascending indices,
-    the rest are padding (index 0, value 0), which every sum ignores. ``count`` (int32[1], on the values' device)
-    is how many elements the compressor selected before truncation to k (a statistic: it may exceed k).
-    ``stats`` is the threshold statistics tensor (``ops.STAT_*`` layout) when the compressor computed one.
+    the rest are padding (index 0, value 0). ``count`` (int32[1]) is how many elements the compressor selected
+    before truncation to k (it may exceed k); ``stats``: the threshold statistics (``ops.STAT_*``), if computed.
     """
 
     values: torch.Tensor

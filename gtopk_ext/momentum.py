@@ -23,13 +23,11 @@ class MomentumCorrection:
     """DGC's momentum correction, the optimizer then run WITHOUT momentum and weight decay (``torch.optim.SGD(params,
     lr)``): per tensor and rank, a velocity u and the residual v: ``g += weight_decay * w``, ``u = momentum * u + g``,
     ``v += u`` (Nesterov: ``v += g + momentum * u``); the compressor selects from v, and where a slot is applied both
-    v and u are cleared (momentum factor masking). Dense paths send u (Nesterov: g + momentum * u) and keep it.
-    What entered v = what was applied + what v keeps.
+    v and u are cleared (momentum factor masking). Dense paths send u (Nesterov: g + momentum * u).
 
-    ``masking_start_iter``: the iteration from which applied slots clear u (masking during a dense-ish warm-up would
-    leave most elements without momentum). ``clip_norm``: DGC's local clipping of each tensor's gradient to an L2
-    norm of at most ``clip_norm / sqrt(P)``, before weight decay and momentum, on every path (per tensor: a
-    model-wide norm would wait for the last bucket). ``momentum=0`` with a ``clip_norm`` clips only."""
+    ``masking_start_iter``: the iteration from which applied slots clear u. ``clip_norm``: DGC's local clipping of
+    each tensor's gradient to an L2 norm of at most ``clip_norm / sqrt(P)``, before weight decay and momentum, on
+    every path. ``momentum=0`` with a ``clip_norm`` clips only."""
 
     momentum: float = 0.9
     nesterov: bool = False
@@ -43,9 +41,8 @@ class MomentumCorrection:
             raise ValueError("nesterov=True needs momentum > 0")
         weight_decay = check_number("weight_decay", self.weight_decay, 0.0, float("inf"), high_open=True)
         check_int("masking_start_iter", self.masking_start_iter)
-        clip_norm = self.clip_norm
-        if clip_norm is not None:
-            clip_norm = check_number("clip_norm", clip_norm, 0.0, float("inf"), low_open=True, high_open=True)
+        clip_norm = None if self.clip_norm is None else check_number("clip_norm", self.clip_norm, 0.0, float("inf"),
+                                                                     low_open=True, high_open=True)
         for name, value in (("momentum", momentum), ("nesterov", bool(self.nesterov)),
                             ("weight_decay", weight_decay), ("clip_norm", clip_norm)):
             object.__setattr__(self, name, value)
@@ -71,8 +68,7 @@ def increment(correction: MomentumCorrection, velocity: torch.Tensor, tensor: to
     velocity and adds nothing.
 
     ``record`` (with a loss scaler) gets what the velocity goes back to if the scaler skips the step: before its
-    update when ``sent_whole`` (a dense path sends the increment); else before the masking only, as the increment
-    stays in the residual and undoing the update would count momentum * u twice."""
+    update when ``sent_whole`` (a dense path), else before the masking only (the increment stays in the residual)."""
     if correction.weight_decay:
         if weights is None:
             raise ValueError("weight_decay needs the tensor's parameters (a DDP model, or reduce_buffer(parameters=))")
@@ -120,34 +116,29 @@ def watch(owner, reduced: Callable[[object], Optional[set[int]]]) -> None:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Raises (or warns, or nothing: ``config.optimizer_check``) when ``optimizer`` has momentum or weight decay on
+    parameters whose gradients a watched state's hook gives momentum to."""
     if optimizer in _checked:
         return
     known = [(owner, reduced(owner)) for owner, reduced in list(_watched.items())]
     for owner, ids in known:
-        if ids is not None:
-            check_optimizer(owner, ids, optimizer)
+        config = owner.config
+        if ids is None or config.optimizer_check == "off" or not (config.momentum and config.momentum.accumulates):
+            continue
+        for group in optimizer.param_groups:
+            doubled = [f"{name}={group[name]}" for name in ("momentum", "weight_decay") if group.get(name)]
+            if group.get("betas") and group["betas"][0]:  # Adam's first moment is a momentum
+                doubled.append(f"betas={tuple(group['betas'])}")
+            shared = sum(1 for p in group["params"] if id(p) in ids)
+            if not doubled or not shared:
+                continue
+            message = (f"{type(optimizer).__name__} has {', '.join(doubled)} on {shared} parameter(s) whose gradients "
+                       f"the hook already gives momentum to ({type(owner).__name__}(momentum={config.momentum})): "
+                       f"momentum would be applied twice. Make the optimizer plain (torch.optim.SGD(params, lr): no "
+                       f"momentum, no weight decay) and give weight decay to the hook (gx.MomentumCorrection(..., "
+                       f"weight_decay=...)); or, to keep both on purpose, pass optimizer_check='warn' or 'off'")
+            if config.optimizer_check == "raise":
+                raise ValueError(message)
+            warnings.warn(message, UserWarning, stacklevel=2)
     if all(ids is not None for _, ids in known):  # else again at the next step
         _checked.add(optimizer)
-
-
-def check_optimizer(owner, reduced: set[int], optimizer: torch.optim.Optimizer) -> None:
-    """Raises (or warns, or nothing: ``owner.config.optimizer_check``) when ``optimizer`` has momentum or weight
-    decay on parameters (of the ids ``reduced``) whose gradients ``owner``'s hook gives momentum to."""
-    config = owner.config
-    if config.optimizer_check == "off" or config.momentum is None or not config.momentum.accumulates:
-        return
-    for group in optimizer.param_groups:
-        doubled = [f"{name}={group[name]}" for name in ("momentum", "weight_decay") if group.get(name)]
-        if group.get("betas") and group["betas"][0]:  # Adam's first moment is a momentum
-            doubled.append(f"betas={tuple(group['betas'])}")
-        shared = sum(1 for p in group["params"] if id(p) in reduced)
-        if not doubled or not shared:
-            continue
-        message = (f"{type(optimizer).__name__} has {', '.join(doubled)} on {shared} parameter(s) whose gradients "
-                   f"the hook already gives momentum to ({type(owner).__name__}(momentum={config.momentum})): "
-                   f"momentum would be applied twice. Make the optimizer plain (torch.optim.SGD(params, lr): no "
-                   f"momentum, no weight decay) and give weight decay to the hook (gx.MomentumCorrection(..., "
-                   f"weight_decay=...)); or, to keep both on purpose, pass optimizer_check='warn' or 'off'")
-        if config.optimizer_check == "raise":
-            raise ValueError(message)
-        warnings.warn(message, UserWarning, stacklevel=3)

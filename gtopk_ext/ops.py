@@ -1,8 +1,6 @@
-"""Typed wrappers over the gtopk_ext ops, one per op.
-
-Every wrapper takes ``backend=None``: a name or a :class:`gtopk_ext.backends.Backend`; ``None`` reads
-``$GTOPK_EXT_BACKEND`` (default ``"auto"``). Each op's schema and argument checks are in csrc/ops.cpp (bad
-arguments raise RuntimeError, also under ``torch.compile``).
+"""Typed wrappers over the gtopk_ext ops, one per op, each taking ``backend=None`` (a name or a
+:class:`gtopk_ext.backends.Backend`; ``None`` reads ``$GTOPK_EXT_BACKEND``). Each op's schema and argument checks
+are in csrc/ops.cpp (bad arguments raise RuntimeError, also under ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -43,8 +41,8 @@ def _kernels(tensor: torch.Tensor, backend: BackendLike, op: str) -> SimpleNames
     return backend.kernels
 
 
-def _raise_on_invalid(invalid: torch.Tensor, op: str, numel: int) -> None:
-    skipped = int(invalid.item())
+def _raise_on_invalid(invalid: torch.Tensor, op: str, numel: int, check: bool) -> None:
+    skipped = int(invalid.item()) if check else 0
     if skipped:
         raise ValueError(f"{op}: {skipped} indices outside [0, {numel}) were skipped (corrupted message?)")
 
@@ -66,8 +64,7 @@ def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int, *,
 
     ``values`` (acc's dtype) and ``indices`` (int32) have ``capacity`` slots, padded with (0, 0); ``count``
     (int32[1]) is how many passed. When more than ``capacity`` pass, those above the threshold's histogram bin
-    are kept first, then the others in index order, so no large element is dropped.
-    """
+    are kept first, then the others in index order."""
     return _kernels(acc, backend, "compact").compact(acc, threshold, int(capacity))
 
 
@@ -96,8 +93,7 @@ def scatter_add_(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tenso
     """``dense[indices[j]] += values[j]`` in place, duplicate indices summed; returns ``dense``. Indices outside
     ``[0, dense.numel())`` are never written; with ``check`` they raise ValueError (one host sync)."""
     invalid = _kernels(dense, backend, "scatter_add").scatter_add(dense, indices, values)
-    if check:
-        _raise_on_invalid(invalid, "scatter_add", dense.numel())
+    _raise_on_invalid(invalid, "scatter_add", dense.numel(), check)
     return dense
 
 
@@ -106,17 +102,16 @@ def residual_update_(residual: torch.Tensor, indices: torch.Tensor, values: torc
     """``residual[indices[j]] -= values[j]`` in place (what was sent leaves the residual); returns ``residual``.
     Index rules as in :func:`scatter_add_`."""
     invalid = _kernels(residual, backend, "residual_update").residual_update(residual, indices, values)
-    if check:
-        _raise_on_invalid(invalid, "residual_update", residual.numel())
+    _raise_on_invalid(invalid, "residual_update", residual.numel(), check)
     return residual
 
 
 def wire_encode(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor, numel: int, *,
                 backend: BackendLike = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The compact wire: the first ``clamp(count, 0, k)`` slots of a message (indices ascending in
-    ``[0, numel)``) as ``(halves, low, pages, shift)``: float16 ``value * 2^shift`` (one shift per message: never
-    an overflow), the int16 low 16 bits of each index, and ``pages`` (int32, per 65536 elements plus one: how many
-    slots have a smaller index than the page's first). Slots past the count are (0, 0). No host sync on GPUs."""
+    """The compact wire: the first ``clamp(count, 0, k)`` slots of a message (indices ascending in ``[0, numel)``)
+    as ``(halves, low, pages, shift)``: float16 ``value * 2^shift`` (one shift per message: never an overflow), the
+    int16 low 16 bits of each index, and ``pages`` (int32, per 65536 elements plus one: how many slots have a
+    smaller index than the page's first). Slots past the count are (0, 0). No host sync on GPUs."""
     return _kernels(values, backend, "wire_encode").wire_encode(indices, values, count, int(numel))
 
 

@@ -1,8 +1,5 @@
-"""Which path a tensor takes in a step: the sparse collective at the step's density, a dense allreduce in bfloat16
-or in scaled 8-bit floats whose rounding stays in the residual, or a dense allreduce in the tensor's dtype.
-``auto`` takes the one a cost model predicts cheapest (docs/architecture.md), learned per tensor from the steps
-themselves: each rank reports its measured costs in the header the ranks exchange when the tensor's plan changes,
-and every rank decides from their mean by integer arithmetic, the same path everywhere.
+"""Which path a tensor takes in a step (docs/architecture.md): sparse, dense16, dense8 or dense; ``auto`` takes the
+one predicted cheapest from the costs every rank measured, agreed in the tensor's header: the same path everywhere.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from typing import Optional
 import torch
 
 from gtopk_ext._validate import check_int
-from gtopk_ext.collectives import COLLECTIVES, Agreement, Collective, DenseAllreduce, RoundedDense
+from gtopk_ext.collectives import COLLECTIVES, Agreement, Collective, DenseAllreduce
 from gtopk_ext.wire import Wire
 
 PATHS = ("sparse", "dense16", "dense", "dense8")  # ties go to the first: the more precise of two dense paths
@@ -23,7 +20,6 @@ ROUNDED = ("dense16", "dense8")  # the dense paths whose rounding stays in the r
 # The paths ``auto`` takes unless told otherwise. Not dense8: its rounding (up to 1/8 of an element) costs progress
 # per step, which the cost model does not price (docs/performance.md).
 AUTO_CHOICES = ("sparse", "dense16", "dense")
-_PS = 1e12  # the figures travel as integer picoseconds a unit
 _UNKNOWN = -1
 _EMA = 0.5  # weight of the newest measurement: the costs follow a change of load within a few steps
 # An untimed sparse exchange is predicted at this many times its bytes' time on the dense path's link: its merges
@@ -40,9 +36,8 @@ class PathPolicy:
 
     Args:
         mode: ``"auto"`` (default: the path the cost model predicts cheapest), or one path for every step that may
-            compress: ``"sparse"`` (the collective at the step's density), ``"dense16"`` (bfloat16 on the wire,
-            float32 sums, the rounding kept in the residual), ``"dense8"`` (8-bit floats scaled per message, the
-            same way; a tensor not in float32 takes ``"dense"`` for both) or ``"dense"`` (the tensor's dtype).
+            compress: ``"sparse"``, ``"dense16"``, ``"dense8"`` (a tensor not in float32 takes ``"dense"`` for
+            both) or ``"dense"`` (docs/architecture.md).
         min_compress_numel: tensors with fewer elements always take ``"dense"``.
         recalibrate_every: with ``"auto"``, the iterations between two agreements of the measured costs (a path
             taken for the first time is agreed on again at the next iteration, once it has been timed).
@@ -66,8 +61,17 @@ class PathPolicy:
         if not choices or any(c not in PATHS for c in choices) or len(set(choices)) < len(choices):
             raise ValueError(f"choices must be distinct paths of {PATHS}, got {self.choices!r}")
         object.__setattr__(self, "choices", choices)
-        if self.calibration is not None:
-            object.__setattr__(self, "calibration", _checked_calibration(self.calibration))
+        if self.calibration is None:
+            return
+        try:  # {index: {"numel": int, figure: int picoseconds or None}}
+            checked = {int(index): {"numel": int(entry["numel"]),
+                                    **{name: None if entry[name] is None else int(entry[name])
+                                       for name in CostModel.FIGURES}}
+                       for index, entry in dict(self.calibration).items()}
+        except (TypeError, ValueError, KeyError) as error:
+            raise ValueError(f"calibration must map tensor indices to {{'numel', {', '.join(CostModel.FIGURES)}}} "
+                             f"(a state_dict()['calibration']), got {self.calibration!r} ({error})") from None
+        object.__setattr__(self, "calibration", checked)
 
     @property
     def code(self) -> int:
@@ -76,19 +80,6 @@ class PathPolicy:
         if self.calibration is not None:
             code += 1024 * (1 + zlib.crc32(repr(sorted(self.calibration.items())).encode()))
         return code
-
-
-def _checked_calibration(calibration) -> dict[int, dict[str, Optional[int]]]:
-    """``calibration`` as ``{index: {"numel": int, figure: int picoseconds or None}}``, checked."""
-    try:
-        checked = {int(index): {"numel": int(entry["numel"]),
-                                **{name: None if entry[name] is None else int(entry[name])
-                                   for name in CostModel.FIGURES}}
-                   for index, entry in dict(calibration).items()}
-    except (TypeError, ValueError, KeyError) as error:
-        raise ValueError(f"calibration must map tensor indices to {{'numel', {', '.join(CostModel.FIGURES)}}} "
-                         f"(a state_dict()['calibration']), got {calibration!r} ({error})") from None
-    return checked
 
 
 def path_policy(path) -> PathPolicy:
@@ -101,9 +92,8 @@ def path_policy(path) -> PathPolicy:
 
 
 class CostModel:
-    """This rank's measured costs of one tensor's paths, in seconds: ``select`` per element of the tensor
-    compressed, ``slot`` per slot of a sparse exchange (bytes, merges and waiting together), ``dense16``,
-    ``dense`` and ``dense8`` per element of the dense paths (None: not measured yet)."""
+    """This rank's measured costs of one tensor's paths, in seconds: ``select`` per element compressed, ``slot`` per
+    slot of a sparse exchange, the dense paths' per element (None: not measured yet)."""
 
     __slots__ = FIGURES = ("select", "slot", "dense16", "dense", "dense8")
 
@@ -124,14 +114,13 @@ class CostModel:
         self._observe(path, seconds, numel)
 
     def report(self) -> dict[str, int]:
-        return {f"cost_{name}": _UNKNOWN if getattr(self, name) is None else round(getattr(self, name) * _PS)
+        return {f"cost_{name}": _UNKNOWN if getattr(self, name) is None else round(getattr(self, name) * 1e12)
                 for name in self.FIGURES}
 
 
 def own_seconds(queue, start: float, end: float) -> float:
-    """The seconds of its own of a collective issued at ``start`` and completed at ``end`` (``perf_counter``) on a
-    group that runs its collectives one after another: from the later of its issue and the completion of the one
-    before it, ``queue.busy_until``, which becomes ``end``."""
+    """The seconds of its own of a collective issued at ``start`` and completed at ``end`` on a group that runs its
+    collectives in turn: from the later of its issue and ``queue.busy_until`` (the previous one's end)."""
     seconds = end - max(start, queue.busy_until)
     queue.busy_until = end
     return seconds
@@ -149,9 +138,8 @@ def agreed_costs(headers: list[dict[str, int]]) -> dict[str, int | None]:
 
 def predicted(costs: dict[str, int | None], *, numel: int, k: int, size: int, dtype: torch.dtype,
               collective: Collective, wire: Wire) -> dict[str, int | None]:
-    """Each path's predicted picoseconds for one exchange (None: nothing to predict it from). A path not timed yet
-    is predicted from the dense path's time per byte: a rounded one from its bytes, sparse from :data:`UNTIMED_SPARSE`
-    times its bytes; once it was taken, from its own time."""
+    """Each path's predicted picoseconds for one exchange (None: nothing to predict it from): from its own time, or
+    before it was taken from its bytes at the dense path's time per byte (sparse: :data:`UNTIMED_SPARSE` times)."""
     dense = None if costs["dense"] is None else costs["dense"] * numel
     dense_bytes = DenseAllreduce().wire_bytes(numel, numel, size, dtype)
 
@@ -161,9 +149,8 @@ def predicted(costs: dict[str, int | None], *, numel: int, k: int, size: int, dt
     times = {"dense": dense}
     if dtype == torch.float32:
         for path in ROUNDED:
-            rounded: RoundedDense = COLLECTIVES[path]()
             times[path] = (costs[path] * numel if costs[path] is not None else
-                           on_the_link(rounded.wire_bytes(numel, k, size, dtype)))
+                           on_the_link(COLLECTIVES[path]().wire_bytes(numel, k, size, dtype)))
     exchange = (costs["slot"] * k if costs["slot"] is not None else
                 on_the_link(collective.wire_bytes(numel, k, size, dtype, wire), UNTIMED_SPARSE))
     times["sparse"] = None if exchange is None else exchange + (costs["select"] or 0) * numel
@@ -183,10 +170,9 @@ def choose(times: dict[str, int | None]) -> str:
 
 class PathPlan:
     """What the ranks agreed for one tensor: the ``agreement`` of its header, the ``path`` decided with it, and,
-    for ``auto``, the ``round`` of agreement (a header field), the iteration ``until`` which it holds, this rank's
-    measured ``costs``, the ``sparse_steps`` since its last dense one, the header ``decided`` from (one agreed again
-    unchanged, after a resume, is not decided again), the ``agreed`` costs, and how many decisions were
-    ``measured`` (from this run's timings, not a calibration)."""
+    for ``auto``, the ``round`` of agreement, the iteration ``until`` which it holds, this rank's measured ``costs``,
+    the ``sparse_steps`` since its last dense one, the header ``decided`` from, the ``agreed`` costs, and how many
+    decisions were ``measured`` (from this run's timings, not a calibration)."""
 
     __slots__ = ("agreement", "path", "round", "until", "costs", "sparse_steps", "decided", "agreed", "measured")
     SAVED = ("path", "round", "until", "sparse_steps", "decided", "agreed", "measured")
@@ -204,9 +190,8 @@ class PathPlan:
 
     def decide(self, policy: PathPolicy, times: dict[str, int | None], costs: dict[str, int | None],
                iteration: int, *, k: int, numel: int) -> None:
-        """The cheapest path of the policy's choices (dense when it has none for this tensor), agreed on again at
-        the next iteration when it has not been timed yet; sparse again when a dense step would send more than
-        :data:`MAX_FLUSH_STEPS` steps' worth of residual at once."""
+        """The cheapest path of the policy's choices (dense when it has none), agreed on again at the next iteration
+        when not timed yet; sparse while a dense step would send over :data:`MAX_FLUSH_STEPS` steps of residual."""
         times = {path: t for path, t in times.items() if path in policy.choices} or {"dense": times["dense"]}
         if self.sparse_steps > MAX_FLUSH_STEPS and k * MAX_FLUSH_STEPS < numel:
             times = {"sparse": times["sparse"]}

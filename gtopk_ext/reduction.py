@@ -27,7 +27,7 @@ from gtopk_ext.hierarchical import hierarchical_allreduce
 from gtopk_ext.message import SparseMessage, padding_message
 from gtopk_ext.momentum import clip, increment, mask
 from gtopk_ext.ops import is_finite
-from gtopk_ext.paths import ROUNDED, PathPlan, PathPolicy, agreed_costs, own_seconds, predicted
+from gtopk_ext.paths import ROUNDED, PathPlan, agreed_costs, own_seconds, predicted
 from gtopk_ext.wire import Rounding, Wire
 
 FLAG_NONFINITE = 1  # a flag bit carried inside the sparse payload (every rank learns the OR)
@@ -56,9 +56,8 @@ class StepStats:
 
 
 class Slot:
-    """What the reduction keeps per tensor between steps (a DDP bucket, an FSDP parameter group): the ``plan`` agreed
-    with the other ranks, the latest ``stats``, Ok-Topk's state, and ``bound``: (residual, a bound on its max |value|)
-    from the latest sparse step, so that the next can tell that grad + residual is finite without summing them."""
+    """What the reduction keeps per tensor between steps: the ``plan`` agreed with the other ranks, the latest
+    ``stats``, Ok-Topk's state, and ``bound``: (residual, a bound on its max |value|) from the latest sparse step."""
 
     __slots__ = ("plan", "stats", "oktopk", "bound")
 
@@ -95,38 +94,32 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     """One step of ``tensor`` (flat: this rank's gradient of the front end's tensor ``index``) over ``group``: a
     future of ``tensor``, which becomes the average over the ranks of what was applied.
 
-    1. Plan (:func:`plan_path`): k from the iteration, the density schedule and the tensor's size; the path dense
-       during the warm-up, for small tensors and the dense collective, else ``config.path``'s (``auto``: the
-       cheapest that the ranks' measured costs, or the policy's calibration, predict). The ranks exchange a header
-       only when the plan changes, and all raise the same error if they differ.
+    1. Plan (:func:`plan_path`): k from the iteration's density, and the path every rank takes (dense during the
+       warm-up, for small tensors and the dense collective, else ``config.path``'s).
     2. Prepare: DGC's clipping and momentum correction (``weights``: the parameters laid end to end as in
-       ``tensor``, for weight decay) make the gradient what enters the residual; each part's largest |gradient|
-       (``parts``: their sizes) tells which parts this rank did not use (their residual waits) and whether
-       grad + residual can be non-finite.
-    3. Reduce (sparse, :func:`reduce`): acc = grad + residual is compressed to k slots and reduced by the
-       collective (or the hierarchical one); what was not applied stays in the residual. A rank whose acc is not
-       finite raises a flag instead.
+       ``tensor``, for weight decay); each part's largest |gradient| (``parts``: their sizes) tells which parts
+       this rank did not use (their residual waits) and whether grad + residual can be non-finite.
+    3. Reduce (sparse, :func:`reduce`): acc = grad + residual compressed to k slots, reduced by the collective (or
+       the hierarchical one); what was not applied stays in the residual. A rank whose acc is not finite raises a
+       flag instead.
     4. Keep: the loss scaler's record of what the step took (``scaling``), and momentum factor masking.
     5. Dense (the warm-up, small tensors, the dense collective, a flag from any rank): the tensor, plus any residual
-       it holds, / P, allreduced asynchronously; dense16 and dense8 average all of grad + residual in bfloat16 or
-       scaled 8-bit floats (float32 sums), the rounding kept in the residual.
+       it holds, averaged; dense16 and dense8 in bfloat16 or scaled 8-bit floats, the rounding kept in the residual.
 
     ``queue``: its ``busy_until`` is when this group's latest asynchronous allreduce completed (the DDP hook's
     worker), so that a dense step's own time is told from its wait in the queue."""
-    size = dist.get_world_size(group)
     numel = tensor.numel()
     stats = slot.stats = StepStats("dense", numel, numel, selected=numel)
     # 1. Plan.
     may_compress = config.collective != "dense" and iteration >= config.start_iter
     density = config.density_at(iteration) if may_compress else 1.0
     k = k_for_density(density, numel) if may_compress else None
-    path = stats.path = plan_path(tensor, group, slot.plan, config.path, iteration=iteration, k=k, index=index,
-                                  collective=config.reducer, wire=config.wire, what=what,
-                                  volatile={"iter": iteration, "index": index}, traffic=stats.traffic)
+    path = stats.path = plan_path(tensor, group, slot.plan, config, iteration=iteration, k=k, index=index, what=what,
+                                  traffic=stats.traffic)
     # 2. Prepare.
     correction = config.momentum
     if correction is not None and correction.clip_norm is not None:
-        clip(tensor, correction.clip_norm / math.sqrt(size))
+        clip(tensor, correction.clip_norm / math.sqrt(dist.get_world_size(group)))
     accumulates = correction is not None and correction.accumulates
     record = None if scaling is None else functools.partial(scaling.velocities_before.__setitem__, index)
     if path != "sparse":
@@ -138,45 +131,36 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
         held = memory.held("residual") if config.error_feedback else None
         if held is not None:  # 5. a residual left by sparse steps (or another layout) is sent too
             tensor.add_(held)
-            memory.forget("residual")
-            if scaling is not None:
-                scaling.taken[index] = (None, held)
-        return _allreduce(tensor, slot, group, size, queue)
+        return _dense(tensor, held, slot, memory, group, queue, scaling, index)
     stats.k, stats.selected = k, 0
     compressor = config.compressor_at(density)
-    backend = compressor.backend[tensor.device]
-    if config.hierarchical is not None:
-        return _reduce_hierarchical(tensor, slot, memory, config, compressor, k, index, iteration, group, parts,
-                                    scaling, queue)
     start = perf_counter()
     residual = memory.get("residual") if config.error_feedback else None
     maxima = part_maxima(tensor, parts).tolist()
     velocity = None
-    if accumulates and all(math.isfinite(m) for m in maxima):  # tensor becomes the increment of the residual
-        velocity = memory.get("velocity")
-        increment(correction, velocity, tensor, weights, parts, maxima, record=record, sent_whole=False)
-        maxima = [0.0 if old == 0 else new for old, new in zip(maxima, part_maxima(tensor, parts).tolist())]
-    finite = _accumulation_is_finite(tensor, residual, maxima, slot)
-
-    # 3. Reduce: select (unless acc is not finite: then a flag), exchange, keep what was not applied.
-    msg = None
-    if finite:
-        begin = perf_counter()
-        msg, bound = select(compressor, tensor, residual, maxima, parts, k, iteration * STEPS_PER_ITER + index)
-        slot.bound = (residual, bound) if residual is not None and bound is not None else None
-        stats.select_seconds = perf_counter() - begin
-    outcome = reduce(tensor, residual, msg, config.reducer, group, k=k, wire=config.wire, backend=backend,
-                     traffic=stats.traffic, state=slot.oktopk)
+    if config.hierarchical is not None:
+        outcome, finite = _reduce_hierarchical(tensor, residual, maxima, slot, config, compressor, k,
+                                               iteration * STEPS_PER_ITER + index, group, parts)
+    else:
+        if accumulates and all(math.isfinite(m) for m in maxima):  # tensor becomes the increment of the residual
+            velocity = memory.get("velocity")
+            increment(correction, velocity, tensor, weights, parts, maxima, record=record, sent_whole=False)
+            maxima = [0.0 if old == 0 else new for old, new in zip(maxima, part_maxima(tensor, parts).tolist())]
+        finite = _accumulation_is_finite(tensor, residual, maxima, slot)
+        # 3. Reduce: select (unless acc is not finite: then a flag), exchange, keep what was not applied.
+        msg = None
+        if finite:
+            begin = perf_counter()
+            msg, bound = select(compressor, tensor, residual, maxima, parts, k, iteration * STEPS_PER_ITER + index)
+            slot.bound = (residual, bound) if residual is not None and bound is not None else None
+            stats.select_seconds = perf_counter() - begin
+        outcome = reduce(tensor, residual, msg, config.reducer, group, k=k, wire=config.wire,
+                         backend=compressor.backend[tensor.device], traffic=stats.traffic, state=slot.oktopk)
     stats.selected = outcome.msg.count
     stats.exchange_seconds = perf_counter() - start - stats.select_seconds
-    if outcome.nonfinite:  # 5. every rank goes dense
-        stats.path, stats.k, stats.selected = "nonfinite", numel, numel
-        if finite and residual is not None:  # its whole sum is in tensor: nothing stays behind
-            memory.forget("residual")
-            slot.bound = None
-            if scaling is not None:
-                scaling.taken[index] = (None, residual)
-        return _allreduce(tensor, slot, group, size, queue)
+    if outcome.nonfinite:  # 5. every rank goes dense; a finite rank's whole sum is in tensor
+        stats.path = "nonfinite"
+        return _dense(tensor, residual if finite else None, slot, memory, group, queue, scaling, index)
     slot.plan.costs.observe_sparse(numel, k, stats.select_seconds, stats.exchange_seconds)
 
     # 4. Keep.
@@ -187,44 +171,34 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     return _done(tensor)
 
 
-def _reduce_hierarchical(tensor: torch.Tensor, slot: Slot, memory: Memory, config: SparseConfig, compressor, k: int,
-                         index: int, iteration: int, group: dist.ProcessGroup, parts: Optional[list[int]],
-                         scaling: Optional[LossScaling], queue) -> torch.futures.Future:
-    """Steps 3-5 with ``config.hierarchical``: the collective selects, from this rank's shard of its node's sum,
-    and raises the non-finite flag inside its payloads."""
-    stats, start = slot.stats, perf_counter()
-    residual = memory.get("residual") if config.error_feedback else None
-    maxima = part_maxima(tensor, parts).tolist()
+def _reduce_hierarchical(tensor: torch.Tensor, residual: Optional[torch.Tensor], maxima: list[float], slot: Slot,
+                         config: SparseConfig, compressor, k: int, step: int, group: dist.ProcessGroup,
+                         parts: Optional[list[int]]) -> tuple[Outcome, bool]:
+    """Step 3 with ``config.hierarchical``, whose collective selects (from this rank's shard of its node's sum) and
+    raises the flag; after a flag, whether this rank's grad + residual is finite (then all of it is in ``tensor``)."""
     held = hold_unused(residual, maxima, parts) if residual is not None else []
     rounding = Rounding()
     result = hierarchical_allreduce(tensor, residual, compressor, k, config.hierarchical.local_size, group,
-                                    inner=config.collective, inner_state=slot.oktopk,
-                                    step=iteration * STEPS_PER_ITER + index, traffic=stats.traffic,
-                                    nonfinite_flag=FLAG_NONFINITE, wire=config.wire, rounding=rounding)
+                                    inner=config.collective, inner_state=slot.oktopk, step=step,
+                                    traffic=slot.stats.traffic, nonfinite_flag=FLAG_NONFINITE, wire=config.wire,
+                                    rounding=rounding)
     for part, saved in held:  # kept out of this step: its parameter was unused here
         part.add_(saved)
-    stats.selected, stats.exchange_seconds = result.msg.count, perf_counter() - start
-    if result.average is None:  # a flag: every rank goes dense, nothing was changed
-        stats.path, stats.k, stats.selected = "nonfinite", tensor.numel(), tensor.numel()
-        if residual is not None and _accumulation_is_finite(tensor, residual, maxima, slot):
+    errors = rounding.pairs(tensor.dtype, tensor.device)
+    if result.average is None:  # a flag: nothing was changed
+        finite = residual is not None and _accumulation_is_finite(tensor, residual, maxima, slot)
+        if finite:
             tensor.add_(residual)
-            memory.forget("residual")
-            if scaling is not None:
-                scaling.taken[index] = (None, residual)
-        return _allreduce(tensor, slot, group, dist.get_world_size(group), queue)
-    slot.plan.costs.observe_sparse(tensor.numel(), k, 0.0, stats.exchange_seconds)
+        return Outcome(result.msg, result.applied, errors, nonfinite=True), finite
     tensor.copy_(result.average)
-    if residual is not None and scaling is not None:
-        kept = Outcome(result.msg, result.applied, rounding.pairs(residual.dtype, residual.device))
-        scaling.taken[index] = kept.taken()
-    return _done(tensor)
+    return Outcome(result.msg, result.applied, errors), True
 
 
 def _reduce_rounded(path: str, tensor: torch.Tensor, slot: Slot, memory: Memory, config: SparseConfig, index: int,
                     group: dist.ProcessGroup, parts: Optional[list[int]],
                     scaling: Optional[LossScaling]) -> torch.futures.Future:
-    """Step 5 on a rounded dense path (dense16, dense8): all of grad + residual is sent, the rounding stays in the
-    residual. A part this rank did not use keeps its residual out, as on the sparse path."""
+    """Step 5 on a rounded dense path (dense16, dense8): all of grad + residual is sent (but a part this rank did not
+    use), the rounding stays in the residual."""
     start = perf_counter()
     residual, held = None, []
     if config.error_feedback:
@@ -243,17 +217,23 @@ def _reduce_rounded(path: str, tensor: torch.Tensor, slot: Slot, memory: Memory,
     return _done(tensor)
 
 
-def _allreduce(tensor: torch.Tensor, slot: Slot, group: dist.ProcessGroup, size: int,
-               queue) -> torch.futures.Future:
-    """Step 5: ``tensor / P`` allreduced asynchronously; its time, less its wait behind the group's earlier
-    allreduces, is the dense path's cost."""
+def _dense(tensor: torch.Tensor, residual: Optional[torch.Tensor], slot: Slot, memory: Memory,
+           group: dist.ProcessGroup, queue, scaling: Optional[LossScaling], index: int) -> torch.futures.Future:
+    """Step 5: ``tensor / P`` allreduced asynchronously, its own time the dense path's cost; ``residual``: all of it
+    is in ``tensor``, so none stays (a step the loss scaler skips puts it back)."""
     stats, plan = slot.stats, slot.plan
+    stats.k = stats.selected = tensor.numel()
+    if residual is not None:
+        memory.forget("residual")
+        slot.bound = None
+        if scaling is not None:
+            scaling.taken[index] = (None, residual)
 
     def done(start: float, end: float) -> None:
         stats.exchange_seconds = end - start
         plan.costs.observe_dense(tensor.numel(), end - start if queue is None else own_seconds(queue, start, end))
 
-    return _DENSE["dense"].reduce_dense(tensor, group, size, stats.traffic, on_done=done)
+    return _DENSE["dense"].reduce_dense(tensor, group, dist.get_world_size(group), stats.traffic, on_done=done)
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future:
@@ -269,20 +249,18 @@ def _accumulation_is_finite(tensor: torch.Tensor, residual: Optional[torch.Tenso
         return False
     if residual is None:
         return True
-    if slot.bound is not None and slot.bound[0] is residual:
-        if max(maxima) + float(slot.bound[1]) < torch.finfo(tensor.dtype).max:
-            return True
+    bound = slot.bound
+    if bound is not None and bound[0] is residual and max(maxima) + float(bound[1]) < torch.finfo(tensor.dtype).max:
+        return True
     return is_finite(tensor + residual)
 
 
-def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, policy: PathPolicy, *,
-              iteration: int, k: int | None, index: int, collective: Collective, wire: Wire, what: str,
-              volatile: dict[str, int] | None = None, traffic: Traffic | None = None) -> str:
+def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, config: SparseConfig, *,
+              iteration: int, k: int | None, index: int, what: str, traffic: Traffic | None = None) -> str:
     """Step 1: the ranks check they share ``tensor``'s plan (size, dtype, k, wire, policy; the header crosses only
-    when it changes) and take the same path: ``"sparse"``, ``"dense16"``, ``"dense8"`` or ``"dense"``. ``k``: None
-    when the tensor may not compress this step (it goes dense). With ``auto`` the header carries each rank's
-    measured costs (``plan.costs``), and the path follows from their mean, or from the policy's calibration."""
-    numel, size = tensor.numel(), dist.get_world_size(group)
+    when it changes) and take the same path (``k`` None: the tensor may not compress, it goes dense). With ``auto``
+    the path follows from the mean of the ranks' measured costs in the header, or from the policy's calibration."""
+    numel, size, policy, wire = tensor.numel(), dist.get_world_size(group), config.path, config.wire
     compress = k is not None and numel >= max(policy.min_compress_numel, 1)
     auto = compress and policy.mode == "auto"
     if auto and iteration >= plan.until:
@@ -290,7 +268,7 @@ def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, po
     fields = {**message_fields(numel, tensor.dtype, compress, k if compress else numel, wire),
               "policy": policy.code, "round": plan.round if auto else 0}
     headers = agree(fields, group, tensor.device, what, traffic=traffic, agreement=plan.agreement,
-                    volatile=volatile, reported=plan.costs.report())
+                    volatile={"iter": iteration, "index": index}, reported=plan.costs.report())
     if not compress:
         plan.path = "dense"
     elif not auto:
@@ -303,7 +281,7 @@ def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, po
         plan.agreed = calibrated or {"numel": numel, **agreed_costs(headers)}
         plan.measured += calibrated is None
         plan.decide(policy, predicted(plan.agreed, numel=numel, k=k, size=size, dtype=tensor.dtype,
-                                      collective=collective, wire=wire), plan.agreed, iteration, k=k, numel=numel)
+                                      collective=config.reducer, wire=wire), plan.agreed, iteration, k=k, numel=numel)
         plan.decided = fields
     plan.sparse_steps = plan.sparse_steps + 1 if plan.path == "sparse" else 0
     return plan.path
@@ -313,7 +291,7 @@ def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, po
 class Outcome:
     """What :func:`reduce` did on this rank: ``msg``, the slots it sent; ``applied``, the mask of those in the
     average (None: all); ``errors``, (indices, errors) of the wire's rounding, now in its residual; ``nonfinite``:
-    a rank's sum was not finite, nothing was applied, every rank goes dense (this rank's tensor holds what to send)."""
+    a rank's sum was not finite, nothing was applied."""
 
     msg: SparseMessage
     applied: torch.Tensor | None
@@ -330,12 +308,10 @@ class Outcome:
 def reduce(tensor: torch.Tensor, residual: torch.Tensor | None, msg: SparseMessage | None, collective: Collective,
            group: dist.ProcessGroup, *, k: int, wire: Wire, backend: Backend | None, traffic: Traffic | None = None,
            state=None, out: torch.Tensor | None = None) -> Outcome:
-    """The sparse exchange of ``tensor`` (flat) over ``group``, after the selection: ``msg`` is ``tensor +
-    residual`` compressed to k slots, the rest left in ``residual``, or None from a rank whose sum is not finite (it
-    raises a flag inside the payloads). ``out`` (default ``tensor``) becomes the average of what was applied; what
-    was not goes back into the residual. After a flag nothing is applied and every rank goes dense: a finite rank
-    with all of ``tensor + residual`` (now in its ``tensor`` and its residual), the others with their tensor."""
-    size = dist.get_world_size(group)
+    """The sparse exchange of ``tensor`` (flat) over ``group``: ``msg`` is ``tensor + residual`` compressed to k
+    slots, the rest left in ``residual``, or None from a rank whose sum is not finite (it raises a flag). ``out``
+    (default ``tensor``) becomes the average of what was applied; what was not goes back into the residual. After
+    a flag nothing is applied: a finite rank's ``tensor`` holds all of its ``tensor + residual``."""
     finite = msg is not None
     flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
     if not finite:
@@ -351,5 +327,5 @@ def reduce(tensor: torch.Tensor, residual: torch.Tensor | None, msg: SparseMessa
         return Outcome(msg, nothing, rounding.pairs(tensor.dtype, tensor.device), nonfinite=True)
     errors = (keep_unapplied(residual, msg, reduced.applied, rounding, backend) if residual is not None
               else rounding.pairs(tensor.dtype, tensor.device))
-    reduced.average_into(tensor if out is None else out, size, backend)
+    reduced.average_into(tensor if out is None else out, dist.get_world_size(group), backend)
     return Outcome(msg, reduced.applied, errors)

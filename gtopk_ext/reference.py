@@ -1,7 +1,5 @@
-"""Plain-PyTorch versions of every gtopk_ext op: slow, obvious, and the oracle of the tests.
-
-Each function has the semantics of the op of the same name in ``csrc/ops.cpp`` (including in-place updates).
-"""
+"""Plain-PyTorch versions of every gtopk_ext op, with the semantics of the op of the same name in csrc/ops.cpp
+(in-place updates included): slow, obvious, and the oracle of the tests."""
 
 from __future__ import annotations
 
@@ -55,13 +53,9 @@ def gaussian_threshold(grad: torch.Tensor, residual: torch.Tensor | None, z: flo
     finite_or_inf = magnitude[~torch.isnan(magnitude)]
     max_abs = float(finite_or_inf.max()) if finite_or_inf.numel() else 0.0
     gaussian = float(np.float32(abs(mean) + z * std))
-    stats = torch.empty(NUM_STATS, dtype=torch.float32)
-    stats[STAT_MEAN] = mean
-    stats[STAT_STD] = std
-    stats[STAT_MAX_ABS] = max_abs
-    stats[STAT_GAUSSIAN_THRESHOLD] = gaussian
-    stats[STAT_THRESHOLD] = threshold_from_histogram(histogram(acc), k, max_abs) if k > 0 else gaussian
-    return stats.to(grad.device)
+    threshold = threshold_from_histogram(histogram(acc), k, max_abs) if k > 0 else gaussian
+    # In the order of the STAT_* indices.
+    return torch.tensor([mean, std, max_abs, gaussian, threshold], dtype=torch.float32).to(grad.device)
 
 
 def sure_threshold(threshold: float) -> float:
@@ -147,9 +141,8 @@ def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch
 
 def _signed_scatter(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, sign: float) -> torch.Tensor:
     """Duplicates in slot order (a stable sort by index), summed in float32 from dense's value, one rounding per
-    index. A run of equal indices that enters a new tile of ``_contract.SCATTER_TILE`` sorted slots sums each
-    tile's piece from -0.0 and adds the pieces in order, as the GPU kernels do (the CPU kernel adds one slot at a
-    time, rounding each)."""
+    index; a run of equal indices over several tiles of ``_contract.SCATTER_TILE`` sorted slots sums each tile's
+    piece from -0.0 and adds the pieces in order, as the GPU kernels do."""
     flat = dense.view(-1)
     n = flat.numel()
     order = sorted(range(indices.numel()), key=indices.tolist().__getitem__)

@@ -1,10 +1,8 @@
 """The wire formats of the sparse collectives: how a message's k (index, value) slots become the bytes sent.
 
-* :class:`PlainWire` (``"plain"``): int32 indices, then the values in their dtype: 8 bytes a pair in float32, exact.
-* :class:`CompactWire` (``"compact"``): :func:`gtopk_ext.ops.wire_encode`: 4 bytes a pair (a float16 value after
-  one power-of-two scale per message, the index's low 16 bits) plus 4 bytes per 65536 elements. Only the used
-  slots (``min(count, k)``, ascending) are sent; the receiver gets the others as (0, 0). The float16 rounding
-  errors go to a :class:`Rounding`, which the reduction adds to the residual, each error by exactly one rank.
+* :class:`PlainWire` (``"plain"``): int32 indices, then the values in their dtype: exact.
+* :class:`CompactWire` (``"compact"``): :func:`gtopk_ext.ops.wire_encode`'s 4 bytes a pair, the used slots only;
+  the rounding errors go to a :class:`Rounding`, which the reduction adds to the residual (by exactly one rank).
 
 A payload is one uint8 tensor: the head (int32 words: the count, then any flags), then the format's parts.
 """

@@ -4,7 +4,9 @@ step the one reduction of every front end (:func:`gtopk_ext.reduction.reduce_ste
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations against dist.GradBucket.
+import functools
 import logging
+from itertools import accumulate
 from typing import Optional, Sequence
 
 import torch
@@ -12,9 +14,9 @@ import torch.distributed as dist
 
 from gtopk_ext._worker import Disagreement, Worker, complete, fail, future_on
 from gtopk_ext.collectives import DTYPE_CODES, group_rank_and_size
-from gtopk_ext.ddp.state import RunTotals, SparseGradState
+from gtopk_ext.ddp.state import SparseGradState
 from gtopk_ext.ddp.store import BucketMemory, Layout
-from gtopk_ext.reduction import Slot, StepStats, reduce_step
+from gtopk_ext.reduction import Slot, reduce_step
 
 logger = logging.getLogger("gtopk_ext.ddp")
 
@@ -34,11 +36,9 @@ def sparse_grad_hook(state: SparseGradState, bucket: dist.GradBucket) -> torch.f
     4. End the iteration (its last bucket): count the run's totals, advance ``state.iter``, log.
     5. Complete the bucket's future once its exchange is done.
 
-    Why a worker thread, not a chain of futures as in PowerSGD's hook: on Gloo a future's callback runs on the
-    thread that completed the previous collective, so a callback issuing the next collective races the autograd
-    thread issuing the next bucket's, and ranks can issue them in different orders; one thread per state, taking
-    the buckets in DDP's order, issues every collective in the same order on every rank. The last bucket of an
-    iteration returns once every bucket has been issued, as DDP issues collectives of its own right after it.
+    Why a worker thread, not a chain of futures as in PowerSGD's hook: on Gloo a callback runs on the thread that
+    completed the previous collective, so ranks could issue collectives in different orders; one thread per state
+    issues them in DDP's order. The last bucket returns once every bucket is issued (DDP's own collectives follow).
     """
     return reduce_buffer(state, bucket.buffer(), bucket.index(), is_last=bucket.is_last(),
                          parameters=bucket.parameters())
@@ -60,10 +60,7 @@ def reduce_buffer(state: SparseGradState, buffer: torch.Tensor, bucket_index: in
     if worker.failure is not None:
         raise RuntimeError(f"sparse_grad_hook: an earlier exchange failed ({worker.failure}); the state "
                            f"cannot go on") from worker.failure
-
-    def job(result: torch.futures.Future) -> None:
-        _reduce_bucket(state, buffer, bucket_index, is_last, parameters, result)
-
+    job = functools.partial(_reduce_bucket, state, buffer, bucket_index, is_last, parameters)
     if not state.synchronous:
         result = worker.submit(job, buffer.device)
         if is_last:
@@ -104,7 +101,16 @@ def _reduce_bucket(state: SparseGradState, buffer: torch.Tensor, index: int, is_
     # 4. End the iteration.
     if is_last:
         scaling.open = store.restored = False
-        _count_step(state.totals, [slot.stats for slot in state.buckets.values() if slot.stats is not None])
+        # The run's totals count only the stats new since the previous iteration (see RunTotals.counted).
+        totals, buckets = state.totals, [slot.stats for slot in state.buckets.values() if slot.stats is not None]
+        new = [b for b in buckets if id(b) not in totals.counted]
+        totals.counted = {id(b): b for b in buckets}
+        totals.steps += 1
+        totals.compressed_steps += any(b.path == "sparse" for b in new)
+        totals.bytes_sent += sum(b.traffic.sent for b in new)
+        totals.bytes_received += sum(b.traffic.received for b in new)
+        for b in new:
+            totals.paths[b.path] = totals.paths.get(b.path, 0) + 1
         state.iter += 1
         if state.stats_logging_frequency and state.iter % state.stats_logging_frequency == 0:
             total = state.stats()["total"]
@@ -128,18 +134,6 @@ def _reduce_bucket(state: SparseGradState, buffer: torch.Tensor, index: int, is_
     reduced.add_done_callback(forward)
 
 
-def _count_step(totals: RunTotals, buckets: list[StepStats]) -> None:
-    """Step 4's count of one iteration, made of the buckets' stats that are new since the previous iteration."""
-    new = [b for b in buckets if id(b) not in totals.counted]
-    totals.counted = {id(b): b for b in buckets}
-    totals.steps += 1
-    totals.compressed_steps += any(b.path == "sparse" for b in new)
-    totals.bytes_sent += sum(b.traffic.sent for b in new)
-    totals.bytes_received += sum(b.traffic.received for b in new)
-    for b in new:
-        totals.paths[b.path] = totals.paths.get(b.path, 0) + 1
-
-
 def _reduce(state: SparseGradState, tensor: torch.Tensor, index: int, layout: Layout,
             parameters: Optional[list[torch.Tensor]]) -> torch.futures.Future:
     """Step 3 of one bucket (or one part of a bucket, in a checkpoint's layout)."""
@@ -159,10 +153,7 @@ def _reduce(state: SparseGradState, tensor: torch.Tensor, index: int, layout: La
 def _reduce_in_parts(state: SparseGradState, buffer: torch.Tensor, layout: Layout,
                      parameters: list[torch.Tensor], parts: list[tuple[int, Layout]]) -> torch.futures.Future:
     """A bucket made of the checkpoint's buckets is reduced as those buckets, then put together again."""
-    offsets, offset = {}, 0
-    for ordinal, numel in layout:
-        offsets[ordinal] = offset
-        offset += numel
+    offsets = dict(zip((o for o, _ in layout), accumulate((n for _, n in layout), initial=0)))
     by_ordinal = dict(zip((o for o, _ in layout), parameters))
     slices = [[slice(offsets[o], offsets[o] + n) for o, n in part_layout] for _, part_layout in parts]
     futures = [_reduce(state, torch.cat([buffer[s] for s in part_slices]), index, part_layout,
@@ -174,11 +165,8 @@ def _reduce_in_parts(state: SparseGradState, buffer: torch.Tensor, layout: Layou
     def scatter_back(_):
         try:
             for future, part_slices in zip(futures, slices):
-                reduced, offset = future.value(), 0
-                for s in part_slices:
-                    width = s.stop - s.start
-                    buffer[s] = reduced[offset:offset + width]
-                    offset += width
+                for s, piece in zip(part_slices, future.value().split([s.stop - s.start for s in part_slices])):
+                    buffer[s] = piece
         except BaseException as error:  # noqa: BLE001 - a part's failure is the bucket's
             fail(result, error)
         else:

@@ -26,8 +26,8 @@ SUMMARY_BUCKETS = 12  # rows of buckets a summary shows: it fits one screen
 
 
 class RunTotals:
-    """This rank's counts over the run, at the end of each iteration (saved: a resume goes on): ``steps``,
-    ``compressed_steps`` (a bucket sparse), ``bytes_sent``, ``bytes_received``, ``paths`` (bucket steps per path)."""
+    """This rank's counts over the run (saved): ``steps``, ``compressed_steps`` (a bucket sparse), ``bytes_sent``,
+    ``bytes_received``, ``paths`` (bucket steps per path)."""
 
     FIELDS = ("steps", "compressed_steps", "bytes_sent", "bytes_received")
 
@@ -55,17 +55,14 @@ class SparseGradState:
         start_iter: iterations of dense allreduce before compressing: at least 2 with error feedback, as DDP
             rebuilds its buckets after the first iteration.
         scaler: a ``torch.amp.GradScaler`` to follow (call ``scaler.update()`` once per step, without
-            ``new_scale``): the residuals are kept at the latest step's loss scale, and what a step the scaler skips
-            took out of them goes back, and so do the velocities; a skipped step's dense buckets are dropped with
-            it, as in plain DDP.
+            ``new_scale``): the residuals and velocities follow its loss scale, and a step it skips gives back
+            what it took from them (its dense buckets are dropped, as in plain DDP).
 
-    Fields: ``process_group``; ``config`` (the :class:`gtopk_ext.SparseConfig`); ``iter`` (iterations done,
-    advanced on ``bucket.is_last()``); ``store`` (:class:`gtopk_ext.ddp.store.BucketStore`: per bucket the
-    residual, ``store.residuals``, and the velocity); ``buckets`` (per bucket index, its
-    :class:`gtopk_ext.reduction.Slot`); ``totals`` (:class:`RunTotals`); ``loss_scaling``
-    (:class:`gtopk_ext.amp.LossScaling`); ``worker`` (the thread that reduces the buckets in DDP's order);
-    ``stats_logging_frequency`` (log :meth:`stats` at INFO on logger ``gtopk_ext.ddp`` every this many iterations;
-    0: never); ``synchronous`` (finish each bucket inside the hook call, for debugging: bitwise the same results).
+    Fields: ``process_group``; ``config``; ``iter`` (iterations done); ``store`` (per bucket the residual,
+    ``store.residuals``, and the velocity); ``buckets`` (per bucket index, its reduction ``Slot``); ``totals``;
+    ``loss_scaling``; ``worker`` (the thread that reduces the buckets in DDP's order); ``stats_logging_frequency``
+    (log :meth:`stats` at INFO every this many iterations; 0: never); ``synchronous`` (finish each bucket inside
+    the hook call, for debugging).
 
     With error feedback on, every element of ``grad + residual`` on every rank is either in the average a step
     returns or in the new residual, in float32, bfloat16 and float16, also when a rank's sum is not finite, a
@@ -102,12 +99,10 @@ class SparseGradState:
     @classmethod
     def recipe(cls, density: float = 0.01, warmup_steps: int = 44, process_group: Optional[dist.ProcessGroup] = None,
                momentum: float = 0.9, **options) -> "SparseGradState":
-        """The settings that train as fast per step as dense SGD with momentum, at a fraction of its bytes
-        (docs/performance.md): two dense steps, then Deep Gradient Compression's exponential warm-up of the density
-        from 0.25 to ``density`` over ``warmup_steps`` steps, and Nesterov momentum correction ``momentum`` in the
-        hook, its masking from the warm-up's end; ``options``: the other arguments. Train with an optimizer
-        WITHOUT momentum or weight decay, ``torch.optim.SGD(model.parameters(), lr)`` (one with either is reported
-        before its first step)::
+        """The recommended settings (docs/performance.md): two dense steps, then DGC's exponential warm-up of the
+        density from 0.25 to ``density`` over ``warmup_steps`` steps, and Nesterov momentum correction
+        ``momentum``, masking from the warm-up's end; ``options``: the other arguments. Train with an optimizer
+        WITHOUT momentum or weight decay, ``torch.optim.SGD(model.parameters(), lr)``::
 
             state = gx.SparseGradState.recipe(density=0.01, warmup_steps=44)
             ddp_model.register_comm_hook(state, gx.sparse_grad_hook)

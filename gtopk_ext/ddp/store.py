@@ -1,5 +1,4 @@
-"""The DDP hook's per-bucket tensors (the residual; with momentum correction the velocity), which follow the
-parameters when DDP changes its buckets."""
+"""The DDP hook's per-bucket residuals and velocities, which follow the parameters when DDP changes its buckets."""
 
 from __future__ import annotations
 
@@ -19,12 +18,10 @@ KINDS = ("residual", "velocity")
 
 
 class BucketStore:
-    """Per-bucket tensors by kind that follow the parameters when DDP changes its buckets: ``tensors`` (per kind,
-    per bucket index, the flat tensor in that bucket's layout; ``residuals`` is ``tensors["residual"]``),
-    ``unclaimed`` (per kind and parameter ordinal, the parts a bucket whose layout changed left, until a bucket that
-    holds the parameter takes them), ``layouts`` (every bucket's latest), ``restored`` (loaded, and no iteration
-    ended since), and the parameters' ordinals (in the order this process first saw them: the same on every rank
-    and in a resumed process)."""
+    """Per-bucket tensors by kind that follow the parameters when DDP changes its buckets: ``tensors`` (per kind and
+    bucket index, in that bucket's layout; ``residuals`` is ``tensors["residual"]``), ``unclaimed`` (per kind and
+    parameter ordinal, the parts a changed bucket left), ``layouts`` (every bucket's latest), ``restored`` (loaded,
+    and no iteration ended since), and the parameters' ordinals (in the order first seen: the same on every rank)."""
 
     def __init__(self):
         self.tensors: dict[str, dict[int, torch.Tensor]] = {kind: {} for kind in KINDS}
@@ -57,10 +54,8 @@ class BucketStore:
         return {id(p) for p in self._ordinals.keys()} if self._next_ordinal else None
 
     def checkpoint_parts(self, index: int, layout: Layout) -> Optional[list[tuple[int, Layout]]]:
-        """The known buckets that this new bucket is exactly made of, in the first iteration after a restore: a
-        fresh DDP model's first iteration in one bucket, reduced in the checkpoint's buckets instead, keeps the
-        run bitwise identical to one that never stopped (the selection per bucket differs from that over their
-        union). A run's own new layout (DDP's rebuilt buckets) is recorded instead: no later step pays for parts."""
+        """The known buckets that this new bucket is exactly made of, in the first iteration after a restore: reduced
+        as those, a resumed run stays bitwise that of one that never stopped (DDP's first bucket is one)."""
         if not self.restored or layout is None or self.layouts.get(index) == layout:
             return None
         numels = dict(layout)
@@ -132,8 +127,7 @@ class BucketStore:
                                "unclaimed": copies(self.unclaimed["velocity"])}}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        velocities = state_dict.get("velocities", {})
-        for kind, saved in (("residual", state_dict), ("velocity", velocities)):
+        for kind, saved in (("residual", state_dict), ("velocity", state_dict.get("velocities", {}))):
             self.tensors[kind] = {int(i): t.detach().clone() for i, t in saved.get("residuals", {}).items()}
             self.unclaimed[kind] = {int(o): t.detach().clone() for o, t in saved.get("unclaimed", {}).items()}
         self.layouts = {int(i): None if layout is None else tuple((int(o), int(n)) for o, n in layout)

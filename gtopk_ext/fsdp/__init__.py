@@ -1,6 +1,5 @@
-"""The FSDP2 front end: :class:`SparseFSDPState` (data), :func:`sparse_all_reduce_hook` (the algorithm),
-:func:`register_sparse_all_reduce` (sets it on every FSDP module of a model), :func:`node_mesh` (the (replicate,
-shard) mesh of torchrun's nodes) and :class:`ShardLayout` (where FSDP's padding lies in a shard)."""
+"""The FSDP2 front end: :class:`SparseFSDPState` (data), :func:`sparse_all_reduce_hook` (the algorithm) and
+:func:`register_sparse_all_reduce`, :func:`node_mesh` (torchrun's nodes as a mesh), :class:`ShardLayout`."""
 
 from gtopk_ext.fsdp.hook import register_sparse_all_reduce, sparse_all_reduce_hook
 from gtopk_ext.fsdp.layout import ShardLayout, shard_layout

@@ -1,8 +1,5 @@
-"""The FSDP2 front end's algorithm (docs/fsdp.md): FSDP reduce-scatters each parameter group's gradient inside the
-node and hands this rank's shard (the node's average) to the hook, which averages it over the nodes through the one
-reduction of every front end (:func:`gtopk_ext.reduction.reduce_step`), as the DDP hook does with a bucket. The state
-is data (:mod:`gtopk_ext.fsdp.state`).
-"""
+"""The FSDP2 front end's algorithm (docs/fsdp.md): this rank's shard of its node's average gradient, averaged over
+the nodes by :func:`gtopk_ext.reduction.reduce_step`; the state is data (:mod:`gtopk_ext.fsdp.state`)."""
 
 from __future__ import annotations
 
@@ -25,15 +22,13 @@ from gtopk_ext.reduction import Memory, Slot, StepStats, reduce_step
 def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: torch.Tensor) -> None:
     """FSDP2 all-reduce hook of one parameter group: ``shard`` (this rank's reduce-scattered gradient shard, the
     node's average) becomes, in place, the average over the nodes of what was applied. Registered by
-    :func:`register_sparse_all_reduce`; FSDP calls it once per reduce-scatter, synchronously (it uses the shard
-    right after), so every buffer lives until its exchange is done.
+    :func:`register_sparse_all_reduce`; FSDP calls it once per reduce-scatter, synchronously.
 
     1. Gather: the shard's real elements, without FSDP's padding (never selected, never in a residual), in
        float32 (the residual's dtype, whatever FSDP's ``reduce_dtype``).
     2. One node: nothing to exchange, but momentum correction, which the optimizer no longer applies, is applied.
     3. Reduce over the nodes: :func:`gtopk_ext.reduction.reduce_step`, the group's count of calls its iteration.
-    4. Write back: the real elements of ``shard`` take the average, in its dtype (FSDP's own post-division, linear,
-       follows).
+    4. Write back: the real elements of ``shard`` take the average, in its dtype (FSDP's post-division follows).
     """
     layout = group.layout
     if shard.dim() != 1 or shard.numel() != layout.padded_numel or shard.dtype not in DTYPE_CODES:
@@ -45,24 +40,24 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     group.calls += 1
     config = state.config
     correction = config.momentum
-    if layout.numel == 0 or (state.nodes == 1 and correction is None):  # one node: FSDP's average is the answer
+    if layout.numel == 0 or (state.mesh.size(0) == 1 and correction is None):  # one node: FSDP's average is the answer
         group.slot.stats = StepStats("none", layout.numel, 0)
         return
     # 1. Gather.
-    in_place = not layout.padded and shard.dtype == torch.float32
+    in_place = layout.numel == layout.padded_numel and shard.dtype == torch.float32
     index = None if in_place else layout.real_index(shard.device)
     work = shard if in_place else shard.index_select(0, index).float()
     tensors = group.memory.tensors
     if tensors["residual"].device != work.device:  # CPU offload: parameters (where it was made) live on the host
         group.memory.tensors = {kind: tensor.to(work.device) for kind, tensor in tensors.items()}
     weights = group.parameters() if correction is not None and correction.weight_decay else None
-    if state.nodes == 1:  # 2. One node.
+    if state.mesh.size(0) == 1:  # 2. One node.
         group.slot.stats = StepStats("none", layout.numel, 0)
         if is_finite(work):
             increment(correction, group.memory.get("velocity"), work, weights, None, [1.0], sent_whole=True)
     else:  # 3. Reduce over the nodes.
         reduce_step(work, group.slot, group.memory, config, index=group.index, iteration=iteration,
-                    group=state.replicate_group, what="sparse_all_reduce_hook", weights=weights).wait()
+                    group=state.mesh.get_group(0), what="sparse_all_reduce_hook", weights=weights).wait()
         group.run_traffic.add(group.slot.stats.traffic.sent, group.slot.stats.traffic.received)
     # 4. Write back.
     if not in_place:
@@ -72,9 +67,8 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
 def register_sparse_all_reduce(model: nn.Module, state: SparseFSDPState) -> None:
     """Set :func:`sparse_all_reduce_hook` as the all-reduce hook of every FSDP2 module of ``model``, after
     ``fully_shard``, on every rank. Each module must have one parameter group, sharded over ``state.shard_mesh``;
-    modules without parameters are skipped. Also sets ``set_reduce_scatter_unused_params(True)``: an unused
-    parameter (zeros) keeps its place in the shard. The ranks check each other's configuration and parameter
-    groups first: a mismatch, or an error on any rank, raises on every rank (no hang)."""
+    modules without parameters are skipped; sets ``set_reduce_scatter_unused_params(True)``. The ranks check each
+    other's configuration and parameter groups first: a mismatch, or an error on any rank, raises on every rank."""
     if not isinstance(state, SparseFSDPState):
         raise TypeError(f"state must be a gtopk_ext.fsdp.SparseFSDPState, got {type(state).__name__}")
     if state.groups:
@@ -100,8 +94,8 @@ def register_sparse_all_reduce(model: nn.Module, state: SparseFSDPState) -> None
     # replicate group its shards' real sizes (which differ between local ranks).
     checks = ((dist.group.WORLD, {"error": code, "groups": len(found),
                                   "padded": sum(layout.padded_numel for *_, layout in found),
-                                  **state.config.fields(), "nodes": state.nodes}),
-              (state.replicate_group, {"error": code, "layouts": zlib.crc32(repr(layouts).encode())}))
+                                  **state.config.fields(), "nodes": state.mesh.size(0)}),
+              (state.mesh.get_group(0), {"error": code, "layouts": zlib.crc32(repr(layouts).encode())}))
     for process_group, fields in checks:
         try:
             agree(fields, process_group, device, "register_sparse_all_reduce")
@@ -135,8 +129,7 @@ def _check_mesh(param_group, name: str, shard_ranks: list[int]) -> None:
 
 
 def _check_divide_factor(param_group, name: str) -> None:
-    """A custom divide factor would make FSDP's shard a sum over the node scaled by the user's factor, which
-    averaging over the nodes would not turn into what the factor asks for; refused rather than guessed."""
+    """A custom divide factor is refused: averaging over the nodes would not turn it into what it asks for."""
     if param_group is not None and param_group.gradient_divide_factor is not None:
         raise ValueError(f"FSDP module {name!r} has a gradient divide factor "
                          f"({param_group.gradient_divide_factor}): the sparse hook averages over the nodes, which "

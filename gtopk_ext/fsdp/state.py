@@ -25,9 +25,9 @@ MESH_DIM_NAMES = ("replicate", "shard")
 
 
 def node_mesh(node_size: Optional[int] = None, device_type: str = "cpu") -> DeviceMesh:
-    """The 2-D mesh (nodes x node_size) named ``("replicate", "shard")``: shard over ``mesh["shard"]`` (one node's
-    ranks, ``n * node_size ...`` for node n, as torchrun numbers them), exchange over ``mesh["replicate"]``.
-    ``node_size`` (default ``$LOCAL_WORLD_SIZE``) must be the same on every rank, else all raise the same error."""
+    """The 2-D mesh (nodes x node_size, torchrun's numbering) named ``("replicate", "shard")``: shard over
+    ``mesh["shard"]``, exchange over ``mesh["replicate"]``. ``node_size`` (default ``$LOCAL_WORLD_SIZE``) must be
+    the same on every rank, else all raise the same error."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
     if node_size is None:
@@ -45,10 +45,9 @@ def node_mesh(node_size: Optional[int] = None, device_type: str = "cpu") -> Devi
 
 @dataclass
 class GroupState:
-    """One FSDP parameter group on this rank: ``name`` (its module's path), ``layout`` (the shard's real and
-    padding elements), ``memory`` (the float32 ``"residual"`` of the real elements and, with momentum correction,
-    the ``"velocity"``), ``calls`` (the hook's calls so far: its iteration), the reduction's ``slot``, the run's
-    bytes (``run_traffic``), and FSDP's parameter group (``fsdp_group``, not saved)."""
+    """One FSDP parameter group on this rank: ``name`` (its module's path), ``layout``, ``memory`` (float32
+    ``"residual"`` and, with momentum correction, ``"velocity"`` of the real elements), ``calls`` (its iteration),
+    the reduction's ``slot``, the run's bytes, and FSDP's parameter group (``fsdp_group``, not saved)."""
 
     index: int
     name: str
@@ -65,22 +64,21 @@ class GroupState:
                 if p.sharded_param.requires_grad]
 
 
+
 class SparseFSDPState:
     r"""State of :func:`gtopk_ext.fsdp.sparse_all_reduce_hook`, one per model and rank (docs/fsdp.md). Plain data:
 
     * ``mesh``: the 2-D :class:`DeviceMesh` (replicate, shard), default :func:`node_mesh`: every module is
-      ``fully_shard``-ed over ``shard_mesh`` (one node's ranks); the sparse exchange runs over ``replicate_group``
+      ``fully_shard``-ed over ``shard_mesh`` (one node's ranks); the sparse exchange runs over ``mesh["replicate"]``
       (the ranks with the same local rank on every node, which hold the same shard positions).
     * ``config``: the :class:`gtopk_ext.SparseConfig` of the other arguments, as for DDP, but: the collective is a
       sparse one; ``start_iter`` (default 0) counts the hook's calls; ``momentum`` corrects each shard (the
-      optimizer then runs WITHOUT momentum or weight decay); neither ``clip_norm`` nor per-tensor selection (a
-      rank holds a shard of its node's average, not its own gradient: clip after the exchange).
+      optimizer then runs WITHOUT momentum or weight decay); neither ``clip_norm`` nor per-tensor selection.
     * ``groups``: a :class:`GroupState` per FSDP parameter group, filled by
       :func:`gtopk_ext.fsdp.register_sparse_all_reduce`; ``world_size``.
 
     An iteration is one call of the hook for a group: one per optimizer step when microbatches skip the reduction
-    with ``model.set_requires_gradient_sync(False)``; with ``set_requires_all_reduce(False)`` alone FSDP calls the
-    hook for every microbatch (each is exchanged: correct, more bytes).
+    with ``model.set_requires_gradient_sync(False)`` (with ``set_requires_all_reduce(False)``: one per microbatch).
     """
 
     __slots__ = ("mesh", "config", "groups", "world_size", "__weakref__")
@@ -122,29 +120,19 @@ class SparseFSDPState:
         """The 1-D mesh of this rank's node: ``fully_shard(module, mesh=state.shard_mesh)``."""
         return self.mesh[MESH_DIM_NAMES[1]]
 
-    @property
-    def replicate_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group(0)
-
-    @property
-    def nodes(self) -> int:
-        return self.mesh.size(0)
-
     @classmethod
     def recipe(cls, mesh: Optional[DeviceMesh] = None, density: float = 0.01, warmup_steps: int = 44,
                momentum: float = 0.9, **options) -> "SparseFSDPState":
-        """The DDP recipe (:meth:`gtopk_ext.SparseGradState.recipe`: DGC's density warm-up, here over ``warmup_steps``
-        calls, and Nesterov momentum correction) for FSDP2: train with an optimizer WITHOUT momentum or weight
-        decay; ``options``: the other arguments."""
+        """The DDP recipe (:meth:`gtopk_ext.SparseGradState.recipe`; ``warmup_steps`` counts calls) for FSDP2: train
+        with an optimizer WITHOUT momentum or weight decay; ``options``: the other arguments."""
         return cls(mesh, **recipe(density, warmup_steps, momentum), **options)
 
     # ----- checkpoints (per rank) and statistics -----
 
     def state_dict(self) -> dict:
         """This rank's resumable state: ``{"world_size", "rank<r>": {"group<i>": {"calls", "numel", "residual",
-        "velocity" (with momentum correction), "oktopk", "plan"}}}``; the rank in the key keeps the ranks' residuals
-        apart in a ``torch.distributed.checkpoint``. The residual and velocity are the state's own tensors (a
-        checkpoint loader may fill them in place), the rest copies."""
+        "velocity" (with momentum correction), "oktopk", "plan"}}}`` (the rank keeps the ranks' residuals apart in a
+        ``torch.distributed.checkpoint``); the residual and velocity are the state's own tensors, the rest copies."""
         rank = dist.get_rank()
         return {"world_size": self.world_size,
                 f"rank{rank}": {f"group{g.index}": {"calls": g.calls, "numel": g.layout.numel, **g.memory.tensors,
@@ -184,9 +172,8 @@ class SparseFSDPState:
                 g.slot.plan.load_state_dict(entry["plan"])
 
     def stats(self) -> dict:
-        """``{"groups": {index: {...}}, "total": {...}}``: per group the latest call's ``path``, ``calls``,
-        ``numel``, ``padded_numel``, ``k``, ``selected``, ``bytes_sent`` / ``bytes_received`` (this rank, between
-        nodes), ``select_seconds``, ``exchange_seconds``, and the run's ``run_bytes_sent`` /
+        """``{"groups": {index: {...}}, "total": {...}}``: per group its ``name``, ``calls``, ``padded_numel``, the
+        latest call's figures (as for DDP; bytes between nodes) and the run's ``run_bytes_sent`` /
         ``run_bytes_received``; "total" sums them."""
         groups = {g.index: {"name": g.name, "calls": g.calls, "padded_numel": g.layout.padded_numel,
                             **(g.slot.stats or StepStats("none", g.layout.numel, 0)).as_dict(),
@@ -198,6 +185,4 @@ class SparseFSDPState:
 
 def _reduced_parameters(state: SparseFSDPState) -> Optional[set[int]]:
     """The ids of the parameters the hook reduces (None before registration)."""
-    if not state.groups:
-        return None
-    return {id(p.sharded_param) for g in state.groups for p in g.fsdp_group.fsdp_params}
+    return {id(p.sharded_param) for g in state.groups for p in g.fsdp_group.fsdp_params} if state.groups else None

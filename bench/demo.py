@@ -1,6 +1,7 @@
 """The demo: the digits trained with real DDP on Gloo processes, once per method, density and seed, from the same
 weights on the same batches: test accuracy, bytes sent, time per step and the steps and seconds to --target. With
---rate each rank sits behind an emulated link (as root). docs/convergence.md.
+--rate each rank sits behind an emulated link (as root). First it measures the regime R, the link's time over the
+compute's, which decides which method is first (:func:`regime`). docs/convergence.md.
 
     python -m bench.demo --rate 1gbit     # DDP, fp16_compress_hook, PowerSGD, gtopk_ext's recipe at 0.01 and 0.001
 """
@@ -8,6 +9,7 @@ weights on the same batches: test accuracy, bytes sent, time per step and the st
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 from pathlib import Path
@@ -21,6 +23,10 @@ from bench.harness import cli, report
 from bench.harness.launch import run_group
 from bench.harness.methods import hook_recipe, hook_state, recipe_state
 from bench.harness.train import Trainer, batch_loss, epoch_batches, evaluation, reduced, slowest, train_curve
+
+REGIME_STEPS, REGIME_ROUNDS = 10, 3  # timed steps of DDP and of the compute floor per round; interleaved rounds
+# R of data-parallel training on H100s at 16k tokens per GPU and step, by the link between them
+GPU_REGIMES = {"100 Gbit/s Ethernet": 3, "10 Gbit/s": 30, "1 Gbit/s": 300}
 
 RECIPE_METHOD = "gaussiank-gtopk-recipe"  # gx.SparseGradState.recipe(density, --warmup-steps, --momentum)
 # method -> the hook built from the flags: (compressor, collective, momentum correction: the hook applies --momentum
@@ -62,7 +68,7 @@ def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx
     if not isinstance(METHODS[method], tuple):
         return None
     if method == RECIPE_METHOD:
-        return recipe_state(density, args.warmup_steps, args.momentum)
+        return recipe_state(density, args.warmup_steps, args.momentum, path=args.path)
     compressor, collective, correction = METHODS[method]
     moved = {"momentum": args.momentum, "weight_decay": args.weight_decay} if correction else {}
     if correction and args.masking == "after-warmup":  # momentum keeps its velocity through the warm-up
@@ -70,7 +76,7 @@ def make_hook_state(method: str, density: float, args: argparse.Namespace) -> gx
     return hook_state(density, compressor=compressor, collective=collective, start_iter=args.start_iter,
                       warmup_steps=args.warmup_steps, warmup_density=args.warmup_density, warmup_from=args.start_iter,
                       min_compress_numel=args.min_compress_numel, per_tensor=args.per_tensor,
-                      clip_norm=args.clip_norm, **moved)
+                      clip_norm=args.clip_norm, path=args.path, **moved)
 
 
 def demo_trainer(method: str, density: float, seed: int, args: argparse.Namespace, world_size: int) -> Trainer:
@@ -119,11 +125,12 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, float, int]]:
             for density in (args.densities if is_sparse(method) else [1.0])]
 
 
-def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> list[dict]:
-    """One rank: every run (or, with --overhead, the time per step only)."""
+def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> dict | list[dict]:
+    """One rank: the regime and every run (or, with --overhead, the time per step only)."""
     if args.overhead:
         return overhead(rank, world_size, args)
     data = load_digits_split(seed=0)  # one fixed split for every run
+    measured = regime(rank, world_size, args, data[:2])
     runs = planned_runs(args)
     steps = args.epochs * (len(data[1]) // (world_size * args.batch_size))
     progress = report.progress(steps * len(runs), rank, args, config)
@@ -132,31 +139,72 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
         progress.set_description(f"seed {seed} {method}" + (f" {density:g}" if is_sparse(method) else ""))
         records.append(train_run(rank, world_size, args, data, method, density, seed, tx, progress))
     progress.close()
-    return records
+    return {"regime": measured, "runs": records}
+
+
+def timed_rounds(rank: int, trainers: dict, train: tuple, args: argparse.Namespace, warmup: int, steps: int,
+                 repeats: int) -> dict[object, list[float]]:
+    """Each trainer's milliseconds per step in ``repeats`` interleaved rounds of ``steps`` steps on random batches,
+    after ``warmup`` steps: the slowest rank's median per round."""
+    (train_x, train_y), keys = train, list(trainers)
+    batches, rounds = torch.Generator().manual_seed(rank), {key: [] for key in keys}
+
+    def step_seconds(key) -> float:
+        index = torch.randint(0, len(train_y), (args.batch_size,), generator=batches)
+        return trainers[key].measured_step(batch_loss(train_x, train_y, index), TxCounter(None))["seconds"]
+
+    for key in keys:
+        for _ in range(warmup):
+            step_seconds(key)
+    for repeat in range(repeats):
+        shift = repeat % len(keys)
+        for key in keys[shift:] + keys[:shift]:  # interleaved, so drifts of a busy machine spread
+            seconds = [step_seconds(key) for _ in range(steps)]
+            rounds[key].append(1e3 * float(slowest(seconds).median()))
+    return rounds
 
 
 def overhead(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
     """Time per step only: ``--overhead-repeats`` interleaved rounds of ``--overhead-steps`` steps of each method
     after a warm-up; the slowest rank's median per round."""
-    train_x, train_y, _, _ = load_digits_split(seed=0)
     configs = [(m, d) for m in args.methods for d in (args.densities if is_sparse(m) else [1.0])]
     trainers = {config: demo_trainer(*config, 0, args, world_size) for config in configs}
-    batches, rounds = torch.Generator().manual_seed(rank), {config: [] for config in configs}
-
-    def step_seconds(config) -> float:
-        index = torch.randint(0, len(train_y), (args.batch_size,), generator=batches)
-        return trainers[config].measured_step(batch_loss(train_x, train_y, index), TxCounter(None))["seconds"]
-
-    for config in configs:
-        for _ in range(args.start_iter + args.warmup_steps + 3):
-            step_seconds(config)
-    for repeat in range(args.overhead_repeats):
-        shift = repeat % len(configs)
-        for config in configs[shift:] + configs[:shift]:  # interleaved, so drifts of a busy machine spread
-            seconds = [step_seconds(config) for _ in range(args.overhead_steps)]
-            rounds[config].append(1e3 * float(slowest(seconds).median()))
+    rounds = timed_rounds(rank, trainers, load_digits_split(seed=0)[:2], args, args.start_iter + args.warmup_steps + 3,
+                          args.overhead_steps, args.overhead_repeats)
     return [{"method": m, "density": d, "ms_per_step_rounds": ms, "ms_per_step": statistics.median(ms)}
             for (m, d), ms in rounds.items()]
+
+
+def regime(rank: int, world_size: int, args: argparse.Namespace, train: tuple) -> dict:
+    """R, the time DDP's float32 gradient exchange takes on the link over the time the step's compute takes: DDP's
+    step less the compute floor's (DDP with a hook that sends nothing), over the floor's; medians of
+    ``REGIME_ROUNDS`` interleaved rounds of ``REGIME_STEPS`` steps."""
+    trainers = {name: Trainer(name, make_model(args.model, 0), args, world_size) for name in ("ddp", "floor")}
+    ms = {name: statistics.median(rounds)
+          for name, rounds in timed_rounds(rank, trainers, train, args, 3, REGIME_STEPS, REGIME_ROUNDS).items()}
+    return {"R": (ms["ddp"] - ms["floor"]) / ms["floor"], "ddp_ms_per_step": ms["ddp"],
+            "floor_ms_per_step": ms["floor"]}
+
+
+def regime_lines(measured: dict, rows: list[dict], target: float, png: Path) -> list[str]:
+    """What the run's picture shows, at which regime, and why the methods come in the order they do."""
+    first = min((r for r in rows if r["seconds_to_target"] is not None), key=lambda r: r["seconds_to_target"],
+                default=None)
+    reached = (f"first to {100 * target:g}% test accuracy: {first['method']}"
+               + (f" d={first['density']:g}" if first["density"] < 1 else "") + f" ({first['seconds_to_target']:.1f} s)"
+               if first else f"no method reached {100 * target:g}%")
+    if measured["R"] > 0:  # the nearest on a log scale
+        nearest = min(GPU_REGIMES, key=lambda link: abs(math.log(GPU_REGIMES[link] / measured["R"])))
+        where = f"this run's R is nearest that of {nearest}"
+    else:
+        where = "this run's R is below all of those"
+    return [
+        f"{png}: test accuracy against steps, training seconds (the slowest rank's) and MB sent per rank, a line per "
+        f"method, at R = {measured['R']:.1f}; {reached}.",
+        "Why that order: gtopk_ext sends a few percent of DDP's bytes, but spends CPU time selecting and merging them "
+        "and needs more steps to an accuracy, while fp16_compress_hook halves the bytes at almost no cost; the larger "
+        "R, the more the bytes gtopk_ext saves are worth. With H100s at 16k tokens per GPU and step, R is about "
+        + ", ".join(f"{r:g} on {link}" for link, r in GPU_REGIMES.items()) + f": {where}."]
 
 
 def summarize(records: list[dict], target: float) -> list[dict]:
@@ -206,6 +254,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--masking", choices=("always", "after-warmup"), default="always",
                         help="momentum factor masking from the first compressed step, or after the density warm-up")
     parser.add_argument("--recipe", choices=list(RECIPES), help="a preset of the flags (RECIPES); explicit flags win")
+    parser.add_argument("--path", default="sparse", choices=gx.paths.MODES,
+                        help="the gtopk_ext methods' path (gx.PathPolicy): sparse (default: the same accuracies and "
+                             "bytes every run), auto (the recipe's own default: chosen from timings, so they vary from "
+                             "run to run), or dense16, dense8, dense every step")
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder of demo.json and demo.png")
     parser.add_argument("--overhead", action="store_true", help="time per step only: the hooks against DDP's allreduce")
     parser.add_argument("--overhead-steps", type=int, default=30, help="timed steps per method and round (--overhead)")
@@ -237,8 +289,12 @@ def main(argv: list[str] | None = None) -> None:
     setting = (f"{args.world_size} Gloo processes on {os.cpu_count()} CPU cores, {network_name(args.rate)}, digits, "
                f"{args.model}, batch {args.batch_size}/rank, lr {args.lr:g}, momentum {args.momentum:g}")
     # The ranks run for as long as it takes (--timeout bounds each collective).
-    records = run_group("bench.demo", args.world_size, args, float("inf"), rate_bps=args.rate, prefix=args.prefix)
-    rows = records if args.overhead else summarize(records, args.target)
+    result = run_group("bench.demo", args.world_size, args, float("inf"), rate_bps=args.rate, prefix=args.prefix)
+    if args.overhead:
+        records = rows = result
+    else:
+        measured, records = result["regime"], result["runs"]
+        rows = summarize(records, args.target)
     dense = next((r for r in rows if r["method"] == "dense"), None)
     if args.overhead:
         print(f"time per step, {setting}; median of {args.overhead_repeats} interleaved rounds of "
@@ -251,10 +307,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     seeds = " ".join(map(str, args.seeds))
     print(f"{setting}; {args.epochs} epochs ({len(records[0]['train_loss'])} steps), seeds {seeds} (mean), "
-          f"dense warm-up {args.start_iter} iterations, density warm-up {args.warmup_steps} iterations")
+          f"dense warm-up {args.start_iter} iterations, density warm-up {args.warmup_steps} iterations; the gtopk_ext "
+          f"methods' path: {args.path}")
+    print(f"regime R = {measured['R']:.1f}: DDP's float32 gradient exchange takes {measured['R']:.1f}x the step's "
+          f"compute here (DDP {measured['ddp_ms_per_step']:.1f} ms/step, less the compute floor's "
+          f"{measured['floor_ms_per_step']:.1f} (DDP with a hook that sends nothing), over the floor's; medians of "
+          f"{REGIME_ROUNDS} rounds of {REGIME_STEPS} steps)")
     if RECIPE_METHOD in args.methods:
         print(f"{RECIPE_METHOD}: gx.SparseGradState.recipe(density, warmup_steps={args.warmup_steps}, "
-              f"momentum={args.momentum:g})")
+              f"momentum={args.momentum:g}, path={args.path!r})")
     target = f"{100 * args.target:g}%"
     print(report.table(rows, [
         ("method", "", "method"), ("density", "g", "density"), ("test acc", ".2%", "test_accuracy"),
@@ -267,10 +328,12 @@ def main(argv: list[str] | None = None) -> None:
         (f"steps to {target}", "g", "steps_to_target"), (f"s to {target}", ".1f", "seconds_to_target")]))
     if args.rate is None:
         print("on loopback: the bytes tell what a slow link would cost; as root, --rate 1gbit times it")
-    report.write_json(args.out / "demo.json", args, table=rows, runs=records)
+    report.write_json(args.out / "demo.json", args, regime=measured, table=rows, runs=records)
+    print("\n".join(regime_lines(measured, rows, args.target, args.out / "demo.png")))
     curves = [{"label": r["method"] + (f" d={r['density']:g}" if r["density"] < 1 else ""), "curve": r["eval"]}
               for r in rows]
-    report.plot_curves(curves, args.out / "demo.png", f"{setting}; {args.epochs} epochs, mean of seeds {seeds}",
+    report.plot_curves(curves, args.out / "demo.png", f"{setting}; R = {measured['R']:.1f} (DDP's exchange over "
+                       f"the compute); {args.epochs} epochs, mean of seeds {seeds}",
                        "test accuracy (%)", lambda p: 100 * p["test_accuracy"], [
                            ("step", lambda p: p["step"], "linear"),
                            ("training seconds (slowest rank)", lambda p: p["seconds"], "linear"),

@@ -98,7 +98,7 @@ def build(name: str, mesh, args):
 def run_method(name: str, mesh, args, train: torch.Tensor, val_batches: torch.Tensor, tx: TxCounter) -> dict:
     rank, world, node_size = dist.get_rank(), dist.get_world_size(), mesh.size(1)
     model, state, first_steady = build(name, mesh, args)
-    optimizer = sgd(model, args, momentum_in_hook=state is not None and state.momentum_correction is not None)
+    optimizer = sgd(model, args, momentum_in_hook=state is not None and state.config.momentum is not None)
     # HSDP's own count: a ring all-reduce over the nodes of each padded float32 shard (dim 0 padded by FSDP)
     hsdp_bytes = ring_allreduce_bytes(4 * sum(math.ceil(p.shape[0] / node_size) * math.prod(p.shape[1:])
                                               for p in model.parameters()), mesh.size(0))

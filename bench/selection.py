@@ -60,7 +60,7 @@ def profile_step(n: int, density: float, args: argparse.Namespace, calls: int = 
     table = prof.key_averages().table(sort_by="device_time_total" if on_gpu else "cpu_time_total", row_limit=25)
     kernels = sum(event.device_type == torch.autograd.DeviceType.CUDA for event in prof.events())
     return (f"Gaussian-k step, n={n}, density={density}, {grad.dtype}, {grad.device.type}, backend "
-            f"{compressor.backend.for_device(grad.device).name}, {calls} steps (each after residual.copy_)\n{table}"
+            f"{compressor.backend[grad.device].name}, {calls} steps (each after residual.copy_)\n{table}"
             + (f"device kernels per step, the copy included: {kernels / calls:.1f}\n" if on_gpu else ""))
 
 

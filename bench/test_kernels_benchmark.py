@@ -7,7 +7,7 @@ import torch
 
 from bench.harness.gradients import topk_step
 from bench.selection import inputs
-from gtopk_ext import ops
+from gtopk_ext import ops, torch_kernels
 from gtopk_ext.compressors import k_for_density
 
 
@@ -53,7 +53,7 @@ def test_selection(benchmark, request, method, n, density):
           lambda: (grad, residual.copy_(initial_residual), k, z))
 
 
-@pytest.mark.parametrize("merge", [ops.merge_topk, ops.merge_topk_with_torch], ids=["cpp", "torch"])
+@pytest.mark.parametrize("merge", [ops.merge_topk, torch_kernels.merge_topk], ids=["cpp", "torch"])
 def test_merge_topk(benchmark, request, merge, n, density):
     k = k_for_density(density, n)
     arguments = (*sparse_set(n, k, 1), *sparse_set(n, k, 2), k)

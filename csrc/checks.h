@@ -42,7 +42,8 @@ inline void check_sparse_set(const at::Tensor& indices, const at::Tensor& values
   TORCH_CHECK(indices.scalar_type() == at::kInt && indices.dim() == 1, op, ": ", indices_name,
               " must be a 1-D int32 tensor, got ", indices.scalar_type(), " of ", indices.dim(), " dimensions");
   check_float_tensor(values, op, values_name);
-  const char* possessive = std::string_view(indices_name).ends_with('s') ? "'" : "'s";  // indices', indices_a's
+  const std::string_view name(indices_name);  // C++17: torch before 2.13 builds extensions with -std=c++17
+  const char* possessive = !name.empty() && name.back() == 's' ? "'" : "'s";  // indices', indices_a's
   TORCH_CHECK(values.sym_sizes() == indices.sym_sizes(), op, ": ", values_name, " must have ", indices_name, possessive,
               " shape ", indices.sym_sizes(), ", got ", values.sym_sizes());
   check_same_device(indices, ref, op, indices_name, ref_name);

@@ -46,27 +46,37 @@ def train(args, device):
 
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     ddp.register_comm_hook(state, gx.sparse_grad_hook)
+    losses = []  # since the last print: one batch's loss is noisy
     for step in range(start, args.steps):
         x, y = batch(step, rank, world, device)
         optimizer.zero_grad()
         loss = F.cross_entropy(ddp(x), y)
         loss.backward()  # the hook exchanges the gradient's buckets while the backward pass goes on
         optimizer.step()
-        if rank == 0 and (step + 1) % 50 == 0:
-            print(f"step {step + 1}: loss {loss.item():.3f}")
+        losses.append(loss.detach())
+        if rank == 0 and ((step + 1) % 50 == 0 or step + 1 == args.steps):
+            print(f"step {step + 1}: loss {torch.stack(losses).mean().item():.3f} (mean of {len(losses)} steps)")
+        if (step + 1) % 50 == 0:
+            losses.clear()
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save({"step": max(start, args.steps), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "hook": state.state_dict()}, path)
     if rank == 0:
         print(state.summary())  # the configuration, the bytes this rank sent, the latest step's buckets
+        # DDP's allreduce (a ring) sends 2 (P - 1) / P of the float32 gradient per rank and step.
+        run, numel = state.stats()["run"], sum(p.numel() for p in model.parameters())
+        dense = run["steps"] * 2 * (world - 1) / world * 4 * numel
+        print(f"bytes sent by this rank in {run['steps']} steps: {run['bytes_sent'] / 1e6:.2f} MB with the hook, "
+              f"{dense / 1e6:.2f} MB with DDP's allreduce" + (f" ({run['bytes_sent'] / dense:.1%})" if dense else ""))
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200, help="steps in all; a resumed run goes on to this one")
     parser.add_argument("--warmup-steps", type=int, default=40, help="steps of the density's warm-up")
-    parser.add_argument("--checkpoint-dir", default="quickstart_ckpt", help="world<P>/rank<r>.pt go here")
+    parser.add_argument("--checkpoint-dir", default="quickstart_ckpt",  # in .gitignore
+                        help="world<P>/rank<r>.pt go here")
     args = parser.parse_args()
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

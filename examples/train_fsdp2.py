@@ -112,7 +112,7 @@ def train(args: argparse.Namespace) -> dict:
         shard(model, mesh)  # a 2-D mesh: FSDP2's HSDP
     nodes = world // node_size
     # With the recipe the hook applies the momentum: the optimizer must have none (checked before its first step).
-    in_hook = state is not None and state.momentum_correction is not None
+    in_hook = state is not None and state.config.momentum is not None
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if in_hook else 0.9)
     train_x, train_y, test_x, test_y = digits()
     began, loss = time.perf_counter(), torch.zeros(())

@@ -1,10 +1,6 @@
-"""The Python side of the op contract: the layout constants, and the schemas and argument checks of the C++ ops.
-
-Each op's contract is stated once, in csrc/ops.cpp: its schema, and its Meta kernel, which checks the arguments
-(RuntimeError naming the argument) and gives the outputs' dtypes and shapes. torch.compile's fake tensors run the
-Meta kernels; every kernel runs their checks first: the C++ ones in C++, the Triton ops and the torch merge through
-:func:`check_args`. The layout constants equal those of csrc/layout.h (``gtopk_ext._C`` exports them; a test
-compares) and are imported by the Triton kernels and the reference.
+"""The Python side of the op contract, which csrc/ops.cpp states once (each op's schema, and its Meta kernel, which
+checks the arguments and gives the outputs' shapes): the layout constants of csrc/layout.h (a test compares), the
+schemas, and :func:`check_args`, which the Triton ops and the torch merge run first.
 """
 
 from __future__ import annotations
@@ -37,10 +33,7 @@ WIRE_SHIFT_MAX = 126
 WIRE_SHIFT_BASE = 141
 WIRE_HALF_NAN = 0x7E00
 
-LAYOUT = {name: globals()[name] for name in (
-    "STAT_MEAN", "STAT_STD", "STAT_MAX_ABS", "STAT_GAUSSIAN_THRESHOLD", "STAT_THRESHOLD", "NUM_STATS", "HIST_SHIFT",
-    "HIST_BINS", "HIST_INF_KEY", "FINE_SHIFT", "FINE_BINS", "SCATTER_TILE", "WIRE_PAGE_SHIFT", "WIRE_SHIFT_MAX",
-    "WIRE_SHIFT_BASE", "WIRE_HALF_NAN")}
+LAYOUT = {name: value for name, value in globals().items() if name.isupper() and isinstance(value, int)}
 
 
 def wire_num_pages(numel: int) -> int:

@@ -1,4 +1,4 @@
-"""Argument checks that raise naming the argument: numbers in an interval, lists of tensors."""
+"""Argument checks that raise naming the argument: numbers in an interval, ints, lists of tensors."""
 
 from __future__ import annotations
 
@@ -19,6 +19,13 @@ def check_number(name: str, value: Any, low: float, high: float, *, low_open: bo
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
         raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
     return float(value)
+
+
+def check_int(name: str, value: Any, least: int = 0) -> int:
+    """``value`` when it is an int (not a bool) of at least ``least``, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    return value
 
 
 def tensor_list(items: Iterable[torch.Tensor], name: str) -> list[torch.Tensor]:

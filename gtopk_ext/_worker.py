@@ -1,8 +1,6 @@
-"""One background worker per state: runs jobs in order on a thread of its own, publishes a failure to the other
-ranks and fails their waiting jobs with it, and closes before the interpreter finalizes.
-
-Used by the DDP hook (one worker per :class:`gtopk_ext.SparseGradState`, a job per bucket) and by WAGMA's
-wait-avoiding rounds (a worker per run of rounds, one job running them all)."""
+"""One background worker per state (the DDP hook's, a run of WAGMA's rounds): runs jobs in order on a thread of its
+own, publishes a failure to the other ranks and fails their waiting jobs with it, and closes before the interpreter
+finalizes."""
 
 from __future__ import annotations
 
@@ -35,21 +33,16 @@ class Disagreement(ValueError):
 
 
 class Worker:
-    """Runs jobs one at a time in the order they were handed over (for the DDP hook: its buckets, in the order DDP
-    makes the same on every rank): so every rank issues its collectives in the same order, with any number of jobs.
-
-    The last bucket of an iteration has been issued before its hook call returns: right after it, DDP issues
-    collectives of its own on the autograd thread (the used-parameter map with ``find_unused_parameters=True``),
-    and Gloo pairs collectives by the order in which each rank issued them.
+    """Runs jobs one at a time in the order they were handed over, so every rank issues its collectives in the
+    same order (Gloo pairs collectives by that order).
 
     A failure on one rank is published in the group's store (the first one published stands, on every rank); a
     rank whose jobs wait finds it within ``_FAILURE_POLL_SECONDS`` and fails them with the same exception type,
-    instead of waiting for the peer until the group's timeout. The state is unusable after that (its exchanges were
-    left half done).
+    instead of waiting until the group's timeout. The worker is unusable after that.
 
-    A job may run long and wait for peers on a condition of its own (WAGMA's: a whole run of rounds): ``wake`` is
-    called, with none of the worker's locks held, when the worker fails or starts closing, so that such a job (or
-    a thread beside it) looks again at ``failure`` and ``closed``."""
+    ``wake`` is called, with no lock of the worker held, when it fails or starts closing, so that a job waiting on
+    a condition of its own (WAGMA's rounds) looks again at ``failure`` and ``closed``. ``busy_until``: when the
+    latest asynchronous collective its jobs issued completed (``perf_counter``), set by the issuer."""
 
     def __init__(self, group: dist.ProcessGroup, name: str = "sparse_grad_hook",
                  wake: Optional[Callable[[], None]] = None):
@@ -59,6 +52,7 @@ class Worker:
         self.rank = dist.get_rank(group)
         self.failure: Optional[BaseException] = None
         self.closed = False
+        self.busy_until = 0.0
         self._store = distributed_c10d._get_process_group_store(group)
         serial = _states_started[group.group_name] = _states_started.get(group.group_name, -1) + 1
         self._key = f"gtopk_ext/{name}/{group.group_name}/{serial}/failure"
@@ -73,10 +67,10 @@ class Worker:
         self._watcher.start()
         _open_threads.add(self)
 
-    def close(self, timeout: float = _CLOSE_SECONDS) -> None:
-        """End both threads once the jobs handed over have finished, and let go of the group. A daemon thread
-        still inside a torch call when the interpreter finalizes aborts the process ("terminate called without an
-        active exception"), so this runs before that: at exit, and from :func:`gtopk_ext.destroy_process_group`."""
+    def close(self) -> None:
+        """End both threads once the jobs handed over have finished, and let go of the group. Runs at exit and
+        from :func:`gtopk_ext.destroy_process_group`: a daemon thread still inside a torch call when the
+        interpreter finalizes aborts the process."""
         if self.closed:
             return
         self.closed = True
@@ -88,7 +82,7 @@ class Worker:
         self._jobs.put(None)
         for thread in (self._worker, self._watcher):
             if thread is not threading.current_thread():
-                thread.join(timeout)
+                thread.join(_CLOSE_SECONDS)
         if not self._worker.is_alive():  # else its jobs still need them
             self.group = self._store = None
 
@@ -139,8 +133,8 @@ class Worker:
 
     def fail(self, error: BaseException) -> None:
         """This rank failed: tell the others, and fail every job still waiting here. A failure another rank
-        published first is the cause (this one may only be its echo, such as a connection that rank closed).
-        ``failure`` is set only once it is in the store: a peer told of it by other means finds it there."""
+        published first is the cause (this one may be its echo, such as a connection that rank closed).
+        ``failure`` is set only once it is in the store, where a peer told of it by other means finds it."""
         with self._lock:  # one failure per rank, also when two threads fail at once
             if self.failure is None:
                 record = f"{type(error).__name__}\n{self.rank}\n{error}"
@@ -152,9 +146,6 @@ class Worker:
                     self.failure = error
         self._stopped()
 
-    def _published_failure(self) -> Optional[BaseException]:
-        return self._decode(self._store.get(self._key).decode()) if self._store.check([self._key]) else None
-
     def _decode(self, record: str) -> BaseException:
         type_name, rank, message = record.split("\n", 2)
         kind = getattr(builtins, type_name, None)
@@ -162,16 +153,13 @@ class Worker:
         return kind(f"{self.name}: rank {rank} stopped after an error: {message}")
 
     def _stopped(self) -> None:
-        self._fail_pending()
-        if self._wake is not None:
-            self._wake()
-
-    def _fail_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
             self._busy.clear()
         for result in pending:
             fail(result, self.failure)
+        if self._wake is not None:
+            self._wake()
 
     def _watch(self) -> None:
         """While jobs wait, look for a failure another rank published."""
@@ -180,7 +168,8 @@ class Worker:
             if self._closing.wait(_FAILURE_POLL_SECONDS):
                 return
             try:
-                published = self._published_failure() if self._busy.is_set() else None
+                published = (self._decode(self._store.get(self._key).decode())
+                             if self._busy.is_set() and self._store.check([self._key]) else None)
             except Exception:  # noqa: BLE001 - the group is being torn down
                 return
             if published is not None:
@@ -191,8 +180,7 @@ class Worker:
 
 @atexit.register
 def close_workers() -> None:
-    """Close every open :class:`Worker` (see :meth:`Worker.close`); a state used afterwards starts a new one on its
-    process group."""
+    """Close every open :class:`Worker`; a state used afterwards starts a new one."""
     for thread in list(_open_threads):
         thread.close()
 

@@ -1,17 +1,10 @@
 """The backends that run the ops, as objects: what each supports, why it cannot run somewhere, and its kernels.
 
-* ``CPU``: the C++ kernels (``torch.ops.gtopk_ext`` on CPU tensors).
-* ``CUDA``: the CUDA kernels (``torch.ops.gtopk_ext`` on CUDA tensors; merge_topk by torch, see ``TORCH``), on the
-  host path :func:`cuda_path` names.
-* ``TRITON``: the Triton kernels (``torch.ops.gtopk_ext_triton``: CUDA tensors, or any under TRITON_INTERPRET=1;
-  merge_topk by torch).
-* ``TORCH``: plain torch (unique and sort): the merge of gTop-k on GPUs, on any device. It has no other op.
-
-A caller names a backend (``"auto"``, ``"cpu"``, ``"cuda"``, ``"triton"``, or a ``Backend`` object) or leaves it
-to ``$GTOPK_EXT_BACKEND`` (default ``"auto"``: CPU for CPU tensors; CUDA, else Triton, for CUDA tensors).
-:class:`BackendChoice` resolves that preference once per device and remembers it: compressors, collectives and
-the DDP hook hold one and hand the same object to every op they call. A backend that cannot run raises one
-ValueError that lists every backend's reasons. (Bad op arguments raise RuntimeError, as TORCH_CHECK does.)
+``CPU`` and ``CUDA`` run the C++/CUDA kernels (``torch.ops.gtopk_ext``), ``TRITON`` the Triton ones (CUDA tensors,
+or any under TRITON_INTERPRET=1); on GPUs merge_topk is ``TORCH``'s (plain torch, any device, no other op).
+A caller names one (``"auto"``, ``"cpu"``, ``"cuda"``, ``"triton"``, a ``Backend``) or leaves it to
+``$GTOPK_EXT_BACKEND`` (default ``"auto"``: CPU for CPU tensors; CUDA, else Triton, for CUDA tensors). A backend
+that cannot run raises one ValueError listing every backend's reasons.
 """
 
 from __future__ import annotations
@@ -19,7 +12,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from collections import Counter
+from types import SimpleNamespace
 from typing import Union
 
 import torch
@@ -31,18 +24,13 @@ BACKEND_NAMES = ("auto", "cpu", "cuda", "triton")
 
 
 class Backend:
-    """Runs the ops on the devices and dtypes it declares. ``calls`` counts the op calls made through it."""
+    """Runs the ops on the devices and dtypes it declares; :attr:`kernels` holds them, loaded at first use."""
 
     name = ""
     dtypes = FLOAT_DTYPES
     ops = ("gaussian_threshold", "compact", "gaussian_select", "merge_topk", "scatter_add", "residual_update",
            "wire_encode", "wire_decode")
-
-    # merge_topk by gtopk_ext.torch_kernels rather than by a kernel of this backend.
-    merges_with_torch = False
-
-    def __init__(self):
-        self.calls: Counter[str] = Counter()
+    merges_with_torch = False  # merge_topk by gtopk_ext.torch_kernels
 
     def not_supported_reasons(self, device: torch.device, dtype: torch.dtype | None = None,
                               op: str | None = None) -> list[str]:
@@ -55,20 +43,26 @@ class Backend:
         return reasons + self._device_reasons(torch.device(device))
 
     def _device_reasons(self, device: torch.device) -> list[str]:
-        raise NotImplementedError
+        return []
 
     def _kernels(self):
-        """The namespace whose attributes are the ops, called with the C++ schema's arguments."""
-        raise NotImplementedError
+        """The namespace whose attributes are the ops."""
+        return torch.ops.gtopk_ext
 
-    def run(self, op: str, *args, **kwargs):
-        """``op(*args, **kwargs)`` on this backend's kernels."""
-        self.calls[op] += 1
-        kernels = torch_kernels if op == "merge_topk" and self.merges_with_torch else self._kernels()
-        return getattr(kernels, op)(*args, **kwargs)
+    @functools.cached_property
+    def ready(self) -> set[torch.device]:
+        """The devices on which :func:`choose` found that this backend can run."""
+        return set()
+
+    @functools.cached_property
+    def kernels(self) -> SimpleNamespace:
+        """Every op this backend runs, by name, called with the C++ schema's arguments in order."""
+        namespace = self._kernels()
+        return SimpleNamespace(**{op: torch_kernels.merge_topk if op == "merge_topk" and self.merges_with_torch
+                                  else getattr(namespace, op) for op in self.ops})
 
     def __reduce__(self):
-        return backend_named, (self.name,)  # one object per backend, also across pickling
+        return self.name.upper()  # the module's global of that name: one object per backend, also across pickling
 
     def __repr__(self) -> str:
         return f"<gtopk_ext backend {self.name!r}>"
@@ -80,9 +74,6 @@ class CppCpuBackend(Backend):
     def _device_reasons(self, device):
         return [] if device.type == "cpu" else [f"needs CPU tensors, got {device}"]
 
-    def _kernels(self):
-        return torch.ops.gtopk_ext
-
 
 @functools.cache
 def cuda_kernels_built() -> bool:
@@ -90,9 +81,8 @@ def cuda_kernels_built() -> bool:
 
 
 def cuda_path() -> str:
-    """The CUDA kernels' host path, from ``$GTOPK_EXT_CUDA_PATH`` as the library read it at its first call (once
-    per process): ``"fused"`` (default: a cached workspace, 5 launches per error-feedback selection) or
-    ``"legacy"`` (the path before it, kept until a GPU run confirms the fused one). ValueError for another value."""
+    """The CUDA kernels' host path, from ``$GTOPK_EXT_CUDA_PATH`` as read at the library's first call:
+    ``"fused"`` (default) or ``"legacy"`` (kept until a GPU run confirms the fused one). ValueError for another."""
     return _C.cuda_path()
 
 
@@ -106,9 +96,6 @@ class CudaBackend(Backend):
             reasons.append("the CUDA kernels were not built (install with a CUDA toolkit and a CUDA build of torch, "
                            "GTOPK_EXT_CUDA=1)")
         return reasons
-
-    def _kernels(self):
-        return torch.ops.gtopk_ext
 
 
 @functools.cache
@@ -139,9 +126,6 @@ class TorchBackend(Backend):
     ops = ("merge_topk",)
     merges_with_torch = True
 
-    def _device_reasons(self, device):
-        return []
-
     def _kernels(self):
         return torch_kernels
 
@@ -152,26 +136,10 @@ TRITON = TritonBackend()
 TORCH = TorchBackend()
 ALL = (CPU, CUDA, TRITON, TORCH)
 _BY_NAME = {backend.name: backend for backend in (CPU, CUDA, TRITON)}
-
-
-def backend_named(name: str) -> Backend:
-    """The backend object of that name (``"torch"`` included)."""
-    return {backend.name: backend for backend in ALL}[name]
-
 BackendLike = Union[str, Backend, None]
 
 
-def _unsupported(requested: Backend, device: torch.device, dtype, op) -> ValueError:
-    lines = []
-    for backend in ALL:
-        reasons = backend.not_supported_reasons(device, dtype, op)
-        lines.append(f"backend {backend.name!r} " + ("can run" if not reasons else "; ".join(reasons)))
-    return ValueError(f"backend {requested.name!r} cannot run on tensors on {device}"
-                      + (f" ({op})" if op else "") + ". Every backend: " + "; ".join(lines))
-
-
-def choose(device: torch.device, backend: BackendLike = None, *, dtype: torch.dtype | None = None,
-           op: str | None = None) -> Backend:
+def choose(device: torch.device, backend: BackendLike = None, *, op: str | None = None) -> Backend:
     """The backend that runs ``op`` on ``device``: ``backend`` (a name or object), else ``$GTOPK_EXT_BACKEND``,
     else ``"auto"``. Raises ValueError listing every backend's reasons when the requested one cannot run."""
     device = torch.device(device)
@@ -185,29 +153,29 @@ def choose(device: torch.device, backend: BackendLike = None, *, dtype: torch.dt
             name = "cuda" if device.type == "cuda" and not CUDA.not_supported_reasons(device) else (
                 "triton" if device.type == "cuda" else "cpu")
         chosen = _BY_NAME[name]
-    if chosen.not_supported_reasons(device, dtype, op):
-        raise _unsupported(chosen, device, dtype, op)
+    if chosen.not_supported_reasons(device, op=op):
+        lines = [f"backend {other.name!r} " + ("; ".join(other.not_supported_reasons(device, op=op)) or "can run")
+                 for other in ALL]
+        raise ValueError(f"backend {chosen.name!r} cannot run on tensors on {device}"
+                         + (f" ({op})" if op else "") + ". Every backend: " + "; ".join(lines))
+    chosen.ready.add(device)
     return chosen
 
 
-class BackendChoice:
-    """A backend preference (a name, a ``Backend`` or None) resolved once per device, at the first call that
-    sees the device, and remembered: what compressors, collectives and the DDP hook hand to every op."""
+class BackendChoice(dict):
+    """A backend preference (a name, a ``Backend`` or None) resolved once per device and remembered:
+    ``choice[device]`` is the :class:`Backend` that compressors, collectives and the hooks hand to every op."""
 
     def __init__(self, backend: BackendLike = None):
-        if isinstance(backend, BackendChoice):
-            backend = backend.preference
+        super().__init__()
         if not (backend is None or isinstance(backend, Backend) or backend in BACKEND_NAMES):
             raise ValueError(f"backend must be one of {BACKEND_NAMES} or a gtopk_ext.backends.Backend, got "
                              f"{backend!r}")
         self.preference = backend
-        self._chosen: dict[torch.device, Backend] = {}
 
-    def for_device(self, device: torch.device) -> Backend:
-        chosen = self._chosen.get(device)
-        if chosen is None:
-            chosen = self._chosen[device] = choose(device, self.preference)
+    def __missing__(self, device: torch.device) -> Backend:
+        chosen = self[device] = choose(device, self.preference)
         return chosen
 
     def __repr__(self) -> str:
-        return f"BackendChoice({self.preference!r}, chosen={dict(self._chosen)})"
+        return f"BackendChoice({self.preference!r}, chosen={dict(self)})"

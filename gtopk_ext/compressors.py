@@ -20,13 +20,12 @@ from gtopk_ext.message import SparseMessage
 
 COMPRESSOR_KINDS = ("gaussiank", "topk", "randomk")
 GAUSSIANK_MODES = ("accurate", "paper")
-# The paper's threshold correction (Shi et al. 2019): at most 3 steps, halve below 2k/3, x1.5 above 4k/3.
-PAPER_CORRECTION_STEPS = 3
 
 
 def k_for_density(density: float, numel: int) -> int:
     """``ceil(density * numel)`` clamped to [1, numel]; float noise below 1e-6 (0.07 * 100) is not rounded up."""
-    check_density(density)
+    if not (isinstance(density, float) and 0.0 < density <= 1.0):  # the full check only then: this runs per step
+        check_density(density)
     return max(1, min(numel, math.ceil(round(density * numel, 6))))
 
 
@@ -66,13 +65,11 @@ def _check_inputs(grad: torch.Tensor, residual: torch.Tensor | None) -> None:
 class Compressor:
     """Base class: ``compress(grad, residual=None, *, step=None) -> SparseMessage``.
 
-    ``step`` identifies the call for randomized kinds (every rank must pass the same one to draw the same
-    indices); deterministic kinds ignore it. ``backend`` (a name, a :class:`gtopk_ext.backends.Backend` or None
-    for ``$GTOPK_EXT_BACKEND``) is resolved once per device, at the first message on it, and runs every op of
-    the compressor and of the collectives that reduce its messages. ``per_tensor``: the DDP hook selects within
-    each parameter of a bucket separately, each with its share of the bucket's k
-    (:func:`tensor_shares`), so that a tensor of small gradients (a LayerNorm, an embedding) is not starved by a
-    larger-scaled one. ``options``: the keyword arguments it was made with (:meth:`with_density` reuses them).
+    ``step`` makes randomized kinds draw the same indices on every rank; deterministic kinds ignore it.
+    ``backend`` (a name, a :class:`gtopk_ext.backends.Backend` or None for ``$GTOPK_EXT_BACKEND``) runs every op
+    of the compressor and of the collectives that reduce its messages. ``per_tensor``: the DDP hook selects within
+    each parameter of a bucket, each with its share of k (:func:`tensor_shares`), so that a tensor of small
+    gradients is not starved by a larger-scaled one. ``options``: the keyword arguments it was made with.
     """
 
     kind = ""
@@ -99,7 +96,7 @@ class Compressor:
         _check_inputs(grad, residual)
         flat_grad = grad.detach().reshape(-1)
         flat_residual = residual.view(-1) if residual is not None else None
-        backend = self.backend.for_device(flat_grad.device)
+        backend = self.backend[flat_grad.device]
         if k is None:
             k = self.k_for(flat_grad.numel())
         elif isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= flat_grad.numel():
@@ -108,32 +105,35 @@ class Compressor:
 
     def _compress(self, grad: torch.Tensor, residual: torch.Tensor | None, k: int, step: int | None,
                   backend: Backend) -> SparseMessage:
-        raise NotImplementedError
+        """The k slots of :meth:`_indices` of acc = grad + residual (kept in the residual, less what is sent)."""
+        acc = residual.add_(grad) if residual is not None else grad
+        indices = self._indices(acc, k, step)
+        count = torch.full((1,), k, dtype=torch.int32, device=acc.device)
+        return self._message(acc, residual, acc[indices.long()], indices, count, backend)
 
-    def _accumulate(self, grad: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """acc = grad + residual, stored in the residual (error feedback); grad itself without one."""
-        return residual.add_(grad) if residual is not None else grad
+    def _indices(self, acc: torch.Tensor, k: int, step: int | None) -> torch.Tensor:
+        """k distinct int32 indices of acc, ascending."""
+        raise NotImplementedError
 
     def _message(self, acc: torch.Tensor, residual: torch.Tensor | None, values: torch.Tensor,
                  indices: torch.Tensor, count: torch.Tensor, backend: Backend,
                  stats: torch.Tensor | None = None) -> SparseMessage:
-        """The message of (values, indices) taken from acc; what is sent leaves the residual."""
         if residual is not None:
             ops.residual_update_(residual, indices, values, backend=backend, check=False)
         return SparseMessage(values, indices, count, acc.numel(), stats)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(density={self.density})"
+        extra = "".join(f", {name}={value!r}" for name, value in self.options.items()
+                        if name not in ("backend", "per_tensor"))
+        return f"{type(self).__name__}(density={self.density}{extra})"
 
 
 class GaussianK(Compressor):
     """Gaussian-k (Shi et al. 2019): a threshold from one statistics pass instead of a sort.
 
-    ``mode="accurate"`` (default) selects with ``ops.gaussian_select``: the histogram threshold of the statistics
-    pass, refined inside its bin (k elements, plus the ties of a 32-float sub-bin, on any distribution);
-    ``mode="paper"`` with the Gaussian estimate ``|mean| + z * std`` and the paper's correction loop (up to 3
-    steps, on the device, no host sync), never above the largest |acc| (where the loop would send nothing).
-    Elements past k slots (in index order) stay in the residual.
+    ``mode="accurate"`` (default) selects with ``ops.gaussian_select`` (about k elements on any distribution);
+    ``mode="paper"`` with the Gaussian estimate ``|mean| + z * std`` and the paper's correction loop, never above
+    the largest |acc|. Elements past k slots (in index order) stay in the residual.
     """
 
     kind = "gaussiank"
@@ -154,26 +154,19 @@ class GaussianK(Compressor):
                                                                 update_residual=True, backend=backend)
             return SparseMessage(values, indices, count, acc.numel(), stats)
         stats = ops.gaussian_threshold(grad, residual, z=self.z, k=0, backend=backend)
-        gaussian = stats[ops.STAT_GAUSSIAN_THRESHOLD:ops.STAT_GAUSSIAN_THRESHOLD + 1]
-        # The loop can end above every element (equal values: the deviation is 0 and the count jumps between
-        # all and none): then the largest |acc| is sent rather than nothing, step after step.
-        largest = stats[ops.STAT_MAX_ABS:ops.STAT_MAX_ABS + 1]
-        threshold = torch.minimum(self._paper_correction(acc, gaussian, k), largest)
-        values, indices, count = ops.compact(acc, threshold, k, backend=backend)
-        return self._message(acc, residual, values, indices, count, backend, stats)
-
-    @staticmethod
-    def _paper_correction(acc: torch.Tensor, threshold: torch.Tensor, k: int) -> torch.Tensor:
-        # Once the count is inside [2k/3, 4k/3] the factor is 1 and stays 1: that is the paper's early stop.
+        threshold = stats[ops.STAT_GAUSSIAN_THRESHOLD:ops.STAT_GAUSSIAN_THRESHOLD + 1]
+        # The paper's 3 correction steps: halve below 2k/3, x1.5 above 4k/3. Once the count is inside, the factor
+        # is 1 and stays 1: that is the paper's early stop, without a host sync.
         magnitude = acc.float().abs()
-        for _ in range(PAPER_CORRECTION_STEPS):
+        for _ in range(3):
             count = (magnitude >= threshold).sum()
             factor = torch.where(count < 2 * k / 3, 0.5, torch.where(count > 4 * k / 3, 1.5, 1.0))
             threshold = threshold * factor
-        return threshold.float()
-
-    def __repr__(self) -> str:
-        return f"GaussianK(density={self.density}, mode={self.mode!r})"
+        # The loop can end above every element (equal values: the deviation is 0 and the count jumps between
+        # all and none): then the largest |acc| is sent rather than nothing, step after step.
+        threshold = torch.minimum(threshold.float(), stats[ops.STAT_MAX_ABS:ops.STAT_MAX_ABS + 1])
+        values, indices, count = ops.compact(acc, threshold, k, backend=backend)
+        return self._message(acc, residual, values, indices, count, backend, stats)
 
 
 class TopK(Compressor):
@@ -181,11 +174,8 @@ class TopK(Compressor):
 
     kind = "topk"
 
-    def _compress(self, grad, residual, k, step, backend):
-        acc = self._accumulate(grad, residual)
-        indices = torch.topk(acc.abs(), k, sorted=False).indices.sort().values.int()
-        count = torch.full((1,), k, dtype=torch.int32, device=acc.device)
-        return self._message(acc, residual, acc[indices.long()], indices, count, backend)
+    def _indices(self, acc, k, step):
+        return torch.topk(acc.abs(), k, sorted=False).indices.sort().values.int()
 
 
 class RandomK(Compressor):
@@ -202,16 +192,10 @@ class RandomK(Compressor):
         self.options["seed"] = seed
         self.calls = 0
 
-    def _compress(self, grad, residual, k, step, backend):
+    def _indices(self, acc, k, step):
         generator = torch.Generator().manual_seed(self.seed + (self.calls if step is None else step))
         self.calls += 1
-        acc = self._accumulate(grad, residual)
-        indices = torch.randperm(acc.numel(), generator=generator)[:k].sort().values.int().to(acc.device)
-        count = torch.full((1,), k, dtype=torch.int32, device=acc.device)
-        return self._message(acc, residual, acc[indices.long()], indices, count, backend)
-
-    def __repr__(self) -> str:
-        return f"RandomK(density={self.density}, seed={self.seed})"
+        return torch.randperm(acc.numel(), generator=generator)[:k].sort().values.int().to(acc.device)
 
 
 _KINDS = {cls.kind: cls for cls in (GaussianK, TopK, RandomK)}
@@ -238,3 +222,77 @@ def compressor_at(compressor: "str | Compressor", density: float, **options) -> 
         raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS} or a gx.make_compressor(...), got "
                          f"{compressor!r}")
     return make_compressor(compressor, density, **options)
+
+
+# ----- a flat tensor made of parts (a DDP bucket's parameters) -----
+
+
+def part_maxima(tensor: torch.Tensor, parts: list[int] | None) -> torch.Tensor:
+    """max |tensor| over each part (the whole tensor without ``parts``); NaN where one is NaN."""
+    slices = tensor.split(parts) if parts is not None else [tensor]
+    extremes = [torch.stack(torch.aminmax(s)) if s.numel() else tensor.new_zeros(2) for s in slices]
+    return torch.stack(extremes).abs().amax(dim=1)
+
+
+def hold_unused(residual: torch.Tensor, maxima: list[float], parts: list[int] | None,
+                zero: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Save (and ``zero``, for the selection) each part whose gradient is all zero (``maxima`` 0: unused by this
+    rank); returns (part, saved copy) pairs to restore afterwards."""
+    if parts is None:
+        return []
+    held, offset = [], 0
+    for numel, largest in zip(parts, maxima):
+        if largest == 0 and numel:
+            part = residual[offset:offset + numel]
+            held.append((part, part.clone()))
+            if zero:
+                part.zero_()
+        offset += numel
+    return held
+
+
+def select(compressor: Compressor, tensor: torch.Tensor, residual: torch.Tensor | None, maxima: list[float],
+           parts: list[int] | None, k: int, step: int) -> tuple[SparseMessage, torch.Tensor | None]:
+    """``tensor + residual`` compressed to k slots, the whole tensor at once or, with a per-tensor compressor, each
+    part with its share of k; a part unused here (an all-zero gradient) keeps its residual out of the selection.
+    Returns the message and a bound on the residual's max |value| after it (None when unknown)."""
+    if compressor.per_tensor and parts is not None and len(parts) > 1:
+        return _select_per_part(compressor, tensor, residual, maxima, parts, k, step)
+    held = hold_unused(residual, maxima, parts) if residual is not None else []
+    msg = compressor.compress(tensor, residual, step=step)
+    for part, saved in held:  # compressed as zeros: nothing of them was taken
+        part.copy_(saved)
+    bound = msg.stats[ops.STAT_MAX_ABS] if msg.stats is not None and not held else None
+    return msg, bound
+
+
+def _select_per_part(compressor: Compressor, tensor: torch.Tensor, residual: torch.Tensor | None,
+                     maxima: list[float], parts: list[int], k: int, step: int
+                     ) -> tuple[SparseMessage, torch.Tensor | None]:
+    """Used slots first, in ascending index order, then the padding."""
+    grads = tensor.split(parts)
+    residuals = residual.split(parts) if residual is not None else [None] * len(parts)
+    values, indices, used, bounds, offset = [], [], [], [], 0
+    for grad, part_residual, share, largest, numel in zip(grads, residuals, tensor_shares(k, parts), maxima, parts):
+        if share and largest != 0:
+            part = compressor.compress(grad, part_residual, step=step, k=share)
+            values.append(part.values)
+            indices.append(part.indices + offset)
+            used.append(torch.arange(share, device=tensor.device) < part.count)
+            bounds.append(part.stats[ops.STAT_MAX_ABS] if part.stats is not None else None)
+        elif share:
+            values.append(torch.zeros(share, dtype=tensor.dtype, device=tensor.device))
+            indices.append(torch.zeros(share, dtype=torch.int32, device=tensor.device))
+            used.append(torch.zeros(share, dtype=torch.bool, device=tensor.device))
+            bounds.append(None)
+        elif part_residual is not None:  # no slot this step: the gradient waits in the residual
+            part_residual.add_(grad)
+            bounds.append(None)
+        offset += numel
+    used = torch.cat(used)
+    order = torch.argsort((~used).to(torch.int32), stable=True)
+    in_use = used[order]
+    msg = SparseMessage(torch.cat(values)[order], torch.where(in_use, torch.cat(indices)[order], 0),
+                        in_use.sum(dtype=torch.int32).reshape(1), tensor.numel())
+    bound = None if any(b is None for b in bounds) else torch.stack(bounds).max()
+    return msg, bound

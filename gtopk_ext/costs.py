@@ -1,29 +1,14 @@
-"""What moving bytes costs: this rank's byte counter, the byte formulas of the collectives (the ring algorithms
-the backends run; the hierarchical collective's node phases), and the alpha-beta model of one exchange that
-bench/cost_model.py fits (docs/scaling.md), from each collective's :meth:`Collective.cost_terms`."""
+"""What moving bytes costs: the collectives' byte formulas, the summaries' byte lines, and the alpha-beta terms of
+one exchange that bench/cost_model.py fits (docs/scaling.md)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gtopk_ext.collectives import Collective
     from gtopk_ext.wire import Wire
-
-
-@dataclass
-class Traffic:
-    """Bytes this rank sent and received, counted by the collectives that are given one. Collectives run by the
-    backend (all_gather, all_reduce) are counted as a ring algorithm moves them."""
-
-    sent: int = 0
-    received: int = 0
-
-    def add(self, sent: int, received: int) -> None:
-        self.sent += sent
-        self.received += received
 
 
 def format_bytes(count: float) -> str:
@@ -35,15 +20,13 @@ def format_bytes(count: float) -> str:
 
 
 def sent_and_received(sent: int, received: int, times: int, unit: str) -> str:
-    """The summaries' run line (SparseGradState's and SparseLocalSGD's): this rank's totals and what it sent per
-    ``unit`` over ``times`` of them."""
+    """The summaries' run line: this rank's totals and what it sent per ``unit`` over ``times`` of them."""
     return (f"this rank sent {format_bytes(sent)}, received {format_bytes(received)} "
             f"({format_bytes(sent / max(times, 1))} sent a {unit})")
 
 
 def latest_line(unit: str, index: int, sent: int, k: int, numel: int, rest: str) -> str:
-    """The summaries' line of the latest step or sync: its bytes sent and k (per rank) of its elements, then
-    ``rest``."""
+    """The summaries' line of the latest step or sync, then ``rest``."""
     return (f"latest {unit} (#{index}): sent {format_bytes(sent)}, k {k:,} of {numel:,} elements "
             f"({k / max(numel, 1):.4g}), {rest}")
 

@@ -12,32 +12,27 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gtopk_ext.collectives import SPARSE_COLLECTIVES, OkTopkState, Reduced, collective_named, group_rank_and_size
+from gtopk_ext.collectives import (SPARSE_COLLECTIVES, OkTopkState, Reduced, Traffic, collective_named,
+                                   group_rank_and_size, keep_unapplied)
 from gtopk_ext.collectives._transport import sparse_alltoallv
 from gtopk_ext.compressors import Compressor, tensor_shares
-from gtopk_ext.costs import Traffic, inner_result_slots, node_gather_bytes, ring_allgather_bytes
+from gtopk_ext.costs import inner_result_slots, node_gather_bytes, ring_allgather_bytes
 from gtopk_ext.message import SparseMessage, padding_message
 from gtopk_ext.ops import is_finite
-from gtopk_ext.reduction import keep_unapplied
 from gtopk_ext.wire import Rounding, WireLike, wire_named
 
-HIERARCHICAL_INNER = SPARSE_COLLECTIVES
 
-
-# Per (process group name, local_size): (that group, this rank's node group, its cross-node group), created once
-# per group (a group destroyed and created again under the same name gets new ones).
+# Per (process group name, local_size): (that group, this rank's node group, its cross-node group); a group
+# destroyed and created again under the same name gets new ones.
 _node_groups: dict[tuple[str, int], tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 @dataclass
 class HierarchicalResult:
-    """What :func:`hierarchical_allreduce` did on this rank.
-
-    ``average``: the flat average over the group's ranks of what was applied, in the tensor's dtype, bitwise the
-    same on every rank; None when a flag was raised (then nothing was changed). ``msg``: this rank's selection
-    from its shard's accumulation, indices into the whole tensor; ``applied``: the mask over its slots of those
-    inside the average. ``shard``: the slice of the tensor this rank selected from (and keeps the residual of).
-    """
+    """What :func:`hierarchical_allreduce` did on this rank. ``average``: the flat average over the group of what
+    was applied, in the tensor's dtype, the same on every rank (None when a flag was raised: nothing changed).
+    ``msg``: this rank's selection, indices into the whole tensor; ``applied``: the mask of its slots inside the
+    average; ``shard``: the slice this rank selected from (and keeps the residual of)."""
 
     average: torch.Tensor | None
     msg: SparseMessage
@@ -47,13 +42,9 @@ class HierarchicalResult:
 
 @dataclass(frozen=True)
 class Hierarchical:
-    """The option of the DDP hook that reduces hierarchically: a node is ``local_size`` consecutive ranks of the
-    group (None: torchrun's ``LOCAL_WORLD_SIZE``); each bucket is reduce-scattered densely inside the node, each
-    local rank selects from its shard of the node's sum (k split over the shards) and runs the hook's collective
-    with the same local rank of the other nodes, and the shards' averages are allgathered inside the node
-    (:func:`hierarchical_allreduce`). The wire applies between nodes. The node groups are created at the first
-    compressed step by the process group's ranks alone: with a group smaller than the world, create the groups
-    that every rank must create before that step."""
+    """The DDP hook's option to reduce hierarchically (:func:`hierarchical_allreduce`): a node is ``local_size``
+    consecutive ranks of the group (None: torchrun's ``LOCAL_WORLD_SIZE``); the hook's collective and wire run
+    between nodes. The node groups are created at the first compressed step (see :func:`node_groups`)."""
 
     local_size: int | None = None
 
@@ -76,10 +67,9 @@ def resolve_local_size(local_size: int | None) -> int:
 
 def node_groups(group: dist.ProcessGroup, local_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's (node group: its ``local_size`` consecutive group ranks, cross-node group: the ranks of the same
-    local rank on every node), created at the first call and cached. Every rank of ``group`` makes its first call
-    for the same (group, local_size) at the same point (the groups' names count the groups created before). Only
-    ``group``'s ranks create them, which moves their count past that of any other rank: when ``group`` is not the
-    whole world, create groups that every rank must create before this first call."""
+    local rank on every node), created at the first call and cached. Every rank of ``group`` must make its first
+    call at the same point (group names count the groups created before). Only ``group``'s ranks create them:
+    when ``group`` is not the whole world, create the groups that every rank must create before this call."""
     key = (group.group_name, local_size)
     if _node_groups.get(key, (None,))[0] is not group:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -95,15 +85,14 @@ def node_groups(group: dist.ProcessGroup, local_size: int) -> tuple[dist.Process
 
 
 def forget_node_groups() -> None:
-    """Let go of the cached groups of :func:`node_groups` (a group held past ``dist.destroy_process_group`` keeps
-    its Gloo threads until the interpreter finalizes, where they can abort the process)."""
+    """Let go of the cached groups of :func:`node_groups` (held past ``dist.destroy_process_group``, their Gloo
+    threads can abort the process at exit)."""
     _node_groups.clear()
 
 
 def shard_bounds(numel: int, local_size: int) -> list[int]:
     """The start of each local rank's shard, then the end: ``local_size`` contiguous shards of
-    ``ceil(numel / local_size)`` elements, the last ones shorter (so that padding the tensor at its end to
-    ``local_size`` times that width lines the shards up)."""
+    ``ceil(numel / local_size)`` elements, the last ones shorter."""
     width = -(-numel // local_size)
     return [min(numel, width * i) for i in range(local_size + 1)]
 
@@ -114,34 +103,28 @@ def hierarchical_allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, 
                            traffic: Traffic | None = None, flags: torch.Tensor | None = None,
                            nonfinite_flag: int = 1, wire: WireLike = "plain",
                            rounding: Rounding | None = None) -> HierarchicalResult:
-    """Dense inside a node, sparse between nodes (a node: ``local_size`` consecutive ranks of ``group``).
+    """Dense inside a node, sparse between nodes (a node: ``local_size`` consecutive ranks of ``group``):
 
-    1. Dense reduce-scatter inside the node of ``tensor + residual`` (flat): local rank l gets its node's sum of
-       shard l (:func:`shard_bounds`).
-    2. Local rank l selects ``tensor_shares(max(k, local_size), shard sizes)[l]`` slots of that sum with
-       ``compressor`` (so the shards send k slots in all, at least one each) and runs the ``inner`` sparse
-       collective (gtopk, allgather or oktopk, with ``inner_state`` for oktopk) with the ranks of local rank l on
-       the other nodes.
-    3. Allgather inside the node of every shard's average (as index-value pairs when they take fewer bytes): the
-       result, the same on every rank.
+    1. a dense reduce-scatter inside the node of ``tensor + residual`` (flat): local rank l gets its node's sum
+       of shard l (:func:`shard_bounds`);
+    2. local rank l selects its share of k (at least one slot) from that sum with ``compressor`` and runs the
+       ``inner`` sparse collective (``inner_state`` for oktopk) with local rank l of the other nodes;
+    3. an allgather inside the node of every shard's average: the result, the same on every rank.
 
-    ``residual`` (flat, the tensor's size, or None: no error feedback) is zero outside this rank's shard and
-    becomes, on return, zero outside it and the shard's node sum minus what was applied inside it
-    (:func:`gtopk_ext.reduction.keep_unapplied`): every other element of ``tensor + residual`` is in the average.
-    ``flags`` (int32[1], optional): bits this rank raises; on return their OR over the group. A shard whose node
-    sum is not finite sends nothing and raises ``nonfinite_flag``; when any bit is raised, nothing is applied and
-    ``tensor`` and ``residual`` are left as they were (``average`` None). ``wire``: the inner collective's wire
-    format; with ``"compact"`` the rounding errors this rank answers for stay in its residual, and are added to
-    ``rounding`` (indices into the whole tensor) when given. Every rank must pass the same k, local_size, inner
-    and wire."""
+    ``residual`` (the tensor's size, or None: no error feedback) is zero outside this rank's shard, and on return
+    holds there the shard's node sum minus what was applied. ``flags`` (int32[1], optional): bits this rank
+    raises, on return their OR over the group; a non-finite shard raises ``nonfinite_flag``. When any bit is
+    raised nothing is applied and ``tensor`` and ``residual`` are unchanged. With the compact ``wire`` the
+    rounding errors this rank answers for stay in its residual, and are added to ``rounding`` when given. Every
+    rank must pass the same k, local_size, inner and wire."""
     group, rank, size = group_rank_and_size(group)
-    if inner not in HIERARCHICAL_INNER:
-        raise ValueError(f"inner must be one of {HIERARCHICAL_INNER}, got {inner!r}")
+    if inner not in SPARSE_COLLECTIVES:
+        raise ValueError(f"inner must be one of {SPARSE_COLLECTIVES}, got {inner!r}")
     wire = wire_named(wire)
     collective = collective_named(inner, compressor.backend)
     node_group, cross_group = node_groups(group, local_size)
     local_rank, numel, device = rank % local_size, tensor.numel(), tensor.device
-    backend = compressor.backend.for_device(device)
+    backend = compressor.backend[device]
     bounds = shard_bounds(numel, local_size)
     widths = [end - start for start, end in zip(bounds, bounds[1:])]
     shard = slice(bounds[local_rank], bounds[local_rank + 1])
@@ -202,8 +185,7 @@ def node_reduce_scatter(tensor: torch.Tensor, bounds: list[int], node_group: dis
                         traffic: Traffic | None) -> torch.Tensor:
     """Shard ``local_rank`` (of ``bounds``) of the sum over the node's ranks of ``tensor`` (flat, contiguous): this
     rank's own part, then the others' in local-rank order. Every rank sends shard r straight to local rank r, all
-    at once: on Gloo this took a third to a sixth of ``dist.reduce_scatter``'s time on 2 and 4 ranks (the same
-    bytes as a ring)."""
+    at once: the same bytes as a ring, faster than Gloo's ``reduce_scatter`` (docs/scaling.md)."""
     shards = [tensor[start:end] for start, end in zip(bounds, bounds[1:])]
     mine = shards[local_rank]
     received = sparse_alltoallv([shard.view(torch.uint8) for shard in shards],

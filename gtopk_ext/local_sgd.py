@@ -1,21 +1,10 @@
 """Local SGD with a sparse pseudo-gradient: DiLoCo (Douillard et al. 2023) and SparseLoCo (Sarfi et al. 2025) on
-this package's compressors and collectives.
+this package's compressors and collectives (docs/local_sgd.md).
 
-    outer = gx.SparseLocalSGD(model.parameters(), sync_every=32, density=0.02, collective="gtopk",
-                              outer_lr=1.0, outer_momentum=0.0, nesterov=False, buffers=model.buffers())
+    outer = gx.SparseLocalSGD(model.parameters(), sync_every=32, density=0.02, buffers=model.buffers())
     for x, y in loader:
         inner_opt.zero_grad(); loss_fn(model(x), y).backward(); inner_opt.step()
         outer.step()          # every sync_every calls: compress the pseudo-gradient, reduce, outer step
-
-The model is not wrapped in DDP: each rank trains its replica with its own inner optimizer. Every ``sync_every``
-steps each rank forms its pseudo-gradient (the global weights that the replicas adopted at the last sync minus
-its weights now), adds its error-feedback accumulator, compresses the sum with the package's compressor and
-reduces it with the package's collective; whatever was not applied (not selected, or dropped by a gTop-k merge)
-stays in the accumulator. The averaged sparse pseudo-gradient drives an outer SGD step (momentum, Nesterov) on the
-global weights, which every rank then adopts, and floating-point buffers (BatchNorm statistics) are averaged
-densely: after every sync the replicas are bitwise equal. ``density=1.0`` with ``collective="dense"`` is DiLoCo;
-``outer_lr=1.0, outer_momentum=0.0, nesterov=False`` (the defaults) is plain local SGD (periodic model averaging);
-``error_decay < 1`` is SparseLoCo's decayed accumulator.
 """
 
 from __future__ import annotations
@@ -30,22 +19,21 @@ import torch
 import torch.distributed as dist
 
 from gtopk_ext._contract import FLOAT_DTYPES
-from gtopk_ext._validate import check_number, tensor_list
-from gtopk_ext.collectives import MAX_NUMEL, SPARSE_COLLECTIVES, agree, collective_named, group_rank_and_size
+from gtopk_ext._validate import check_int, check_number, tensor_list
+from gtopk_ext.collectives import MAX_NUMEL, SPARSE_COLLECTIVES, Traffic, agree, group_rank_and_size
 from gtopk_ext.compressors import COMPRESSOR_KINDS, check_density, make_compressor
-from gtopk_ext.costs import Traffic, format_bytes, latest_line, ring_allreduce_bytes, sent_and_received
+from gtopk_ext.config import SparseConfig
+from gtopk_ext.costs import format_bytes, latest_line, ring_allreduce_bytes, sent_and_received
 from gtopk_ext.reduction import reduce
 from gtopk_ext.resume import StateDicts, plan_resume, world_fields
-from gtopk_ext.wire import WIRES, wire_named
+from gtopk_ext.wire import WIRES
 
-__all__ = ["SparseLocalSGD", "COLLECTIVES"]
-
-COLLECTIVES = (*SPARSE_COLLECTIVES, "dense")
+__all__ = ["SparseLocalSGD"]
 
 
 class _Shard:
-    """Parameters of one device flattened into one float32 vector (at most MAX_NUMEL elements, the collectives'
-    limit): the global weights, the outer momentum and the error-feedback accumulator live in this layout."""
+    """Parameters of one device as one float32 vector of at most MAX_NUMEL elements (the collectives' limit), the
+    layout of the global weights, the outer momentum and the accumulator."""
 
     def __init__(self, params: list[torch.Tensor]):
         self.params = params
@@ -79,7 +67,11 @@ def _shards(params: list[torch.Tensor]) -> list[_Shard]:
 
 
 class SparseLocalSGD:
-    r"""The outer optimizer of local SGD over a model that is not wrapped in DDP.
+    r"""The outer optimizer of local SGD over a model that is not wrapped in DDP: every ``sync_every`` steps each
+    rank compresses its pseudo-gradient (the global weights adopted at the last sync minus its weights now) plus
+    its error-feedback accumulator, the collective averages it, and an outer SGD step on the global weights gives
+    the model every rank adopts. ``density=1.0, collective="dense"`` is DiLoCo; the default outer step is plain
+    local SGD (periodic model averaging).
 
     Args:
         params: the model's parameters (``model.parameters()``), float32, float16 or bfloat16, the same shapes in
@@ -87,7 +79,7 @@ class SparseLocalSGD:
         sync_every: inner steps between syncs (H): :meth:`step` syncs at every ``sync_every``-th call.
         density: fraction of the pseudo-gradient each rank sends, in (0, 1]. ``collective="dense"`` sends all of
             it and needs ``density=1.0``.
-        collective: ``"gtopk"`` (O(k log P)), ``"allgather"`` (O(kP)) or ``"dense"`` (allreduce: DiLoCo).
+        collective: ``"gtopk"`` (O(k log P)), ``"allgather"`` (O(kP)), ``"oktopk"`` or ``"dense"`` (DiLoCo).
         outer_lr, outer_momentum, nesterov: the outer step, ``torch.optim.SGD``'s on the global weights with the
             averaged pseudo-gradient as gradient (``nesterov`` needs a momentum); the defaults: docs/local_sgd.md.
         process_group: the group to reduce over (``None``: the default group).
@@ -95,27 +87,20 @@ class SparseLocalSGD:
             arguments (see :func:`gtopk_ext.make_compressor`).
         buffers: tensors averaged densely at each sync (``model.buffers()``); integer buffers (BatchNorm's
             ``num_batches_tracked``) are taken from the group's first rank.
-        wire: how a sparse collective sends its pairs (:mod:`gtopk_ext.wire`): ``"plain"`` (8 bytes a pair) or
-            ``"compact"`` (4 bytes a pair: float16 values after a power-of-two scale, 16-bit indices); what the
-            compact wire's rounding takes off a value goes into the accumulator, so nothing is lost. The dense
-            collective sends float32 and takes ``"plain"`` only.
-        error_decay: each sync first multiplies the error-feedback accumulator by this, in [0, 1], then adds the
-            pseudo-gradient (SparseLoCo's decayed accumulator, which acts as momentum). 1.0 (default) is exact
-            error feedback; below 1, ``(1 - error_decay) x old accumulator`` is dropped on purpose, not sent
-            later (its L1 norm is counted in :meth:`stats`); 0 keeps nothing. Sparse collectives only; measured:
-            docs/local_sgd.md.
+        wire: how a sparse collective sends its pairs (:mod:`gtopk_ext.wire`): ``"plain"`` or ``"compact"``
+            (whose rounding errors go into the accumulator); the dense collective takes ``"plain"`` only.
+        error_decay: in [0, 1]; each sync first multiplies the accumulator by it (SparseLoCo's decayed
+            accumulator). 1.0 (default) is exact error feedback; below 1 the decayed part is dropped, and its L1
+            norm counted in :meth:`stats`. Sparse collectives only.
 
-    Construction is collective over ``process_group``: every rank checks that the others have the same
-    parameters, and all adopt the first rank's parameters and buffers (as DDP does), so training starts from
-    one model. The global weights, outer momentum and accumulator are float32 (a master copy for float16 and
-    bfloat16 models), one vector per device.
+    Construction is collective over ``process_group``: the ranks check that they have the same parameters, and
+    all adopt the first rank's parameters and buffers, as DDP does. The global weights, outer momentum and
+    accumulator are float32 (a master copy for float16 and bfloat16 models).
 
-    What is guaranteed: after every sync the parameters and buffers are bitwise equal on every rank; with a
-    sparse collective, ``sum over ranks (pseudo-gradient + error_decay x old accumulator) = P x averaged
-    pseudo-gradient + sum over ranks (new accumulator)`` up to float rounding, with either wire (with
-    ``error_decay=1`` nothing is lost, only delayed: what the compact wire's float16 rounding took off a value is
-    in the accumulator; below 1 only the decayed part is lost, and counted); a non-finite pseudo-gradient on any
-    rank raises :class:`FloatingPointError` on every rank and changes nothing.
+    After every sync the parameters and buffers are bitwise equal on every rank; with a sparse collective,
+    ``sum over ranks (pseudo-gradient + error_decay x old accumulator) = P x averaged pseudo-gradient + sum over
+    ranks (new accumulator)`` up to float rounding. A non-finite pseudo-gradient on any rank raises
+    :class:`FloatingPointError` on every rank and changes nothing.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], sync_every: int = 32, density: float = 0.02,
@@ -123,11 +108,12 @@ class SparseLocalSGD:
                  nesterov: bool = False, process_group: dist.ProcessGroup | None = None, *,
                  compressor: str = "gaussiank", compressor_kwargs: dict | None = None,
                  buffers: Iterable[torch.Tensor] = (), wire: str = "plain", error_decay: float = 1.0):
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        check_int("sync_every", sync_every, 1)
+        if compressor not in COMPRESSOR_KINDS:
+            raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {compressor!r}")
         check_density(density)
-        if collective not in COLLECTIVES:
-            raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+        self.config = SparseConfig(density, make_compressor(compressor, density, **dict(compressor_kwargs or {})),
+                                   collective, wire)
         if collective == "dense" and density != 1.0:
             raise ValueError(f"collective='dense' sends every element: density must be 1.0, got {density!r} "
                              f"(a sparse collective sends a fraction: {SPARSE_COLLECTIVES})")
@@ -142,12 +128,9 @@ class SparseLocalSGD:
         if nesterov and self.outer_momentum == 0.0:
             raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD): set a momentum or "
                              "nesterov=False")
-        wire_named(wire)
         if collective == "dense" and wire != "plain":
             raise ValueError(f"collective='dense' allreduces float32 on the plain wire, got wire={wire!r} (the "
                              f"compact wire is for the sparse collectives: {SPARSE_COLLECTIVES})")
-        if compressor not in COMPRESSOR_KINDS:
-            raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {compressor!r}")
         self.params = tensor_list(params, "params")
         if not self.params:
             raise ValueError("params is empty: pass the model's parameters")
@@ -158,9 +141,7 @@ class SparseLocalSGD:
         self.buffers = tensor_list(buffers, "buffers")
         self.sync_every, self.density, self.collective, self.wire = sync_every, float(density), collective, wire
         self.nesterov, self.process_group, self.compressor = nesterov, process_group, compressor
-        self._compressor = (make_compressor(compressor, self.density, **dict(compressor_kwargs or {}))
-                            if collective != "dense" else None)
-        self._collective = collective_named(collective, self._compressor.backend) if self._compressor else None
+        self._compressor = self.config.compressor if collective != "dense" else None
         self.local_step = 0  # calls of step() so far
         self.syncs = 0
         self.traffic = Traffic()  # every sync's bytes, this rank
@@ -169,8 +150,10 @@ class SparseLocalSGD:
         self._send_accumulators = False  # load_state_dict(..., "fold"): the next sync sends them whole
         self._shards = _shards(self.params)
         self._check_same_layout()
-        with torch.no_grad():
-            self._broadcast_from_first_rank()
+        with torch.no_grad():  # every rank starts from the first rank's model
+            group, _, _ = group_rank_and_size(self.process_group)
+            for t in [*self.params, *self.buffers]:
+                self._broadcast(t, group, None)
         self._global = [shard.flat() for shard in self._shards]
         self._momentum = [torch.zeros_like(g) for g in self._global] if self.outer_momentum else []
         self._accumulator = [torch.zeros_like(g) for g in self._global] if self._compressor is not None else []
@@ -239,8 +222,8 @@ class SparseLocalSGD:
         accumulator = self._accumulator[index]
         # accumulator becomes delta + old accumulator - what this rank sends
         msg = self._compressor.compress(delta, accumulator, step=self.syncs * len(self._shards) + index)
-        outcome = reduce(delta, accumulator, msg, self._collective, group, k=msg.k,
-                         wire=wire_named(self.wire), backend=self._compressor.backend.for_device(delta.device),
+        outcome = reduce(delta, accumulator, msg, self.config.reducer, group, k=msg.k,
+                         wire=self.config.wire, backend=self._compressor.backend[delta.device],
                          traffic=traffic)
         return delta, outcome.msg.k, int(outcome.msg.count)
 
@@ -253,7 +236,7 @@ class SparseLocalSGD:
             update = averaged.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
         self._global[index].add_(update, alpha=-self.outer_lr)
 
-    # ----- buffers and the first model -----
+    # ----- buffers and the layout -----
 
     def _average_buffers(self, group: dist.ProcessGroup, size: int, traffic: Traffic) -> None:
         floating = [b for b in self.buffers if b.is_floating_point()]
@@ -269,11 +252,6 @@ class SparseLocalSGD:
         for b in self.buffers:
             if not b.is_floating_point():
                 self._broadcast(b, group, traffic)
-
-    def _broadcast_from_first_rank(self) -> None:
-        group, _, _ = group_rank_and_size(self.process_group)
-        for t in [*self.params, *self.buffers]:
-            self._broadcast(t, group, None)
 
     @staticmethod
     def _broadcast(tensor: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic | None) -> None:
@@ -292,15 +270,14 @@ class SparseLocalSGD:
         signature = repr([(tuple(t.shape), str(t.dtype)) for t in [*self.params, *self.buffers]])
         agree({"params": len(self.params), "buffers": len(self.buffers), "numel": sum(p.numel() for p in self.params),
                "signature": zlib.crc32(signature.encode()), "sync_every": self.sync_every,
-               "wire": wire_named(self.wire).code}, group, self._shards[0].device, "SparseLocalSGD")
+               "wire": self.config.wire.code}, group, self._shards[0].device, "SparseLocalSGD")
 
     # ----- statistics and checkpoints -----
 
     def stats(self) -> dict[str, Any]:
-        """``{"local_step", "syncs", "bytes_sent", "bytes_received", "decayed"}`` (this rank, all syncs so far;
-        ``decayed``: the L1 norm of what ``error_decay`` dropped from the accumulator) and ``"last_sync"``: the
-        latest sync's ``numel``, ``k`` (elements sent per rank), ``selected`` (by the compressor, before truncation
-        to k), ``bytes_sent``, ``bytes_received``, ``decayed`` and ``seconds``."""
+        """``{"local_step", "syncs", "bytes_sent", "bytes_received", "decayed"}`` (this rank, all syncs; ``decayed``:
+        the L1 norm ``error_decay`` dropped) and ``"last_sync"``: the latest sync's ``numel``, ``k`` (elements sent
+        per rank), ``selected`` (by the compressor), ``bytes_sent``, ``bytes_received``, ``decayed``, ``seconds``."""
         return {"local_step": self.local_step, "syncs": self.syncs, "bytes_sent": self.traffic.sent,
                 "bytes_received": self.traffic.received, "decayed": self.decayed, "last_sync": dict(self._last)}
 
@@ -322,11 +299,9 @@ class SparseLocalSGD:
             if last else "latest sync: none in this process yet", *decay])
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's resumable state (copies): ``local_step``, ``syncs``, ``world_size`` and ``rank`` (with
-        torch.distributed initialized), ``wire``, ``numels`` (per shard), ``decayed`` (:meth:`stats`'), ``global``
-        (the global weights, the same on every rank), ``momentum`` and ``accumulator`` (this rank's, the compact
-        wire's rounding errors included), one float32 vector per shard. Save it with the model's and the inner
-        optimizer's state."""
+        """This rank's resumable state (copies), to save with the model's and the inner optimizer's: the counters,
+        ``world_size`` and ``rank``, and per shard the ``global`` weights, ``momentum`` and (this rank's)
+        ``accumulator``."""
         return {"local_step": self.local_step, "syncs": self.syncs, **world_fields(self.process_group),
                 "wire": self.wire, "numels": [s.numel for s in self._shards], "decayed": self.decayed,
                 "global": [g.clone() for g in self._global], "momentum": [m.clone() for m in self._momentum],
@@ -334,18 +309,13 @@ class SparseLocalSGD:
 
     def load_state_dict(self, state_dict: StateDicts, on_world_size_change: str = "error") -> None:
         """Restores :meth:`state_dict`'s output; with the model's and the inner optimizer's states restored too,
-        training continues bitwise as if it had not stopped. Momentum or an accumulator that the saved optimizer
-        did not have (another ``outer_momentum`` or ``collective``) start at zero; a saved momentum this optimizer
-        has none for raises. A state saved with the other wire loads too (its rounding errors are in the accumulator).
+        training continues bitwise. Momentum or an accumulator the saved optimizer did not have start at zero; a
+        saved momentum this optimizer has none for raises.
 
-        The accumulator is per rank. At another world size than the saved one, ``on_world_size_change`` says
-        what becomes of it, on every rank alike (the global weights and the outer momentum, the same on every
-        rank, always load): ``"error"`` (default) raises a ValueError naming both sizes (so does another rank's
-        state_dict); ``"fold"`` takes every saved rank's state_dict as a list in rank order: this rank adds up the
-        accumulators of the saved ranks ``q`` with ``q % world_size == rank`` and the next sync sends them whole
-        (dense, on every rank): nothing is lost; ``"zero"``: the accumulators start at zero (dropped). ``decayed``
-        follows the accumulators. A state_dict without ``world_size`` or ``decayed`` (older versions) loads as
-        this rank's, with nothing decayed."""
+        At another world size, ``on_world_size_change`` says what becomes of the per-rank accumulators:
+        ``"error"`` (default) raises naming both sizes; ``"fold"`` takes every saved rank's state_dict as a list
+        in rank order, this rank adds up those of the saved ranks ``q % world_size == rank`` and the next sync
+        sends them whole (nothing is lost); ``"zero"`` drops them."""
         plan = plan_resume(state_dict, on_world_size_change, self.process_group, "SparseLocalSGD.load_state_dict")
         state_dict = plan.replicated
         missing = {"local_step", "syncs", "numels", "global"} - set(state_dict)
@@ -358,9 +328,7 @@ class SparseLocalSGD:
         if "wire" in state_dict and state_dict["wire"] not in WIRES:
             raise ValueError(f"state_dict['wire'] must be one of {tuple(WIRES)}, got {state_dict['wire']!r}")
         for name in ("local_step", "syncs"):
-            value = state_dict[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}")
+            check_int(f"state_dict[{name!r}]", state_dict[name])
         if state_dict.get("momentum") and not self._momentum:  # dropping it would change what the run does
             raise ValueError("state_dict holds an outer momentum: construct with its outer_momentum (this one: 0.0)")
         vectors = {"global": self._global, "momentum": self._momentum, "accumulator": self._accumulator}

@@ -1,5 +1,4 @@
-"""SparseMessage: k (index, value) slots of a flattened tensor, the data every compressor makes and every
-collective moves. Data only: which backend runs the ops on it is the compressor's and the collective's choice."""
+"""SparseMessage: the data every compressor makes and every collective moves."""
 
 from __future__ import annotations
 

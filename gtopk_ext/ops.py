@@ -1,26 +1,23 @@
-"""Typed wrappers over the gtopk_ext ops.
+"""Typed wrappers over the gtopk_ext ops, one per op.
 
-Every wrapper takes ``backend=None``: a name (``"auto"``, ``"cpu"``, ``"cuda"``, ``"triton"``) or a
-:class:`gtopk_ext.backends.Backend` object; ``None`` reads ``$GTOPK_EXT_BACKEND`` (default ``"auto"``). See
-gtopk_ext/backends.py. Each op's contract (schema, argument checks, outputs' shapes) is in csrc/ops.cpp; its Meta
-kernel is the fake kernel that ``torch.compile`` traces with, so bad arguments fail at trace time with the message
-of the kernels.
+Every wrapper takes ``backend=None``: a name or a :class:`gtopk_ext.backends.Backend`; ``None`` reads
+``$GTOPK_EXT_BACKEND`` (default ``"auto"``). Each op's schema and argument checks are in csrc/ops.cpp (bad
+arguments raise RuntimeError, also under ``torch.compile``).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from statistics import NormalDist
+from types import SimpleNamespace
 
 import torch
 
-from gtopk_ext import _contract, backends
-from gtopk_ext._contract import (NUM_STATS, STAT_GAUSSIAN_THRESHOLD, STAT_MAX_ABS,  # noqa: F401  (re-exported)
-                                 STAT_MEAN, STAT_STD, STAT_THRESHOLD)
-from gtopk_ext.backends import BACKEND_NAMES as BACKENDS  # noqa: F401  (re-exported)
-from gtopk_ext.backends import Backend, BackendLike  # noqa: F401  (re-exported)
-from gtopk_ext.torch_kernels import merge_topk as merge_topk_with_torch  # noqa: F401  (re-exported)
+from gtopk_ext import backends
+# gaussian_threshold's output layout, read through this module by its callers.
+from gtopk_ext._contract import (NUM_STATS, STAT_GAUSSIAN_THRESHOLD, STAT_MAX_ABS, STAT_MEAN,  # noqa: F401
+                                 STAT_STD, STAT_THRESHOLD)
+from gtopk_ext.backends import Backend, BackendLike
 
 
 def z_for_density(density: float) -> float:
@@ -31,37 +28,19 @@ def z_for_density(density: float) -> float:
 
 
 def is_finite(tensor: torch.Tensor) -> bool:
-    """Whether every element is finite (one host sync; aminmax: one vectorised pass)."""
+    """Whether every element is finite (one host sync)."""
     if not tensor.numel():
         return True
     smallest, largest = torch.aminmax(tensor)
     return math.isfinite(smallest) and math.isfinite(largest)
 
 
-def resolve_backend(device: torch.device, backend: BackendLike = None) -> str:
-    """The name of the backend that runs the ops on ``device`` (see :func:`gtopk_ext.backends.choose`)."""
-    return backends.choose(device, backend).name
-
-
-def _kernels(device: torch.device, backend: BackendLike):
-    """The op namespace of the backend chosen for ``device`` (for tests that call the ops positionally)."""
-    return backends.choose(device, backend)._kernels()
-
-
-@functools.cache
-def _number_types(op: str) -> dict[str, type]:
-    """The float and int arguments of op's schema, by name."""
-    python_types = {torch.FloatType: float, torch.IntType: int}
-    return {a.name: python_types[type(a.type)] for a in _contract.schema(op).arguments if type(a.type) in python_types}
-
-
-def _run(op: str, backend: BackendLike, **arguments):
-    """``op`` with its schema's arguments by name (numbers converted to the schema's types) on the backend chosen
-    for the device of its tensors (a kernel rejects tensors on several devices)."""
-    for name, python_type in _number_types(op).items():
-        arguments[name] = python_type(arguments[name])
-    device = next(value.device for value in arguments.values() if isinstance(value, torch.Tensor))
-    return backends.choose(device, backend, op=op).run(op, **arguments)
+def _kernels(tensor: torch.Tensor, backend: BackendLike, op: str) -> SimpleNamespace:
+    """The kernels of ``backend`` for ``op`` on the tensor's device; a Backend already checked there is not
+    checked again."""
+    if not (isinstance(backend, Backend) and op in backend.ops and tensor.device in backend.ready):
+        backend = backends.choose(tensor.device, backend, op=op)
+    return backend.kernels
 
 
 def _raise_on_invalid(invalid: torch.Tensor, op: str, numel: int) -> None:
@@ -74,62 +53,49 @@ def gaussian_threshold(grad: torch.Tensor, residual: torch.Tensor | None = None,
                        backend: BackendLike = None) -> torch.Tensor:
     """One pass over ``acc = grad + residual`` (``residual`` becomes ``acc`` in place; ``None``: ``acc = grad``).
 
-    Returns float32[NUM_STATS] on grad's device: mean and std (non-finite when acc has a non-finite element),
-    max |acc| (NaN ignored), the Gaussian threshold ``|mean| + z * std`` and, at ``STAT_THRESHOLD``, the threshold
-    to select with: when ``k > 0`` the one that a log-scale histogram of |acc| says keeps about ``k`` elements,
-    else the Gaussian one. No host sync.
+    Returns float32[NUM_STATS] on grad's device: mean, std, max |acc| (NaN ignored), the Gaussian threshold
+    ``|mean| + z * std`` and, at ``STAT_THRESHOLD``, the threshold to select with: when ``k > 0`` the one that a
+    histogram of |acc| says keeps about ``k`` elements, else the Gaussian one. No host sync.
     """
-    return _run("gaussian_threshold", backend, grad=grad, residual=residual, z=z, k=k)
+    return _kernels(grad, backend, "gaussian_threshold").gaussian_threshold(grad, residual, float(z), int(k))
 
 
 def compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int, *,
             backend: BackendLike = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(values, indices, count)``: the elements with ``|acc| >= threshold[0]`` in ascending index order.
 
-    ``values`` (acc's dtype) and ``indices`` (int32) have ``capacity`` slots; ``count`` (int32[1]) is how many
-    elements passed before truncation to ``capacity``; slots past it hold (index 0, value 0). When more than
-    ``capacity`` pass, the ones at or above the upper edge of the threshold's histogram bin (2.2% above it) are
-    kept first and the rest of the slots go to the others in index order, so no large element is dropped.
+    ``values`` (acc's dtype) and ``indices`` (int32) have ``capacity`` slots, padded with (0, 0); ``count``
+    (int32[1]) is how many passed. When more than ``capacity`` pass, those above the threshold's histogram bin
+    are kept first, then the others in index order, so no large element is dropped.
     """
-    return _run("compact", backend, acc=acc, threshold=threshold, capacity=capacity)
+    return _kernels(acc, backend, "compact").compact(acc, threshold, int(capacity))
 
 
 def gaussian_select(grad: torch.Tensor, residual: torch.Tensor | None = None, *, z: float, k: int, capacity: int,
                     update_residual: bool = False, backend: BackendLike = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`gaussian_threshold` with ``k >= 1``, its threshold refined inside its histogram bin (moved to the
-    lower edge of the 32-float sub-bin holding the k-th largest |acc|), then :func:`compact` of acc at it, in one
-    call: returns ``(values, indices, count, stats)``, ``stats[STAT_THRESHOLD]`` being the refined threshold.
-
-    ``update_residual`` (with a residual): what was selected then leaves the residual, exactly as
-    :func:`residual_update_` with the returned values and indices would make it (the selected elements become
-    +0.0), without its sort: error feedback in one call.
+    """:func:`gaussian_threshold` with ``k >= 1``, its threshold refined inside its histogram bin, then
+    :func:`compact` at it: ``(values, indices, count, stats)``, ``stats[STAT_THRESHOLD]`` the refined threshold.
+    ``update_residual``: what was selected leaves the residual exactly as :func:`residual_update_` would make it.
     """
-    return _run("gaussian_select", backend, grad=grad, residual=residual, z=z, k=k, capacity=capacity,
-                update_residual=update_residual)
+    return _kernels(grad, backend, "gaussian_select").gaussian_select(grad, residual, float(z), int(k), int(capacity),
+                                                                     bool(update_residual))
 
 
 def merge_topk(indices_a: torch.Tensor, values_a: torch.Tensor, indices_b: torch.Tensor, values_b: torch.Tensor,
                k: int, *, backend: BackendLike = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gTop-k's merge: the union of two sparse sets, values of equal indices summed (float32, in slot order: a's
-    slots, then b's), then the k largest |sums| (NaN first; ties to the lower index), by ascending index and
-    padded with (0, 0) to k slots. Padding slots (index 0, value 0) join index 0's sum, where they add nothing.
-
-    Returns ``(indices int32[k], values[k] in values_a's dtype, union_size int32[1])``. Deterministic: partners
-    that pass the same two sets in the same order get bitwise the same result.
+    """gTop-k's merge: the union of two sparse sets, values of equal indices summed (float32, a's slots then
+    b's), then the k largest |sums| (NaN first; ties to the lower index), by ascending index, padded with (0, 0).
+    Returns ``(indices int32[k], values[k] in values_a's dtype, union_size int32[1])``, bitwise deterministic.
     """
-    return _run("merge_topk", backend, indices_a=indices_a, values_a=values_a, indices_b=indices_b,
-                values_b=values_b, k=k)
+    return _kernels(values_a, backend, "merge_topk").merge_topk(indices_a, values_a, indices_b, values_b, int(k))
 
 
 def scatter_add_(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, backend: BackendLike = None,
                  check: bool = True) -> torch.Tensor:
-    """``dense[indices[j]] += values[j]`` in place, duplicate indices summed; returns ``dense``.
-
-    Indices outside ``[0, dense.numel())`` are never written; with ``check`` they raise ValueError (one host
-    sync), else their number is lost. Use ``torch.ops.gtopk_ext.scatter_add`` to get it as a tensor.
-    """
-    invalid = _run("scatter_add", backend, dense=dense, indices=indices, values=values)
+    """``dense[indices[j]] += values[j]`` in place, duplicate indices summed; returns ``dense``. Indices outside
+    ``[0, dense.numel())`` are never written; with ``check`` they raise ValueError (one host sync)."""
+    invalid = _kernels(dense, backend, "scatter_add").scatter_add(dense, indices, values)
     if check:
         _raise_on_invalid(invalid, "scatter_add", dense.numel())
     return dense
@@ -137,35 +103,27 @@ def scatter_add_(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tenso
 
 def residual_update_(residual: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *,
                      backend: BackendLike = None, check: bool = True) -> torch.Tensor:
-    """``residual[indices[j]] -= values[j]`` in place: what was sent leaves the residual; returns ``residual``.
-
-    With values taken from ``compact`` of this residual, the sent entries become exactly zero. Index rules as in
-    :func:`scatter_add_`.
-    """
-    invalid = _run("residual_update", backend, residual=residual, indices=indices, values=values)
+    """``residual[indices[j]] -= values[j]`` in place (what was sent leaves the residual); returns ``residual``.
+    Index rules as in :func:`scatter_add_`."""
+    invalid = _kernels(residual, backend, "residual_update").residual_update(residual, indices, values)
     if check:
         _raise_on_invalid(invalid, "residual_update", residual.numel())
     return residual
 
 
-
 def wire_encode(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor, numel: int, *,
                 backend: BackendLike = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The compact wire: the first ``clamp(count, 0, k)`` slots of a message (indices ascending in
-    ``[0, numel)``) as ``(halves, low, pages, shift)``: float16 ``value * 2^shift`` (one shift per message, so
-    its largest finite |value| lands in [2^14, 2^15): never an overflow, 11 significant bits at any scale; NaN as
-    one pattern), the int16 low 16 bits of each index, and ``pages`` (int32, one entry per 65536 elements plus
-    one: how many slots have a smaller index than the page's first) from which the high bits follow. 4 bytes per
-    slot and 4 per 65536 elements of the tensor; slots past the count are (0, 0). No host sync on GPUs."""
-    return _run("wire_encode", backend, indices=indices, values=values, count=count, numel=numel)
+    ``[0, numel)``) as ``(halves, low, pages, shift)``: float16 ``value * 2^shift`` (one shift per message: never
+    an overflow), the int16 low 16 bits of each index, and ``pages`` (int32, per 65536 elements plus one: how many
+    slots have a smaller index than the page's first). Slots past the count are (0, 0). No host sync on GPUs."""
+    return _kernels(values, backend, "wire_encode").wire_encode(indices, values, count, int(numel))
 
 
 def wire_decode(halves: torch.Tensor, low: torch.Tensor, pages: torch.Tensor, shift: torch.Tensor,
                 count: torch.Tensor, numel: int, *, backend: BackendLike = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`wire_encode`: ``(indices int32[k], values float32[k], invalid int32[1])``; values are
-    exactly ``float(half) * 2^-shift``. ``invalid`` counts the signs of a corrupted message (a shift out of range,
-    a page table that does not ascend from 0 to the count, indices that do not ascend or reach ``numel``); the
-    slots concerned come out as (0, 0), so nothing is written out of bounds downstream."""
-    return _run("wire_decode", backend, halves=halves, low=low, pages=pages, shift=shift, count=count,
-                numel=numel)
+    """The inverse of :func:`wire_encode`: ``(indices int32[k], values float32[k], invalid int32[1])``.
+    ``invalid`` counts the signs of a corrupted message (a bad shift or page table, indices that do not ascend or
+    reach ``numel``); the slots concerned come out as (0, 0)."""
+    return _kernels(halves, backend, "wire_decode").wire_decode(halves, low, pages, shift, count, int(numel))

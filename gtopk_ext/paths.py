@@ -1,48 +1,36 @@
 """Which path a tensor takes in a step: the sparse collective at the step's density, a dense allreduce in bfloat16
 or in scaled 8-bit floats whose rounding stays in the residual, or a dense allreduce in the tensor's dtype.
-``auto`` takes the one a cost model of this group predicts cheapest, so that a sparse step that does not pay (a
-warm-up at density 0.25: more pairs than a dense 16-bit message has elements, and their merges on the CPU) goes
-dense instead.
-
-The model is learned from the steps themselves, per tensor: each rank times the paths a tensor takes (seconds per
-element selected and per dense element, seconds per slot exchanged) and reports its figures in the header the ranks
-exchange when the tensor's plan changes (a new density, or every ``recalibrate_every`` iterations). Figures are
-kept per tensor because a small tensor's time is mostly latency: its seconds per slot would predict a large
-tensor's exchange many times too dear. Every rank then takes the mean
-of the reported integers and decides by integer arithmetic: the same path on every rank, with no collective of
-its own, and no header at all in a steady step. A tensor that has been on the sparse path for a while stays on it
-(:data:`MAX_FLUSH_STEPS`): a dense step would apply its whole residual at once.
+``auto`` takes the one a cost model predicts cheapest (docs/architecture.md), learned per tensor from the steps
+themselves: each rank reports its measured costs in the header the ranks exchange when the tensor's plan changes,
+and every rank decides from their mean by integer arithmetic, the same path everywhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
+from gtopk_ext._validate import check_int
 from gtopk_ext.collectives import COLLECTIVES, Agreement, Collective, DenseAllreduce, RoundedDense
 from gtopk_ext.wire import Wire
 
 PATHS = ("sparse", "dense16", "dense", "dense8")  # ties go to the first: the more precise of two dense paths
 MODES = ("auto", *PATHS)
 ROUNDED = ("dense16", "dense8")  # the dense paths whose rounding stays in the residual (float32 tensors only)
-# The paths ``auto`` takes unless told otherwise. Not dense8: its steps are cheaper where the link sets the pace,
-# but its rounding (up to 1/8 of each element, kept in the residual) cost the language model of bench.lm 20% more
-# steps to a validation loss than dense16 (docs/performance.md), and the cost model prices steps, not progress.
+# The paths ``auto`` takes unless told otherwise. Not dense8: its rounding (up to 1/8 of an element) costs progress
+# per step, which the cost model does not price (docs/performance.md).
 AUTO_CHOICES = ("sparse", "dense16", "dense")
 _PS = 1e12  # the figures travel as integer picoseconds a unit
 _UNKNOWN = -1
 _EMA = 0.5  # weight of the newest measurement: the costs follow a change of load within a few steps
 # An untimed sparse exchange is predicted at this many times its bytes' time on the dense path's link: its merges
-# and packing cost the CPU more than its bytes cost the link (gTop-k at density 0.06, 4 ranks on 1 Gbit/s links
-# sharing 2 cores: 6.6x; the timed dense16 path costs more than its bytes too). Too high only delays the first
-# sparse step to a lower density; too low tries one at a density where it costs several dense steps.
+# and packing cost more than its bytes. Too high only delays the first sparse step to a lower density.
 UNTIMED_SPARSE = 4
-# What a tensor on the sparse path did not send waits in its residual, and a dense step sends all of it at once:
-# after many sparse steps at a low density, many steps' worth (with momentum correction, of velocities). One such
-# step made the digits' CNN diverge (the recipe at density 0.001, at its 94th step). So ``auto`` returns a tensor
-# from the sparse path to a dense one only while its residual holds at most this many steps' worth: after at most
-# this many sparse steps, or at a density of at least its inverse.
+# A dense step sends a tensor's whole residual at once: after many sparse steps, many steps' worth, which can make
+# training diverge. So ``auto`` leaves the sparse path only while the residual holds at most this many steps' worth.
 MAX_FLUSH_STEPS = 4
 
 
@@ -51,39 +39,56 @@ class PathPolicy:
     """How a tensor's path is chosen each step.
 
     Args:
-        mode: ``"auto"`` (default: the path the cost model predicts cheapest), or one path for every step that
-            may compress: ``"sparse"`` (the collective at the step's density), ``"dense16"`` (bfloat16 on the
-            wire, float32 sums; its rounding stays in the residual), ``"dense8"`` (8-bit floats scaled per
-            message, the same way) or ``"dense"`` (the tensor's dtype). A tensor not in float32 takes ``"dense"``
-            for the rounded paths.
+        mode: ``"auto"`` (default: the path the cost model predicts cheapest), or one path for every step that may
+            compress: ``"sparse"`` (the collective at the step's density), ``"dense16"`` (bfloat16 on the wire,
+            float32 sums, the rounding kept in the residual), ``"dense8"`` (8-bit floats scaled per message, the
+            same way; a tensor not in float32 takes ``"dense"`` for both) or ``"dense"`` (the tensor's dtype).
         min_compress_numel: tensors with fewer elements always take ``"dense"``.
         recalibrate_every: with ``"auto"``, the iterations between two agreements of the measured costs (a path
             taken for the first time is agreed on again at the next iteration, once it has been timed).
-        choices: with ``"auto"``, the paths it may take (default :data:`AUTO_CHOICES`: all but ``"dense8"``;
-            ``choices=gx.paths.PATHS`` lets it take dense8 where that is cheapest).
+        choices: with ``"auto"``, the paths it may take (default :data:`AUTO_CHOICES`: all but ``"dense8"``).
+        calibration: with ``"auto"``, the costs to decide from instead of this run's timings, per tensor index: a
+            front end's ``state_dict()["calibration"]``. Every run given it takes the same paths.
     """
 
     mode: str = "auto"
     min_compress_numel: int = 1024
     recalibrate_every: int = 50
     choices: tuple[str, ...] = AUTO_CHOICES
+    calibration: Optional[dict] = field(default=None, hash=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"path mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("min_compress_numel", "recalibrate_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "recalibrate_every"):
-                raise ValueError(f"{name} must be an int >= {int(name == 'recalibrate_every')}, got {value!r}")
+        check_int("min_compress_numel", self.min_compress_numel)
+        check_int("recalibrate_every", self.recalibrate_every, 1)
         choices = None if isinstance(self.choices, str) else tuple(self.choices)
         if not choices or any(c not in PATHS for c in choices) or len(set(choices)) < len(choices):
             raise ValueError(f"choices must be distinct paths of {PATHS}, got {self.choices!r}")
         object.__setattr__(self, "choices", choices)
+        if self.calibration is not None:
+            object.__setattr__(self, "calibration", _checked_calibration(self.calibration))
 
     @property
     def code(self) -> int:
-        """The mode and the choices as one integer, for the header the ranks agree on."""
-        return MODES.index(self.mode) + len(MODES) * sum(1 << PATHS.index(path) for path in self.choices)
+        """The mode, the choices and the calibration as one integer, for the header the ranks agree on."""
+        code = MODES.index(self.mode) + len(MODES) * sum(1 << PATHS.index(path) for path in self.choices)
+        if self.calibration is not None:
+            code += 1024 * (1 + zlib.crc32(repr(sorted(self.calibration.items())).encode()))
+        return code
+
+
+def _checked_calibration(calibration) -> dict[int, dict[str, Optional[int]]]:
+    """``calibration`` as ``{index: {"numel": int, figure: int picoseconds or None}}``, checked."""
+    try:
+        checked = {int(index): {"numel": int(entry["numel"]),
+                                **{name: None if entry[name] is None else int(entry[name])
+                                   for name in CostModel.FIGURES}}
+                   for index, entry in dict(calibration).items()}
+    except (TypeError, ValueError, KeyError) as error:
+        raise ValueError(f"calibration must map tensor indices to {{'numel', {', '.join(CostModel.FIGURES)}}} "
+                         f"(a state_dict()['calibration']), got {calibration!r} ({error})") from None
+    return checked
 
 
 def path_policy(path) -> PathPolicy:
@@ -100,8 +105,7 @@ class CostModel:
     compressed, ``slot`` per slot of a sparse exchange (bytes, merges and waiting together), ``dense16``,
     ``dense`` and ``dense8`` per element of the dense paths (None: not measured yet)."""
 
-    __slots__ = ("select", "slot", "dense16", "dense", "dense8")
-    FIGURES = ("select", "slot", "dense16", "dense", "dense8")
+    __slots__ = FIGURES = ("select", "slot", "dense16", "dense", "dense8")
 
     def __init__(self):
         self.select = self.slot = self.dense16 = self.dense = self.dense8 = None
@@ -124,19 +128,13 @@ class CostModel:
                 for name in self.FIGURES}
 
 
-class DenseQueue:
-    """When the backend's dense allreduces, which run one after another, last finished: an allreduce issued at
-    ``start`` and completed at ``end`` (``perf_counter``) took ``end - max(start, busy_until)`` of its own."""
-
-    __slots__ = ("busy_until",)
-
-    def __init__(self):
-        self.busy_until = 0.0
-
-    def own_seconds(self, start: float, end: float) -> float:
-        seconds = end - max(start, self.busy_until)
-        self.busy_until = end
-        return seconds
+def own_seconds(queue, start: float, end: float) -> float:
+    """The seconds of its own of a collective issued at ``start`` and completed at ``end`` (``perf_counter``) on a
+    group that runs its collectives one after another: from the later of its issue and the completion of the one
+    before it, ``queue.busy_until``, which becomes ``end``."""
+    seconds = end - max(start, queue.busy_until)
+    queue.busy_until = end
+    return seconds
 
 
 def agreed_costs(headers: list[dict[str, int]]) -> dict[str, int | None]:
@@ -184,12 +182,14 @@ def choose(times: dict[str, int | None]) -> str:
 
 
 class PathPlan:
-    """What the ranks agreed for one tensor reduced step after step: the ``agreement`` of its header, the
-    ``path`` decided with it, and, for ``auto``, the ``round`` of agreement (a header field), the iteration
-    ``until`` which it holds, this rank's measured ``costs`` of the tensor's paths and the ``sparse_steps`` it
-    took since its last dense one."""
+    """What the ranks agreed for one tensor: the ``agreement`` of its header, the ``path`` decided with it, and,
+    for ``auto``, the ``round`` of agreement (a header field), the iteration ``until`` which it holds, this rank's
+    measured ``costs``, the ``sparse_steps`` since its last dense one, the header ``decided`` from (one agreed again
+    unchanged, after a resume, is not decided again), the ``agreed`` costs, and how many decisions were
+    ``measured`` (from this run's timings, not a calibration)."""
 
-    __slots__ = ("agreement", "path", "round", "until", "costs", "sparse_steps")
+    __slots__ = ("agreement", "path", "round", "until", "costs", "sparse_steps", "decided", "agreed", "measured")
+    SAVED = ("path", "round", "until", "sparse_steps", "decided", "agreed", "measured")
 
     def __init__(self):
         self.agreement = Agreement()
@@ -198,6 +198,9 @@ class PathPlan:
         self.until = 0
         self.costs = CostModel()
         self.sparse_steps = 0
+        self.decided: Optional[dict[str, int]] = None
+        self.agreed: Optional[dict[str, Optional[int]]] = None
+        self.measured = 0
 
     def decide(self, policy: PathPolicy, times: dict[str, int | None], costs: dict[str, int | None],
                iteration: int, *, k: int, numel: int) -> None:
@@ -210,3 +213,13 @@ class PathPlan:
         self.path = choose(times)
         timed = costs["slot"] if self.path == "sparse" else costs[self.path]
         self.until = iteration + (1 if timed is None else policy.recalibrate_every)
+
+    def state_dict(self) -> dict:
+        return {**{name: getattr(self, name) for name in self.SAVED},
+                "costs": {name: getattr(self.costs, name) for name in CostModel.FIGURES}}
+
+    def load_state_dict(self, saved: dict) -> None:
+        for name in self.SAVED:
+            setattr(self, name, saved[name])
+        for name in CostModel.FIGURES:
+            setattr(self.costs, name, saved["costs"][name])

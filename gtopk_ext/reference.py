@@ -46,11 +46,7 @@ def threshold_from_histogram(counts: torch.Tensor, k: int, max_abs: float) -> fl
 
 
 def gaussian_threshold(grad: torch.Tensor, residual: torch.Tensor | None, z: float, k: int) -> torch.Tensor:
-    if residual is not None:
-        residual.add_(grad)
-        acc = residual
-    else:
-        acc = grad
+    acc = residual.add_(grad) if residual is not None else grad
     values = acc.detach().double().flatten()
     n = values.numel()
     mean = values.mean().item() if n else 0.0

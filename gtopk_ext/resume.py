@@ -15,8 +15,8 @@ StateDicts = Union[dict, list, tuple]
 
 
 def world_fields(process_group: Optional[dist.ProcessGroup]) -> dict[str, int]:
-    """``{"world_size", "rank"}`` of this process in ``process_group`` (None: the default group), for a
-    state_dict; empty when torch.distributed is not initialized (nothing to compare at load time)."""
+    """``{"world_size", "rank"}`` of this process in ``process_group`` (None: the default group); empty when
+    torch.distributed is not initialized."""
     if not dist.is_available() or not dist.is_initialized():
         return {}
     group = process_group if process_group is not None else dist.group.WORLD
@@ -37,13 +37,10 @@ class Resume:
 
 def plan_resume(state_dict: StateDicts, on_world_size_change: str, process_group: Optional[dist.ProcessGroup],
                 what: str) -> Resume:
-    """Checks ``state_dict`` (this rank's state_dict, or the list of every saved rank's, in rank order) against
-    this process's world size and rank, and says what this rank loads (see :class:`Resume`).
-
-    A state_dict without ``world_size`` (saved before they were recorded, or without torch.distributed) loads as
-    this rank's. At another world size, ``"error"`` raises on every rank; ``"fold"`` gives this rank the saved
-    ranks ``q`` with ``q % world_size == rank`` (every saved rank to exactly one rank: nothing is dropped) when a
-    list is given, or the one state_dict given; ``"zero"`` gives it none."""
+    """What this rank loads from ``state_dict`` (this rank's, or the list of every saved rank's in rank order),
+    checked against this process's world size and rank. A state_dict without ``world_size`` loads as this rank's.
+    At another world size, ``"error"`` raises on every rank; ``"fold"`` gives this rank the saved ranks ``q`` with
+    ``q % world_size == rank`` (of a list; else the one state_dict given); ``"zero"`` gives it none."""
     if on_world_size_change not in WORLD_SIZE_POLICIES:
         raise ValueError(f"on_world_size_change must be one of {WORLD_SIZE_POLICIES}, got {on_world_size_change!r}")
     saved_list = isinstance(state_dict, (list, tuple))
@@ -73,17 +70,12 @@ def plan_resume(state_dict: StateDicts, on_world_size_change: str, process_group
                          f"pass on_world_size_change='fold' (the saved residuals are sent whole in the first step: "
                          f"nothing is lost; give every saved rank's state_dict as a list) or 'zero' (they start at "
                          f"zero: what they held is dropped)")
-    iterations = {_replicated_key(d) for d in dicts}
+    iterations = {d.get("iter", d.get("local_step")) for d in dicts}  # the hook's step, local SGD's
     if len(iterations) > 1:
         raise ValueError(f"{what}: the saved ranks' state_dicts are of different steps {sorted(iterations)}: they "
                          f"must come from one checkpoint")
     own = [dicts[q] for q in range(len(dicts)) if q % size == rank] if saved_list else dicts
     return Resume(dicts[0], own if on_world_size_change == "fold" else [], on_world_size_change)
-
-
-def _replicated_key(state_dict: dict) -> Any:
-    """The step a state_dict was saved at (the hook's ``iter``, local SGD's ``local_step``)."""
-    return state_dict.get("iter", state_dict.get("local_step"))
 
 
 def _kinds(value: Any) -> str:

@@ -1,13 +1,10 @@
 """The wire formats of the sparse collectives: how a message's k (index, value) slots become the bytes sent.
 
 * :class:`PlainWire` (``"plain"``): int32 indices, then the values in their dtype: 8 bytes a pair in float32, exact.
-* :class:`CompactWire` (``"compact"``): :func:`gtopk_ext.ops.wire_encode`: an index in 2 bytes (its low 16 bits;
-  a table of 4 bytes per 65536 elements of the tensor gives the rest), a value in 2 (float16 after one
-  power-of-two scale per message, so it never overflows and keeps 11 significant bits at any gradient scale):
-  4 bytes a pair plus 4 bytes per 65536 elements (4.006 bytes a pair at density 0.01), at sizes that sender and
-  receiver compute alike. Only the used slots (``min(count, k)``, ascending) are sent; the receiver gets the
-  others as (0, 0). What the float16 rounding takes off a value is not lost: the collectives report it in a
-  :class:`Rounding`, which the reduction adds to the residual (error feedback), each error by exactly one rank.
+* :class:`CompactWire` (``"compact"``): :func:`gtopk_ext.ops.wire_encode`: 4 bytes a pair (a float16 value after
+  one power-of-two scale per message, the index's low 16 bits) plus 4 bytes per 65536 elements. Only the used
+  slots (``min(count, k)``, ascending) are sent; the receiver gets the others as (0, 0). The float16 rounding
+  errors go to a :class:`Rounding`, which the reduction adds to the residual, each error by exactly one rank.
 
 A payload is one uint8 tensor: the head (int32 words: the count, then any flags), then the format's parts.
 """
@@ -26,7 +23,7 @@ from gtopk_ext._contract import wire_num_pages
 @dataclass
 class Rounding:
     """The compact wire's rounding errors that this rank answers for, as sparse (index, error) pairs: what a value
-    was minus what the network carried of it. Adding them to the residual keeps every gradient."""
+    was minus what the network carried of it."""
 
     parts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
@@ -47,8 +44,8 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def rounding_error(values: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
-    """``values - sent``, exact (sent is values rounded to fewer bits, or 0 for a slot not sent); 0 where both are
-    the same infinity or both NaN (what was meant arrived)."""
+    """``values - sent``, exact (sent is values rounded, or 0 for a slot not sent); 0 where both are the same
+    infinity or both NaN."""
     arrived = (sent == values) | (values.isnan() & sent.isnan())
     return torch.where(arrived, torch.zeros_like(values), values - sent)
 
@@ -74,8 +71,7 @@ class Wire:
     def unpack(self, payload: torch.Tensor, k: int, numel: int, dtype: torch.dtype, head_words: int,
                backend=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(indices, values in dtype, head, invalid)`` of a payload made by :meth:`pack`; ``invalid`` (lossy
-        wires only, int32[1] on the device) counts the signs of a corrupted message (see
-        :func:`gtopk_ext.ops.wire_decode`), whose slots concerned come out as (0, 0)."""
+        wires only) is :func:`gtopk_ext.ops.wire_decode`'s count of the signs of corruption."""
         raise NotImplementedError
 
     def ascending(self, indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor
@@ -165,8 +161,6 @@ class CompactWire(Wire):
         return indices, values.to(dtype), head, invalid
 
     def ascending(self, indices, values, count):
-        """The used slots (the first ``min(count, k)``) in ascending index order, as this wire needs them (None:
-        they already ascend, which is what every compressor and merge makes)."""
         used = min(max(int(count), 0), indices.numel())
         head = indices[:used]
         if used < 2 or bool((head[1:] >= head[:-1]).all()):

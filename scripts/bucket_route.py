@@ -98,7 +98,7 @@ def run(rank: int, world_size: int, init: str, args: argparse.Namespace) -> None
         optimizer.zero_grad()
         tracer.on = rank == 0 and step == TRACED_STEP
         nn.functional.cross_entropy(model(x), y).backward()
-        tracer.state.wait()
+        tracer.state.worker.drain()
         tracer.on = False
         optimizer.step()
     sys.setprofile(None)

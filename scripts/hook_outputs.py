@@ -187,14 +187,48 @@ def reduce_buffer(state: "gx.SparseGradState", buffer: torch.Tensor, index: int,
     return moved(state, buffer, index, is_last=is_last)
 
 
-def hook_state(**hook) -> "gx.SparseGradState":
+def hook_state(scaler=None, **hook) -> "gx.SparseGradState":
     """The hook's state with the table's options; from 0.3 on with ``path="sparse"`` (0.3's default ``auto``
     chooses from measured times, so its paths would differ from run to run; ``sparse`` is the earlier
-    behaviour)."""
+    behaviour). The table names options as 0.2 and 0.3 did; with the configuration object (0.4) they are
+    translated to the arguments that replaced them (:func:`current_options`)."""
     options = {"density": DENSITY, "start_iter": START_ITER, **hook}
+    if hasattr(gx, "SparseConfig"):
+        options, synchronous = current_options(options)
+        state = gx.SparseGradState(**options, path=gx.PathPolicy("sparse", MIN_COMPRESS_NUMEL), scaler=scaler)
+        state.synchronous = synchronous
+        return state
     if hasattr(gx, "PathPolicy"):
-        return gx.SparseGradState(**options, path=gx.PathPolicy("sparse", MIN_COMPRESS_NUMEL))
-    return gx.SparseGradState(**options, min_compress_numel=MIN_COMPRESS_NUMEL)
+        state = gx.SparseGradState(**options, path=gx.PathPolicy("sparse", MIN_COMPRESS_NUMEL))
+    else:
+        state = gx.SparseGradState(**options, min_compress_numel=MIN_COMPRESS_NUMEL)
+    if scaler is not None:
+        state.attach_scaler(scaler)
+    return state
+
+
+def current_options(options: dict) -> tuple[dict, bool]:
+    """The table's 0.2/0.3 option names as 0.4's SparseGradState arguments, and whether to run synchronously."""
+    options = dict(options)
+    synchronous = options.pop("synchronous", False)
+    if "density_schedule" in options:
+        options["density"] = options.pop("density_schedule")
+    kind = options.pop("compressor", "gaussiank")
+    kwargs = dict(options.pop("compressor_kwargs", None) or {})
+    if options.pop("per_tensor", False):
+        kwargs["per_tensor"] = True
+    if "random_seed" in options:
+        kwargs["seed"] = kwargs.get("seed", 0) + options.pop("random_seed")
+    options["compressor"] = gx.make_compressor(kind, DENSITY, **kwargs)
+    parts = {name: options.pop(name) for name in ("nesterov", "weight_decay", "masking_start_iter", "clip_norm")
+             if name in options}
+    momentum = options.pop("momentum", 0.0)
+    if momentum or parts:
+        options["momentum"] = gx.MomentumCorrection(momentum, **parts)
+    if options.get("collective") == "hierarchical":
+        options["collective"] = options.pop("inner_collective", "gtopk")
+        options["hierarchical"] = gx.Hierarchical(options.pop("local_size"))
+    return options, synchronous
 
 
 def hierarchical_allreduce(*args, **kwargs):
@@ -292,13 +326,10 @@ def run_ddp(rank: int, size: int, seed: int, rec: Recording, *, hook: dict, dtyp
     model = Net().to(torch_dtype)
     element_size = torch.empty((), dtype=torch_dtype).element_size()
     ddp = DDP(model, bucket_cap_mb=BUCKET_ELEMENTS * element_size / 2**20, find_unused_parameters=find_unused)
-    state = hook_state(**hook)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) if scaler else None
+    state = hook_state(grad_scaler, **hook)
     ddp.register_comm_hook(state, gx.sparse_grad_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    grad_scaler = None
-    if scaler:
-        grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
-        state.attach_scaler(grad_scaler)
     names = [name for name, _ in model.named_parameters()]
     for step in range(STEPS):
         tokens, x, y = net_batch(seed, rank, step, torch_dtype)

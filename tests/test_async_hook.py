@@ -40,7 +40,8 @@ def train(group, collective: str, dtype: torch.dtype, synchronous: bool, rank: i
               find_unused_parameters=find_unused_parameters)
     state = gx.SparseGradState(group, density=0.05, collective=collective, start_iter=2,
                                path=gx.PathPolicy("sparse", min_compress_numel=256),
-                               stats_logging_frequency=0, synchronous=synchronous)
+                               stats_logging_frequency=0)
+    state.synchronous = synchronous
     ddp.register_comm_hook(state, gx.sparse_grad_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     traffic = {}

@@ -129,13 +129,15 @@ def peers_contestants(rank: int, world_size: int, argvs: list) -> list[dict]:
         args = parse_args(["--model", "mlp", "--mlp-params", "20000", *argv])
         dgc, ddp, recipe = (Trainer(name, build_model(args, 0), args, world_size)
                             for name in ("dgc-0.001", "ddp", "recipe-0.01-44"))
-        state = dgc.accounting.state
+        config, recipe_config = dgc.accounting.state.config, recipe.accounting.state.config
         described.append({
-            **{name: getattr(state, name) for name in ("start_iter", "momentum", "nesterov", "clip_norm", "per_tensor",
-                                                       "min_compress_numel", "density_schedule", "masking_start_iter")},
+            "start_iter": config.start_iter, "momentum": config.momentum.momentum, "nesterov": config.momentum.nesterov,
+            "clip_norm": config.momentum.clip_norm, "per_tensor": config.compressor.per_tensor,
+            "min_compress_numel": config.path.min_compress_numel, "density_schedule": config.schedule,
+            "masking_start_iter": config.momentum.masking_start_iter,
             "dgc_optimizer": {key: dgc.optimizer.param_groups[0][key] for key in ("momentum", "nesterov")},
             "ddp_optimizer": {key: ddp.optimizer.param_groups[0][key] for key in ("momentum", "nesterov")},
-            "recipe_44": (recipe.accounting.state.density_schedule, recipe.accounting.state.masking_start_iter)})
+            "recipe_44": (recipe_config.schedule, recipe_config.momentum.masking_start_iter)})
     return described
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import gtopk_ext as gx
 from gtopk_ext.ddp import reduce_buffer
-from gtopk_ext import ops, reference
+from gtopk_ext import ops, reference, torch_kernels
 from gtopk_ext.collectives import Traffic, _transport
 from tests.distributed import run_distributed
 
@@ -93,7 +93,7 @@ index_lists = st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True)
 value_choices = st.sampled_from([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0, 0.0, 3.25])
 
 
-MERGES = {"cpp": ops.merge_topk, "torch": ops.merge_topk_with_torch}  # the CPU kernel, and what GPUs run
+MERGES = {"cpp": ops.merge_topk, "torch": torch_kernels.merge_topk}  # the CPU kernel, and what GPUs run
 
 
 def assert_merge_matches_reference(ia, va, ib, vb, k):
@@ -144,7 +144,7 @@ def test_merge_topk_large_sets_and_bad_arguments():
         ib = torch.cat([ib, torch.zeros(k - ib.numel(), dtype=torch.int32)])  # padded, as after a small union
         va, vb = torch.randn(k, generator=generator), torch.randn(k, generator=generator)
         vb[k // 2:] = 0.0
-        for actual, want in zip(ops.merge_topk(ia, va, ib, vb, k), ops.merge_topk_with_torch(ia, va, ib, vb, k)):
+        for actual, want in zip(ops.merge_topk(ia, va, ib, vb, k), torch_kernels.merge_topk(ia, va, ib, vb, k)):
             assert torch.equal(actual, want), k
     idx, val = torch.zeros(4, dtype=torch.int32), torch.zeros(4)
     for args, message in (((idx.long(), val, idx, val, 4), "indices_a must be a 1-D int32 tensor"),
@@ -368,9 +368,9 @@ def reduce_and_check_bucket(members: Members, state: gx.SparseGradState, step: i
     sum_r new_residual_r + P * output == sum_r (input_r + old_residual_r) up to rounding."""
     failures = []
     grad = bucket_input(members.me, step, index, numel, dtype)
-    old_residual = state.residuals.get(index, torch.zeros(numel, dtype=dtype)).clone()
+    old_residual = state.store.residuals.get(index, torch.zeros(numel, dtype=dtype)).clone()
     output = reduce_buffer(state, grad.clone(), index, is_last=is_last).wait()
-    new_residual = state.residuals.get(index, torch.zeros(numel, dtype=dtype))
+    new_residual = state.store.residuals.get(index, torch.zeros(numel, dtype=dtype))
     if not equal_on_every_rank(members, output):
         failures.append(f"{where}: the averaged gradient differs across ranks")
     # One allreduce: the imbalance of every element, and the scale it is measured against.
@@ -427,13 +427,13 @@ def check_hook_edge_cases(members: Members) -> list[str]:
                                    stats_logging_frequency=0, path="sparse")
         for step in range(3):  # two dense steps, one sparse step: a residual to keep
             reduce_buffer(state, bucket_input(me, step, 0, numel, torch.float32), 0).wait()
-        residual_before = state.residuals[0].clone()
+        residual_before = state.store.residuals[0].clone()
         grad = bucket_input(me, 3, 0, numel, torch.float32)
         if me == last:
             grad[7] = float("inf")
         output = reduce_buffer(state, grad.clone(), 0).wait()
         path = state.stats()["buckets"][0]["path"]
-        kept = state.residuals[0] if me == last else state.residuals.get(0, torch.zeros(numel))
+        kept = state.store.residuals[0] if me == last else state.store.residuals.get(0, torch.zeros(numel))
         applied = grad / size + (0 if me == last else residual_before / size)
         dist.all_reduce(applied, group=group)
         expected_kept = residual_before if me == last else torch.zeros(numel)
@@ -445,7 +445,7 @@ def check_hook_edge_cases(members: Members) -> list[str]:
                             f"{bool(torch.isinf(output[7]))}")
 
     # A density schedule picks k per iteration.
-    state = gx.SparseGradState(group, density=0.01, density_schedule=[(0, 0.01), (3, 0.05)], start_iter=2,
+    state = gx.SparseGradState(group, density=[(0, 0.01), (3, 0.05)], start_iter=2,
                                stats_logging_frequency=0, path="sparse")
     ks = []
     for step in range(4):

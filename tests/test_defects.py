@@ -1,7 +1,7 @@
 """Defects that once lost gradient, hung or overflowed, each checked where it happened, on real Gloo groups:
 a parameter unused by every rank under ``find_unused_parameters=True``, float16 sums in gTop-k's merges and in
 residual + gradient, a malformed ``SparseMessage.count``, resuming at ``iter == start_iter`` or without error
-feedback, WAGMA's float16 sums, AMP loss scaling (``attach_scaler``), Gaussian-k's paper mode on equal values,
+feedback, WAGMA's float16 sums, AMP loss scaling (``scaler=``), Gaussian-k's paper mode on equal values,
 and residual parts of a bucket that went dense after its layout changed.
 
 One spawn of 4 processes runs every distributed check, on subgroups of 2, 3 and 4 ranks (starting processes is
@@ -79,7 +79,7 @@ def recording_hook(recorder: Recorder, bucket: dist.GradBucket) -> torch.futures
     scale = recorder.scaler.get_scale() if recorder.scaler is not None else 1.0
 
     def record(future):
-        velocity = recorder.state.velocity_store.residuals.get(key[1])
+        velocity = recorder.state.store.tensors["velocity"].get(key[1])
         recorder.calls[key] = (params, grad, future.value().clone(), scale,
                                None if velocity is None else velocity.clone())
         return future.value()
@@ -94,7 +94,7 @@ def residual_per_parameter(state: gx.SparseGradState, recorder: Recorder) -> dic
     for (step, index), (params, *_rest) in recorder.calls.items():
         if step != last:
             continue
-        residual, offset = state.residuals.get(index), 0
+        residual, offset = state.store.residuals.get(index), 0
         for p in params:
             kept[id(p)] = (residual[offset:offset + p.numel()].double() if residual is not None
                            else torch.zeros(p.numel(), dtype=torch.float64))
@@ -185,10 +185,10 @@ def check_fp16_merge(group: Group, rank: int) -> list[str]:
         for step in range(3):  # two dense warm-up steps, then a sparse one
             grad = torch.full((1000,), 0.01 * (rank + 1), dtype=torch.float16)
             grad[5] = 40000.0
-            residual_before = state.residuals.get(0, torch.zeros_like(grad)).clone()
+            residual_before = state.store.residuals.get(0, torch.zeros_like(grad)).clone()
             output = reduce_buffer(state, grad.clone(), 0).wait()
             outputs.append(output)
-            residual = state.residuals.get(0, torch.zeros_like(grad))
+            residual = state.store.residuals.get(0, torch.zeros_like(grad))
             failures += imbalance_failure(f"{group.name} float16 {collective} step {step}",
                                           total_over(group, grad.double() + residual_before.double()),
                                           group.size * output.double(), total_over(group, residual), 2e-3)
@@ -210,9 +210,9 @@ def check_fp16_residual_overflow(group: Group, rank: int) -> list[str]:
             grad[7] = 15000.0 if rank == 0 else 0.0
         if step == 3:
             grad[7] = 55000.0 if rank == 0 else 0.0
-        residual_before = state.residuals.get(0, torch.zeros_like(grad)).clone()
+        residual_before = state.store.residuals.get(0, torch.zeros_like(grad)).clone()
         output = reduce_buffer(state, grad.clone(), 0).wait()
-        residual = state.residuals.get(0, torch.zeros_like(grad))
+        residual = state.store.residuals.get(0, torch.zeros_like(grad))
         if not bool(torch.isfinite(residual).all()) or not bool(torch.isfinite(output).all()):
             failures.append(f"{where}: step {step}: non-finite residual or output")
             break
@@ -332,9 +332,8 @@ def check_amp(group: Group, rank: int, autocast_dtype: torch.dtype, collective: 
     where = f"{group.name} AMP {autocast_dtype} {collective} momentum={momentum}"
     state = gx.SparseGradState(group.group, density=0.05, collective=collective, start_iter=2,
                                path=gx.PathPolicy("sparse", min_compress_numel=1000),
-                               stats_logging_frequency=0, momentum=momentum)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
-    state.attach_scaler(scaler)
+                               stats_logging_frequency=0, momentum=momentum,
+                               scaler=(scaler := torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)))
     recorder = Recorder(state, scaler)
     model = make_model()
     ddp = DDP(model, process_group=group.group, bucket_cap_mb=0.012)
@@ -389,7 +388,7 @@ def check_amp(group: Group, rank: int, autocast_dtype: torch.dtype, collective: 
         if not skipped[step]:
             applied[index] = applied.get(index, zeros) + group.size * output.double() / scale
     for index in went_in:
-        kept = state.residuals.get(index, torch.zeros(1)).double() / state.residual_scale
+        kept = state.store.residuals.get(index, torch.zeros(1)).double() / state.loss_scaling.scale
         failures += imbalance_failure(f"{where}, bucket {index}", total_over(group, went_in[index]),
                                       applied.get(index, torch.zeros(1, dtype=torch.float64)),
                                       total_over(group, kept), 1e-5)
@@ -428,8 +427,8 @@ def check_dense_after_new_layout(group: Group, rank: int) -> list[str]:
             out0 = reduce_buffer(resumed, g0.clone(), 0, is_last=False, parameters=[p0]).wait()
             out1 = reduce_buffer(resumed, g1.clone(), 1, parameters=[p1]).wait()
             applied += torch.cat([out0, out1]).double()
-        kept = torch.cat([resumed.residuals[0], torch.zeros(600, dtype=dtype)]).double()
-        if resumed.state_dict()["unclaimed"] or 1 in resumed.residuals:
+        kept = torch.cat([resumed.store.residuals[0], torch.zeros(600, dtype=dtype)]).double()
+        if resumed.state_dict()["unclaimed"] or 1 in resumed.store.residuals:
             failures.append(f"{where}: residual parts left behind")
         failures += imbalance_failure(where, total_over(group, went_in), group.size * applied,
                                       total_over(group, kept), rtol)

@@ -26,10 +26,19 @@ def test_demo_writes_sane_json_and_png(tmp_path):
     assert "gaussiank-gtopk" in result.stdout and "test acc" in result.stdout
 
     report = json.loads((tmp_path / "demo.json").read_text())
+    # the regime: DDP's step and the compute floor's, timed, and R from them, in the output and the picture's text
+    regime = report["regime"]
+    assert 0 < regime["floor_ms_per_step"] and 0 < regime["ddp_ms_per_step"]
+    assert regime["R"] == pytest.approx((regime["ddp_ms_per_step"] - regime["floor_ms_per_step"])
+                                        / regime["floor_ms_per_step"])
+    assert f"regime R = {regime['R']:.1f}: DDP's float32 gradient exchange takes" in result.stdout
+    assert f"demo.png: test accuracy against steps, training seconds (the slowest rank's) and MB sent per rank, a " \
+           f"line per method, at R = {regime['R']:.1f}; first to 30% test accuracy: " in result.stdout
     runs = {r["method"]: r for r in report["runs"]}
     assert set(runs) == {"dense", "fp16", "powersgd-2", "gaussiank-gtopk", "gaussiank-gtopk-recipe"}
     assert [runs[m]["recipe"] for m in runs] == [None] * 5
-    assert "gaussiank-gtopk-recipe: gx.SparseGradState.recipe(density, warmup_steps=8, momentum=0.9)" in result.stdout
+    assert ("gaussiank-gtopk-recipe: gx.SparseGradState.recipe(density, warmup_steps=8, momentum=0.9, path='sparse')"
+            in result.stdout)
     assert "steps to 30%" in result.stdout and "s to 30%" in result.stdout
     steps = 1438 // (2 * 32)  # the training split's images // the global batch
     dense, sparse = runs["dense"], runs["gaussiank-gtopk"]
@@ -89,24 +98,27 @@ def test_recipe_sets_the_hook_and_explicit_flags_win():
     assert args.methods == ["dense", "gaussiank-gtopk-mc", "gaussiank-allgather-mc"] and args.densities == [0.001]
     state = make_hook_state("gaussiank-gtopk-mc", 0.001, args)
     # momentum in the hook, DGC's warm-up over 4 epochs of 22 steps, masking after it
-    assert (state.momentum, state.per_tensor, state.start_iter, state.masking_start_iter) == (0.9, False, 2, 90)
-    assert state.density_at(2) == 0.25 and state.density_at(89) > 0.001 and state.density_at(90) == 0.001
+    config = state.config
+    assert (config.momentum.momentum, config.compressor.per_tensor, config.start_iter,
+            config.momentum.masking_start_iter) == (0.9, False, 2, 90)
+    assert config.density_at(2) == 0.25 and config.density_at(89) > 0.001 and config.density_at(90) == 0.001
     explicit = parse_args(["--recipe", "dgc-0.001", "--warmup-steps", "44", "--methods", "gaussiank-gtopk-mc"])
     assert explicit.methods == ["gaussiank-gtopk-mc"] and not explicit.per_tensor
-    assert make_hook_state("gaussiank-gtopk-mc", 0.001, explicit).masking_start_iter == 46
+    assert make_hook_state("gaussiank-gtopk-mc", 0.001, explicit).config.momentum.masking_start_iter == 46
     at_001 = parse_args(["--recipe", "dgc-0.01"])
     assert at_001.densities == [0.01] and at_001.per_tensor
     conv = parse_args(["--recipe", "dgc-0.001-dense-conv"])
     assert (conv.per_tensor, conv.min_compress_numel, conv.warmup_steps) == (True, 20_000, 44)
     assert not parse_args(["--recipe", "dgc-0.001-dense-conv", "--no-per-tensor"]).per_tensor
     # without the recipe: masking from the first compressed step, as the hook's default
-    assert make_hook_state("gaussiank-gtopk-mc", 0.001, parse_args([])).masking_start_iter == 0
+    assert make_hook_state("gaussiank-gtopk-mc", 0.001, parse_args([])).config.momentum.masking_start_iter == 0
 
 
 def test_default_run_compares_the_package_recipe():
     """The default run: DDP, fp16_compress_hook, PowerSGD rank 2 and gx.SparseGradState.recipe at 0.01 and 0.001 with
-    the demo's 44-step warm-up, as a user calls it; the hand-built Gaussian-k + gTop-k keeps its momentum in the
-    optimizer and every compressed step sparse."""
+    the demo's 44-step warm-up, as a user calls it but with every compressed step sparse (auto's choices follow
+    timings: the same run twice would differ); the hand-built Gaussian-k + gTop-k keeps its momentum in the optimizer
+    and every compressed step sparse."""
     sys.path.insert(0, str(ROOT))
     import gtopk_ext as gx
     from bench.demo import make_hook_state, momentum_in_hook, parse_args, planned_runs
@@ -125,14 +137,19 @@ def test_default_run_compares_the_package_recipe():
     for density in (0.01, 0.001):  # the recipe method is the package's recipe, not a copy of it
         ours, package = make_hook_state("gaussiank-gtopk-recipe", density, args), gx.SparseGradState.recipe(
             density=density, warmup_steps=44)
-        assert ours.density_schedule == package.density_schedule
-        assert vars(ours.momentum_correction) == vars(package.momentum_correction)
-        assert (ours.momentum, ours.nesterov, ours.masking_start_iter, ours.path_policy.mode) == (0.9, True, 44, "auto")
+        assert ours.config.schedule == package.config.schedule
+        assert ours.config.momentum == package.config.momentum
+        correction = ours.config.momentum
+        assert (correction.momentum, correction.nesterov, correction.masking_start_iter, ours.config.path.mode) == (
+            0.9, True, 44, "sparse")
+        auto = make_hook_state("gaussiank-gtopk-recipe", density, parse_args(["--path", "auto"]))
+        assert auto.config.path.mode == package.config.path.mode == "auto"
         assert sgd(model, args, momentum_in_hook("gaussiank-gtopk-recipe")).defaults["momentum"] == 0.0
         plain = make_hook_state("gaussiank-gtopk", density, args)  # the warm-up from the dense steps' end
-        assert (plain.momentum, plain.per_tensor, plain.masking_start_iter, plain.path_policy.mode) == (
-            0.0, False, 0, "sparse")
-        assert plain.density_at(2) == 0.25 and plain.density_at(45) > density == plain.density_at(46)
+        assert (plain.config.momentum, plain.config.compressor.per_tensor, plain.config.path.mode) == (
+            None, False, "sparse")
+        density_at = plain.config.density_at
+        assert density_at(2) == 0.25 and density_at(45) > density == density_at(46)
 
 
 def test_recipe_method_takes_warmup_and_momentum_and_refuses_weight_decay(capsys):
@@ -142,9 +159,10 @@ def test_recipe_method_takes_warmup_and_momentum_and_refuses_weight_decay(capsys
     args = parse_args(["--warmup-steps", "20", "--momentum", "0.8", "--per-tensor", "--densities", "0.005"])
     state = make_hook_state("gaussiank-gtopk-recipe", 0.005, args)
     # the hand-built methods' flags (--per-tensor here) are not the recipe's
-    assert (state.momentum, state.masking_start_iter, state.per_tensor) == (0.8, 20, False)
-    assert state.density_at(19) > 0.005 and state.density_at(20) == 0.005
-    assert make_hook_state("gaussiank-gtopk-mc", 0.005, args).per_tensor
+    assert (state.config.momentum.momentum, state.config.momentum.masking_start_iter,
+            state.config.compressor.per_tensor) == (0.8, 20, False)
+    assert state.config.density_at(19) > 0.005 and state.config.density_at(20) == 0.005
+    assert make_hook_state("gaussiank-gtopk-mc", 0.005, args).config.compressor.per_tensor
     with pytest.raises(SystemExit):
         parse_args(["--weight-decay", "1e-4"])
     assert "--weight-decay is not part of gaussiank-gtopk-recipe" in capsys.readouterr().err

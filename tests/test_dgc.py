@@ -15,7 +15,7 @@ from gtopk_ext.ddp import reduce_buffer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gtopk_ext.hooks import tensor_shares
+from gtopk_ext.compressors import tensor_shares
 from tests.distributed import run_distributed
 
 NUMEL, DENSITY, START_ITER, STEPS = 300, 0.05, 2, 7
@@ -74,14 +74,15 @@ def check(group, rank: int, size: int) -> list[str]:
             state = gx.SparseGradState(group, density=DENSITY, compressor="topk", collective=collective,
                                        start_iter=START_ITER,
                                        path=gx.PathPolicy("sparse", min_compress_numel=1), stats_logging_frequency=0,
-                                       momentum=momentum, nesterov=nesterov, weight_decay=decay,
-                                       masking_start_iter=masking_start)
+                                       momentum=gx.MomentumCorrection(momentum, nesterov=nesterov, weight_decay=decay,
+                                                                      masking_start_iter=masking_start))
             params = parameters()
             expected, entered = replay(group, rank, size, collective, momentum, nesterov, decay, masking_start)
             applied = torch.zeros(NUMEL, dtype=torch.float64)
             for step, (output, u, v) in enumerate(expected):
                 got = reduce_buffer(state, gradient(step, rank), 0, parameters=params).wait()
-                velocity, residual = state.velocity_store.residuals[0], state.residuals.get(0, torch.zeros(NUMEL))
+                velocity = state.store.tensors["velocity"][0]
+                residual = state.store.residuals.get(0, torch.zeros(NUMEL))
                 if not (torch.allclose(got, output, rtol=1e-5, atol=1e-6) and torch.allclose(velocity, u, atol=1e-5)
                         and torch.allclose(residual, v, atol=1e-5)):
                     failures.append(f"{where}, step {step}: output off by {float((got - output).abs().max()):.3g}, "
@@ -91,7 +92,7 @@ def check(group, rank: int, size: int) -> list[str]:
                 if step >= START_ITER:
                     applied += size * got.double()
             # Conserved: what entered every rank's v = what was applied + what the v keep.
-            total = torch.stack([entered, state.residuals[0].double()])
+            total = torch.stack([entered, state.store.residuals[0].double()])
             dist.all_reduce(total, group=group)
             imbalance = float((total[0] - applied - total[1]).abs().max())
             if not imbalance <= 1e-4:  # a NaN fails too
@@ -99,8 +100,8 @@ def check(group, rank: int, size: int) -> list[str]:
     # Local clipping: each rank's bucket scaled to an L2 norm of at most clip_norm / sqrt(P), on every path.
     clip_norm = 5.0
     for collective, extra in (("dense", {}), ("gtopk", {"density": 1.0, "start_iter": 0, "error_feedback": False})):
-        state = gx.SparseGradState(group, collective=collective, clip_norm=clip_norm, stats_logging_frequency=0,
-                                   **extra, path="sparse")
+        state = gx.SparseGradState(group, collective=collective, stats_logging_frequency=0, **extra, path="sparse",
+                                   momentum=gx.MomentumCorrection(0.0, clip_norm=clip_norm))
         grad = gradient(0, rank) * (rank + 1)  # norms about 17, 35, 52: all above the limit
         limit = clip_norm / size ** 0.5
         expected = grad * min(1.0, limit / (float(grad.norm()) + 1e-6)) / size
@@ -111,10 +112,13 @@ def check(group, rank: int, size: int) -> list[str]:
     # Per-tensor selection: a parameter of gradients 1000x smaller still sends its share of k (allgather applies
     # it; gTop-k's merges rank the whole bucket, so they send it back to the residual), nothing is lost.
     for collective in ("gtopk", "allgather"):
+        # start_iter=0 with error feedback: bare buckets that never change, so compressing from the first step is
+        # safe (SparseGradState refuses it for DDP's buckets).
         state = gx.SparseGradState(group, density=0.1, collective=collective,
                                    path=gx.PathPolicy("sparse", min_compress_numel=1),
-                                   per_tensor=True, stats_logging_frequency=0)
-        state.start_iter = 0  # bare buckets that never change: compressing from the first step is safe
+                                   compressor=gx.make_compressor("gaussiank", 0.1, per_tensor=True),
+                                   stats_logging_frequency=0)
+        state.config = state.config.replace(start_iter=0)
         params, sent, entered = parameters(), torch.zeros(NUMEL, dtype=torch.float64), torch.zeros(NUMEL)
         for step in range(3):
             grad = gradient(step, rank)
@@ -126,7 +130,7 @@ def check(group, rank: int, size: int) -> list[str]:
             if collective == "allgather" and small < tensor_shares(30, [200, 100])[1]:
                 failures.append(f"P={size} {collective} per_tensor: only {small} of the small parameter's "
                                 f"elements applied at step {step}")
-        total = torch.stack([entered.double(), state.residuals[0].double()])
+        total = torch.stack([entered.double(), state.store.residuals[0].double()])
         dist.all_reduce(total, group=group)
         if float((total[0] - sent - total[1]).abs().max()) > 1e-4:
             failures.append(f"P={size} {collective} per_tensor: gradient lost")
@@ -137,7 +141,7 @@ def check(group, rank: int, size: int) -> list[str]:
     for step in range(4):
         a = reduce_buffer(plain, gradient(step, rank), 0).wait()
         b = reduce_buffer(zero, gradient(step, rank), 0).wait()
-        if not torch.equal(a, b) or zero.velocity_store.residuals:
+        if not torch.equal(a, b) or zero.store.tensors["velocity"]:
             failures.append(f"P={size}: momentum=0 differs from the default at step {step}")
             break
     return failures
@@ -161,14 +165,17 @@ def test_momentum_correction_matches_the_algorithm_and_conserves():
 @pytest.mark.parametrize("kwargs, pattern", [
     ({"momentum": 1.0}, r"momentum must be a number in \[0, 1\)"),
     ({"momentum": -0.1}, r"momentum must be a number in \[0, 1\)"),
-    ({"nesterov": True}, "nesterov=True needs momentum > 0"),
-    ({"momentum": 0.9, "weight_decay": -1e-4}, "weight_decay must be a number >= 0"),
-    ({"clip_norm": 0.0}, "clip_norm must be None or a number > 0"),
+    ({"momentum": 0.0, "nesterov": True}, "nesterov=True needs momentum > 0"),
+    ({"momentum": 0.9, "weight_decay": -1e-4}, r"weight_decay must be a number in \[0, inf\)"),
+    ({"momentum": 0.0, "clip_norm": 0.0}, r"clip_norm must be a number in \(0, inf\)"),
     ({"momentum": 0.9, "masking_start_iter": -1}, "masking_start_iter must be an int >= 0"),
 ])
 def test_bad_momentum_arguments(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
-        gx.SparseGradState(**kwargs, path="sparse")
+        gx.MomentumCorrection(**kwargs)
+    if "momentum" in kwargs and len(kwargs) == 1:  # a number as the state's momentum is MomentumCorrection(number)
+        with pytest.raises(ValueError, match=pattern):
+            gx.SparseGradState(momentum=kwargs["momentum"], path="sparse")
 
 
 def test_exponential_warmup_is_dgcs_schedule():
@@ -176,15 +183,15 @@ def test_exponential_warmup_is_dgcs_schedule():
     assert [start for start, _ in schedule] == [0, 100, 200, 300, 400]
     for (_, density), dgc in zip(schedule, (0.25, 0.0625, 0.015625, 0.00390625, 0.001)):
         assert density == pytest.approx(dgc, rel=0.02)  # geometric: within 2% of the paper's rounded values
-    state = gx.SparseGradState(density=0.001, density_schedule=schedule, path="sparse")
-    assert state.density_at(99) == pytest.approx(0.25) and state.density_at(10**6) == pytest.approx(0.001)
+    state = gx.SparseGradState(density=schedule, path="sparse")
+    assert state.config.density_at(99) == pytest.approx(0.25) and state.config.density_at(10**6) == pytest.approx(0.001)
     assert gx.exponential_warmup(0.01, 40, start_iter=2)[1] == (12, pytest.approx(0.25 * 0.04 ** 0.25))
     assert gx.exponential_warmup(0.01, 0) == [(0, 0.01)] and gx.exponential_warmup(0.5, 10) == [(0, 0.5)]
     # fewer iterations than stages: stages share a start, and the later one holds, so the target is reached
-    short = gx.SparseGradState(density=0.01, density_schedule=gx.exponential_warmup(0.01, 2), path="sparse")
-    assert [short.density_at(i) for i in (0, 1, 2, 3)] == [pytest.approx(0.25 * 0.04 ** 0.25), 0.05, 0.01, 0.01]
-    given = gx.SparseGradState(density=0.01, density_schedule=[(5, 0.1), (0, 0.5), (5, 0.2)], path="sparse")
-    assert [given.density_at(i) for i in (0, 4, 5)] == [0.5, 0.5, 0.2]
+    short = gx.SparseGradState(density=gx.exponential_warmup(0.01, 2), path="sparse")
+    assert [short.config.density_at(i) for i in (0, 1, 2, 3)] == [pytest.approx(0.25 * 0.04 ** 0.25), 0.05, 0.01, 0.01]
+    given = gx.SparseGradState(density=[(5, 0.1), (0, 0.5), (5, 0.2)], path="sparse")
+    assert [given.config.density_at(i) for i in (0, 4, 5)] == [0.5, 0.5, 0.2]
     with pytest.raises(ValueError, match="warmup_iters must be an int >= 0"):
         gx.exponential_warmup(0.001, -1)
     with pytest.raises(ValueError, match="final_density must be a number in"):

@@ -33,8 +33,9 @@ def train(rank: int, device: torch.device, backend: str, collective: str, dtype:
               bucket_cap_mb=16 * 1024 * torch.finfo(dtype).bits / 8 / 2**20)
     state = gx.SparseGradState(density=0.05, collective=collective, start_iter=2,
                                path=gx.PathPolicy(path, min_compress_numel=1024),
-                               stats_logging_frequency=0, synchronous=synchronous,
-                               compressor_kwargs={"backend": backend})
+                               stats_logging_frequency=0,
+                               compressor=gx.make_compressor("gaussiank", 0.05, backend=backend))
+    state.synchronous = synchronous
     recorder = Recorder(state)
     ddp.register_comm_hook(recorder, recording_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -47,7 +48,7 @@ def train(rank: int, device: torch.device, backend: str, collective: str, dtype:
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
-    state.wait()
+    state.stats()  # waits for the buckets in flight
     where = f"{backend} {collective} {dtype} synchronous={synchronous}"
     recorder.calls = {key: tuple(t.cpu() for t in call) for key, call in recorder.calls.items()}
     # bfloat16's average is rounded to 8 bits: the float32 tolerance of the balance holds for float32 only.

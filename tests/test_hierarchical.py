@@ -140,7 +140,7 @@ def check_destroy_lets_go() -> list[str]:
         failures.append(f"threads outlived gx.destroy_process_group: {threads}")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the harness destroys it
     reduce_buffer(state, torch.ones(NUMEL), 0).wait()
-    if state.thread.group is not dist.group.WORLD:
+    if state.worker.group is not dist.group.WORLD:
         failures.append("the state did not start a new thread on the new world")
     return failures
 
@@ -177,11 +177,13 @@ def test_local_size_comes_from_torchrun_or_is_asked_for(monkeypatch):
     assert resolve_local_size(2) == 2
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     with pytest.raises(ValueError, match="needs local_size .*LOCAL_WORLD_SIZE is not set"):
-        gx.SparseGradState(collective="hierarchical", path="sparse")
+        gx.SparseGradState(hierarchical=gx.Hierarchical(), path="sparse")
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="local_size must be an int >= 1"):
-            gx.SparseGradState(collective="hierarchical", local_size=bad, path="sparse")
-    with pytest.raises(ValueError, match="inner_collective must be one of"):
-        gx.SparseGradState(collective="hierarchical", local_size=2, inner_collective="ring", path="sparse")
+            gx.SparseGradState(hierarchical=gx.Hierarchical(bad), path="sparse")
+    with pytest.raises(ValueError, match="hierarchical reduces with a sparse collective between nodes"):
+        gx.SparseGradState(collective="dense", hierarchical=gx.Hierarchical(2), path="sparse")
+    with pytest.raises(TypeError, match="hierarchical must be a gx.Hierarchical"):
+        gx.SparseGradState(hierarchical=2, path="sparse")
     with pytest.raises(ValueError, match="supports neither momentum"):
-        gx.SparseGradState(collective="hierarchical", local_size=2, momentum=0.9, path="sparse")
+        gx.SparseGradState(hierarchical=gx.Hierarchical(2), momentum=0.9, path="sparse")

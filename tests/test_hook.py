@@ -28,7 +28,7 @@ CONFIGS = [("gaussiank", "gtopk", {}), ("topk", "allgather", {}), ("randomk", "g
            ("gaussiank", "oktopk", {}), ("gaussiank", "allgather", {"mode": "paper"})]
 # Resumed runs: four of CONFIGS, and momentum correction (the optimizer then has no momentum of its own).
 RESUMED = [(*config, {}) for config in CONFIGS[:4]] + [
-    ("gaussiank", "gtopk", {}, {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3})]
+    ("gaussiank", "gtopk", {}, {"momentum": gx.MomentumCorrection(0.9, nesterov=True, weight_decay=1e-3)})]
 MIN_COMPRESS_NUMEL = 2500  # the 2112-element bucket goes dense
 DENSITY = 0.05
 
@@ -60,9 +60,9 @@ def train(ddp: DDP, optimizer: torch.optim.Optimizer, rank: int, steps: range) -
 
 
 def make_state(compressor: str, collective: str, kwargs: dict, **extra) -> gx.SparseGradState:
-    return gx.SparseGradState(density=DENSITY, compressor=compressor, collective=collective, start_iter=2,
-                              path=gx.PathPolicy("sparse", min_compress_numel=MIN_COMPRESS_NUMEL),
-                              compressor_kwargs=kwargs, **extra)
+    return gx.SparseGradState(density=DENSITY, compressor=gx.make_compressor(compressor, DENSITY, **kwargs),
+                              collective=collective, start_iter=2,
+                              path=gx.PathPolicy("sparse", min_compress_numel=MIN_COMPRESS_NUMEL), **extra)
 
 
 def same_on_every_rank(tensors) -> bool:
@@ -88,12 +88,12 @@ def recording_hook(recorder: Recorder, bucket: dist.GradBucket) -> torch.futures
     index, state = bucket.index(), recorder.state
     key = (state.iter, index)
     grad = bucket.buffer().clone()
-    old = state.residuals.get(index)
+    old = state.store.residuals.get(index)
     old = old.clone() if old is not None else torch.zeros_like(grad)
 
     def record(future):
         output = future.value()
-        new = state.residuals.get(index)
+        new = state.store.residuals.get(index)
         new = new.clone() if new is not None else torch.zeros_like(grad)
         recorder.calls[key] = (grad, old, new, output.clone())
         return output
@@ -124,7 +124,7 @@ class LayoutRecorder:
 
 def layout_hook(recorder: LayoutRecorder, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     state = recorder.state
-    layout = state.residual_store.layout_of(bucket.parameters(), bucket.buffer().numel())
+    layout = state.store.layout_of(bucket.parameters(), bucket.buffer().numel())
     recorder.layouts.setdefault(state.iter, []).append(layout)
     return gx.sparse_grad_hook(state, bucket)
 
@@ -144,12 +144,12 @@ def ddp_worker(rank: int, size: int, checkpoint_dir: str) -> list[str]:
         name = f"{compressor}/{collective}{kwargs or ''}"
         recorder = Recorder(make_state(compressor, collective, kwargs, stats_logging_frequency=3))
         handler = ListHandler()
-        logging.getLogger("gtopk_ext.hooks").addHandler(handler)
-        logging.getLogger("gtopk_ext.hooks").setLevel(logging.INFO)
+        logging.getLogger("gtopk_ext.ddp").addHandler(handler)
+        logging.getLogger("gtopk_ext.ddp").setLevel(logging.INFO)
         model = make_model()
         ddp = make_ddp(model, recorder.state, recording_hook, recorder)
         train(ddp, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), rank, range(6))
-        logging.getLogger("gtopk_ext.hooks").removeHandler(handler)
+        logging.getLogger("gtopk_ext.ddp").removeHandler(handler)
         if not same_on_every_rank(model.parameters()):
             failures.append(f"{name}: the models differ across ranks after 6 steps")
         failures += conservation_failures(recorder, name)
@@ -185,15 +185,16 @@ def ddp_worker(rank: int, size: int, checkpoint_dir: str) -> list[str]:
     first, last = recorder.layouts[0], recorder.layouts[3]
     if first == last:
         failures.append(f"DDP's rebuilt bucket has the first iteration's layout {first}: this case tests nothing")
-    elif recorder.state.residual_store.layouts != dict(enumerate(last)):
+    elif recorder.state.store.layouts != dict(enumerate(last)):
         failures.append(f"after DDP rebuilt its bucket ({last}) the state still keeps the layouts "
-                        f"{recorder.state.residual_store.layouts}")
+                        f"{recorder.state.store.layouts}")
 
     # Pickling drops the process group, as PowerSGDState's does; the residuals and counters stay.
     state = make_state("gaussiank", "gtopk", {}, process_group=dist.new_group(list(range(size))))
-    state.residuals[0] = torch.ones(3)
+    state.store.residuals[0] = torch.ones(3)
     copied = pickle.loads(pickle.dumps(state))
-    if copied.process_group is not None or copied.iter != 0 or not torch.equal(copied.residuals[0], torch.ones(3)):
+    kept = copied.store.residuals[0]
+    if copied.process_group is not None or copied.iter != 0 or not torch.equal(kept, torch.ones(3)):
         failures.append("pickling the state kept the process group or lost the residuals")
     return failures
 
@@ -245,13 +246,13 @@ def test_ddp_training_conservation_and_exact_resume(tmp_path):
     ({"collective": "ring"}, ValueError, "collective must be one of"),
     ({"start_iter": 1}, ValueError, "start_iter must be >= 2 with error feedback"),
     ({"start_iter": -1, "error_feedback": False}, ValueError, "start_iter must be an int >= 0"),
-    ({"min_compress_numel": 1.5}, ValueError, "min_compress_numel must be an int >= 0"),
     ({"stats_logging_frequency": -1}, ValueError, "stats_logging_frequency must be an int >= 0"),
-    ({"density_schedule": [(0, 0.1), (10, 2.0)]}, ValueError, "density_schedule density for iteration 10"),
-    ({"density_schedule": [(-1, 0.1)]}, ValueError, "density_schedule: start_iter must be an int >= 0"),
-    ({"density_schedule": 0.1}, ValueError, "density_schedule must be None, a callable"),
-    ({"compressor_kwargs": {"mode": "fast"}}, ValueError, "mode must be one of"),
-    ({"compressor": "topk", "compressor_kwargs": {"seed": 1}}, TypeError, "make_compressor\\('topk'\\)"),
+    ({"density": [(0, 0.1), (10, 2.0)]}, ValueError, "the density for iteration 10 must be a number"),
+    ({"density": [(-1, 0.1)]}, ValueError, "density schedule: start_iter must be an int >= 0"),
+    ({"density": "0.1"}, ValueError, "density must be a number in \\(0, 1\\], a callable"),
+    ({"density": []}, ValueError, "the schedule is empty"),
+    ({"optimizer_check": "ignore"}, ValueError, "optimizer_check must be one of"),
+    ({"error_feedback": 1}, TypeError, "error_feedback must be a bool"),
 ])
 def test_bad_state_arguments_are_rejected(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -259,31 +260,31 @@ def test_bad_state_arguments_are_rejected(kwargs, error, pattern):
 
 
 def test_error_feedback_off_allows_compressing_from_the_start():
-    assert gx.SparseGradState(start_iter=0, error_feedback=False).start_iter == 0
-    assert gx.SparseGradState(start_iter=0, collective="dense").start_iter == 0
+    assert gx.SparseGradState(start_iter=0, error_feedback=False).config.start_iter == 0
+    assert gx.SparseGradState(start_iter=0, collective="dense").config.start_iter == 0
 
 
 def test_density_schedule():
-    listed = gx.SparseGradState(density=0.016, density_schedule=[(2000, 0.001), (1000, 0.004)])
+    listed = gx.SparseGradState(density=[(0, 0.016), (2000, 0.001), (1000, 0.004)])
     expected = [0.016, 0.016, 0.004, 0.004, 0.001, 0.001]
-    assert [listed.density_at(i) for i in (0, 999, 1000, 1999, 2000, 10**6)] == expected
-    called = gx.SparseGradState(density_schedule=lambda i: 0.1 if i < 5 else 0.01)
-    assert called.density_at(4) == 0.1 and called.density_at(5) == 0.01
-    broken = gx.SparseGradState(density_schedule=lambda i: 0.0)
-    with pytest.raises(ValueError, match=r"density_schedule\(7\) must be a number in \(0, 1\]"):
-        broken.density_at(7)
+    assert [listed.config.density_at(i) for i in (0, 999, 1000, 1999, 2000, 10**6)] == expected
+    called = gx.SparseGradState(density=lambda i: 0.1 if i < 5 else 0.01)
+    assert called.config.density_at(4) == 0.1 and called.config.density_at(5) == 0.01
+    broken = gx.SparseGradState(density=lambda i: 0.0)
+    with pytest.raises(ValueError, match=r"density\(7\) must be a number in \(0, 1\]"):
+        broken.config.density_at(7)
 
 
 def test_state_dict_round_trip_and_bad_state_dicts():
     state = gx.SparseGradState(path="sparse")
     state.iter = 7
-    state.residuals = {0: torch.arange(4.0), 3: torch.ones(2)}
+    state.store.tensors["residual"] = {0: torch.arange(4.0), 3: torch.ones(2)}
     saved = state.state_dict()
-    state.residuals[0].add_(1)  # the saved copy must not follow
+    state.store.residuals[0].add_(1)  # the saved copy must not follow
     restored = gx.SparseGradState(path="sparse")
     restored.load_state_dict(copy.deepcopy(saved))
-    assert restored.iter == 7 and torch.equal(restored.residuals[0], torch.arange(4.0))
-    assert torch.equal(restored.residuals[3], torch.ones(2))
+    assert restored.iter == 7 and torch.equal(restored.store.residuals[0], torch.arange(4.0))
+    assert torch.equal(restored.store.residuals[3], torch.ones(2))
     with pytest.raises(KeyError, match="missing \\['residuals'\\]"):
         restored.load_state_dict({"iter": 1})
     with pytest.raises(ValueError, match="state_dict\\['iter'\\] must be an int >= 0"):

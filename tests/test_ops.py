@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gtopk_ext as gx
-from gtopk_ext import ops, reference
+from gtopk_ext import backends, ops, reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -327,7 +327,7 @@ def scatter_cases(device):
 @pytest.mark.parametrize("op_name", ["scatter_add", "residual_update"])
 def test_scatter_matches_reference(backend, op_name):
     device = backend_device(backend)
-    kernel = getattr(ops._kernels(device, backend), op_name)
+    kernel = getattr(backends.choose(device, backend).kernels, op_name)
     oracle = getattr(reference, op_name)
     for name, dense, indices, values in scatter_cases(device):
         actual, expected = dense.clone(), dense.clone()
@@ -351,7 +351,7 @@ def test_scatter_skips_and_counts_corrupted_indices(backend, op_name):
     dense = torch.zeros(n, device=device)
     indices = torch.tensor([0, -1, n, n - 1, 2**31 - 1, -(2**31), 5], dtype=torch.int32, device=device)
     values = torch.ones(7, device=device)
-    invalid = getattr(ops._kernels(device, backend), op_name)(dense, indices, values)
+    invalid = getattr(backends.choose(device, backend).kernels, op_name)(dense, indices, values)
     assert int(invalid) == 4
     sign = 1.0 if op_name == "scatter_add" else -1.0
     expected = torch.zeros(n)
@@ -419,7 +419,7 @@ def test_gpu_scatter_bits_are_the_references_whatever_the_launch(backend, monkey
                 if block is not None:
                     monkeypatch.setattr(kernels, "BLOCK", block)
                 actual = dense.clone()
-                invalid = getattr(ops._kernels(device, backend), op_name)(actual, indices, values)
+                invalid = getattr(backends.choose(device, backend).kernels, op_name)(actual, indices, values)
                 assert int(invalid) == int(expected_invalid), (name, op_name, block)
                 assert_identical(actual.cpu(), expected, f"{name} {op_name} block={block}")
 
@@ -469,7 +469,7 @@ def test_bad_input_is_rejected_clearly(backend, case):
     device = backend_device(backend)
     op_name, args, message = bad_calls(device)[case]
     with pytest.raises((RuntimeError, ValueError), match=message.replace("(", r"\(").replace("^", r"\^")):
-        getattr(ops._kernels(device, backend), op_name)(*args)
+        getattr(backends.choose(device, backend).kernels, op_name)(*args)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -483,11 +483,11 @@ def test_mixed_devices_are_rejected():
 
 def test_backend_choice():
     cpu = torch.device("cpu")
-    assert ops.resolve_backend(cpu, "auto") == "cpu"
+    assert backends.choose(cpu, "auto") is backends.CPU
     with pytest.raises(ValueError, match="backend must be one of"):
-        ops.resolve_backend(cpu, "tpu")
+        backends.choose(cpu, "tpu")
     with pytest.raises(ValueError, match="backend 'cuda' cannot run on tensors on cpu"):
-        ops.resolve_backend(cpu, "cuda")
+        backends.choose(cpu, "cuda")
     assert ops.z_for_density(1.0) == 0.0
     assert abs(ops.z_for_density(0.01) - 2.5758) < 1e-4
     for density in (0.0, -0.1, 1.5, float("nan")):

@@ -4,15 +4,21 @@ measured costs, as the cost model predicts it, with no header in a steady step."
 
 from __future__ import annotations
 
+import copy
+import re
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gtopk_ext as gx
 from gtopk_ext.collectives import Dense8, Dense16, Traffic, dense
 from gtopk_ext.ddp import reduce_buffer
-from gtopk_ext.paths import (AUTO_CHOICES, MAX_FLUSH_STEPS, PATHS, DenseQueue, PathPlan, PathPolicy, agreed_costs,
-                             choose, predicted)
+from gtopk_ext.paths import (AUTO_CHOICES, MAX_FLUSH_STEPS, PATHS, PathPlan, PathPolicy, agreed_costs, choose,
+                             own_seconds, predicted)
 from tests.distributed import run_distributed
 from tests.test_collectives import Members, equal_on_every_rank
 
@@ -45,19 +51,18 @@ def test_policy_rejects_bad_arguments():
         gx.SparseGradState(path=3.5)
     with pytest.raises(ValueError, match="path mode must be one of"):
         gx.SparseGradState(path="fp8")
-    with pytest.warns(DeprecationWarning, match="min_compress_numel"):
-        state = gx.SparseGradState(min_compress_numel=10)
-    assert state.path_policy == PathPolicy("auto", 10) and state.min_compress_numel == 10
+    state = gx.SparseGradState(path=gx.PathPolicy("auto", min_compress_numel=10))
+    assert state.config.path == PathPolicy("auto", 10)
 
 
 def test_recipe_is_one_call():
     state = gx.SparseGradState.recipe(density=0.001, warmup_steps=20, collective="allgather")
-    assert state.path_policy.mode == "auto" and state.collective == "allgather" and state.start_iter == 2
-    assert [round(state.density_at(i), 6) for i in (0, 4, 5, 19, 20, 1000)] == [0.25, 0.25, 0.062872, 0.003976,
+    assert state.config.path.mode == "auto" and state.config.collective == "allgather" and state.config.start_iter == 2
+    assert [round(state.config.density_at(i), 6) for i in (0, 4, 5, 19, 20, 1000)] == [0.25, 0.25, 0.062872, 0.003976,
                                                                                   0.001, 0.001]
-    correction = state.momentum_correction
+    correction = state.config.momentum
     assert (correction.momentum, correction.nesterov, correction.masking_start_iter) == (0.9, True, 20)
-    assert gx.SparseGradState.recipe(density=0.5).density_at(0) == 0.5  # above the warm-up's start: none
+    assert gx.SparseGradState.recipe(density=0.5).config.density_at(0) == 0.5  # above the warm-up's start: none
 
 
 def test_cost_model_predictions():
@@ -140,9 +145,9 @@ def test_agreed_costs_are_the_mean_of_the_ranks():
     headers = [{"cost_select": 10, "cost_slot": 5, "cost_dense16": -1, "cost_dense": 7, "cost_dense8": 4},
                {"cost_select": 20, "cost_slot": 6, "cost_dense16": 3, "cost_dense": 8, "cost_dense8": 5}]
     assert agreed_costs(headers) == {"select": 15, "slot": 5, "dense16": None, "dense": 7, "dense8": 4}
-    queue, plan = DenseQueue(), PathPlan()
-    plan.costs.observe_dense(1000, queue.own_seconds(start=1.0, end=1.5))
-    plan.costs.observe_dense(1000, queue.own_seconds(start=1.1, end=1.7))  # queued behind the first: 0.2 s its own
+    queue, plan = SimpleNamespace(busy_until=0.0), PathPlan()
+    plan.costs.observe_dense(1000, own_seconds(queue, start=1.0, end=1.5))
+    plan.costs.observe_dense(1000, own_seconds(queue, start=1.1, end=1.7))  # queued behind the first: 0.2 s its own
     assert plan.costs.dense == pytest.approx(0.5 * 0.5e-3 + 0.5 * 0.2e-3)
     assert plan.costs.report()["cost_dense16"] == -1
     plan.costs.observe_dense(1000, 0.25, "dense8")
@@ -220,9 +225,9 @@ def conserved_step(members: Members, state: gx.SparseGradState, step: int, where
     """One bucket through the hook: the output equal on every rank, and
     sum_r (gradient_r + old residual_r) = P x output + sum_r new residual_r."""
     grad = gradient(members.me, step)
-    old = state.residuals.get(0, torch.zeros(NUMEL)).clone()
+    old = state.store.residuals.get(0, torch.zeros(NUMEL)).clone()
     output = reduce_buffer(state, grad.clone(), 0).wait()
-    new = state.residuals.get(0, torch.zeros(NUMEL))
+    new = state.store.residuals.get(0, torch.zeros(NUMEL))
     total = torch.cat([grad.double() + old.double() - new.double(), grad.double().abs() + old.double().abs()])
     dist.all_reduce(total, group=members.group)
     imbalance = float((total[:NUMEL] - members.size * output.double()).abs().max())
@@ -242,7 +247,7 @@ def check_forced_paths(members: Members) -> list[str]:
             state = gx.SparseGradState(members.group, density=0.05, collective=collective, path="sparse")
             state.stats_logging_frequency = 0
             for step in range(7):
-                state.path_policy = PathPolicy(mode if step in (3, 4) else "sparse")
+                state.config = state.config.replace(path=PathPolicy(mode if step in (3, 4) else "sparse"))
                 where = f"{members.name}, {mode} via {collective}, step {step}"
                 failures += conserved_step(members, state, step, where)
                 expected = "dense" if step < 2 else mode if step in (3, 4) else "sparse"
@@ -259,7 +264,7 @@ def check_auto(members: Members) -> list[str]:
     state.stats_logging_frequency = 0
     paths, sent = [], []
     for step in range(18):
-        costs = state.agreed_plans[0].costs if step else None  # the bucket's, once it has been reduced
+        costs = state.buckets[0].plan.costs if step else None  # the bucket's, once it has been reduced
         if step == 2:  # the dense steps timed a slow link on some ranks; a sparse slot is dear on every rank
             costs.dense = 1e-6 * (me + 1)
             # rank 0 alone would go sparse; the mean of the ranks says dense16 (dense8 was timed dear)
@@ -299,7 +304,7 @@ def check_auto_takes_dense8(members: Members) -> list[str]:
     paths = []
     for step in range(6):
         if step == 2:  # the dense steps timed a slow link; dense16 and sparse slots were timed dear
-            costs = state.agreed_plans[0].costs
+            costs = state.buckets[0].plan.costs
             costs.dense, costs.dense16, costs.select, costs.slot = 1e-4, 1e-4, 1e-9, 1e-3
         failures += conserved_step(members, state, step, f"{members.name}, auto (dense8) step {step}")
         paths.append(state.stats()["buckets"][0]["path"])
@@ -308,21 +313,79 @@ def check_auto_takes_dense8(members: Members) -> list[str]:
     return failures
 
 
-def check_reduce_takes_the_old_callback(members: Members) -> list[str]:
-    """reduction.reduce of 0.3 took a select callback and finite=: it still works, warns, and reduces alike."""
-    results, compressor, collective = [], gx.make_compressor("gaussiank", 0.05), gx.collectives.GTopK()
-    for old in (False, True):
-        tensor, residual = gradient(members.me, 9), torch.zeros(NUMEL)
-        wire = gx.wire.wire_named("plain")
-        if old:
-            with pytest.warns(DeprecationWarning, match="reduction.reduce.*is deprecated"):
-                gx.reduction.reduce(tensor, residual, lambda: compressor.compress(tensor, residual), collective,
-                                    members.group, k=compressor.k_for(NUMEL), wire=wire, backend=None, finite=True)
-        else:
-            gx.reduction.reduce(tensor, residual, compressor.compress(tensor, residual), collective, members.group,
-                                k=compressor.k_for(NUMEL), wire=wire, backend=None)
-        results.append(torch.cat([tensor, residual]))
-    return [] if torch.equal(*results) else [f"{members.name}: the old reduce() call reduced otherwise"]
+# A calibration under which the 4,420-element bucket of calibrated_run takes dense16 in the warm-up's first two
+# stages (density 0.25, 0.112: sparse 4000 ps x 1105 or 495 slots + 10 ps x 4420 = 4.46 or 2.02 us, dense16 400 ps
+# x 4420 = 1.77 us) and sparse from its third on (density 0.05: 0.93 us).
+CALIBRATION = {0: {"numel": 4420, "select": 10, "slot": 4000, "dense16": 400, "dense": 800, "dense8": None}}
+
+
+def calibrated_run(members: Members, policy: PathPolicy, slot_seconds: float, steps: int = 12,
+                   resume_at: int | None = None) -> tuple[list[torch.Tensor], list[str], gx.SparseGradState]:
+    """DDP with ``policy`` on ``members.group`` (one bucket), the measured sparse cost overwritten at step 3 with
+    ``slot_seconds`` (as if the link had been that slow): the parameters after ``steps`` steps, each step's path,
+    the state. ``resume_at``: stop there, save every state, and go on in a new model, optimizer and hook state."""
+    def start(saved=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+        ddp = DDP(model, process_group=members.group)
+        state = gx.SparseGradState(members.group, density=gx.exponential_warmup(0.01, 8, start_iter=2), path=policy,
+                                   stats_logging_frequency=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        if saved is not None:
+            model.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+            state.load_state_dict(saved[2])
+        ddp.register_comm_hook(state, gx.sparse_grad_hook)
+        return model, ddp, optimizer, state
+
+    model, ddp, optimizer, state = start()
+    paths = []
+    for step in range(steps):
+        if step == resume_at:
+            model, ddp, optimizer, state = start((copy.deepcopy(model.state_dict()),
+                                                  copy.deepcopy(optimizer.state_dict()), state.state_dict()))
+        if step == 3:
+            state.buckets[0].plan.costs.slot = slot_seconds
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * step + members.me))
+        optimizer.zero_grad()
+        ddp(x).square().mean().backward()
+        optimizer.step()
+        paths.append(state.stats()["buckets"][0]["path"])
+    return [p.detach().clone() for p in model.parameters()], paths, state
+
+
+def check_calibration_repeats_auto(members: Members) -> list[str]:
+    """Given the same calibration, two runs of ``auto`` take the same paths and end bitwise equal, whatever they
+    measure (here: a sparse exchange measured cheap in one run and dear in the other, which without a calibration
+    makes them take different paths), also when one of them stops and resumes from its checkpoints; a run without
+    one says in its summary that its paths came from its timings, and its state_dict holds the calibration that
+    repeats them."""
+    failures, name = [], members.name
+    policy = PathPolicy("auto", recalibrate_every=3, calibration=CALIBRATION)
+    cheap, cheap_paths, cheap_state = calibrated_run(members, policy, 1e-12)
+    dear, dear_paths, _ = calibrated_run(members, policy, 1.0)
+    resumed, resumed_paths, _ = calibrated_run(members, policy, 1.0, resume_at=5)
+    if cheap_paths != ["dense", "dense"] + ["dense16"] * 4 + ["sparse"] * 6:
+        failures.append(f"{name}: calibrated auto took {cheap_paths}")
+    for what, params, paths in (("a dear sparse exchange", dear, dear_paths),
+                                ("a resumed run", resumed, resumed_paths)):
+        if paths != cheap_paths or not all(torch.equal(a, b) for a, b in zip(params, cheap)):
+            failures.append(f"{name}: calibrated, {what} took {paths} against {cheap_paths}, or other parameters")
+    if "from the policy's calibration (repeatable)" not in cheap_state.summary():
+        failures.append(f"{name}: the calibrated run's summary: {cheap_state.summary()}")
+    measured_cheap = calibrated_run(members, PathPolicy("auto", recalibrate_every=3), 1e-12)
+    measured_dear = calibrated_run(members, PathPolicy("auto", recalibrate_every=3), 1.0)
+    if measured_cheap[1] == measured_dear[1]:  # the measurement decides: the two runs differ
+        failures.append(f"{name}: without a calibration both runs took {measured_cheap[1]}")
+    summary = measured_dear[2].summary()
+    if not re.search(r"paths taken \(bucket steps\): .*dense.*'auto' chose \d+ time\(s\) from this run's measured\s+"
+                     r"timings.*calibration=state.state_dict\(\)\['calibration'\]", summary, re.S):
+        failures.append(f"{name}: the measured run's summary: {summary}")
+    repeated = calibrated_run(members, PathPolicy("auto", recalibrate_every=3,
+                                                  calibration=measured_dear[2].state_dict()["calibration"]), 1e-12)
+    if repeated[1][-2:] != measured_dear[1][-2:]:  # its latest decision (step 10's new k), from its calibration
+        failures.append(f"{name}: the saved calibration took {repeated[1]}, the run it came from {measured_dear[1]}")
+    return failures
 
 
 def paths_worker(rank: int, world_size: int) -> list[str]:
@@ -332,8 +395,9 @@ def paths_worker(rank: int, world_size: int) -> list[str]:
         if rank < size:
             members = Members(group, list(range(size)), dist.get_rank(group), f"{size} ranks")
             failures += (check_rounded(members) + check_forced_paths(members) + check_auto(members)
-                         + check_auto_takes_dense8(members)
-                         + check_reduce_takes_the_old_callback(members))
+                         + check_auto_takes_dense8(members))
+            if size < 4:
+                failures += check_calibration_repeats_auto(members)
     return failures
 
 

@@ -120,9 +120,9 @@ def load_worker(rank: int, size: int, out: str) -> dict:
     # the first step sends all of it: each bucket's average is that of grad + the folded residual.
     state = make_state()
     state.load_state_dict(hooks, on_world_size_change="fold")
-    if state.iter != SAVED_STEPS or state.start_iter != SAVED_STEPS + 1:
-        failures.append(f"fold: iter {state.iter}, start_iter {state.start_iter}")
-    folded = [state.residuals.get(i, torch.zeros(n)).clone() for i, n in enumerate(BUCKETS)]
+    if state.iter != SAVED_STEPS or state.config.start_iter != SAVED_STEPS + 1:
+        failures.append(f"fold: iter {state.iter}, start_iter {state.config.start_iter}")
+    folded = [state.store.residuals.get(i, torch.zeros(n)).clone() for i, n in enumerate(BUCKETS)]
     for i in range(len(BUCKETS)):
         every_saved = torch.stack([h["residuals"][i].double() for h in hooks]).sum(0)
         if not torch.allclose(summed([folded[i]]), every_saved, atol=1e-5):
@@ -130,7 +130,7 @@ def load_worker(rank: int, size: int, out: str) -> dict:
     outputs = hook_step(state, SAVED_STEPS, rank)
     for i, output in enumerate(outputs):
         expected = summed([gradient(SAVED_STEPS, rank, i), folded[i]]) / size
-        if not torch.allclose(output.double(), expected, rtol=1e-5, atol=1e-6) or i in state.residuals:
+        if not torch.allclose(output.double(), expected, rtol=1e-5, atol=1e-6) or i in state.store.residuals:
             failures.append(f"fold: bucket {i}: the first step did not send grad + the whole folded residual")
     if {b["path"] for b in state.stats()["buckets"].values()} != {"dense"}:
         failures.append(f"fold: the first step was not dense: {state.stats()['buckets']}")
@@ -138,8 +138,9 @@ def load_worker(rank: int, size: int, out: str) -> dict:
     # zero: the iteration goes on, the residuals start empty, the next step compresses as it would have.
     state = make_state()
     state.load_state_dict(hooks, on_world_size_change="zero")
-    if state.iter != SAVED_STEPS or state.start_iter != 2 or any(r.any() for r in state.residuals.values()):
-        failures.append(f"zero: iter {state.iter}, start_iter {state.start_iter}, residuals {state.residuals}")
+    residuals = state.store.residuals
+    if state.iter != SAVED_STEPS or state.config.start_iter != 2 or any(r.any() for r in residuals.values()):
+        failures.append(f"zero: iter {state.iter}, start_iter {state.config.start_iter}, residuals {residuals}")
     hook_step(state, SAVED_STEPS, rank)
     if {b["path"] for b in state.stats()["buckets"].values()} != {"sparse"}:
         failures.append("zero: the first step did not compress")
@@ -148,7 +149,7 @@ def load_worker(rank: int, size: int, out: str) -> dict:
     old = {key: value for key, value in hooks[rank].items() if key not in ("world_size", "rank")}
     state = make_state()
     state.load_state_dict(old)
-    if state.iter != SAVED_STEPS or not torch.equal(state.residuals[0], hooks[rank]["residuals"][0]):
+    if state.iter != SAVED_STEPS or not torch.equal(state.store.residuals[0], hooks[rank]["residuals"][0]):
         failures.append("an old state_dict (without world_size) did not load as before")
 
     # SparseLocalSGD, fold: the next sync sends every accumulator whole, so the global weights become the mean of

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -29,7 +30,8 @@ def totals_and_summary(rank: int) -> list[str]:
     model = make_model()
     ddp = make_ddp(model, state)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    summed = {"steps": 0, "compressed_steps": 0, "bytes_sent": 0, "bytes_received": 0}
+    summed = {"steps": 0, "compressed_steps": 0, "bytes_sent": 0, "bytes_received": 0, "paths": Counter(),
+              "measured_decisions": 0}  # a forced path: no decision from timings
     for step in range(STEPS):
         train(ddp, optimizer, rank, range(step, step + 1))
         latest = state.stats()
@@ -37,12 +39,15 @@ def totals_and_summary(rank: int) -> list[str]:
         summed["compressed_steps"] += any(b["path"] == "sparse" for b in latest["buckets"].values())
         summed["bytes_sent"] += latest["total"]["bytes_sent"]
         summed["bytes_received"] += latest["total"]["bytes_received"]
+        summed["paths"].update(b["path"] for b in latest["buckets"].values())
     run = state.stats()["run"]
     if run != summed or run["compressed_steps"] != STEPS - 2:
         failures.append(f"run totals {run}, the steps' sum {summed}")
     summary = state.summary()
     lines = summary.splitlines()
-    if f"run: {STEPS} steps ({STEPS - 2} compressed)" not in summary or len(lines) > 24 or max(map(len, lines)) > 120:
+    taken = ", ".join(f"{path} {count}" for path, count in summed["paths"].most_common())
+    if (f"run: {STEPS} steps ({STEPS - 2} compressed)" not in summary or len(lines) > 24
+            or max(map(len, lines)) > 120 or f"paths taken (bucket steps): {taken}; forced 'sparse'" not in summary):
         failures.append(f"summary:\n{summary}")
     resumed = gx.SparseGradState()
     resumed.load_state_dict(state.state_dict())
@@ -67,7 +72,7 @@ def optimizer_checks(rank: int) -> list[str]:
     hook_momentum = gx.MomentumCorrection(0.9)
     doubled = step_error(gx.SparseGradState(momentum=hook_momentum),
                          lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), rank)
-    if not re.search(r"SGD has momentum=0.9 on 6 parameter\(s\).*applied twice.*state.optimizer_check", doubled):
+    if not re.search(r"SGD has momentum=0.9 on 6 parameter\(s\).*applied twice.*optimizer_check='warn'", doubled):
         failures.append(f"momentum in both the hook and SGD: {doubled!r}")
     decayed = step_error(gx.SparseGradState(momentum=hook_momentum),
                          lambda m: torch.optim.AdamW(m.parameters(), lr=0.1), rank)
@@ -82,8 +87,7 @@ def optimizer_checks(rank: int) -> list[str]:
                                   rank)
     if plain or no_hook_momentum or other_parameters:
         failures.append(f"reported without a conflict: {plain!r} {no_hook_momentum!r} {other_parameters!r}")
-    state = gx.SparseGradState(momentum=hook_momentum)
-    state.optimizer_check = "warn"
+    state = gx.SparseGradState(momentum=hook_momentum, optimizer_check="warn")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         kept = step_error(state, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), rank)

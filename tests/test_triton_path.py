@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gtopk_ext  # noqa: F401  (registers torch.ops.gtopk_ext)
-from gtopk_ext import _contract, compressors, ops, reference, triton_kernels
+from gtopk_ext import _contract, backends, compressors, ops, reference, triton_kernels
 from gtopk_ext.triton_kernels import kernels
 from tests.test_wire import bad_wire_calls
 
@@ -312,10 +312,10 @@ def test_bad_input_gets_the_cpp_message():
 def test_backend_choice(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert ops._kernels(cpu, "triton") is triton_kernels.ops
+    assert backends.choose(cpu, "triton").kernels.compact is triton_kernels.ops.compact
     monkeypatch.setenv("GTOPK_EXT_BACKEND", "triton")  # the environment variable picks it when no argument does
-    assert ops._kernels(cpu, None) is triton_kernels.ops
-    assert ops._kernels(cpu, "cpu") is CPP
+    assert backends.choose(cpu, None) is backends.TRITON
+    assert backends.choose(cpu, "cpu").kernels.compact is CPP.compact
     monkeypatch.setenv("GTOPK_EXT_BACKEND", "gpu")
     with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'cpu', 'cuda', 'triton'\), got 'gpu'"):
         ops.gaussian_threshold(torch.randn(8), z=1.0)

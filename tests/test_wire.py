@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gtopk_ext as gx
-from gtopk_ext import collectives, ops, reference, wire
+from gtopk_ext import backends, collectives, ops, reference, wire
 from tests.distributed import run_distributed
 from tests.test_collectives import Members, bucket_input, equal_on_every_rank, reduce_and_check_bucket
 from tests.test_ops import BACKENDS, DTYPES, backend_device
@@ -170,7 +170,7 @@ def bad_wire_calls():
 
 
 def test_bad_wire_arguments_are_rejected_clearly(backend):
-    kernels = ops._kernels(backend_device(backend), backend)
+    kernels = backends.choose(backend_device(backend), backend).kernels
     for op_name, args, message in bad_wire_calls():
         args = tuple(a.to(backend_device(backend)) if isinstance(a, torch.Tensor) else a for a in args)
         with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace("^", r"\^").replace("[", r"\[")):
@@ -214,10 +214,12 @@ def check_hook_conservation(members: Members, checked: tuple[str, ...] | None = 
         checked = WIRE_COLLECTIVES + (("hierarchical",) if members.size == dist.get_world_size() else ())
     for collective in checked:
         for dtype in DTYPES:
-            state = gx.SparseGradState(members.group, density=0.02, collective=collective, start_iter=2,
+            options = ({"collective": "gtopk", "hierarchical": gx.Hierarchical(2)} if collective == "hierarchical"
+                       else {"collective": collective})
+            state = gx.SparseGradState(members.group, density=0.02, start_iter=2,
                                        path=gx.PathPolicy("sparse", min_compress_numel=1000),
-                                       stats_logging_frequency=0, wire="compact",
-                                       synchronous=True, local_size=2)
+                                       stats_logging_frequency=0, wire="compact", **options)
+            state.synchronous = True
             for step in range(STEPS):
                 for index, numel in enumerate(BUCKET_NUMELS):
                     where = f"{members.name}, {collective}/{dtype}, step {step}, bucket {index}"

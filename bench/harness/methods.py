@@ -26,7 +26,7 @@ def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: in
                warmup_from: int = 0, compressor: str = "gaussiank", per_tensor: bool = False, momentum: float = 0.0,
                nesterov: bool = False, weight_decay: float = 0.0, masking_start_iter: int = 0,
                clip_norm: float | None = None, path="sparse", min_compress_numel: int | None = None,
-               **options) -> gx.SparseGradState:
+               synchronous: bool = False, **options) -> gx.SparseGradState:
     """gtopk_ext's hook state built by hand (by default every compressed step sparse), with DGC's warm-up from
     ``warmup_density`` over ``warmup_steps`` iterations from ``warmup_from``; ``options``: SparseGradState's."""
     schedule = (gx.exponential_warmup(density, warmup_steps, warmup_density, start_iter=warmup_from)
@@ -38,18 +38,18 @@ def hook_state(density: float, *, start_iter: int = START_ITER, warmup_steps: in
         path = gx.PathPolicy(gx.paths.path_policy(path).mode, min_compress_numel=min_compress_numel)
     compressor = gx.make_compressor(compressor, density, per_tensor=per_tensor)
     state = gx.SparseGradState(density=schedule, compressor=compressor, start_iter=start_iter, momentum=correction,
-                               path=path, **options)
-    state.stats_logging_frequency = 0
+                               path=path, stats_logging_frequency=0, **options)
+    state.synchronous = synchronous
     return state
 
 
-def recipe_state(density: float, warmup_steps: int, momentum: float,
-                 choices: list[str] | None = None) -> gx.SparseGradState:
-    """``gx.SparseGradState.recipe`` as a user calls it, without the periodic log; ``choices``: its auto's paths."""
-    path = gx.PathPolicy("auto", choices=choices) if choices else "auto"
-    state = gx.SparseGradState.recipe(density=density, warmup_steps=warmup_steps, momentum=momentum, path=path)
-    state.stats_logging_frequency = 0
-    return state
+def recipe_state(density: float, warmup_steps: int, momentum: float, choices: list[str] | None = None,
+                 path: str = "auto") -> gx.SparseGradState:
+    """``gx.SparseGradState.recipe`` as a user calls it, without the periodic log; ``path``: its path policy's mode
+    (a forced path is the same every run, auto's choices follow timings); ``choices``: auto's paths."""
+    path = gx.PathPolicy("auto", choices=choices) if choices else path
+    return gx.SparseGradState.recipe(density=density, warmup_steps=warmup_steps, momentum=momentum, path=path,
+                                     stats_logging_frequency=0)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,12 @@
-"""One rank's side of WAGMA's wait-avoiding group rounds (see :mod:`gtopk_ext.averaging`), on the background
-worker the DDP hook uses too (:class:`gtopk_ext._worker.Worker`)."""
+"""One rank's side of WAGMA's wait-avoiding group rounds (see :mod:`gtopk_ext.averaging`).
+
+Gloo and NCCL collectives start only when every member calls them, so a thread (the background
+:class:`gtopk_ext._worker.Worker`, as the DDP hook's) stands in for the busy training loop: the first member to
+reach a group round sends the others' threads an activation message, and each joins the allreduce with the
+weights p its rank last published. The round turns p into the group mean a; the thread sets p <- a and adds
+``a - p`` to the correction the training loop applies at its next call. Over a group the corrections sum to zero,
+so no rank's progress is lost or counted twice. The messages go over a Gloo group of their own, so the data may
+use NCCL."""
 
 from __future__ import annotations
 
@@ -28,23 +35,19 @@ class _Stop(Exception):
 
 
 class _WaitAvoidingRounds:
-    """One rank's side of wait-avoiding group averaging: a :class:`Worker` per run of rounds, whose one job runs
-    every round (group and global) for the rank, a thread that receives the control messages, and what they share
-    with the training loop, under one lock (``_cond``).
+    """A :class:`Worker` per run of rounds, whose one job runs every round (group and global) for the rank, a
+    thread that receives the control messages, and what they share with the training loop, under ``_cond``.
 
-    Per bucket: ``published`` p (the weights the thread exchanges for the rank), ``staging`` (a new snapshot from
-    the training loop on its way to the thread, or a global average on its way back), ``correction`` (the sum of
-    ``a - p`` of the rounds the training loop has not applied yet) and ``reduced`` (the allreduce's buffer).
-    Invariant: weights + correction = p + the progress the training loop made since it last published.
+    Per bucket: ``published`` p, ``staging`` (a snapshot on its way to the thread, or a global average on its way
+    back), ``correction`` (the ``a - p`` not applied yet) and ``reduced`` (the allreduce's buffer). Invariant:
+    weights + correction = p + the progress the training loop made since it last published.
 
-    A run of rounds starts at the first call after construction or after a finish and ends at finish or
-    state_dict (both collective); its worker and threads exist only during a run (a failed run's worker stays,
-    holding the failure, until ``destroy_process_group`` or exit closes it).
+    A run starts at the first call after construction or after a finish and ends at finish or state_dict; its
+    worker and threads exist only during a run (a failed run's worker keeps the failure until closed).
 
-    A failure here (an error of the training loop or of a round, a timeout) or on another rank fails the worker,
-    which carries it to every rank. This rank then sends _STOP to every member: a round's commit rule (see
-    :meth:`_run_round`) needs to know, in the order of a member's own messages, whether it joined a round before
-    it stopped, which the store the worker publishes in cannot tell.
+    A failure here or on another rank fails the worker, which carries it to every rank. This rank then sends
+    _STOP to every member: the commit rule of :meth:`_run_round` needs to know, in the order of a member's own
+    messages, whether it joined a round before it stopped.
     """
 
     def __init__(self, schedule: GroupModelAverager, member_ranks: list[int], rank: int,
@@ -82,8 +85,7 @@ class _WaitAvoidingRounds:
     # ----------------------------------------------------------------------------------------- training loop
 
     def publish(self, step: int) -> None:
-        """Applies the corrections that arrived, publishes the weights for the rounds from ``step`` on, and lets the
-        thread run round ``step`` (it activates the group's round unless a faster member did already)."""
+        """Applies the corrections that arrived, publishes the weights and lets the thread run round ``step``."""
         with self._cond:
             self._start_run(step)
             for bucket in self.buckets:
@@ -102,8 +104,8 @@ class _WaitAvoidingRounds:
             self._staged = None
 
     def end_run(self, step: int, apply: bool) -> None:
-        """finish / state_dict: completes this rank's rounds before ``step`` and checks, with every rank, that all
-        stopped at the same step; ``apply`` then applies the corrections (else they stay for state_dict)."""
+        """finish / state_dict: completes the rounds before ``step``, checks that every rank stopped there, and
+        applies the corrections when ``apply`` (else they stay for state_dict)."""
         with self._cond:
             self._start_run(step)
             self._drain_at = step
@@ -170,10 +172,9 @@ class _WaitAvoidingRounds:
             self._cond.notify_all()
 
     def _wake(self) -> None:
-        """Called by the worker when it fails or closes. After a failure, every member learns that this rank joins
-        no later round; not waited for, since a member that stopped may never receive it. Closing waits a while for
-        the receiver to end (the members close too, and send their last messages): a thread still inside a torch
-        call when the interpreter finalizes aborts the process."""
+        """Called by the worker when it fails or closes. After a failure every member learns that this rank joins
+        no later round (not waited for: a member that stopped may never receive it). Closing waits a while for the
+        receiver to end: a thread still inside a torch call when the interpreter finalizes aborts the process."""
         with self._cond:
             if self._worker.failure is not None and not self._left:
                 self._left = True
@@ -239,8 +240,7 @@ class _WaitAvoidingRounds:
 
     def _check_stopped(self, round_index: int, partners: list[int], committed: bool = False) -> None:
         """Raises when the run must end (the lock is held): a failure here or on another rank, the worker closing,
-        or ranks that stopped at different steps (a member that ended its run at or before a round that this rank's
-        training loop passed, or that this rank's thread has joined)."""
+        or ranks that stopped at different steps."""
         if self._worker.failure is not None:
             raise _Stop()
         if self._worker.closed:
@@ -288,11 +288,10 @@ class _WaitAvoidingRounds:
             if ends_here():
                 return False
             self._sends += self._send(_ACTIVATE, r, partners)  # under the lock: never after this rank's _STOP
-            # Committed: a member enters the allreduce exactly when every member of the group has joined the round,
-            # so an error on one rank never leaves another inside a collective. A member that stopped without
-            # joining says so (_STOP or _FINISH), and a member's _ACTIVATE, when sent, arrives before its _STOP.
-            # So this wait ignores the worker's failure: the members' messages alone decide. Closing ends it: the
-            # process is going away, and a collective its peers start without it fails when it does.
+            # Committed: a member enters the allreduce exactly when every member has joined the round. A member that
+            # stopped without joining says so (_STOP or _FINISH), after any _ACTIVATE it sent, so the members'
+            # messages alone decide and this wait ignores the worker's failure. Closing ends it: the process is
+            # going away, and a collective its peers start without it fails when it does.
             joined = self._activations.setdefault(r, set())
             self._cond.wait_for(lambda: all(j in joined or j in self._stopped or self._finishes[j] for j in partners)
                                 or self._receive_error is not None or self._worker.closed)

@@ -10,8 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gtopk_ext._validate import check_int
 from gtopk_ext.averaging._wait_avoiding import _WaitAvoidingRounds
 from gtopk_ext.averaging.butterfly import _check_group_size, butterfly_groups, group_schedule_length
+from gtopk_ext.collectives import agree
 
 __all__ = ["GroupModelAverager"]
 
@@ -40,7 +42,7 @@ class _Bucket:
 
 class GroupModelAverager:
     """Group model averaging with rotating butterfly groups, a periodic global average and (by default) wait
-    avoidance: see the module docstring.
+    avoidance (see :mod:`gtopk_ext.averaging`).
 
     Args:
         group_size: ranks per group; must divide the size of ``process_group`` (1: no group averaging, only the
@@ -51,21 +53,17 @@ class GroupModelAverager:
         process_group: the ranks that average (default: the whole default group).
         wait_avoiding: True: group averages run on a communication thread with the weights each rank last
             published, and no rank waits for them; False: synchronous group averages.
-        timeout: seconds a call may wait for the other ranks (wait-avoiding mode: a global average, finish,
-            state_dict) before it raises TimeoutError on this rank and stops the averaging on every rank.
+        timeout: seconds a wait-avoiding call may wait for the other ranks before it raises TimeoutError and
+            stops the averaging on every rank.
 
-    ``step`` counts the calls of :meth:`average_parameters`; :meth:`state_dict` / :meth:`load_state_dict` save
-    and restore it. In wait-avoiding mode call :meth:`finish` on every rank before evaluating the weights, at the
-    end, and before ``destroy_process_group``.
+    ``step`` counts the calls of :meth:`average_parameters`.
     """
 
     def __init__(self, group_size: int, global_period: int, warmup_steps: int = 0,
                  process_group: dist.ProcessGroup | None = None, wait_avoiding: bool = True,
                  timeout: float = 1800.0) -> None:
-        if isinstance(global_period, bool) or not isinstance(global_period, int) or global_period < 1:
-            raise ValueError(f"global_period must be a positive int, got {global_period!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
+        check_int("global_period", global_period, 1)
+        check_int("warmup_steps", warmup_steps)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not dist.is_initialized():
@@ -143,9 +141,8 @@ class GroupModelAverager:
     @torch.no_grad()
     def average_parameters(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> None:
         """Averages the parameters (a model's ``parameters()`` or an optimizer's ``param_groups``) for this step,
-        then advances ``step``. Call it on every rank of the process group after every ``optimizer.step()``.
-        Wait-avoiding mode: applies the group averages that completed since the last call, publishes the weights
-        and returns without waiting, except at a global step."""
+        then advances ``step``; on every rank of the process group after every ``optimizer.step()``. Wait-avoiding
+        mode: returns without waiting, except at a global step."""
         step = self.step
         if self._rank is None:
             self.step += 1
@@ -165,18 +162,16 @@ class GroupModelAverager:
 
     @torch.no_grad()
     def finish(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> None:
-        """Collective (wait-avoiding mode): waits until every group round up to this step is done on every rank and
-        applies their averages, so the weights are complete; raises on every rank if the ranks are at different
-        steps. Does not advance ``step``. Synchronous mode: nothing is in flight, a no-op."""
+        """Collective in wait-avoiding mode: completes every group round up to this step and applies their averages;
+        raises on every rank if the ranks are at different steps. Synchronous mode: a no-op."""
         if self._rounds is not None:
             self._prepare(params)
             self._rounds.end_run(self.step, apply=True)
 
     def state_dict(self) -> dict[str, Any]:
-        """The averager's position: ``{"step": int}`` plus its configuration, for checking on resume. Wait-avoiding
-        mode: collective, like :meth:`finish` it waits for the rounds in flight on every rank, and it saves the
-        averages they brought that the weights do not hold yet (``"correction"``, applied by the next call after
-        :meth:`load_state_dict`); with :meth:`finish` called just before, there are none."""
+        """``{"step": int}`` plus the configuration. Wait-avoiding mode: collective like :meth:`finish`, and it saves
+        the averages the weights do not hold yet (``"correction"``, applied by the next call after
+        :meth:`load_state_dict`)."""
         state = {"step": self.step, "group_size": self.group_size, "global_period": self.global_period,
                  "warmup_steps": self.warmup_steps, "world_size": self.world_size}
         if self._rounds is not None:
@@ -194,9 +189,7 @@ class GroupModelAverager:
                                  f"{key}={getattr(self, key)}")
         if self._rounds is not None and self._rounds.in_run:
             raise RuntimeError("load_state_dict while group rounds are in flight: call finish(params) first")
-        step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"state_dict['step'] must be a non-negative int, got {step!r}")
+        step = check_int("state_dict['step']", state["step"])
         correction = state.get("correction")
         if correction is not None and (not isinstance(correction, (list, tuple))
                                        or not all(isinstance(t, torch.Tensor) for t in correction)):
@@ -223,9 +216,8 @@ class GroupModelAverager:
             bucket.correction.copy_(tensor.reshape(-1))
 
     def _prepare(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> list[_Bucket]:
-        """Checks the parameters and returns their buckets, created on the first call and the same on every call;
-        the first call also checks that every rank has the same layout (one small collective). Wait-avoiding
-        mode: an error stops the averaging on every rank."""
+        """The parameters' buckets, created (and checked against every rank's, collectively) on the first call.
+        Wait-avoiding mode: an error stops the averaging on every rank."""
         try:
             return self._buckets_for(params)
         except Exception as exc:
@@ -262,14 +254,9 @@ class GroupModelAverager:
     def _check_same_layout_on_all_ranks(self, layout: list[tuple]) -> None:
         signature = repr([(shape, str(dtype)) for shape, dtype, _ in layout])
         device = layout[0][2] if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
-        mine = torch.tensor([len(layout), sum(math.prod(s) for s, _, _ in layout), zlib.crc32(signature.encode())],
-                            dtype=torch.int64, device=device)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self.process_group)
-        if any(not torch.equal(other, mine) for other in everyone):
-            summary = [(int(t[0]), int(t[1])) for t in everyone]
-            raise ValueError("average_parameters needs the same parameters (shapes, dtypes, order) on every rank; "
-                             f"(tensor count, element count) per rank: {summary}")
+        agree({"tensors": len(layout), "numel": sum(math.prod(s) for s, _, _ in layout),
+               "signature": zlib.crc32(signature.encode())}, self.process_group, device,
+              "average_parameters needs the same parameters (shapes, dtypes, order) on every rank")
 
 
 def _parameter_list(params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]) -> list[torch.Tensor]:

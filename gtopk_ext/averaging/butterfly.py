@@ -25,21 +25,16 @@ def _butterfly_shape(world_size: int, group_size: int) -> tuple[int, int, int]:
     return levels, block, world_size // block
 
 
-def _diagonal_levels(group_size: int, rest: int) -> int:
-    """Diagonal levels needed to spread an update over ``rest`` blocks: the smallest K with group_size**K >= rest."""
-    count = 0
-    while rest > 1 and group_size**count < rest:
-        count += 1
-    return count
-
-
 def group_schedule_length(world_size: int, group_size: int) -> int:
     """How many group rounds the butterfly schedule has before it repeats (1 when group_size is 1 or world_size)."""
     _check_group_size(world_size, group_size)
     if group_size in (1, world_size):
         return 1
     levels, _, rest = _butterfly_shape(world_size, group_size)
-    return levels + _diagonal_levels(group_size, rest)
+    diagonal = 0  # levels that spread an update over the rest blocks: the smallest K with group_size**K >= rest
+    while group_size**diagonal < rest:
+        diagonal += 1
+    return levels + diagonal
 
 
 def butterfly_groups(world_size: int, group_size: int, round_index: int) -> list[list[int]]:

@@ -22,16 +22,12 @@ from gtopk_ext import ops
 from gtopk_ext._contract import FLOAT_DTYPES
 from gtopk_ext._worker import Disagreement
 from gtopk_ext.backends import Backend, BackendChoice, BackendLike
-from gtopk_ext.costs import Traffic, ring_allgather_bytes
+from gtopk_ext.collectives._transport import Traffic, gather_counts
 from gtopk_ext.message import SparseMessage
 from gtopk_ext.wire import Rounding, Wire, WireLike, wire_named
 
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(FLOAT_DTYPES, start=1)}  # header codes of the op dtypes
-
-
 MAX_NUMEL = 2**31 - 1
-
-
 _INVALID = -1  # a header field of a rank whose own input was invalid
 
 
@@ -49,14 +45,7 @@ def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGr
 def gather_headers(fields: dict[str, int], group: dist.ProcessGroup, device: torch.device,
                    traffic: Traffic | None = None) -> list[dict[str, int]]:
     """Every rank's ``fields`` (same names on every rank, int64 values), in group-rank order."""
-    header = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
-    size = dist.get_world_size(group)
-    gathered = [torch.empty_like(header) for _ in range(size)]
-    dist.all_gather(gathered, header, group=group)
-    if traffic is not None:
-        nbytes = ring_allgather_bytes(header.numel() * 8, size)
-        traffic.add(nbytes, nbytes)
-    return [dict(zip(fields, h.tolist())) for h in gathered]
+    return [dict(zip(fields, h)) for h in gather_counts(list(fields.values()), group, device, traffic)]
 
 
 def require_same(headers: list[dict[str, int]], names: tuple[str, ...], what: str) -> None:
@@ -147,14 +136,12 @@ def carried_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float16 else dtype
 
 
+@dataclass(eq=False)
 class Agreement:
     """What the ranks have checked they share about one tensor that they reduce step after step (a bucket): while
     the plan stays the same, :func:`agree` exchanges no header."""
 
-    __slots__ = ("fields",)
-
-    def __init__(self):
-        self.fields: dict[str, int] | None = None
+    fields: dict[str, int] | None = None
 
 
 def agree(fields: dict[str, int], group: dist.ProcessGroup, device: torch.device, what: str, *,
@@ -201,6 +188,19 @@ class Reduced:
                                 backend=backend)
 
 
+def keep_unapplied(residual: torch.Tensor, msg: SparseMessage, applied: torch.Tensor | None, rounding: Rounding,
+                   backend: Backend | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Error feedback's completion, after the compressor took the sent slots out of ``residual``: the slots the
+    collective did not apply (``applied`` False), and the wire's rounding errors, go back in. Returns the
+    rounding's (indices, errors)."""
+    if applied is not None:
+        ops.scatter_add_(residual, msg.indices, msg.values * ~applied, backend=backend, check=False)
+    error_indices, errors = rounding.pairs(residual.dtype, residual.device)
+    if rounding.parts:
+        ops.scatter_add_(residual, error_indices, errors, backend=backend, check=False)
+    return error_indices, errors
+
+
 def check_cost(size: int, wire: Wire) -> tuple[int, float]:
     """(messages, bytes a rank sends) of the corruption check that follows an exchange on a lossy wire (an int32
     allreduce over the group, a ring); none on the plain wire."""
@@ -210,13 +210,12 @@ def check_cost(size: int, wire: Wire) -> tuple[int, float]:
 class Collective:
     """Reduces every rank's message over a process group (see :class:`Reduced`).
 
-    ``sparse``: whether it moves the message's k slots (else the whole tensor, dense). ``stateful``: whether the
-    caller keeps a state per tensor (:meth:`new_state`) that every rank passes alike. Every rank must call
+    ``sparse``: whether it moves the message's k slots (else the whole tensor, dense). :meth:`new_state`: the
+    state the caller keeps per tensor, which every rank passes alike (None: none). Every rank must call
     :meth:`reduce` with the same k, numel, dtype, wire and flags (or none), as :func:`agree` checks."""
 
     name = ""
     sparse = True
-    stateful = False
 
     def __init__(self, backend: BackendLike = None):
         self.backend = backend if isinstance(backend, BackendChoice) else BackendChoice(backend)

@@ -1,20 +1,39 @@
-"""Moving bytes between ranks: point-to-point exchanges (through host memory on Gloo), a sparse all-to-all, small
-count exchanges, and the signs of a corrupted payload."""
+"""Moving bytes between ranks, counted (:class:`Traffic`): point-to-point exchanges (through host memory on Gloo),
+a sparse all-to-all, small count exchanges, and the signs of a corrupted payload."""
 
 from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from gtopk_ext.costs import Traffic, ring_allgather_bytes, ring_allreduce_bytes
+from gtopk_ext.costs import ring_allgather_bytes, ring_allreduce_bytes
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent and received, counted by the collectives that are given one. Collectives run by the
+    backend (all_gather, all_reduce) are counted as a ring algorithm moves them."""
+
+    sent: int = 0
+    received: int = 0
+
+    def add(self, sent: int, received: int) -> None:
+        self.sent += sent
+        self.received += received
+
+
+def add_traffic(traffic: Traffic | None, sent: int, received: int | None = None) -> None:
+    """Counts in ``traffic`` when the caller gave one; ``received`` defaults to ``sent`` (a ring)."""
+    if traffic is not None:
+        traffic.add(sent, sent if received is None else received)
 
 
 # A large message goes in pieces of at least EXCHANGE_PIECE_BYTES, at most EXCHANGE_PIECES of them: on Gloo one
-# message each way moved at about half a link's rate (gTop-k of 1.68M slots on 4 ranks behind 100 Mbit/s links,
-# bench.netem_scaling: 4.96 s as one message a round, 3.18 s as 8 pieces; 1 Gbit/s: 968 ms, 751 ms).
+# message each way moves at about half a link's rate (docs/performance.md).
 EXCHANGE_PIECE_BYTES = 128 * 1024
 EXCHANGE_PIECES = 8
 
@@ -35,19 +54,16 @@ def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: dist.Proc
     ops = [dist.P2POp(op, piece, global_peer, group)
            for out, into in itertools.zip_longest(pieces(sent), pieces(received))
            for op, piece in ((dist.isend, out), (dist.irecv, into)) if piece is not None]
-    works = dist.batch_isend_irecv(ops)
-    for work in works:
+    for work in dist.batch_isend_irecv(ops):
         work.wait()
     if received is not recv:
         recv.copy_(received)
-    if traffic is not None:
-        traffic.add(send.numel() * send.element_size(), recv.numel() * recv.element_size())
+    add_traffic(traffic, send.numel() * send.element_size(), recv.numel() * recv.element_size())
 
 
 def send_to(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic: Traffic | None) -> None:
     dist.send(p2p_buffer(tensor, group), dist.get_global_rank(group, peer), group=group)
-    if traffic is not None:
-        traffic.add(tensor.numel() * tensor.element_size(), 0)
+    add_traffic(traffic, tensor.numel() * tensor.element_size(), 0)
 
 
 def recv_from(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic: Traffic | None) -> torch.Tensor:
@@ -55,8 +71,7 @@ def recv_from(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, traffic
     dist.recv(buffer, dist.get_global_rank(group, peer), group=group)
     if buffer is not tensor:
         tensor.copy_(buffer)
-    if traffic is not None:
-        traffic.add(0, tensor.numel() * tensor.element_size())
+    add_traffic(traffic, 0, tensor.numel() * tensor.element_size())
     return tensor
 
 
@@ -95,8 +110,7 @@ def sparse_alltoallv(payloads: list[torch.Tensor | None], recv_nbytes: list[int]
         for work in dist.batch_isend_irecv(works):
             work.wait()
     received = [None if payload is None else payload.to(device) for payload in received]
-    if traffic is not None:
-        traffic.add(sent_bytes, sum(nbytes for r, nbytes in enumerate(recv_nbytes) if r != rank))
+    add_traffic(traffic, sent_bytes, sum(nbytes for r, nbytes in enumerate(recv_nbytes) if r != rank))
     return received
 
 
@@ -107,36 +121,25 @@ def exchange_counts(counts: list[int], group: dist.ProcessGroup, device: torch.d
     send = torch.tensor(counts, dtype=torch.int64, device=device)
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
-    if traffic is not None:
-        traffic.add(8 * (size - 1), 8 * (size - 1))
+    add_traffic(traffic, 8 * (size - 1))
     return received.tolist()
 
 
-def gather_counts(counts: list[int], group: dist.ProcessGroup, size: int, device: torch.device,
-                   traffic: Traffic | None) -> list[list[int]]:
+def gather_counts(counts: list[int], group: dist.ProcessGroup, device: torch.device,
+                  traffic: Traffic | None) -> list[list[int]]:
     """Every rank's ``counts`` (the same number on every rank), in group-rank order."""
     mine = torch.tensor(counts, dtype=torch.int64, device=device)
+    size = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(gathered, mine, group=group)
-    if traffic is not None:
-        nbytes = ring_allgather_bytes(mine.numel() * 8, size)
-        traffic.add(nbytes, nbytes)
+    add_traffic(traffic, ring_allgather_bytes(mine.numel() * 8, size))
     return [g.tolist() for g in gathered]
 
 
 def allreduce_counts(counts: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic | None) -> torch.Tensor:
     dist.all_reduce(counts, group=group)
-    if traffic is not None:
-        nbytes = ring_allreduce_bytes(counts.numel() * counts.element_size(), dist.get_world_size(group))
-        traffic.add(nbytes, nbytes)
+    add_traffic(traffic, ring_allreduce_bytes(counts.numel() * counts.element_size(), dist.get_world_size(group)))
     return counts
-
-
-def or_flags(flag_words) -> torch.Tensor:
-    combined = None
-    for words in flag_words:
-        combined = words.clone() if combined is None else combined.bitwise_or_(words)
-    return combined
 
 
 def raise_if_corrupt(invalid: int, what: str) -> None:
@@ -145,11 +148,6 @@ def raise_if_corrupt(invalid: int, what: str) -> None:
     if invalid:
         raise ValueError(f"{what}: a compact payload arrived corrupted ({invalid} slots or table entries that no "
                          "encoding makes); nothing of it was written")
-
-
-def allreduce_invalid(invalid: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic | None) -> int:
-    """The group's total of the corruption signs that its ranks decoded (one int32 allreduce)."""
-    return int(allreduce_counts(invalid, group, traffic))
 
 
 def mask_to_bytes(mask: torch.Tensor) -> torch.Tensor:
@@ -167,10 +165,9 @@ def in_set(set_indices: torch.Tensor, queries: list[torch.Tensor], numel: int,
            used: torch.Tensor | None = None) -> list[torch.Tensor]:
     """For each tensor of ``queries``, whether each of its indices is one of ``set_indices`` (``used``: the mask of
     the slots of ``set_indices`` that count; None: all); every index in [0, ``numel``). A bitmap over the index
-    space, zeroed again after use and kept per thread and device: O(k) a call, where a binary search is O(k log k)
-    (a tenth of a sparse step at density 0.01, most of one at 0.25)."""
+    space, zeroed again after use and kept per thread and device: O(k) a call, where a binary search is O(k log k)."""
     slots = set_indices.long() if used is None else torch.where(used, set_indices, numel).long()
-    marks = _bitmap(numel + 1, set_indices.device)
+    marks = kept_tensor(f"bitmap {set_indices.device}", numel + 1, torch.bool, set_indices.device, torch.zeros)
     marks.index_fill_(0, slots, True)
     try:
         return [marks.index_select(0, q) for q in queries]
@@ -178,15 +175,14 @@ def in_set(set_indices: torch.Tensor, queries: list[torch.Tensor], numel: int,
         marks.index_fill_(0, slots, False)
 
 
-_bitmaps = threading.local()
+_kept = threading.local()
 
 
-def _bitmap(numel: int, device: torch.device) -> torch.Tensor:
-    """A zeroed bool tensor of at least ``numel`` elements on ``device``, this thread's own."""
-    kept = getattr(_bitmaps, "by_device", None)
-    if kept is None:
-        kept = _bitmaps.by_device = {}
-    marks = kept.get(device)
-    if marks is None or marks.numel() < numel:
-        marks = kept[device] = torch.zeros(numel, dtype=torch.bool, device=device)
-    return marks[:numel]
+def kept_tensor(key: str, numel: int, dtype: torch.dtype, device: torch.device, make=torch.empty) -> torch.Tensor:
+    """``numel`` elements of a tensor kept between calls under ``key``, made by ``make`` when none is large enough;
+    one per thread (the hooks reduce on threads of their own)."""
+    kept = getattr(_kept, key, None)
+    if kept is None or kept.numel() < numel:
+        kept = make(numel, dtype=dtype, device=device)
+        setattr(_kept, key, kept)
+    return kept[:numel]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -9,8 +11,8 @@ from gtopk_ext import ops
 from gtopk_ext.backends import BackendLike
 from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, group_rank_and_size,
                                              payload_head)
-from gtopk_ext.collectives._transport import or_flags, raise_if_corrupt
-from gtopk_ext.costs import Traffic, ring_allgather_bytes
+from gtopk_ext.collectives._transport import Traffic, add_traffic, raise_if_corrupt
+from gtopk_ext.costs import ring_allgather_bytes
 from gtopk_ext.message import SparseMessage
 from gtopk_ext.wire import Rounding, WireLike, rounding_error, wire_named
 
@@ -20,16 +22,14 @@ def sparse_allgather(msg: SparseMessage, group: dist.ProcessGroup | None = None,
                      wire: WireLike = "plain", rounding: Rounding | None = None,
                      backend: BackendLike = None) -> torch.Tensor:
     """TopK-SGD: every rank's k pairs, scatter-added into a flat dense tensor of ``msg.numel`` elements: the SUM
-    over the group's ranks (not averaged), identical on every rank. Accumulates in float32 and returns ``dtype``
-    (default the message's). ``check=False`` skips the header agreement: only when the caller has already made
-    sure every rank passes the same k, numel, dtype, wire and flags or none. ``flags`` (int32[1], optional): bits
-    this rank raises, carried inside the payload; on return it holds their OR over the group.
+    over the group's ranks (not averaged), identical on every rank, accumulated in float32, returned in ``dtype``
+    (default the message's). ``check=False`` skips the header agreement: only when the caller has made sure every
+    rank passes the same k, numel, dtype, wire and flags or none. ``flags`` (int32[1], optional): bits this rank
+    raises; on return it holds their OR over the group.
 
-    ``wire`` (:mod:`gtopk_ext.wire`): ``"plain"`` or ``"compact"`` (4 bytes a pair; the used slots only). With
-    compact, what the wire took off this rank's values (float16 rounding, and the slots past the count, which
-    are not sent) is added to ``rounding`` when given: add it to the residual, or it is lost. A corrupted
-    compact payload raises ValueError on every rank (every rank decodes every payload), nothing written.
-    ``backend`` runs the ops (see :mod:`gtopk_ext.backends`)."""
+    ``wire`` (:mod:`gtopk_ext.wire`): ``"plain"`` or ``"compact"`` (4 bytes a pair, the used slots only). With
+    compact, what the wire took off this rank's values is added to ``rounding`` when given: add it to the
+    residual, or it is lost. A corrupted compact payload raises ValueError on every rank, nothing written."""
     group, _, size = group_rank_and_size(group)
     if check:
         agree_on_message(msg, flags, group, "sparse_allgather", traffic, wire=wire)
@@ -41,14 +41,12 @@ def sparse_allgather(msg: SparseMessage, group: dist.ProcessGroup | None = None,
         rounding.add(indices, rounding_error(values, sent))
     gathered = [torch.empty_like(payload) for _ in range(size)]
     dist.all_gather(gathered, payload, group=group)
-    if traffic is not None:
-        nbytes = ring_allgather_bytes(payload.numel(), size)
-        traffic.add(nbytes, nbytes)
-    pairs = [wire.unpack(p, msg.k, msg.numel, msg.values.dtype, head.numel(), backend) for p in gathered]
+    add_traffic(traffic, ring_allgather_bytes(payload.numel(), size))
+    pairs = [wire.unpack(p, msg.values.numel(), msg.numel, msg.values.dtype, head.numel(), backend) for p in gathered]
     if wire.lossy:
         raise_if_corrupt(int(sum(invalid for _, _, _, invalid in pairs)), "sparse_allgather")
     if flags is not None:
-        flags.copy_(or_flags(h[1:] for _, _, h, _ in pairs))
+        flags.copy_(functools.reduce(torch.bitwise_or, [h[1:] for _, _, h, _ in pairs]))
     total = torch.zeros(msg.numel, dtype=torch.float32, device=msg.values.device)
     ops.scatter_add_(total, torch.cat([i for i, _, _, _ in pairs]), torch.cat([v for _, v, _, _ in pairs]).float(),
                      backend=backend)
@@ -72,5 +70,5 @@ class Allgather(Collective):
 
     def reduce(self, msg, group, *, wire, traffic=None, flags=None, rounding=None, state=None):
         summed = sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=traffic, flags=flags,
-                                  wire=wire, rounding=rounding, backend=self.backend.for_device(msg.values.device))
+                                  wire=wire, rounding=rounding, backend=self.backend[msg.values.device])
         return Reduced(summed=summed)

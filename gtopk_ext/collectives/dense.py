@@ -5,34 +5,27 @@ the wire with every rounding error written where the caller says (the reduction:
 from __future__ import annotations
 
 import math
-import threading
 from time import perf_counter
 
 import torch
 import torch.distributed as dist
 
 from gtopk_ext.collectives._protocol import Collective
-from gtopk_ext.collectives._transport import p2p_device
-from gtopk_ext.costs import Traffic, ring_allreduce_bytes
+from gtopk_ext.collectives._transport import Traffic, add_traffic, kept_tensor, p2p_device
+from gtopk_ext.costs import ring_allreduce_bytes
 from gtopk_ext.ops import is_finite
 
 # torch 2.14 renamed all_gather_into_tensor (the name older torch versions have).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_kept = threading.local()
 SEGMENT = 1 << 19  # elements of one ring message at most: the next segment travels while this one is summed
 
 
 def _kept_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A buffer of ``numel`` elements kept between calls on the CPU, where a new tensor of this size costs its page
-    faults every time (the allocator gives large blocks back to the system: a third of the collective's time). One
-    per thread: the hooks reduce on threads of their own."""
+    """A buffer of ``numel`` elements, kept between calls on the CPU, where a new large tensor costs its page faults
+    every time (the allocator gives large blocks back to the system)."""
     if device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
-    kept = getattr(_kept, name, None)
-    if kept is None or kept.numel() < numel:
-        kept = torch.empty(numel, dtype=dtype)
-        setattr(_kept, name, kept)
-    return kept[:numel]
+    return kept_tensor(name, numel, dtype, device)
 
 
 def _segments(chunk: int) -> tuple[int, int]:
@@ -41,7 +34,7 @@ def _segments(chunk: int) -> tuple[int, int]:
     return count, -(-chunk // count)
 
 
-def _reduce_scatter(parts: list[torch.Tensor], losses: list, send: torch.Tensor, receive: torch.Tensor,
+def _reduce_scatter(parts: tuple[torch.Tensor, ...], losses: tuple | list, send: torch.Tensor, receive: torch.Tensor,
                     codec: "RoundedDense", group: dist.ProcessGroup, rank: int, size: int) -> None:
     """The ring reduce-scatter: at step s this rank sends chunk (rank - s) % P (its own values, then the partial
     sum it received plus its own) and receives chunk (rank - s - 1) % P, adding its own values to it in float32 in
@@ -92,14 +85,11 @@ class DenseAllreduce(Collective):
     name = "dense"
     sparse = False
 
-    def reduce_dense(self, tensor: torch.Tensor, group: dist.ProcessGroup, size: int,
-                     traffic: Traffic | None = None,
+    def reduce_dense(self, tensor: torch.Tensor, group: dist.ProcessGroup, size: int, traffic: Traffic | None = None,
                      on_done=None) -> torch.futures.Future:
         """A future of ``tensor``, averaged in place, issued now and completed by the backend (asynchronous);
         ``on_done(start, end)`` is called with the ``perf_counter`` times of issue and completion."""
-        if traffic is not None:
-            nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), size)
-            traffic.add(nbytes, nbytes)
+        add_traffic(traffic, ring_allreduce_bytes(tensor.numel() * tensor.element_size(), size))
         tensor.div_(size)
         start = perf_counter()
 
@@ -122,12 +112,13 @@ class RoundedDense(Collective):
     add their own float32 values to the partial sums they receive and pass them on rounded, then an allgather of
     the chunks' averages, rounded. Nothing is lost to the rounding: each rank writes what its roundings took (of
     every partial sum it sent on, and ``P`` times that of the average of the chunk it completed) for the caller to
-    keep: ``sum over ranks (tensor) = P x average + sum over ranks (lost)``, to float32 rounding. (A ring, not an
-    all-to-all, for both phases: one flow per link direction, as the backends' allreduce; the all-to-all's incast
-    ran 20% slower on 1 Gbit/s links.)
+    keep: ``sum over ranks (tensor) = P x average + sum over ranks (lost)``, to float32 rounding. (A ring for both
+    phases: one flow per link direction, as the backends' allreduce.)
 
     A subclass is the wire's format: a message of n elements is ``header_size`` bytes and n elements of
-    ``element_size`` bytes, written by :meth:`encode` and read by :meth:`add_decoded` and :meth:`decode`."""
+    ``element_size`` bytes. ``encode(values, message, lost)`` writes ``values`` rounded into ``message`` (bytes) and
+    what the rounding took into ``lost`` (None: dropped); ``add_decoded(values, message)`` adds the elements
+    ``message`` holds to ``values``, ``decode(values, message)`` writes them there."""
 
     sparse = False
     element_size: int
@@ -135,18 +126,6 @@ class RoundedDense(Collective):
 
     def message_bytes(self, numel: int) -> int:
         return self.header_size + numel * self.element_size
-
-    def encode(self, values: torch.Tensor, message: torch.Tensor, lost: torch.Tensor | None) -> None:
-        """``message`` (bytes) = ``values`` rounded, and ``lost`` (None: dropped) = what the rounding took."""
-        raise NotImplementedError
-
-    def add_decoded(self, values: torch.Tensor, message: torch.Tensor) -> None:
-        """``values += `` the elements ``message`` holds."""
-        raise NotImplementedError
-
-    def decode(self, values: torch.Tensor, message: torch.Tensor) -> None:
-        """``values = `` the elements ``message`` holds."""
-        raise NotImplementedError
 
     def reduce_dense(self, tensor: torch.Tensor, group: dist.ProcessGroup, size: int,
                      traffic: Traffic | None = None, lost: torch.Tensor | None = None) -> None:
@@ -163,9 +142,9 @@ class RoundedDense(Collective):
             return
         numel, rank = tensor.numel(), dist.get_rank(group)
         chunk = -(-numel // size)
-        parts = [tensor[min(c * chunk, numel):min((c + 1) * chunk, numel)] for c in range(size)]
-        losses = [None] * size if lost is None else [
-            lost[min(c * chunk, numel):min((c + 1) * chunk, numel)] for c in range(size)]
+        cuts = [c * chunk for c in range(1, size)]
+        parts = tensor.tensor_split(cuts)
+        losses = [None] * size if lost is None else lost.tensor_split(cuts)
         count, length = _segments(chunk)
         row = self.message_bytes(chunk) + self.element_size  # the allgather's message: a chunk and a flag
         wire = _kept_buffer("wire", 2 * max(count * self.message_bytes(length), row) + size * row, torch.uint8,
@@ -190,9 +169,7 @@ class RoundedDense(Collective):
             self.decode(part, gathered[owner, :self.message_bytes(part.numel())])
         if lost is not None and bool(gathered[:, row - 1].any()):
             lost.nan_to_num_(0.0, 0.0, 0.0)
-        if traffic is not None:
-            nbytes = self.wire_bytes(numel, numel, size, tensor.dtype)
-            traffic.add(nbytes, nbytes)
+        add_traffic(traffic, self.wire_bytes(numel, numel, size, tensor.dtype))
 
     def wire_bytes(self, numel, k, size, dtype, wire=None):
         chunk = -(-numel // size)  # two phases, (P - 1) chunks each (one header a segment), and the flag
@@ -209,7 +186,7 @@ class Dense16(RoundedDense):
 
     def encode(self, values, message, lost):
         sent = message.view(self.wire_dtype).copy_(values)
-        if lost is not None:  # in float32 first: a subtraction mixing dtypes takes 5x longer on the CPU
+        if lost is not None:  # in float32 first: a subtraction mixing dtypes is much slower on the CPU
             torch.sub(values, lost.copy_(sent), out=lost)
 
     def add_decoded(self, values, message):
@@ -220,11 +197,9 @@ class Dense16(RoundedDense):
 
 
 class Dense8(RoundedDense):
-    """Every element in 8 bits: float8 e5m2 (2 mantissa bits; e4m3's conversions take 4x longer on the CPU) times a
-    power of two per message, a byte ahead of its elements, that brings the message's largest magnitude to the
-    format's largest (its range then reaches 2^31 below it). A quarter of float32's bytes, for more work on the
-    CPU than bfloat16 (a scale, and conversions that are not vectorized there); each rounding takes up to 1/8 of an
-    element, which the residual keeps."""
+    """Every element in 8 bits: float8 e5m2 (e4m3's conversions are much slower on the CPU) times a power of two per
+    message, a byte ahead of its elements, that brings the message's largest magnitude to the format's largest. A
+    quarter of float32's bytes; each rounding takes up to 1/8 of an element, which the residual keeps."""
 
     name = "dense8"
     wire_dtype = torch.float8_e5m2

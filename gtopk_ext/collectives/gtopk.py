@@ -9,9 +9,8 @@ from gtopk_ext import ops
 from gtopk_ext.backends import BackendLike
 from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, carried_dtype,
                                              check_cost, group_rank_and_size, payload_head)
-from gtopk_ext.collectives._transport import (allreduce_invalid, exchange, in_set, mask_from_bytes, mask_to_bytes,
-                                              raise_if_corrupt, recv_from, send_to)
-from gtopk_ext.costs import Traffic
+from gtopk_ext.collectives._transport import (Traffic, allreduce_counts, exchange, in_set, mask_from_bytes,
+                                              mask_to_bytes, raise_if_corrupt, recv_from, send_to)
 from gtopk_ext.message import SparseMessage
 from gtopk_ext.wire import Rounding, WireLike, rounding_error, wire_named
 
@@ -29,27 +28,22 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
     """gTop-k: the global top-k of the sum of every rank's sparse message, in O(k log P) traffic.
 
     In round r each rank merges its current set with that of rank ``rank XOR 2^r``
-    (:func:`gtopk_ext.ops.merge_topk`). For a world size P that is not a power of two, the ranks past the largest
-    power of two first fold their set into rank ``rank - 2^floor(log2 P)`` and receive the result at the end.
-    Returns ``(glob, applied)``: ``glob`` is the same SparseMessage on every rank (values summed over ranks, not
-    averaged, in :func:`carried_dtype` of the message's dtype: float32 for float16; ``glob.count`` is the size of
-    the last merged union); ``applied[j]`` is True where this rank's slot j is inside glob's sums, i.e. its
-    index survived every merge on its path. The caller keeps ``msg.values[~applied]`` (error feedback): nothing
-    is lost. ``check`` and ``flags`` as in :func:`sparse_allgather` (the flags ride along every merge).
+    (:func:`gtopk_ext.ops.merge_topk`); when P is not a power of two, the ranks past the largest power of two
+    first fold their set into rank ``rank - 2^floor(log2 P)`` and receive the result at the end. Returns
+    ``(glob, applied)``: ``glob``, the same SparseMessage on every rank (values summed over ranks, not averaged,
+    in :func:`carried_dtype` of the message's dtype; ``glob.count``: the size of the last merged union);
+    ``applied[j]``, whether this rank's slot j is inside glob's sums. The caller keeps ``msg.values[~applied]``
+    (error feedback). ``check`` and ``flags`` as in :func:`sparse_allgather`.
 
-    ``wire="compact"`` (:mod:`gtopk_ext.wire`) sends each set in 4 bytes a pair, its used slots only (slots past
-    the count are then not applied). Both partners of a round merge the sets as the wire carried them, so they
-    still compute the same merge; the rounding error of a set that survives into glob is added to ``rounding``
-    (when given) by exactly one rank: the sender of a rank's own message, and for a merged set forwarded in a
-    later round the lowest rank of the ranks holding it (of round r: the one whose low r bits are 0). When some
-    ranks were folded, every rank takes glob as the wire carries it to them (rank 0 keeps that rounding error),
-    so glob stays the same everywhere. A corrupted compact payload raises ValueError on every rank (an int32
-    allreduce at the end), after nothing of it was written out of bounds.
+    ``wire="compact"`` (:mod:`gtopk_ext.wire`) sends each set in 4 bytes a pair, its used slots only (the others
+    are not applied). Both partners of a round merge the sets as the wire carried them, so they compute the same
+    merge; the rounding error of a set that reaches glob is added to ``rounding`` (when given) by exactly one
+    rank. A corrupted compact payload raises ValueError on every rank, nothing of it written out of bounds.
     """
     group, rank, size = group_rank_and_size(group)
     if check:
         agree_on_message(msg, flags, group, "gtopk_allreduce", traffic, wire=wire)
-    k, dtype, numel = msg.k, carried_dtype(msg.values.dtype), msg.numel
+    k, dtype, numel = msg.values.numel(), carried_dtype(msg.values.dtype), msg.numel
     device = msg.values.device
     applied = torch.ones(k, dtype=torch.bool, device=device)
     own_values = msg.values.to(dtype, copy=True)
@@ -76,6 +70,11 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         """With compact, the slots past the count are not sent, so not applied."""
         return slots_applied & (torch.arange(k, device=device) < msg.count.clamp(0, k)) if compact else slots_applied
 
+    def keep_error(indices: torch.Tensor, values: torch.Tensor, sent_values: torch.Tensor, count: torch.Tensor):
+        """This rank answers for the rounding error of the set it sends (its used slots)."""
+        used = torch.arange(k, device=device) < count.clamp(0, k)
+        kept_errors.append((indices, torch.where(used, rounding_error(values, sent_values), 0), used))
+
     if rank >= butterfly:  # folded into rank - butterfly; the result comes back with this rank's applied mask
         partner = rank - butterfly
         payload, _, sent = wire.pack(own_indices, own_values, payload_head(msg.count, flags), numel, backend)
@@ -87,7 +86,7 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
             flags.copy_(head[1:])
         applied = sent_slots_only(mask_from_bytes(result[received_size:], k))
         if compact:
-            raise_if_corrupt(allreduce_invalid(invalid, group, traffic), "gtopk_allreduce")
+            raise_if_corrupt(int(allreduce_counts(invalid, group, traffic)), "gtopk_allreduce")
             if rounding is not None:
                 rounding.add(own_indices, torch.where(applied, rounding_error(own_values, sent), 0))
         return (SparseMessage(values.clone(), indices.clone(), head[:1].clone(), numel),
@@ -111,10 +110,8 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         peer = rank ^ (1 << bit)
         payload, sent_indices, sent_values = wire.pack(indices, values, payload_head(count, raised), numel, backend)
         if compact:
-            if rank & ((1 << bit) - 1) == 0:  # this rank keeps the rounding error of the set it sends
-                used = torch.arange(k, device=device) < count.clamp(0, k)
-                errors = torch.where(used, rounding_error(values, sent_values), 0)
-                kept_errors.append((indices, errors, used))
+            if rank & ((1 << bit) - 1) == 0:  # the lowest rank holding the set keeps its rounding error
+                keep_error(indices, values, sent_values, count)
             indices, values = sent_indices, sent_values  # merge what the partner merges
         received = torch.empty(received_size, dtype=torch.uint8, device=device)
         exchange(payload, received, peer, group, traffic)
@@ -130,15 +127,14 @@ def gtopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None, 
         payload, sent_indices, sent_values = wire.pack(indices, values, payload_head(count, raised), numel, backend)
         if compact:  # every rank takes glob as the wire carries it; rank 0 keeps the rounding error
             if rank == 0:
-                used = torch.arange(k, device=device) < count.clamp(0, k)
-                kept_errors.append((indices, torch.where(used, rounding_error(values, sent_values), 0), used))
+                keep_error(indices, values, sent_values, count)
             indices, values = sent_indices, sent_values
         if folded < size:
             send_to(torch.cat([payload, mask_to_bytes(tracked[1][1])]), folded, group, traffic)
     if flags is not None:
         flags.copy_(raised)
     if compact:
-        raise_if_corrupt(allreduce_invalid(invalid, group, traffic), "gtopk_allreduce")
+        raise_if_corrupt(int(allreduce_counts(invalid, group, traffic)), "gtopk_allreduce")
         if rounding is not None:
             for error_indices, errors, alive in kept_errors:
                 rounding.add(error_indices, torch.where(alive, errors, 0))
@@ -193,5 +189,5 @@ class GTopK(Collective):
 
     def reduce(self, msg, group, *, wire, traffic=None, flags=None, rounding=None, state=None):
         glob, applied = gtopk_allreduce(msg, group, check=False, traffic=traffic, flags=flags, wire=wire,
-                                        rounding=rounding, backend=self.backend.for_device(msg.values.device))
+                                        rounding=rounding, backend=self.backend[msg.values.device])
         return Reduced(glob=glob, applied=applied)

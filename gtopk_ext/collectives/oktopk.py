@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -14,35 +14,25 @@ from gtopk_ext import ops
 from gtopk_ext.backends import BackendLike
 from gtopk_ext.collectives._protocol import (Collective, Reduced, agree_on_message, carried_dtype, check_cost,
                                              group_rank_and_size)
-from gtopk_ext.collectives._transport import (allreduce_counts, allreduce_invalid, exchange_counts, gather_counts,
-                                              in_set, raise_if_corrupt, sparse_alltoallv)
-from gtopk_ext.costs import Traffic
+from gtopk_ext.collectives._transport import (Traffic, allreduce_counts, exchange_counts, gather_counts, in_set,
+                                              raise_if_corrupt, sparse_alltoallv)
 from gtopk_ext.message import SparseMessage
 from gtopk_ext.wire import Rounding, WireLike, rounding_error, wire_named
 
-# The paper re-evaluates its global threshold every 32 (or 128) iterations and its regions periodically;
-# 32 is the default of both periods here.
-OKTOPK_PERIOD = 32
-
-
+OKTOPK_PERIOD = 32  # calls between re-estimations of the regions and of the threshold, as in the paper
 # A reused global threshold stays while the pairs it selects over all regions number within these fractions of k
 # (the bounds the paper's code keeps its local selection in); outside them it is re-estimated in the same step.
 OKTOPK_REUSE_BOUNDS = (0.75, 1.25)
-
-
-# Sub-bins per octave of the threshold estimate's second histogram: its relative resolution is 1/256.
-OKTOPK_SUB_BINS = 256
+OKTOPK_SUB_BINS = 256  # sub-bins per octave of the threshold's second histogram: a resolution of 1/256
 
 
 @dataclass
 class OkTopkState:
-    """What :func:`oktopk_allreduce` keeps between the steps of one bucket: keep one per bucket, the same on every
-    rank (every rank makes the same calls with it, so its fields stay equal across ranks).
+    """What :func:`oktopk_allreduce` keeps between the steps of one bucket, the same on every rank.
 
-    ``boundaries`` (the P - 1 first indices of regions 1..P-1) are re-estimated every ``boundary_period`` calls,
-    ``threshold`` (the global threshold on |summed value|) every ``threshold_period`` calls and whenever the pairs
-    it selects leave ``OKTOPK_REUSE_BOUNDS`` times k; both also when the bucket's numel or the world size differ
-    from those they were estimated for. ``step`` counts the calls.
+    ``boundaries`` (the first indices of regions 1..P-1) are re-estimated every ``boundary_period`` calls,
+    ``threshold`` (on |summed value|) every ``threshold_period`` calls and whenever the pairs it selects leave
+    ``OKTOPK_REUSE_BOUNDS`` times k; both also when the numel or the world size change. ``step`` counts the calls.
     """
 
     boundary_period: int = OKTOPK_PERIOD
@@ -66,9 +56,7 @@ class OkTopkState:
                 fresh or self.threshold is None or self.step % self.threshold_period == 0)
 
     def state_dict(self) -> dict:
-        return {"boundary_period": self.boundary_period, "threshold_period": self.threshold_period,
-                "step": self.step, "boundaries": None if self.boundaries is None else list(self.boundaries),
-                "threshold": self.threshold, "shape": None if self.shape is None else list(self.shape)}
+        return {**asdict(self), "shape": None if self.shape is None else list(self.shape)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         restored = OkTopkState(**{**state_dict, "shape": None if state_dict.get("shape") is None
@@ -112,10 +100,9 @@ def _global_threshold(magnitude: torch.Tensor, k: int, group: dist.ProcessGroup,
     """The threshold on the regions' |sums| that the k-th largest of them over all ranks reaches, to 1/256 of its
     value: the lowest edge that at least k magnitudes reach (all nonzero ones when fewer than k are nonzero).
 
-    The paper allgathers every region's sums to compute the exact threshold, O(Pk) bytes; two histogram
-    allreduces find it here with O(1) bytes (278 + 256 int32 counts): one by octave, then one of 256 sub-bins
-    inside the octave that holds the k-th largest. Selecting at the lower edge of its sub-bin keeps at least k (plus the
-    ties of one sub-bin), so nothing starves when many values are equal; the surplus is cut at the end."""
+    Two histogram allreduces of O(1) bytes (where the paper allgathers every region's sums): one by octave, then
+    one of 256 sub-bins inside the octave that holds the k-th largest. The lower edge of its sub-bin keeps at least
+    k, so nothing starves when many values are equal; the surplus is cut at the end."""
     edges = _octave_edges(magnitude.device)
     at_least = _count_at_least(magnitude, edges, group, traffic)
     octave = int((at_least >= k).sum()) - 1  # at_least descends: the last edge that k magnitudes reach
@@ -166,38 +153,23 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     """Ok-Topk (Li and Hoefler, PPoPP 2022): a global top-k of the sum of every rank's sparse message with about
     2k(P-1)/P pairs sent per rank, for any world size P.
 
-    1. Split and reduce: the index space is cut into P regions, region r owned by rank r; each rank sends the pairs
-       of its message (its first ``min(count, k)`` slots, sorted by index) to the owners of their regions, and
-       each owner sums what it receives per index (float32, in source-rank order).
+    1. Split and reduce: the index space is cut into P regions, region r owned by rank r; each rank sends its
+       pairs (its first ``min(count, k)`` slots) to the owners of their regions, which sum them per index.
     2. Each owner keeps its sums whose |value| reaches the global threshold (NaN and inf always).
-    3. Allgatherv: every owner sends what it kept to every rank; all ranks concatenate the regions in order. If
-       more than k were kept, the k largest |sums| stay (NaN counts as infinite; ties to the lower index).
+    3. Every owner sends what it kept to every rank. If more than k were kept, the k largest |sums| stay (NaN
+       counts as infinite; ties to the lower index).
 
-    Region boundaries follow the paper: every rank proposes the P - 1 indices that split its own selection into
-    equal counts and the ranks average them (an allreduce of P - 1 integers), so the regions hold about equal
-    numbers of pairs; re-estimated every ``state.boundary_period`` calls (gradients change slowly). The global
-    threshold is reused between re-estimations, as in the paper, every ``state.threshold_period`` calls; unlike
-    the paper it is also re-estimated at once when what it keeps drifts (:func:`_threshold_holds`), which bounds
-    the pairs of phase 3 by 1.25k. The estimate itself is two histogram allreduces of O(1) bytes instead of the
-    paper's allgather of every region's sums (:func:`_global_threshold`). ``state=None`` re-estimates both in
-    the call. Message sizes: each phase first exchanges its counts (an all-to-all of one integer per rank pair,
-    then an allgather of two, three with flags, per rank: O(P) bytes, counted in ``traffic``), so payloads carry
-    exactly the pairs, nothing overflows a fixed capacity, and empty messages are not sent.
+    The region boundaries (averages of the points that split each rank's selection into equal counts) and the
+    threshold are reused between re-estimations as ``state`` says (:class:`OkTopkState`; None: both estimated in
+    the call). Each phase first exchanges its counts (O(P) bytes), so payloads carry exactly the pairs.
 
-    Returns ``(glob, applied)`` as :func:`gtopk_allreduce` does: ``glob`` is bitwise the same SparseMessage on
-    every rank (values summed over ranks, not averaged, in :func:`carried_dtype` of the message's dtype; indices
-    ascending, distinct, padded with (0, 0) to k slots; ``glob.count`` is how many sums reached the threshold
-    before the cut to k); ``applied[j]`` is True where this rank's slot j is inside glob's sums. Slots past
-    ``min(count, k)`` are not sent, so not applied. The caller keeps ``msg.values[~applied]``: nothing is lost.
-    ``check`` as in :func:`sparse_allgather` (with it, the ranks also compare their states' plans and whether
-    they pass flags). ``flags`` (int32[1], optional): bits this rank raises, carried with the kept counts; on
-    return it holds their OR over the group.
+    Returns ``(glob, applied)`` as :func:`gtopk_allreduce` does, glob's indices ascending and distinct, padded
+    with (0, 0) to k slots, ``glob.count`` how many sums reached the threshold. ``check`` and ``flags`` as in
+    :func:`sparse_allgather` (with ``check``, the ranks also compare their states' plans).
 
-    ``wire="compact"`` (:mod:`gtopk_ext.wire`) sends the pairs of both phases in 4 bytes a pair (plus 4 bytes per
-    65536 elements and message). Its rounding errors go to ``rounding`` (when given) where they reach glob: of
-    phase 1 by the sender of each pair, of phase 3 by the owner of the region (all ranks, the owner included,
-    use the kept sums as the wire carried them). A corrupted compact payload raises ValueError on every rank (an
-    int32 allreduce at the end), after nothing of it was written out of bounds.
+    ``wire="compact"`` (:mod:`gtopk_ext.wire`) sends the pairs of both phases in 4 bytes a pair; the rounding
+    errors that reach glob go to ``rounding`` (when given). A corrupted compact payload raises ValueError on every
+    rank, nothing of it written out of bounds.
     """
     group, rank, size = group_rank_and_size(group)
     if state is None:
@@ -211,7 +183,7 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
 
         agree_on_message(msg, flags, group, "oktopk_allreduce", traffic, plan_fields,
                           ("state_step", "repartition", "reestimate"), wire=wire)
-    k, numel, device = msg.k, msg.numel, msg.values.device
+    k, numel, device = msg.values.numel(), msg.numel, msg.values.device
     dtype = carried_dtype(msg.values.dtype)
     if size == 1:
         return (SparseMessage(msg.values.to(dtype, copy=True), msg.indices.clone(), msg.count.clone(), numel),
@@ -259,7 +231,7 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     raised = [] if flags is None else [int(flags)]
     while True:
         kept = magnitude >= threshold
-        counts = gather_counts([int(kept.sum()), nonzero, *raised], group, size, device, traffic)
+        counts = gather_counts([int(kept.sum()), nonzero, *raised], group, device, traffic)
         kept_counts = [c[0] for c in counts]
         if reestimate or _threshold_holds(sum(kept_counts), sum(c[1] for c in counts), k):
             break
@@ -286,7 +258,7 @@ def oktopk_allreduce(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     applied = torch.zeros(k, dtype=torch.bool, device=device)
     applied[:used] = in_set(glob_indices, [msg.indices[:used]], numel)[0]
     if compact:
-        raise_if_corrupt(allreduce_invalid(invalid, group, traffic), "oktopk_allreduce")
+        raise_if_corrupt(int(allreduce_counts(invalid, group, traffic)), "oktopk_allreduce")
         if rounding is not None:
             for error_indices, errors in sent_errors:
                 rounding.add(error_indices, torch.where(in_set(glob_indices, [error_indices], numel)[0], errors, 0))
@@ -302,7 +274,6 @@ class OkTopk(Collective):
     states stay equal across ranks)."""
 
     name = "oktopk"
-    stateful = True
 
     def messages(self, size):
         return 2 * (size - 1) / size  # a reduce-scatter and an allgather of k / P slots per peer
@@ -328,6 +299,5 @@ class OkTopk(Collective):
 
     def reduce(self, msg, group, *, wire, traffic=None, flags=None, rounding=None, state=None):
         glob, applied = oktopk_allreduce(msg, group, state=state, check=False, traffic=traffic, flags=flags,
-                                         wire=wire, rounding=rounding,
-                                         backend=self.backend.for_device(msg.values.device))
+                                         wire=wire, rounding=rounding, backend=self.backend[msg.values.device])
         return Reduced(glob=glob, applied=applied)

@@ -1,12 +1,8 @@
 """The DDP front end: :class:`SparseGradState` (data) and :func:`sparse_grad_hook` (the algorithm), with the
-parts the state holds: momentum correction (:mod:`.dgc`), loss scaling (:mod:`.amp`), the density schedule
-(:mod:`.schedule`) and the residual store (:mod:`.residuals`)."""
+per-bucket store of residuals and velocities that follows DDP's buckets (:mod:`.store`)."""
 
-from gtopk_ext.ddp.dgc import MomentumCorrection
 from gtopk_ext.ddp.hook import reduce_buffer, sparse_grad_hook
-from gtopk_ext.ddp.residuals import ResidualStore
-from gtopk_ext.ddp.schedule import exponential_warmup
-from gtopk_ext.ddp.state import COLLECTIVES, BucketStats, SparseGradState
+from gtopk_ext.ddp.state import SparseGradState
+from gtopk_ext.ddp.store import BucketStore
 
-__all__ = ["SparseGradState", "sparse_grad_hook", "reduce_buffer", "MomentumCorrection", "exponential_warmup",
-           "ResidualStore", "BucketStats", "COLLECTIVES"]
+__all__ = ["SparseGradState", "sparse_grad_hook", "reduce_buffer", "BucketStore"]

@@ -4,7 +4,7 @@ shard) mesh of torchrun's nodes) and :class:`ShardLayout` (where FSDP's padding 
 
 from gtopk_ext.fsdp.hook import register_sparse_all_reduce, sparse_all_reduce_hook
 from gtopk_ext.fsdp.layout import ShardLayout, shard_layout
-from gtopk_ext.fsdp.state import GroupState, GroupStats, SparseFSDPState, node_mesh
+from gtopk_ext.fsdp.state import GroupState, SparseFSDPState, node_mesh
 
 __all__ = ["SparseFSDPState", "register_sparse_all_reduce", "sparse_all_reduce_hook", "node_mesh", "ShardLayout",
-           "shard_layout", "GroupState", "GroupStats"]
+           "shard_layout", "GroupState"]

@@ -1,11 +1,9 @@
-"""Where the gradient of each parameter lies in the flat shard that FSDP2 hands its all-reduce hook.
-
-FSDP2 (torch 2.14, ``_fully_shard/_fsdp_collectives.foreach_reduce``) pads every parameter's gradient along dim 0
-to a multiple of the shard group's size S and reduce-scatters the concatenation, so a rank's shard holds, for each
-parameter of the group in order, ``padded_sharded_param_size.numel()`` elements: first the rank's own
-``sharded_size.numel()`` real elements (fewer on the last ranks of an uneven dim 0, none on some), then zeros.
-FSDP publishes no such layout and hands the hook none: it is read here from the sizes of its parameters
-(``FSDPParam``, private), and ``tests/test_fsdp.py`` pins it against the shard FSDP builds.
+"""Where the gradient of each parameter lies in the flat shard that FSDP2 hands its all-reduce hook. FSDP2 (torch
+2.14, ``_fully_shard/_fsdp_collectives.foreach_reduce``) pads every parameter's gradient along dim 0 to a multiple of
+the shard group's size and reduce-scatters the concatenation: a rank's shard holds, per parameter in order, its
+``sharded_size`` real elements (fewer on the last ranks of an uneven dim 0, none on some), then zeros up to
+``padded_sharded_param_size``. FSDP publishes no such layout: it is read from its private ``FSDPParam`` sizes, and
+``tests/test_fsdp.py`` pins it against the shard FSDP builds.
 """
 
 from __future__ import annotations
@@ -75,10 +73,9 @@ def parameter_group(module: FSDPModule, name: str):
 
 
 def shard_layout(param_group) -> ShardLayout:
-    """The layout of the shard that ``param_group`` reduces on this rank: its parameters that require a
-    gradient (frozen ones are never reduce-scattered), in order. Every trainable parameter is in every shard
-    because the hook's registration sets ``set_reduce_scatter_unused_params(True)``: an unused parameter sends
-    zeros instead of leaving the shard."""
+    """The layout of the shard that ``param_group`` reduces on this rank: its parameters that require a gradient
+    (frozen ones are never reduce-scattered), in order; an unused one is there too, as zeros (the registration sets
+    ``set_reduce_scatter_unused_params(True)``)."""
     parts = []
     for fsdp_param in param_group.fsdp_params:
         if not fsdp_param.sharded_param.requires_grad:

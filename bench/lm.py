@@ -42,7 +42,7 @@ OPTIMIZER_DEFAULTS = {"adamw": {"lr": 2e-3, "weight_decay": 0.1, "lr_warmup": 50
 GROUPS = ("embedding", "layernorm", "attention", "mlp", "head")
 # What makes two reports one experiment (--merge): everything but the methods, the seed and how they were run (the
 # steps: a learning rate's schedule ends at --lr-decay-steps, --steps by default).
-CONFIGURATION = ("world_size", "eval_every", "batch_size", "seq_len", "d_model", "layers", "heads", "lr",
+CONFIGURATION = ("model", "world_size", "eval_every", "batch_size", "seq_len", "d_model", "layers", "heads", "lr",
                  "momentum", "nesterov", "outer_lr", "outer_momentum", "outer_nesterov", "error_decay", "bucket_cap_mb",
                  "val_percent", "val_windows", "rate", "optimizer", "betas", "weight_decay", "lr_warmup",
                  "lr_decay_steps", "min_lr_ratio", "clip_norm")
@@ -136,10 +136,39 @@ class TransformerLM(nn.Module):
         return self.head(self.ln_final(x))
 
 
+class HuggingFaceGPT2(nn.Module):
+    """Hugging Face ``transformers``' GPT2LMHeadModel of the same shape over bytes, as a user builds it: its default
+    configuration otherwise (tied input and output embeddings, dropout 0.1, its initialisation); returns the logits."""
+
+    def __init__(self, args: argparse.Namespace, seed: int = 0):
+        super().__init__()
+        try:
+            from transformers import GPT2Config, GPT2LMHeadModel
+        except ImportError as error:
+            raise SystemExit("--model gpt2 needs Hugging Face transformers: pip install transformers") from error
+        torch.manual_seed(seed)
+        self.gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=args.d_model,
+                                               n_layer=args.layers, n_head=args.heads, bos_token_id=None,
+                                               eos_token_id=None))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.gpt2(input_ids=tokens).logits
+
+
+MODELS = {"transformer": TransformerLM, "gpt2": HuggingFaceGPT2}
+
+
+def build_model(args: argparse.Namespace, seed: int = 0) -> nn.Module:
+    """--model's, with --seq-len, --d-model, --layers and --heads."""
+    return MODELS[args.model](args, seed)
+
+
 def parameter_group(name: str) -> str:
-    """Which of GROUPS a parameter of TransformerLM belongs to."""
-    return next((group for group, keys in (("embedding", ("embedding",)), ("layernorm", (".ln_", "ln_final")),
-                                           ("attention", (".qkv.", ".attention_out.")), ("mlp", (".mlp.",)))
+    """Which of GROUPS a parameter of TransformerLM or HuggingFaceGPT2 belongs to."""
+    return next((group for group, keys in (("embedding", ("embedding", ".wte.", ".wpe.")),
+                                           ("layernorm", (".ln_", "ln_final")),
+                                           ("attention", (".qkv.", ".attention_out.", ".attn.")),
+                                           ("mlp", (".mlp.",)))
                  if any(key in name for key in keys)), "head")
 
 
@@ -162,7 +191,7 @@ def validation_loss(model: nn.Module, val_batches: torch.Tensor, rank: int, worl
 
 def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, train: torch.Tensor,
                val_batches: torch.Tensor, tx: TxCounter, progress) -> dict:
-    trainer = Trainer(name, TransformerLM(args, args.seed), args, world_size)  # the same weights for all
+    trainer = Trainer(name, build_model(args, args.seed), args, world_size)  # the same weights for all
     groups = [parameter_group(n) for n, _ in trainer.model.named_parameters()]
     # steps before the target density: the recipe's and the dgc methods' warm-up (the hooks with momentum in them)
     warmed_up = args.dgc_warmup if trainer.recipe is not None and trainer.recipe.momentum_in_hook else START_ITER
@@ -313,8 +342,9 @@ def describe_optimizer(args: argparse.Namespace) -> str:
 def setting(args: argparse.Namespace, corpus: dict) -> str:
     seeds = args.seed if isinstance(args.seed, list) else [args.seed]
     return (f"{args.world_size} ranks, Gloo on {network_name(args.rate)}, Python {platform.python_version()} stdlib "
-            f"({corpus['train_files']} training files, {corpus['val_files']} held out), byte-level transformer "
-            f"({numel_of(TransformerLM(args)) / 1e6:.2f}M parameters, d={args.d_model}, {args.layers} "
+            f"({corpus['train_files']} training files, {corpus['val_files']} held out), byte-level "
+            f"{'Hugging Face GPT-2' if args.model == 'gpt2' else 'transformer'} "
+            f"({numel_of(build_model(args)) / 1e6:.2f}M parameters, d={args.d_model}, {args.layers} "
             f"layers, {args.heads} heads), sequence {args.seq_len}, batch {args.batch_size}/rank, {args.steps} steps, "
             f"{describe_optimizer(args)}, seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}")
 
@@ -332,7 +362,7 @@ def tables(args: argparse.Namespace, records: list[dict]) -> dict:
 def write_report(args: argparse.Namespace, corpus: dict, records: list[dict]) -> None:
     """The JSON report, where --json asks for one (the corpus is this Python's standard library)."""
     if args.json:
-        report.write_json(args.json, args, setting=setting(args, corpus), parameters=numel_of(TransformerLM(args)),
+        report.write_json(args.json, args, setting=setting(args, corpus), parameters=numel_of(build_model(args)),
                           python=platform.python_version(), corpus=corpus, **tables(args, records), runs=records)
 
 
@@ -344,6 +374,9 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", type=method_name, default=None,
                         help=f"default: with AdamW {' '.join(DEFAULT_METHODS['adamw'])}; with SGD "
                              f"{' '.join(DEFAULT_METHODS['sgd'])}")
+    parser.add_argument("--model", choices=tuple(MODELS), default="transformer",
+                        help="the byte-level model: this benchmark's transformer, or Hugging Face's GPT2LMHeadModel "
+                             "(needs transformers; tied embeddings, dropout 0.1) of the same shape")
     for flag, default in (("--seq-len", 64), ("--d-model", 256), ("--layers", 7), ("--heads", 4)):
         parser.add_argument(flag, type=int, default=default, help="the transformer's")
     add_dgc_arguments(parser)
@@ -381,8 +414,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
 def settings_of(report_: dict) -> dict:
     """A report's settings, with what the reports from before a flag ran with: loopback (--rate), SGD without a
     schedule (--optimizer)."""
-    old = {"rate": None, "target_loss": None, "budget": None, "optimizer": "sgd", "betas": [0.9, 0.95],
-           **OPTIMIZER_DEFAULTS["sgd"], "lr_decay_steps": report_["settings"]["steps"]}
+    old = {"model": "transformer", "rate": None, "target_loss": None, "budget": None, "optimizer": "sgd",
+           "betas": [0.9, 0.95], **OPTIMIZER_DEFAULTS["sgd"], "lr_decay_steps": report_["settings"]["steps"]}
     return {**old, **report_["settings"]}
 
 

@@ -218,6 +218,26 @@ def test_adamw_decays_the_matrices_only():
         assert torch.equal(p.detach(), before[name] * (1 - 0.01 * 0.5) if name in decayed else before[name]), name
 
 
+def test_gpt2_is_hugging_faces_model_of_the_same_shape():
+    """--model gpt2: transformers' GPT2LMHeadModel over bytes (tied embeddings), the logits for every position, and
+    every parameter in its group (as the updated-elements column counts them)."""
+    from transformers import GPT2LMHeadModel
+
+    from bench.lm import build_model, parameter_group, parse_args
+
+    args = parse_args(["--model", "gpt2", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16"])
+    model = build_model(args, seed=3)
+    assert isinstance(model.gpt2, GPT2LMHeadModel) and model.gpt2.lm_head.weight is model.gpt2.transformer.wte.weight
+    assert model(torch.randint(0, 256, (2, 16))).shape == (2, 16, 256)
+    groups = {name: parameter_group(name) for name, _ in model.named_parameters()}
+    assert groups["gpt2.transformer.wte.weight"] == groups["gpt2.transformer.wpe.weight"] == "embedding"
+    assert groups["gpt2.transformer.h.1.attn.c_attn.weight"] == groups["gpt2.transformer.h.0.attn.c_proj.bias"] == (
+        "attention")
+    assert groups["gpt2.transformer.h.0.mlp.c_fc.weight"] == "mlp"
+    assert groups["gpt2.transformer.h.0.ln_2.weight"] == groups["gpt2.transformer.ln_f.bias"] == "layernorm"
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), build_model(args, seed=3).parameters()))
+
+
 def test_optimizer_defaults_and_the_hooks_that_cannot_take_adamw(capsys):
     from bench.harness.train import Trainer
     from bench.lm import parse_args

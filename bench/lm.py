@@ -3,6 +3,9 @@ downloaded; the held-out files are a function of their paths), with real DDP on 
 the same weights on the same batches, on loopback or emulated links (as root). docs/language_model.md.
 
     python -m bench.lm --world-size 2 --steps 4 --methods ddp gtopk-0.01 --layers 1 --d-model 32   # seconds
+
+By default every method trains as transformers train: AdamW, a warm-up then a cosine, clipping at 1.0;
+``--optimizer sgd`` the earlier measurements' SGD (its default methods and learning rate).
 """
 
 import argparse
@@ -11,6 +14,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import sysconfig
 from functools import partial
@@ -23,16 +27,25 @@ from torch import nn
 from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
-from bench.harness.methods import START_ITER, add_dgc_arguments, add_outer_arguments, method, method_name, numel_of
+from bench.harness.methods import (START_ITER, add_dgc_arguments, add_outer_arguments, method, method_name, numel_of,
+                                   optimizer_conflict)
 from bench.harness.train import Trainer, reduced, slowest, train_curve
 
-DEFAULT_METHODS = ("ddp", "fp16", "powersgd-2", "gtopk-0.01", "gtopk-0.001", "recipe-0.01", "recipe-0.001",
-                   "sparse-gtopk-0.05-10", "dgc-pt-0.001", "diloco-10")
+# Per --optimizer: the methods by default (no momentum-correcting hook under AdamW) and the defaults of the flags
+# left None. AdamW's: nanoGPT's betas, decay and clipping; the learning rate tuned for DDP (docs/language_model.md).
+DEFAULT_METHODS = {"adamw": ("ddp", "fp16", "bf16", "powersgd-4", "gtopk-0.01", "gtopk-0.001", "floor"),
+                   "sgd": ("ddp", "fp16", "powersgd-2", "gtopk-0.01", "gtopk-0.001", "recipe-0.01", "recipe-0.001",
+                           "sparse-gtopk-0.05-10", "dgc-pt-0.001", "diloco-10")}
+OPTIMIZER_DEFAULTS = {"adamw": {"lr": 2e-3, "weight_decay": 0.1, "lr_warmup": 50, "min_lr_ratio": 0.1,
+                                "clip_norm": 1.0},
+                      "sgd": {"lr": 0.1, "weight_decay": 0.0, "lr_warmup": 0, "min_lr_ratio": 1.0, "clip_norm": 0.0}}
 GROUPS = ("embedding", "layernorm", "attention", "mlp", "head")
-# What makes two reports one experiment (--merge): everything but the methods and how they were run.
-CONFIGURATION = ("world_size", "steps", "eval_every", "batch_size", "seq_len", "d_model", "layers", "heads", "lr",
+# What makes two reports one experiment (--merge): everything but the methods, the seed and how they were run (the
+# steps: a learning rate's schedule ends at --lr-decay-steps, --steps by default).
+CONFIGURATION = ("model", "world_size", "eval_every", "batch_size", "seq_len", "d_model", "layers", "heads", "lr",
                  "momentum", "nesterov", "outer_lr", "outer_momentum", "outer_nesterov", "error_decay", "bucket_cap_mb",
-                 "val_percent", "val_windows", "seed", "rate")
+                 "val_percent", "val_windows", "rate", "optimizer", "betas", "weight_decay", "lr_warmup",
+                 "lr_decay_steps", "min_lr_ratio", "clip_norm")
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
@@ -123,10 +136,39 @@ class TransformerLM(nn.Module):
         return self.head(self.ln_final(x))
 
 
+class HuggingFaceGPT2(nn.Module):
+    """Hugging Face ``transformers``' GPT2LMHeadModel of the same shape over bytes, as a user builds it: its default
+    configuration otherwise (tied input and output embeddings, dropout 0.1, its initialisation); returns the logits."""
+
+    def __init__(self, args: argparse.Namespace, seed: int = 0):
+        super().__init__()
+        try:
+            from transformers import GPT2Config, GPT2LMHeadModel
+        except ImportError as error:
+            raise SystemExit("--model gpt2 needs Hugging Face transformers: pip install transformers") from error
+        torch.manual_seed(seed)
+        self.gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=args.d_model,
+                                               n_layer=args.layers, n_head=args.heads, bos_token_id=None,
+                                               eos_token_id=None))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.gpt2(input_ids=tokens).logits
+
+
+MODELS = {"transformer": TransformerLM, "gpt2": HuggingFaceGPT2}
+
+
+def build_model(args: argparse.Namespace, seed: int = 0) -> nn.Module:
+    """--model's, with --seq-len, --d-model, --layers and --heads."""
+    return MODELS[args.model](args, seed)
+
+
 def parameter_group(name: str) -> str:
-    """Which of GROUPS a parameter of TransformerLM belongs to."""
-    return next((group for group, keys in (("embedding", ("embedding",)), ("layernorm", (".ln_", "ln_final")),
-                                           ("attention", (".qkv.", ".attention_out.")), ("mlp", (".mlp.",)))
+    """Which of GROUPS a parameter of TransformerLM or HuggingFaceGPT2 belongs to."""
+    return next((group for group, keys in (("embedding", ("embedding", ".wte.", ".wpe.")),
+                                           ("layernorm", (".ln_", "ln_final")),
+                                           ("attention", (".qkv.", ".attention_out.", ".attn.")),
+                                           ("mlp", (".mlp.",)))
                  if any(key in name for key in keys)), "head")
 
 
@@ -149,7 +191,7 @@ def validation_loss(model: nn.Module, val_batches: torch.Tensor, rank: int, worl
 
 def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, train: torch.Tensor,
                val_batches: torch.Tensor, tx: TxCounter, progress) -> dict:
-    trainer = Trainer(name, TransformerLM(args, args.seed), args, world_size)  # the same weights for all
+    trainer = Trainer(name, build_model(args, args.seed), args, world_size)  # the same weights for all
     groups = [parameter_group(n) for n, _ in trainer.model.named_parameters()]
     # steps before the target density: the recipe's and the dgc methods' warm-up (the hooks with momentum in them)
     warmed_up = args.dgc_warmup if trainer.recipe is not None and trainer.recipe.momentum_in_hook else START_ITER
@@ -169,7 +211,7 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
     curve, measured = train_curve(trainer, args.steps, loss_at,
                                   lambda model: validation_loss(model, val_batches, rank, world_size),
                                   args.eval_every, tx, progress, count_updated, stop)
-    record = {"method": name, "label": method(name).label, "curve": curve,
+    record = {"method": name, "label": method(name).label, "seed": args.seed, "curve": curve,
               "train_loss": (reduced([m["loss"] for m in measured]) / world_size).tolist(),
               "step_seconds": slowest([m["seconds"] for m in measured]).tolist(),
               **{key: curve[-1][key] for key in ("seconds", "bytes_sent", "tx_bytes")},
@@ -177,6 +219,8 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
               "group_numel": {g: sum(p.numel() for h, p in zip(groups, trainer.model.parameters()) if h == g)
                               for g in GROUPS},
               "load_average": os.getloadavg()}  # the machine's load while it ran
+    if args.clip_norm:  # the norm before clipping: the ranks' mean (theirs differ under a local method)
+        record["grad_norm"] = (reduced([m["grad_norm"] for m in measured]) / world_size).tolist()
     if updated:
         record["updated_per_step"] = {g: sum(n for step in updated for h, n in step if h == g) / len(updated)
                                       for g in GROUPS}
@@ -199,22 +243,65 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
     return {"corpus": corpus, "records": records}
 
 
-def summarize(records: list[dict], target: Optional[float] = None) -> list[dict]:
-    ddp = next((r for r in records if r["method"] == "ddp"), None)
-    return [{"method": r["method"], "label": r["label"], "final_val_loss": r["final_val_loss"],
-             "steps": r["curve"][-1]["step"],
-             **(report.to_target([r["curve"]], lambda point: point["val_loss"] <= target, "seconds")
-                if target is not None else {}),
-             "mb_sent": r["bytes_sent"] / 1e6, "tx_mb": r.get("tx_bytes", 0) / 1e6, "seconds": r["seconds"],
-             "loss_vs_ddp": r["final_val_loss"] / ddp["final_val_loss"] if ddp else None,
-             "bytes_vs_ddp": r["bytes_sent"] / ddp["bytes_sent"] if ddp else None,
-             **({"updated_share": {g: r["updated_per_step"][g] / r["group_numel"][g] for g in GROUPS}}
-                if "updated_per_step" in r else {})} for r in records]
+def summarize(records: list[dict], target: Optional[float] = None, horizon: Optional[int] = None) -> list[dict]:
+    """A row per record (per method and seed), against DDP's of its seed: with ``target``, when the record first
+    reached it; with ``horizon`` (the schedule's last step), its validation loss there (None: it stopped before)."""
+    ddp = {r.get("seed"): r for r in records if r["method"] == "ddp"}
+    rows = []
+    for r in records:
+        base = ddp.get(r.get("seed"))
+        rows.append({
+            "method": r["method"], "label": r["label"], "seed": r.get("seed"), "final_val_loss": r["final_val_loss"],
+            "steps": r["curve"][-1]["step"],
+            **(report.to_target([r["curve"]], lambda point: point["val_loss"] <= target, "seconds", "bytes_sent")
+               if target is not None else {}),
+            **({"horizon_val_loss": next((c["val_loss"] for c in r["curve"] if c["step"] == horizon), None)}
+               if horizon is not None else {}),
+            "mb_sent": r["bytes_sent"] / 1e6, "tx_mb": r.get("tx_bytes", 0) / 1e6, "seconds": r["seconds"],
+            "ms_per_step": 1e3 * statistics.median(r["step_seconds"]) if r.get("step_seconds") else None,
+            "loss_vs_ddp": r["final_val_loss"] / base["final_val_loss"] if base else None,
+            "bytes_vs_ddp": r["bytes_sent"] / base["bytes_sent"] if base else None,
+            **({"updated_share": {g: r["updated_per_step"][g] / r["group_numel"][g] for g in GROUPS}}
+               if "updated_per_step" in r else {})})
+    return rows
 
 
-# The race's columns first (with --target-loss): seconds and steps to the target, "-" where not reached.
-RACE_COLUMNS = [(f"{what} to target", "", lambda r, key=key, form=form: "-" if r[key] is None else format(r[key], form))
-                for what, key, form in (("s", "seconds_to_target", ".1f"), ("steps", "steps_to_target", "g"))]
+def mean_or_none(values: list) -> Optional[float]:
+    return None if not values or None in values else statistics.mean(values)
+
+
+def across_seeds(rows: list[dict]) -> list[dict]:
+    """A row per method of ``summarize``'s rows of several seeds: its seeds' rows ("per_seed", by seed) and the means
+    over them (None where a seed has none: steps and bytes to the target where it did not reach it), MB per rank and
+    step, and the ratios to DDP's."""
+    out = []
+    for name in dict.fromkeys(r["method"] for r in rows):
+        mine = sorted((r for r in rows if r["method"] == name), key=lambda r: r["seed"])
+        out.append({"method": name, "label": mine[0]["label"], "per_seed": mine,
+                    **{key: mean_or_none([r.get(key) for r in mine])
+                       for key in ("steps_to_target", "bytes_to_target", "horizon_val_loss", "ms_per_step")},
+                    "final_val_loss": statistics.mean(r["final_val_loss"] for r in mine),
+                    "mb_per_step": statistics.mean(r["mb_sent"] / r["steps"] for r in mine)})
+    ddp = next((row for row in out if row["method"] == "ddp"), None)
+    for row in out:
+        row["bytes_to_target_vs_ddp"] = (row["bytes_to_target"] / ddp["bytes_to_target"]
+                                         if ddp and ddp["bytes_to_target"] and row["bytes_to_target"] is not None
+                                         else None)
+        row["bytes_vs_ddp"] = row["mb_per_step"] / ddp["mb_per_step"] if ddp else None
+    return out
+
+
+def fraction(ratio: Optional[float]) -> Optional[str]:
+    """A ratio to DDP's as a share: 1/2, 1/37; 0 for nothing."""
+    if ratio is None or ratio == 0 or ratio >= 1:
+        return None if ratio is None else f"{ratio:.2g}"
+    return f"1/{1 / ratio:.0f}" if ratio <= 0.1 else f"1/{1 / ratio:.2g}"
+
+
+# The race's columns first (with --target-loss): seconds, steps and MB per rank to the target, "-" where not reached.
+RACE_COLUMNS = [(f"{what} to target", form, key) for what, key, form in (
+    ("s", "seconds_to_target", ".1f"), ("steps", "steps_to_target", "g"))] + [
+    ("MB / rank to target", ".1f", lambda r: r["bytes_to_target"] and r["bytes_to_target"] / 1e6)]
 COLUMNS = [("method", "", "label"), ("steps", "", "steps"), ("final val loss", ".4f", "final_val_loss"),
            ("vs DDP", "", lambda r: r["loss_vs_ddp"] and f"{r['loss_vs_ddp']:.3f}x"),
            ("MB sent / rank", ".1f", "mb_sent"),
@@ -225,28 +312,72 @@ COLUMNS = [("method", "", "label"), ("steps", "", "steps"), ("final val loss", "
                f"{100 * r['updated_share'][g]:.2g}%" for g in GROUPS) or None)]
 
 
+def per_seed(key: str, form: str, missing):
+    """A column of each seed's ``key``, "a / b"; ``missing(row)`` where it is None."""
+    return lambda row: " / ".join(missing(r) if r.get(key) is None else format(r[key], form) for r in row["per_seed"])
+
+
+def seeds_columns(horizon: int, target: bool) -> list[tuple]:
+    """The columns of ``across_seeds``' rows (with ``target``, the race's first): a seed that did not reach the target
+    shows the steps it ran (">750"), the loss at ``horizon`` "-" for a seed that stopped before it (at the target)."""
+    return [("method", "", "label")] + [
+        ("steps to target, per seed", "", per_seed("steps_to_target", "g", lambda r: f">{r['steps']}")),
+        ("mean", "g", "steps_to_target"),
+        ("MB / rank to target", ".0f", lambda row: row["bytes_to_target"] and row["bytes_to_target"] / 1e6),
+        ("vs DDP", "", lambda row: fraction(row["bytes_to_target_vs_ddp"]))] * target + [
+            (f"val loss at step {horizon}, per seed", "", per_seed("horizon_val_loss", ".4f", lambda r: "-")),
+            ("mean", ".4f", "horizon_val_loss"),
+            ("MB / rank / step", ".2f", "mb_per_step"), ("bytes vs DDP", "", lambda row: fraction(row["bytes_vs_ddp"])),
+            ("ms / step", ".0f", "ms_per_step")]
+
+
+def describe_optimizer(args: argparse.Namespace) -> str:
+    if args.optimizer == "sgd":
+        return f"SGD lr {args.lr:g} momentum {args.momentum:g}"
+    return (f"AdamW lr {args.lr:g} betas {args.betas[0]:g}/{args.betas[1]:g}, weight decay {args.weight_decay:g} on "
+            f"the matrices, {args.lr_warmup} warm-up steps then cosine to {args.min_lr_ratio:g}x at step "
+            f"{args.lr_decay_steps}, clipping at {args.clip_norm:g}")
+
+
 def setting(args: argparse.Namespace, corpus: dict) -> str:
+    seeds = args.seed if isinstance(args.seed, list) else [args.seed]
     return (f"{args.world_size} ranks, Gloo on {network_name(args.rate)}, Python {platform.python_version()} stdlib "
-            f"({corpus['train_files']} training files, {corpus['val_files']} held out), byte-level transformer "
-            f"({numel_of(TransformerLM(args)) / 1e6:.2f}M parameters, d={args.d_model}, {args.layers} "
+            f"({corpus['train_files']} training files, {corpus['val_files']} held out), byte-level "
+            f"{'Hugging Face GPT-2' if args.model == 'gpt2' else 'transformer'} "
+            f"({numel_of(build_model(args)) / 1e6:.2f}M parameters, d={args.d_model}, {args.layers} "
             f"layers, {args.heads} heads), sequence {args.seq_len}, batch {args.batch_size}/rank, {args.steps} steps, "
-            f"SGD lr {args.lr:g} momentum {args.momentum:g}, seed {args.seed}")
+            f"{describe_optimizer(args)}, seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}")
+
+
+def seeds_of(records: list[dict]) -> list:
+    return sorted({r["seed"] for r in records})
+
+
+def tables(args: argparse.Namespace, records: list[dict]) -> dict:
+    """The rows of the report's tables: "table" (a row per record), and over several seeds "seeds_table"."""
+    rows = summarize(records, args.target_loss, args.lr_decay_steps)
+    return {"table": rows, **({"seeds_table": across_seeds(rows)} if len(seeds_of(records)) > 1 else {})}
 
 
 def write_report(args: argparse.Namespace, corpus: dict, records: list[dict]) -> None:
     """The JSON report, where --json asks for one (the corpus is this Python's standard library)."""
     if args.json:
-        report.write_json(args.json, args, setting=setting(args, corpus), parameters=numel_of(TransformerLM(args)),
-                          python=platform.python_version(), corpus=corpus, table=summarize(records, args.target_loss),
-                          runs=records)
+        report.write_json(args.json, args, setting=setting(args, corpus), parameters=numel_of(build_model(args)),
+                          python=platform.python_version(), corpus=corpus, **tables(args, records), runs=records)
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     # --eval-every: a multiple of every local method's H
-    parser = cli.parser(__doc__, world_size=4, steps=600, eval_every=50, batch_size=8, lr=0.1, momentum=0.9, seed=0,
+    parser = cli.parser(__doc__, world_size=4, steps=500, eval_every=20, batch_size=8, lr=None, momentum=0.9, seed=0,
                         nesterov=False, json=None, plot=None, no_progress=False)
-    parser.add_argument("--methods", nargs="+", type=method_name, default=list(DEFAULT_METHODS))
-    for flag, default in (("--seq-len", 128), ("--d-model", 256), ("--layers", 7), ("--heads", 4)):
+    cli.add_optimizer_args(parser, OPTIMIZER_DEFAULTS, "adamw")
+    parser.add_argument("--methods", nargs="+", type=method_name, default=None,
+                        help=f"default: with AdamW {' '.join(DEFAULT_METHODS['adamw'])}; with SGD "
+                             f"{' '.join(DEFAULT_METHODS['sgd'])}")
+    parser.add_argument("--model", choices=tuple(MODELS), default="transformer",
+                        help="the byte-level model: this benchmark's transformer, or Hugging Face's GPT2LMHeadModel "
+                             "(needs transformers; tied embeddings, dropout 0.1) of the same shape")
+    for flag, default in (("--seq-len", 64), ("--d-model", 256), ("--layers", 7), ("--heads", 4)):
         parser.add_argument(flag, type=int, default=default, help="the transformer's")
     add_dgc_arguments(parser)
     add_outer_arguments(parser)
@@ -262,7 +393,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                         help="training seconds after which a method stops (then: not reached)")
     parser.add_argument("--merge", type=Path, nargs="+",
                         help="run nothing: the table, --json and --plot of these reports' methods together (reports "
-                             "of one configuration, written by parts of --methods)")
+                             "of one configuration, written by parts of --methods or with other seeds: then a table "
+                             "across the seeds too)")
     args = parser.parse_args(argv)
     cli.check(parser, args, positive=("world_size", "steps", "eval_every", "batch_size", "seq_len", "d_model",
                                       "layers", "heads", "val_windows"))
@@ -270,24 +402,40 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
         parser.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
     if not 0 < args.val_percent < 100:
         parser.error(f"--val-percent must be in (0, 100), got {args.val_percent}")
-    args.methods = list(dict.fromkeys(args.methods))
+    cli.fill_optimizer_defaults(parser, args, OPTIMIZER_DEFAULTS)
+    args.lr_decay_steps = args.lr_decay_steps or args.steps
+    args.methods = list(dict.fromkeys(args.methods or DEFAULT_METHODS[args.optimizer]))
+    for name in args.methods:
+        if optimizer_conflict(name, args.optimizer):
+            parser.error(f"--methods: {optimizer_conflict(name, args.optimizer)}")
     return args
 
 
+def settings_of(report_: dict) -> dict:
+    """A report's settings, with what the reports from before a flag ran with: loopback (--rate), SGD without a
+    schedule (--optimizer)."""
+    old = {"model": "transformer", "rate": None, "target_loss": None, "budget": None, "optimizer": "sgd",
+           "betas": [0.9, 0.95], **OPTIMIZER_DEFAULTS["sgd"], "lr_decay_steps": report_["settings"]["steps"]}
+    return {**old, **report_["settings"]}
+
+
 def merged(args: argparse.Namespace) -> tuple[argparse.Namespace, dict, list[dict]]:
-    """The settings, corpus and records of the reports ``args.merge`` names, which must share one configuration."""
+    """The settings, corpus and records of the reports ``args.merge`` names, which must share one configuration
+    (a method once per seed; "seed" of the settings: the list of the seeds where there are several)."""
     reports = [json.loads(path.read_text()) for path in args.merge]
-    first = reports[0]["settings"]
+    first = settings_of(reports[0])
     for path, other in zip(args.merge[1:], reports[1:]):
-        differ = [key for key in CONFIGURATION if other["settings"].get(key) != first.get(key)]
+        differ = [key for key in CONFIGURATION if settings_of(other).get(key) != first.get(key)]
         if differ:
             raise SystemExit(f"--merge: {path} differs from {args.merge[0]} in {differ}: not one experiment")
-    records = [record for r in reports for record in r["runs"]]
-    names = [record["method"] for record in records]
-    if len(set(names)) != len(names):
-        raise SystemExit(f"--merge: a method appears in more than one report: {names}")
-    # Reports from before --rate ran on loopback.
-    settings = argparse.Namespace(**{"rate": None, "target_loss": None, "budget": None, **first, "methods": names,
+    records = [{"seed": r["settings"]["seed"], **record} for r in reports for record in r["runs"]]  # older: no seed
+    runs = [(record["method"], record["seed"]) for record in records]
+    if len(set(runs)) != len(runs):
+        raise SystemExit(f"--merge: a method appears more than once with one seed: {runs}")
+    seeds = seeds_of(records)
+    settings = argparse.Namespace(**{**first, "methods": list(dict.fromkeys(name for name, _ in runs)),
+                                     "seed": seeds if len(seeds) > 1 else seeds[0],
+                                     "steps": max(r["settings"]["steps"] for r in reports),
                                      "json": args.json, "plot": args.plot,
                                      **({"target_loss": args.target_loss} if args.target_loss is not None else {})})
     return settings, reports[0]["corpus"], records
@@ -307,16 +455,25 @@ def main(argv: Optional[list] = None) -> int:
         corpus, records = measured["corpus"], measured["records"]
     title = setting(args, corpus)
     print(f"\n{title}\n")
+    found = tables(args, records)
     columns = (RACE_COLUMNS if args.target_loss is not None else []) + COLUMNS
-    print(report.table(summarize(records, args.target_loss), columns, markdown=True))
+    print(report.table(found["table"], columns, markdown=True))
+    if "seeds_table" in found:
+        print(f"\nOver seeds {', '.join(map(str, args.seed))}"
+              + (f", to a validation loss of {args.target_loss:g}:\n" if args.target_loss is not None else ":\n"))
+        print(report.table(found["seeds_table"], seeds_columns(args.lr_decay_steps, args.target_loss is not None),
+                           markdown=True))
     if args.plot:  # validation loss against steps, training seconds and MB sent per rank; each step's time apart
-        report.plot_curves(records, args.plot, title, "validation loss (nats per byte)",
+        seeds, methods = seeds_of(records), list(dict.fromkeys(r["method"] for r in records))
+        shown = [{**r, "label": r["label"] + f", seed {r['seed']}" * (len(seeds) > 1)} for r in records]
+        report.plot_curves(shown, args.plot, title, "validation loss (nats per byte)",
                            lambda c: min(c["val_loss"], 6.0),
                            [("step", lambda c: c["step"], "linear"),
                             ("training seconds (slowest rank)", lambda c: c.get("seconds", math.nan), "linear"),
                             ("MB sent per rank", lambda c: c["bytes_sent"] / 1e6, "log")],
-                           style=lambda i, r: {"color": "black", "linewidth": 2} if r["method"] == "ddp" else
-                           {"color": f"C{i % 10}"})
+                           style=lambda i, r: {"linestyle": ("-", "--", ":", "-.")[seeds.index(r["seed"]) % 4],
+                                               **({"color": "black", "linewidth": 2} if r["method"] == "ddp" else
+                                                  {"color": f"C{methods.index(r['method']) % 10}"})})
         timed = [{**r, "curve": [{"step": i + 1, "ms": 1e3 * t} for i, t in enumerate(r["step_seconds"])]}
                  for r in records if "step_seconds" in r]
         report.plot_curves(timed, args.plot.with_name(f"{args.plot.stem}_steps.png"), title,

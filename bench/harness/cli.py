@@ -16,7 +16,8 @@ COMMON = {"world_size": ({"type": int}, "Gloo processes (DDP ranks)"),
           "steps": ({"type": int}, "steps of every method"),
           "eval_every": ({"type": int}, "steps between two evaluations"),
           "batch_size": ({"type": int}, "examples per rank and step"),
-          "lr": ({"type": float}, "SGD's learning rate (the inner SGD of a local method)"),
+          "lr": ({"type": float}, "the learning rate (the inner optimizer's of a local method; with a schedule, its "
+                                  "peak)"),
           "momentum": ({"type": float}, "SGD's momentum (in the hook for the methods with momentum correction)"),
           "nesterov": ({"action": "store_true"}, "Nesterov momentum in the optimizers that have the momentum (the "
                                                  "hook's momentum correction has its own: --dgc-nesterov, the recipe)"),
@@ -41,6 +42,44 @@ def add_common(parser: argparse.ArgumentParser, **defaults) -> None:
     """The COMMON flags named, with these defaults."""
     for name, default in defaults.items():
         parser.add_argument("--" + name.replace("_", "-"), default=default, help=COMMON[name][1], **COMMON[name][0])
+
+
+def add_optimizer_args(parser: argparse.ArgumentParser, defaults: dict, optimizer: str = "sgd") -> None:
+    """--optimizer and AdamW's, the learning-rate schedule's and clipping's flags (bench.harness.train); those left
+    None take ``defaults[the optimizer]`` (a dict of destinations and values: :func:`fill_optimizer_defaults`)."""
+    told = "; ".join(f"{name}: " + ", ".join(f"{key.replace('_', '-')} {value:g}" for key, value in values.items())
+                     for name, values in defaults.items())
+    parser.add_argument("--optimizer", choices=tuple(defaults), default=optimizer,
+                        help="the optimizer of every method (a local method's inner one; adamw: not with the "
+                             "methods whose hook applies momentum, recipe- and dgc-), and the defaults of the flags "
+                             f"left None ({told})")
+    parser.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.95], metavar=("BETA1", "BETA2"),
+                        help="AdamW's")
+    parser.add_argument("--weight-decay", type=float, default=None,
+                        help="AdamW's decoupled weight decay, on the matrices (parameters of 2 or more dimensions) "
+                             "only; SGD's, on every parameter")
+    parser.add_argument("--lr-warmup", type=int, default=None,
+                        help="steps of linear learning-rate warm-up, then a cosine decay to --min-lr-ratio")
+    parser.add_argument("--lr-decay-steps", type=int, default=None,
+                        help="the step the cosine ends at (then --min-lr-ratio stays; None: --steps)")
+    parser.add_argument("--min-lr-ratio", type=float, default=None,
+                        help="the learning rate at the cosine's end over the peak (1: no decay)")
+    parser.add_argument("--clip-norm", type=float, default=None,
+                        help="clip the gradient's global norm (after the hook's reduction) to this; 0: no clipping")
+
+
+def fill_optimizer_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace, defaults: dict) -> None:
+    """Sets the flags left None to ``defaults[args.optimizer]``, and checks the :func:`add_optimizer_args` flags."""
+    for name, value in defaults[args.optimizer].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    check(parser, args, positive=("lr_decay_steps",))
+    for name, ok, wanted in (("lr", args.lr > 0, "> 0"), ("weight_decay", args.weight_decay >= 0, ">= 0"),
+                             ("lr_warmup", args.lr_warmup >= 0, ">= 0"), ("clip_norm", args.clip_norm >= 0, ">= 0"),
+                             ("min_lr_ratio", 0 <= args.min_lr_ratio <= 1, "in [0, 1]"),
+                             ("betas", all(0 <= beta < 1 for beta in args.betas), "in [0, 1)")):
+        if not ok:
+            parser.error(f"--{name.replace('_', '-')} must be {wanted}, got {getattr(args, name)}")
 
 
 def add_network_args(parser: argparse.ArgumentParser, prefix: str, rate: str | None = "1gbit",

@@ -230,6 +230,16 @@ def method(name: str) -> "Recipe | LocalMethod":
     raise ValueError(f"no method {name!r}; the methods: {', '.join(METHODS)}")
 
 
+def optimizer_conflict(which: "str | Recipe", optimizer: str) -> Optional[str]:
+    """Why a method (a name or a Recipe) cannot train under ``optimizer`` (None: it can). The hooks with momentum
+    correction apply SGD's momentum themselves, for an optimizer without it: there is no such split of AdamW."""
+    found = method(which) if isinstance(which, str) else which
+    if optimizer != "sgd" and isinstance(found, Recipe) and found.momentum_in_hook:
+        return (f"{which if isinstance(which, str) else found.label} applies SGD momentum in its hook (momentum "
+                f"correction): run it with --optimizer sgd, not --optimizer {optimizer}")
+    return None
+
+
 def method_name(text: str, ddp_only: bool = False) -> str:
     """An argparse type: a method's name (with ``ddp_only``, a DDP method's)."""
     try:

@@ -54,13 +54,14 @@ def streamed(rows, columns: list[tuple]) -> list[dict]:
     return out
 
 
-def to_target(curves: list[list[dict]], reached, seconds_key: str) -> dict:
-    """Medians over ``curves`` of ``step`` and ``seconds_key`` where first ``reached``; None unless all got there."""
+def to_target(curves: list[list[dict]], reached, seconds_key: str, bytes_key: str | None = None) -> dict:
+    """Medians over ``curves`` of ``step``, ``seconds_key`` (and ``bytes_key``, as "bytes_to_target") where first
+    ``reached``; None unless all got there."""
     firsts = [next((point for point in curve if reached(point)), None) for curve in curves]
-    if not firsts or None in firsts:
-        return {"steps_to_target": None, "seconds_to_target": None}
-    return {"steps_to_target": statistics.median(p["step"] for p in firsts),
-            "seconds_to_target": statistics.median(p[seconds_key] for p in firsts)}
+    keys = {"steps_to_target": "step", "seconds_to_target": seconds_key, **({"bytes_to_target": bytes_key}
+                                                                             if bytes_key else {})}
+    return {name: None if not firsts or None in firsts else statistics.median(p[key] for p in firsts)
+            for name, key in keys.items()}
 
 
 def figure(rows: int, columns: int, size: tuple[float, float]):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -12,18 +14,25 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from bench.harness.methods import LocalExchange, Recipe, method as method_named, numel_of
+from bench.harness.methods import LocalExchange, Recipe, method as method_named, numel_of, optimizer_conflict
 
 
 class Trainer:
     """One method (a name of bench.harness.methods, or a Recipe) on this rank: ``model`` under DDP with the
-    method's hook, or a replica under a local method (``local``); :func:`sgd`; the bytes sent by the method's count."""
+    method's hook, or a replica under a local method (``local``); :func:`make_optimizer` (a local method's inner one)
+    with :func:`lr_schedule` and, with ``args.clip_norm``, gradient-norm clipping; the bytes sent by the method's
+    count."""
 
     def __init__(self, method: str | Recipe, model: nn.Module, args: argparse.Namespace, world_size: int):
         found = method if isinstance(method, Recipe) else method_named(method)
+        conflict = optimizer_conflict(method, getattr(args, "optimizer", "sgd"))
+        if conflict:
+            raise ValueError(conflict)
         self.model, self.trained, self.sent, self.mean = model, model, 0, None
         self.recipe = found if isinstance(found, Recipe) else None
-        self.optimizer = sgd(model, args, self.recipe is not None and self.recipe.momentum_in_hook)
+        self.clip_norm = getattr(args, "clip_norm", None)
+        self.optimizer = make_optimizer(model, args, self.recipe is not None and self.recipe.momentum_in_hook)
+        self.schedule = lr_schedule(self.optimizer, args)  # of the inner optimizer, before a local method wraps it
         self.local = None if self.recipe is not None else LocalExchange(found, model, self.optimizer, args, world_size)
         if self.local is not None:
             self.optimizer = self.local.optimizer
@@ -34,14 +43,19 @@ class Trainer:
 
     def measured_step(self, loss_of, tx, last: bool = False) -> dict:
         """One step on ``loss_of(trained model)``, started by every rank together (with ``last``, then the exchange
-        that leaves one model): its loss, seconds, CPU seconds (all threads), bytes sent by the method's count and
-        by ``tx`` (a TxCounter), and its buckets' paths."""
+        that leaves one model): its loss, seconds, the gradient's norm before clipping (with clipping; None without),
+        CPU seconds (all threads), bytes sent by the method's count and by ``tx`` (a TxCounter), and its buckets'
+        paths."""
         dist.barrier()
         tx_bytes, cpu, sent, start = tx.read(), time.process_time(), self.bytes_sent(), time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss = loss_of(self.trained)
         loss.backward()
+        # the reduced gradient under DDP (the same on every rank), the replica's own under a local method
+        norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm) if self.clip_norm else None
         self.optimizer.step()
+        if self.schedule is not None:
+            self.schedule.step()
         if self.local is not None:
             self.local.after_step()
             if last:
@@ -49,6 +63,7 @@ class Trainer:
         else:
             self.sent += self.accounting.bytes_sent()
         return {"loss": float(loss.detach()), "seconds": time.perf_counter() - start,
+                "grad_norm": None if norm is None else float(norm),
                 "cpu_seconds": time.process_time() - cpu, "bytes": self.bytes_sent() - sent,
                 "tx_bytes": tx.read() - tx_bytes, "paths": self.accounting.paths() if self.local is None else None}
 
@@ -63,6 +78,40 @@ class Trainer:
         if self.mean is None:
             self.mean = copy.deepcopy(self.model)
         return load_consensus(self.model, self.mean)
+
+
+def make_optimizer(model: nn.Module, args: argparse.Namespace, momentum_in_hook: bool = False) -> torch.optim.Optimizer:
+    """``args.optimizer``'s (without that flag, SGD's): :func:`sgd` or :func:`adamw`."""
+    return adamw(model, args) if getattr(args, "optimizer", "sgd") == "adamw" else sgd(model, args, momentum_in_hook)
+
+
+def adamw(model: nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
+    """AdamW with ``args.lr``, ``args.betas`` and ``args.weight_decay`` on the matrices only (the parameters of 2 or
+    more dimensions: weights and embeddings; biases and LayerNorm gains get none, nanoGPT's rule)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=args.lr, betas=tuple(args.betas))
+
+
+def lr_factor(step: int, warmup: int, decay_steps: int, min_ratio: float) -> float:
+    """The learning rate of update ``step`` (from 0) over the peak: a linear warm-up, (step + 1) / ``warmup`` over the
+    first ``warmup`` updates, then a cosine from 1 at update ``warmup`` to ``min_ratio`` at update ``decay_steps - 1``
+    (the last of a ``decay_steps`` run), and ``min_ratio`` after it."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, decay_steps - 1 - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, args: argparse.Namespace):
+    """:func:`lr_factor` with ``args.lr_warmup`` and ``args.min_lr_ratio`` over ``args.lr_decay_steps`` (None: over
+    ``args.steps``), a LambdaLR stepped once per step; None (a constant rate) without --lr-warmup (benchmarks that
+    lack it)."""
+    if getattr(args, "lr_warmup", None) is None:
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
+        lr_factor, warmup=args.lr_warmup, decay_steps=args.lr_decay_steps or args.steps, min_ratio=args.min_lr_ratio))
 
 
 def sgd(model: nn.Module, args: argparse.Namespace, momentum_in_hook: bool = False) -> torch.optim.SGD:

@@ -38,6 +38,7 @@ def wire_num_pages(numel: int) -> int:
     """The compact wire's pages of 2^WIRE_PAGE_SHIFT elements for a tensor of ``numel`` elements."""
     return (numel + (1 << WIRE_PAGE_SHIFT) - 1) >> WIRE_PAGE_SHIFT
 
+
 # The one dtype rule: every op takes fp32, fp16 and bf16 (statistics and sums in fp32 or wider), int32 indices.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -54,11 +55,6 @@ def op_names() -> list[str]:
 def schema(name: str) -> torch.FunctionSchema:
     """The schema of op ``name``, as registered by csrc/ops.cpp."""
     return getattr(torch.ops.gtopk_ext, name).default._schema
-
-
-def schema_string(name: str) -> str:
-    """The schema without the op's name, as ``torch.library.custom_op(schema=...)`` takes it."""
-    return str(schema(name)).removeprefix(f"gtopk_ext::{name}")
 
 
 def mutated_args(name: str) -> set[str]:

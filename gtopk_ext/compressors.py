@@ -202,9 +202,6 @@ def make_compressor(kind: str = "gaussiank", density: float = 0.01, **kwargs) ->
         raise TypeError(f"make_compressor({kind!r}): {error}") from None
 
 
-# ----- a flat tensor made of parts (a DDP bucket's parameters) -----
-
-
 def part_maxima(tensor: torch.Tensor, parts: list[int] | None) -> torch.Tensor:
     """max |tensor| over each part (the whole tensor without ``parts``); NaN where one is NaN."""
     slices = tensor.split(parts) if parts is not None else [tensor]

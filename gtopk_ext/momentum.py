@@ -97,7 +97,6 @@ def mask(velocity: torch.Tensor, indices: torch.Tensor, count: torch.Tensor, app
     velocity.index_fill_(0, indices[sent if applied is None else sent & applied].long(), 0)
 
 
-# ----- momentum applied twice: the hook's and an optimizer's own, on the same parameters -----
 # Every optimizer is checked before its first step after the hook has seen its parameters, through torch's step
 # pre-hook common to all optimizers: there is no call the user could forget.
 _watched: "weakref.WeakKeyDictionary[object, Callable]" = weakref.WeakKeyDictionary()

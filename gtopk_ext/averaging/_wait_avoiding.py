@@ -75,8 +75,6 @@ class _WaitAvoidingRounds:
         self._sends: list[dist.Work] = []
         self._stop_sends: list[dist.Work] = []  # never waited for: a member that stopped may never receive them
 
-    # ----------------------------------------------------------------------------------------- training loop
-
     def publish(self, step: int) -> None:
         """Applies the corrections that arrived, publishes the weights and lets the thread run round ``step``."""
         with self._cond:
@@ -179,8 +177,6 @@ class _WaitAvoidingRounds:
             self._cond.notify_all()
             if self._worker.closed:
                 self._cond.wait_for(lambda: not self._receiving, timeout=_CLOSE_SECONDS)
-
-    # ------------------------------------------------------------------------------------- the threads
 
     def _receive(self) -> None:
         """Receives control messages until every other member's last message of the run is in (its _FINISH or

@@ -109,8 +109,6 @@ class SparseGradState:
         """
         return cls(process_group, **recipe(density, warmup_steps, momentum), **options)
 
-    # ----- pickling (without what belongs to this process), checkpoints, statistics -----
-
     def __getstate__(self):
         if self.worker is not None:
             self.worker.drain()

@@ -64,7 +64,6 @@ class GroupState:
                 if p.sharded_param.requires_grad]
 
 
-
 class SparseFSDPState:
     r"""State of :func:`gtopk_ext.fsdp.sparse_all_reduce_hook`, one per model and rank (docs/fsdp.md). Plain data:
 
@@ -126,8 +125,6 @@ class SparseFSDPState:
         """The DDP recipe (:meth:`gtopk_ext.SparseGradState.recipe`; ``warmup_steps`` counts calls) for FSDP2: train
         with an optimizer WITHOUT momentum or weight decay; ``options``: the other arguments."""
         return cls(mesh, **recipe(density, warmup_steps, momentum), **options)
-
-    # ----- checkpoints (per rank) and statistics -----
 
     def state_dict(self) -> dict:
         """This rank's resumable state: ``{"world_size", "rank<r>": {"group<i>": {"calls", "numel", "residual",

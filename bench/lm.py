@@ -261,7 +261,8 @@ def summarize(records: list[dict], target: Optional[float] = None, horizon: Opti
             "ms_per_step": 1e3 * statistics.median(r["step_seconds"]) if r.get("step_seconds") else None,
             "loss_vs_ddp": r["final_val_loss"] / base["final_val_loss"] if base else None,
             "bytes_vs_ddp": r["bytes_sent"] / base["bytes_sent"] if base else None,
-            **({"updated_share": {g: r["updated_per_step"][g] / r["group_numel"][g] for g in GROUPS}}
+            **({"updated_share": {g: r["updated_per_step"][g] / r["group_numel"][g] if r["group_numel"][g] else None
+                                   for g in GROUPS}}
                if "updated_per_step" in r else {})})
     return rows
 
@@ -309,7 +310,8 @@ COLUMNS = [("method", "", "label"), ("steps", "", "steps"), ("final val loss", "
            ("link MB / rank", ".1f", lambda r: r["tx_mb"] or None),  # the interface counter: emulated links only
            ("seconds", ".0f", "seconds"),
            ("updated per step: " + ", ".join(GROUPS), "", lambda r: "updated_share" in r and ", ".join(
-               f"{100 * r['updated_share'][g]:.2g}%" for g in GROUPS) or None)]
+               "-" if r["updated_share"][g] is None else f"{100 * r['updated_share'][g]:.2g}%" for g in GROUPS)
+                                                                    or None)]
 
 
 def per_seed(key: str, form: str, missing):

@@ -57,6 +57,11 @@ def schema(name: str) -> torch.FunctionSchema:
     return getattr(torch.ops.gtopk_ext, name).default._schema
 
 
+def schema_string(name: str) -> str:
+    """The schema without the op's name, as ``torch.library.custom_op(schema=...)`` takes it (the Triton ops')."""
+    return str(schema(name)).removeprefix(f"gtopk_ext::{name}")
+
+
 def mutated_args(name: str) -> set[str]:
     return {a.name for a in schema(name).arguments if a.alias_info is not None and a.alias_info.is_write}
 

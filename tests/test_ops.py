@@ -39,6 +39,17 @@ def backend_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+# The Triton interpreter (Triton on CPU tensors) runs a kernel at numpy's pace, block by block: there the sweeps of
+# many small cases stop at this size, and the many-block inputs are the *_large tests' (millions of elements).
+INTERPRETED_MAX_NUMEL = 5000
+
+
+def case_sizes(backend: str, sizes) -> list[int]:
+    """``sizes``, less those over INTERPRETED_MAX_NUMEL under the Triton interpreter."""
+    interpreted = backend == "triton" and backend_device(backend).type == "cpu"
+    return [n for n in sizes if not interpreted or n <= INTERPRETED_MAX_NUMEL]
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request) -> str:
     return request.param
@@ -116,7 +127,7 @@ def assert_same_stats(actual: torch.Tensor, expected: torch.Tensor, exact_thresh
 def test_gaussian_threshold_matches_reference(backend, density):
     device = backend_device(backend)
     z = ops.z_for_density(density)
-    for name, grad, residual in sample_inputs(device):
+    for name, grad, residual in sample_inputs(device, sizes=case_sizes(backend, SIZES)):
         k = max(1, int(np.ceil(density * grad.numel())))
         for use_residual in (False, True):
             for k_arg in (0, k):
@@ -160,8 +171,11 @@ def test_histogram_threshold_selects_about_k(kind, density):
     assert selected == int(count) and k <= selected <= 1.01 * k, (kind, density, selected, k)
 
 
-def compact_cases(device):
-    for name, grad, _ in sample_inputs(device, sizes=[1, 7, 1000, 4097, 65537]):
+COMPACT_SIZES = [1, 7, 1000, 4097, 65537]
+
+
+def compact_cases(device, sizes):
+    for name, grad, _ in sample_inputs(device, sizes=sizes):
         magnitude = grad.float().abs()
         finite = magnitude[torch.isfinite(magnitude)]
         top = float(finite.max()) if finite.numel() else 0.0
@@ -175,7 +189,7 @@ def compact_cases(device):
 
 def test_compact_matches_reference(backend):
     device = backend_device(backend)
-    for name, acc, threshold, capacity in compact_cases(device):
+    for name, acc, threshold, capacity in compact_cases(device, case_sizes(backend, COMPACT_SIZES)):
         values, indices, count = ops.compact(acc, threshold, capacity, backend=backend)
         exp_values, exp_indices, exp_count = reference.compact(acc, threshold, capacity)
         assert values.dtype == acc.dtype and indices.dtype == torch.int32 and count.dtype == torch.int32, name
@@ -243,11 +257,8 @@ def check_gaussian_select(backend: str, cases) -> None:
 
 def test_gaussian_select_matches_reference(backend):
     device = backend_device(backend)
-    # The interpreter runs the Triton kernels slowly; they are the ones test_compact* and test_gaussian_threshold*
-    # check at every size, so the smaller cases cover the op built from them.
-    largest = 5000 if backend == "triton" and device.type == "cpu" else None
-    check_gaussian_select(backend, (case for case in select_cases(device)
-                                    if largest is None or case[1].numel() <= largest))
+    sizes = case_sizes(backend, {case[1].numel() for case in select_cases(device)})
+    check_gaussian_select(backend, (case for case in select_cases(device) if case[1].numel() in sizes))
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:

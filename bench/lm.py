@@ -194,7 +194,9 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
     trainer = Trainer(name, build_model(args, args.seed), args, world_size)  # the same weights for all
     groups = [parameter_group(n) for n, _ in trainer.model.named_parameters()]
     # steps before the target density: the recipe's and the dgc methods' warm-up (the hooks with momentum in them)
-    warmed_up = args.dgc_warmup if trainer.recipe is not None and trainer.recipe.momentum_in_hook else START_ITER
+    warmed_up = START_ITER
+    if trainer.recipe is not None and (trainer.recipe.momentum_in_hook or trainer.recipe.adamw_in_hook):
+        warmed_up = args.adam_warmup if trainer.recipe.adamw_in_hook else args.dgc_warmup
     updated = []  # after each compressed step of gtopk_ext's hook: each group's elements its reduced gradient touched
 
     def loss_at(step: int):

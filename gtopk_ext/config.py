@@ -12,7 +12,7 @@ from gtopk_ext._validate import check_int
 from gtopk_ext.collectives import COLLECTIVES, SPARSE_COLLECTIVES, Collective, collective_named
 from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, make_compressor
 from gtopk_ext.hierarchical import Hierarchical
-from gtopk_ext.momentum import OPTIMIZER_CHECKS, MomentumCorrection
+from gtopk_ext.momentum import OPTIMIZER_CHECKS, AdamCorrection, MomentumCorrection
 from gtopk_ext.paths import PathPolicy, path_policy
 from gtopk_ext.wire import Wire, wire_named
 
@@ -37,9 +37,21 @@ def exponential_warmup(final_density: float, warmup_iters: int, start_density: f
             for j in range(stages + 1)]
 
 
-def recipe(density: float, warmup_steps: int, momentum: float) -> dict:
-    """The recipe's ``density`` (DGC's exponential warm-up from 0.25 to ``density`` over ``warmup_steps`` steps) and
-    ``momentum`` (Nesterov momentum correction, its masking from the warm-up's end), for every front end."""
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def recipe(density: float, warmup_steps: int, momentum: float, optimizer: str = "sgd",
+           clip_norm: Optional[float] = 1.0) -> dict:
+    """The recipe's ``density`` and ``momentum``, for every front end. ``optimizer="sgd"``: DGC's exponential
+    warm-up from 0.25 to ``density`` over ``warmup_steps`` steps and Nesterov momentum correction ``momentum``, its
+    masking from the warm-up's end. ``"adamw"``: ``warmup_steps`` steps of 8-bit dense averages under AdamW, then
+    ``density`` with Adam's update corrected in the hook (:class:`AdamCorrection`, ``clip_norm``; the betas are
+    :class:`gtopk_ext.SparseAdamW`'s)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if optimizer == "adamw":
+        return {"density": density, "momentum": AdamCorrection(freeze_step=check_int("warmup_steps", warmup_steps, 1),
+                                                               clip_norm=clip_norm)}
     return {"density": exponential_warmup(density, warmup_steps, start_density=max(density, 0.25)),
             "momentum": MomentumCorrection(momentum, nesterov=momentum > 0, masking_start_iter=warmup_steps)}
 
@@ -58,7 +70,8 @@ class SparseConfig:
         wire: the sparse collectives' wire format (:mod:`gtopk_ext.wire`): ``"plain"`` or ``"compact"``.
         start_iter: iterations reduced densely before compressing.
         path: each step's path once a tensor may compress (:class:`gtopk_ext.PathPolicy`): ``"auto"`` or a forced one.
-        momentum: :class:`gtopk_ext.MomentumCorrection` (a number m is ``MomentumCorrection(m)``), or None.
+        momentum: :class:`gtopk_ext.MomentumCorrection` (a number m is ``MomentumCorrection(m)``),
+            :class:`gtopk_ext.AdamCorrection` (with :class:`gtopk_ext.SparseAdamW`), or None.
         hierarchical: :class:`gtopk_ext.Hierarchical` (dense inside a node, ``collective`` between nodes), or None.
         error_feedback: keep what is not applied in a residual (default); False drops it.
         optimizer_check: with momentum correction, what an optimizer with momentum or weight decay on the same
@@ -106,8 +119,11 @@ class SparseConfig:
         compressor = (self.compressor.with_density(float(density)) if isinstance(self.compressor, Compressor)
                       else make_compressor(self.compressor, float(density)))
         momentum = self.momentum
-        if momentum is not None and not isinstance(momentum, MomentumCorrection):
+        if momentum is not None and not isinstance(momentum, (MomentumCorrection, AdamCorrection)):
             momentum = MomentumCorrection(momentum)
+        if isinstance(momentum, AdamCorrection) and not self.error_feedback:
+            raise ValueError("momentum=AdamCorrection needs error_feedback=True: the residual holds Adam's update "
+                             "not yet sent")
         if momentum is not None and not (momentum.momentum or momentum.weight_decay or momentum.clip_norm):
             momentum = None
         check_int("start_iter", self.start_iter)

@@ -1,6 +1,6 @@
-"""Deep Gradient Compression's momentum correction (Lin et al. 2018), for every front end: the velocity lives in the
-hook, per tensor and rank, and the optimizer runs without momentum and weight decay; and the check that no optimizer
-applies momentum a second time."""
+"""Momentum in the hook, for every front end: Deep Gradient Compression's momentum correction (Lin et al. 2018) for
+SGD, and its AdamW form (1-bit Adam's frozen variance); the velocity lives in the hook, per tensor and rank. And the
+check that no optimizer applies momentum a second time."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gtopk_ext._validate import check_int, check_number
@@ -51,6 +52,132 @@ class MomentumCorrection:
     def accumulates(self) -> bool:
         """Whether a step changes the gradient (momentum or weight decay), not only clips it."""
         return bool(self.momentum or self.weight_decay)
+
+
+@dataclass(frozen=True)
+class AdamCorrection:
+    """Momentum correction for AdamW, with :class:`gtopk_ext.SparseAdamW` as the optimizer (1-bit Adam's frozen
+    variance, Tang et al. 2021, with DGC's error feedback and masking). Per tensor and rank the hook keeps m, Adam's
+    first moment of this rank's gradients (``betas[0]``), and the residual, in units of one Adam step.
+
+    Iterations before ``freeze_step``: the gradient is averaged on ``warmup_path`` (``"dense8"``, ``"dense16"`` or
+    ``"dense"``; the rounding kept in the residual) and the optimizer is AdamW. After the optimizer's
+    ``freeze_step``-th step it freezes its variance v into a scale s = sqrt(max(v^, ``variance_floor`` x the
+    tensor's mean v^)) + eps (the floor keeps rows that were never used in the warm-up, e.g. embedding rows, from
+    dividing by ~0). From then on: ``residual += m^ / s`` (m^ bias-corrected); the compressor selects from the
+    residual, so the ranks exchange Adam's update itself; applied slots leave the residual and clear m (masking); the
+    optimizer applies the average as ``w -= lr * (average + weight_decay * w)``.
+
+    ``clip_norm``: the gradients of a tensor (a DDP bucket) are scaled on every rank by one factor,
+    ``min(1, clip_norm / sqrt(mean over ranks of |g_r|^2))`` (one scalar allreduce), so their average is clipped to
+    at most ``clip_norm``: the hook clips, since after the freeze the optimizer never sees a gradient. None: no
+    clipping. ``betas`` and ``eps`` are the optimizer's (:class:`gtopk_ext.SparseAdamW` gives them)."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    freeze_step: int = 24
+    clip_norm: Optional[float] = 1.0
+    variance_floor: float = 0.05
+    warmup_path: str = "dense8"
+
+    def __post_init__(self):
+        try:
+            betas = tuple(check_number(f"betas[{i}]", b, 0.0, 1.0, high_open=True) for i, b in enumerate(self.betas))
+        except TypeError:
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}") from None
+        if len(betas) != 2 or betas[0] == 0:
+            raise ValueError(f"betas must be two numbers in [0, 1), the first > 0, got {self.betas!r}")
+        eps = check_number("eps", self.eps, 0.0, float("inf"), low_open=True, high_open=True)
+        check_int("freeze_step", self.freeze_step, 1)
+        clip_norm = None if self.clip_norm is None else check_number("clip_norm", self.clip_norm, 0.0, float("inf"),
+                                                                     low_open=True, high_open=True)
+        floor = check_number("variance_floor", self.variance_floor, 0.0, 1.0)
+        if self.warmup_path not in WARMUP_PATHS:
+            raise ValueError(f"warmup_path must be one of {WARMUP_PATHS}, got {self.warmup_path!r}")
+        for name, value in (("betas", betas), ("eps", eps), ("clip_norm", clip_norm), ("variance_floor", floor)):
+            object.__setattr__(self, name, value)
+
+    # What the shared code asks of a momentum correction: a velocity (m), no weight decay in the hook.
+    accumulates = True
+    weight_decay = 0.0
+
+    @property
+    def momentum(self) -> float:
+        return self.betas[0]
+
+    @property
+    def masking_start_iter(self) -> int:
+        return self.freeze_step
+
+    def frozen(self, iteration: int) -> bool:
+        """Whether ``iteration``'s step exchanges Adam's update (the variance is frozen), not the gradient."""
+        return iteration >= self.freeze_step
+
+
+WARMUP_PATHS = ("dense8", "dense16", "dense")
+
+
+class AdamLink:
+    """What the hook and :class:`gtopk_ext.SparseAdamW` share under :class:`gtopk_ext.AdamCorrection`: ``scales``,
+    per parameter (by id) the frozen variance's scale, published by the optimizer at the freeze (and on a resume);
+    ``flat``, per bucket index (the ids of its parameters, their scales laid end to end); ``norms``, per bucket
+    index (iteration, the L2 norm of the hook's output): the optimizer tells from them whether the gradients were
+    rescaled after the hook (``clip_grad_norm_``). Not pickled: the optimizer publishes the scales again."""
+
+    __slots__ = ("scales", "flat", "norms")
+
+    def __init__(self):
+        self.scales: dict[int, torch.Tensor] = {}
+        self.flat: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self.norms: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def publish(self, scales: dict[int, torch.Tensor]) -> None:
+        self.scales.update(scales)
+        self.flat.clear()
+
+    def scales_of(self, index: int, parameters: Optional[list[torch.Tensor]]) -> Optional[torch.Tensor]:
+        """The scales of ``parameters`` (bucket ``index``'s) laid end to end; None where one has none yet."""
+        if parameters is None:
+            return None
+        ids = tuple(id(p) for p in parameters)
+        cached = self.flat.get(index)
+        if cached is not None and cached[0] == ids:
+            return cached[1]
+        found = [self.scales.get(i) for i in ids]
+        if any(scale is None for scale in found):
+            return None
+        flat = torch.cat([scale.reshape(-1) for scale in found])
+        self.flat[index] = (ids, flat)
+        return flat
+
+
+def clip_together(tensor: torch.Tensor, max_norm: float, group: dist.ProcessGroup) -> None:
+    """Scale ``tensor`` on every rank by one factor, ``min(1, max_norm / sqrt(mean over ranks of |tensor|^2))``,
+    so that the ranks' average is at most ``max_norm`` long (one scalar allreduce)."""
+    square = torch.linalg.vector_norm(tensor, dtype=torch.float32).square().reshape(1)
+    dist.all_reduce(square, group=group)
+    mean = square / dist.get_world_size(group)
+    tensor.mul_(torch.clamp(max_norm / (mean.sqrt() + 1e-6), max=1.0).to(tensor.dtype))
+
+
+def adam_increment(correction: AdamCorrection, velocity: torch.Tensor, tensor: torch.Tensor,
+                   scales: Optional[torch.Tensor], parts: Optional[list[int]], maxima: list[float],
+                   iteration: int) -> None:
+    """``tensor`` (this rank's clipped gradient) enters m, ``velocity`` (a part unused here, ``maxima`` 0, keeps
+    its m); once ``correction.frozen(iteration)``, ``tensor`` becomes what enters the residual this step:
+    ``m / (1 - beta1^(iteration + 1)) / scales`` (0 on the unused parts)."""
+    beta = correction.betas[0]
+    held = hold_unused(velocity, maxima, parts, zero=False)
+    velocity.mul_(beta).add_(tensor, alpha=1 - beta)
+    for part, saved in held:
+        part.copy_(saved)
+    if not correction.frozen(iteration):
+        return
+    torch.div(velocity, scales, out=tensor)
+    tensor.mul_(1 / (1 - beta ** (iteration + 1)))
+    for part, largest in zip(tensor.split(parts) if parts else [tensor], maxima):
+        if largest == 0:
+            part.zero_()
 
 
 def clip(tensor: torch.Tensor, max_norm: float) -> None:
@@ -124,18 +251,32 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         config = owner.config
         if ids is None or config.optimizer_check == "off" or not (config.momentum and config.momentum.accumulates):
             continue
+        adam = isinstance(config.momentum, AdamCorrection)
+        if adam and getattr(optimizer, "hook_state", None) is owner:
+            continue
         for group in optimizer.param_groups:
-            doubled = [f"{name}={group[name]}" for name in ("momentum", "weight_decay") if group.get(name)]
-            if group.get("betas") and group["betas"][0]:  # Adam's first moment is a momentum
-                doubled.append(f"betas={tuple(group['betas'])}")
             shared = sum(1 for p in group["params"] if id(p) in ids)
-            if not doubled or not shared:
+            if not shared:
                 continue
-            message = (f"{type(optimizer).__name__} has {', '.join(doubled)} on {shared} parameter(s) whose gradients "
-                       f"the hook already gives momentum to ({type(owner).__name__}(momentum={config.momentum})): "
-                       f"momentum would be applied twice. Make the optimizer plain (torch.optim.SGD(params, lr): no "
-                       f"momentum, no weight decay) and give weight decay to the hook (gx.MomentumCorrection(..., "
-                       f"weight_decay=...)); or, to keep both on purpose, pass optimizer_check='warn' or 'off'")
+            if adam:  # any other optimizer would take the hook's Adam steps for gradients
+                message = (f"{type(optimizer).__name__} updates {shared} parameter(s) whose hook "
+                           f"({type(owner).__name__}, optimizer='adamw') sends Adam's update, not the gradient, once "
+                           f"the variance is frozen: use gx.SparseAdamW(params, lr, betas, eps, weight_decay, "
+                           f"state=<that state>) in place of {type(optimizer).__name__}")
+            else:
+                doubled = [f"{name}={group[name]}" for name in ("momentum", "weight_decay") if group.get(name)]
+                if group.get("betas") and group["betas"][0]:  # Adam's first moment is a momentum
+                    doubled.append(f"betas={tuple(group['betas'])}")
+                if not doubled:
+                    continue
+                adamw = (" For AdamW, the recipe's optimizer='adamw' with gx.SparseAdamW corrects Adam's momentum."
+                         if group.get("betas") else "")
+                message = (f"{type(optimizer).__name__} has {', '.join(doubled)} on {shared} parameter(s) whose "
+                           f"gradients the hook already gives momentum to ({type(owner).__name__}(momentum="
+                           f"{config.momentum})): momentum would be applied twice. Make the optimizer plain "
+                           f"(torch.optim.SGD(params, lr): no momentum, no weight decay) and give weight decay to the "
+                           f"hook (gx.MomentumCorrection(..., weight_decay=...)); or, to keep both on purpose, pass "
+                           f"optimizer_check='warn' or 'off'.{adamw}")
             if config.optimizer_check == "raise":
                 raise ValueError(message)
             warnings.warn(message, UserWarning, stacklevel=2)

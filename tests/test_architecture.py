@@ -23,7 +23,8 @@ LAYERS = [
     {"gtopk_ext.paths", "gtopk_ext.momentum", "gtopk_ext.amp"},
     {"gtopk_ext.config"},
     {"gtopk_ext.reduction"},
-    {"gtopk_ext.ddp", "gtopk_ext.fsdp", "gtopk_ext.local_sgd", "gtopk_ext.averaging", "gtopk_ext.resume"},
+    {"gtopk_ext.ddp", "gtopk_ext.fsdp", "gtopk_ext.local_sgd", "gtopk_ext.averaging", "gtopk_ext.resume",
+     "gtopk_ext.optim"},
     {"gtopk_ext.utils", "gtopk_ext"},
 ]
 # What a front end may not call itself: error feedback is the reduction's, the collectives are reached through it.

@@ -70,6 +70,7 @@ class Recipe:
     attach: Callable
     one_bucket: bool = False
     momentum_in_hook: bool = False
+    adamw_in_hook: bool = False  # the AdamW recipe: its optimizer is gx.SparseAdamW on the hook's state
 
 
 def attached(ddp, state: gx.SparseGradState) -> Accounting:
@@ -82,6 +83,15 @@ def attached(ddp, state: gx.SparseGradState) -> Accounting:
 def hook_recipe(label: str, state: Callable, momentum_in_hook: bool = False) -> Recipe:
     """gtopk_ext's hook with the state ``state(args)`` makes."""
     return Recipe(label, lambda ddp, world_size, args: attached(ddp, state(args)), momentum_in_hook=momentum_in_hook)
+
+
+def adamw_recipe(density: float) -> Recipe:
+    """``gx.SparseGradState.recipe(optimizer="adamw")`` with ``--adam-warmup`` dense8 steps before the freeze and
+    ``--clip-norm`` in the hook, forced sparse after the freeze (repeatable)."""
+    return Recipe(f"gtopk_ext AdamW recipe, d={density:g}", lambda ddp, world_size, args: attached(
+        ddp, gx.SparseGradState.recipe(density=density, optimizer="adamw", warmup_steps=args.adam_warmup,
+                                       clip_norm=args.clip_norm or None, path="sparse", stats_logging_frequency=0)),
+        adamw_in_hook=True)
 
 
 def no_communication_hook(_, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -150,6 +160,8 @@ def add_dgc_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auto-choices", nargs="+", default=None, choices=gx.paths.PATHS,
                         help="the paths the recipe methods' auto may take (gx.PathPolicy(choices=); default: "
                              "the hook's, all but dense8)")
+    parser.add_argument("--adam-warmup", type=int, default=24,
+                        help="the adamw- methods' dense8 steps under AdamW before the variance freezes")
 
 
 @dataclass(frozen=True)
@@ -201,6 +213,7 @@ METHODS = {
         f"gtopk_ext recipe, d={d:g}, {warmup}-step warm-up",
         lambda args: recipe_state(d, warmup, args.momentum, args.auto_choices), True),
     "dgc-pt-<d>": lambda d: dgc_recipe(d, per_tensor=True),
+    "adamw-<d>": lambda d: adamw_recipe(d),  # the AdamW recipe (--optimizer adamw), --adam-warmup steps before the freeze
     "<collective>-<d>": lambda collective, d: hook_recipe(f"Gaussian-k + {collective}, d={d:g}",
                                                           lambda args: hook_state(d, collective=collective)),
     "hook-<collective>-<d>": lambda collective, d: METHODS["<collective>-<d>"](collective, d),
@@ -234,6 +247,9 @@ def optimizer_conflict(which: "str | Recipe", optimizer: str) -> Optional[str]:
     """Why a method (a name or a Recipe) cannot train under ``optimizer`` (None: it can). The hooks with momentum
     correction apply SGD's momentum themselves, for an optimizer without it: there is no such split of AdamW."""
     found = method(which) if isinstance(which, str) else which
+    if optimizer != "adamw" and isinstance(found, Recipe) and found.adamw_in_hook:
+        return (f"{which if isinstance(which, str) else found.label} is the AdamW recipe: run it with --optimizer "
+                f"adamw, not --optimizer {optimizer}")
     if optimizer != "sgd" and isinstance(found, Recipe) and found.momentum_in_hook:
         return (f"{which if isinstance(which, str) else found.label} applies SGD momentum in its hook (momentum "
                 f"correction): run it with --optimizer sgd, not --optimizer {optimizer}")

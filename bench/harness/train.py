@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+import gtopk_ext as gx
 from bench.harness.methods import LocalExchange, Recipe, method as method_named, numel_of, optimizer_conflict
 
 
@@ -31,15 +32,22 @@ class Trainer:
         self.model, self.trained, self.sent, self.mean = model, model, 0, None
         self.recipe = found if isinstance(found, Recipe) else None
         self.clip_norm = getattr(args, "clip_norm", None)
-        self.optimizer = make_optimizer(model, args, self.recipe is not None and self.recipe.momentum_in_hook)
-        self.schedule = lr_schedule(self.optimizer, args)  # of the inner optimizer, before a local method wraps it
+        adamw_in_hook = self.recipe is not None and self.recipe.adamw_in_hook
+        if adamw_in_hook and self.clip_norm:  # the hook clips; the norm is still measured (an update's, after the freeze)
+            self.clip_norm = math.inf
+        if not adamw_in_hook:
+            self.optimizer = make_optimizer(model, args, self.recipe is not None and self.recipe.momentum_in_hook)
         self.local = None if self.recipe is not None else LocalExchange(found, model, self.optimizer, args, world_size)
         if self.local is not None:
+            self.schedule = lr_schedule(self.optimizer, args)  # of the inner optimizer, before the method wraps it
             self.optimizer = self.local.optimizer
         else:  # one bucket: a cap above the model's size (DDP's first bucket then has that cap too)
             cap_mb = numel_of(model) * 4 / 2**20 + 1 if self.recipe.one_bucket else getattr(args, "bucket_cap_mb", None)
             self.trained = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
             self.accounting = self.recipe.attach(self.trained, world_size, args)
+            if adamw_in_hook:
+                self.optimizer = adamw(model, args, state=self.accounting.state)
+            self.schedule = lr_schedule(self.optimizer, args)
 
     def measured_step(self, loss_of, tx, last: bool = False) -> dict:
         """One step on ``loss_of(trained model)``, started by every rank together (with ``last``, then the exchange
@@ -85,13 +93,16 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace, momentum_in_hook:
     return adamw(model, args) if getattr(args, "optimizer", "sgd") == "adamw" else sgd(model, args, momentum_in_hook)
 
 
-def adamw(model: nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
+def adamw(model: nn.Module, args: argparse.Namespace, state=None) -> torch.optim.AdamW:
     """AdamW with ``args.lr``, ``args.betas`` and ``args.weight_decay`` on the matrices only (the parameters of 2 or
-    more dimensions: weights and embeddings; biases and LayerNorm gains get none, nanoGPT's rule)."""
+    more dimensions: weights and embeddings; biases and LayerNorm gains get none, nanoGPT's rule); with a hook
+    ``state`` of the AdamW recipe, ``gx.SparseAdamW`` on it with the same arguments."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                             lr=args.lr, betas=tuple(args.betas))
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if state is not None:
+        return gx.SparseAdamW(groups, lr=args.lr, betas=tuple(args.betas), state=state)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=tuple(args.betas))
 
 
 def lr_factor(step: int, warmup: int, decay_steps: int, min_ratio: float) -> float:

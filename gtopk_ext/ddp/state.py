@@ -15,7 +15,7 @@ from gtopk_ext.config import DensitySchedule, SparseConfig, recipe
 from gtopk_ext.costs import format_bytes, latest_line, sent_and_received
 from gtopk_ext.ddp.store import BucketStore
 from gtopk_ext.hierarchical import Hierarchical
-from gtopk_ext.momentum import MomentumCorrection, watch
+from gtopk_ext.momentum import AdamCorrection, AdamLink, MomentumCorrection, watch
 from gtopk_ext.paths import PathPolicy
 from gtopk_ext.reduction import Slot, StepStats
 from gtopk_ext.resume import StateDicts, plan_resume, world_fields
@@ -60,7 +60,9 @@ class SparseGradState:
 
     Fields: ``process_group``; ``config``; ``iter`` (iterations done); ``store`` (per bucket the residual,
     ``store.residuals``, and the velocity); ``buckets`` (per bucket index, its reduction ``Slot``); ``totals``;
-    ``loss_scaling``; ``worker`` (the thread that reduces the buckets in DDP's order); ``stats_logging_frequency``
+    ``loss_scaling``; ``adam`` (with :class:`gtopk_ext.AdamCorrection`: the frozen variance's scales that
+    :class:`gtopk_ext.SparseAdamW` publishes, and the norms of the hook's latest outputs, :class:`AdamLink`);
+    ``worker`` (the thread that reduces the buckets in DDP's order); ``stats_logging_frequency``
     (log :meth:`stats` at INFO every this many iterations; 0: never); ``synchronous`` (finish each bucket inside
     the hook call, for debugging).
 
@@ -69,7 +71,7 @@ class SparseGradState:
     parameter is unused on a rank or the buckets changed (docs/usage.md, "What the hook guarantees").
     """
 
-    __slots__ = ("process_group", "config", "iter", "store", "buckets", "totals", "loss_scaling", "worker",
+    __slots__ = ("process_group", "config", "iter", "store", "buckets", "totals", "loss_scaling", "adam", "worker",
                  "stats_logging_frequency", "synchronous", "__weakref__")
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, density: DensitySchedule = 0.01,
@@ -90,6 +92,10 @@ class SparseGradState:
         self.buckets: dict[int, Slot] = {}
         self.totals = RunTotals()
         self.loss_scaling = LossScaling(scaler)
+        if isinstance(config.momentum, AdamCorrection) and scaler is not None:
+            raise ValueError("scaler: the AdamW recipe (momentum=AdamCorrection) does not follow a GradScaler yet; "
+                             "train in bfloat16 autocast (no scaler), or use the SGD recipe")
+        self.adam = AdamLink()
         self.worker: Optional[Worker] = None
         self.stats_logging_frequency = check_int("stats_logging_frequency", stats_logging_frequency)
         self.synchronous = False
@@ -97,17 +103,31 @@ class SparseGradState:
             watch(self, _reduced_parameters)
 
     @classmethod
-    def recipe(cls, density: float = 0.01, warmup_steps: int = 44, process_group: Optional[dist.ProcessGroup] = None,
-               momentum: float = 0.9, **options) -> "SparseGradState":
-        """The recommended settings (docs/performance.md): two dense steps, then DGC's exponential warm-up of the
-        density from 0.25 to ``density`` over ``warmup_steps`` steps, and Nesterov momentum correction
-        ``momentum``, masking from the warm-up's end; ``options``: the other arguments. Train with an optimizer
-        WITHOUT momentum or weight decay, ``torch.optim.SGD(model.parameters(), lr)``::
+    def recipe(cls, density: float = 0.01, warmup_steps: Optional[int] = None,
+               process_group: Optional[dist.ProcessGroup] = None, momentum: float = 0.9, *, optimizer: str = "sgd",
+               clip_norm: Optional[float] = 1.0, **options) -> "SparseGradState":
+        """The recommended settings for ``optimizer``; ``options``: the other arguments.
+
+        ``"sgd"`` (docs/performance.md): two dense steps, then DGC's exponential warm-up of the density from 0.25 to
+        ``density`` over ``warmup_steps`` (default 44) steps, and Nesterov momentum correction ``momentum``, masking
+        from the warm-up's end. Train with an optimizer WITHOUT momentum or weight decay,
+        ``torch.optim.SGD(model.parameters(), lr)``::
 
             state = gx.SparseGradState.recipe(density=0.01, warmup_steps=44)
             ddp_model.register_comm_hook(state, gx.sparse_grad_hook)
+
+        ``"adamw"`` (docs/usage.md, "With AdamW"): ``warmup_steps`` (default 24: about the end of a learning-rate
+        warm-up) of 8-bit dense averages under AdamW, then ``density`` with Adam's momentum and frozen variance in
+        the hook (:class:`gtopk_ext.AdamCorrection`), clipping at ``clip_norm`` in the hook. Train with
+        :class:`gtopk_ext.SparseAdamW` (AdamW's arguments, plus the state), without ``clip_grad_norm_``::
+
+            state = gx.SparseGradState.recipe(density=0.01, optimizer="adamw")
+            ddp_model.register_comm_hook(state, gx.sparse_grad_hook)
+            optimizer = gx.SparseAdamW(ddp_model.parameters(), lr=3e-4, weight_decay=0.1, state=state)
         """
-        return cls(process_group, **recipe(density, warmup_steps, momentum), **options)
+        if warmup_steps is None:
+            warmup_steps = 24 if optimizer == "adamw" else 44
+        return cls(process_group, **recipe(density, warmup_steps, momentum, optimizer, clip_norm), **options)
 
     def __getstate__(self):
         if self.worker is not None:
@@ -119,7 +139,7 @@ class SparseGradState:
         scaling = LossScaling()
         scaling.scale, scaling.taken = self.loss_scaling.scale, self.loss_scaling.taken
         scaling.velocities_before = self.loss_scaling.velocities_before
-        return {**saved, "process_group": None, "worker": None, "loss_scaling": scaling}
+        return {**saved, "process_group": None, "worker": None, "loss_scaling": scaling, "adam": AdamLink()}
 
     def __setstate__(self, state):
         for name, value in state.items():
@@ -247,9 +267,13 @@ def _paths_line(policy: PathPolicy, paths: dict[str, int], measured: int) -> str
     return line + "'auto' from the policy's calibration (repeatable)"
 
 
-def _momentum(correction: Optional[MomentumCorrection]) -> str:
+def _momentum(correction: Union[MomentumCorrection, AdamCorrection, None]) -> str:
     if correction is None:
         return ""
+    if isinstance(correction, AdamCorrection):
+        clipped = f", clip norm {correction.clip_norm:g}" if correction.clip_norm is not None else ""
+        return (f", AdamW's momentum in the hook (betas {correction.betas[0]:g}/{correction.betas[1]:g}, variance "
+                f"frozen after {correction.freeze_step} {correction.warmup_path} steps{clipped})")
     parts = [f"momentum correction {correction.momentum:g}", "nesterov" if correction.nesterov else "",
              f"weight decay {correction.weight_decay:g}" if correction.weight_decay else "",
              f"clip norm {correction.clip_norm:g}" if correction.clip_norm is not None else ""]

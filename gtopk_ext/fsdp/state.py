@@ -17,7 +17,7 @@ from gtopk_ext.collectives import SPARSE_COLLECTIVES, Traffic, agree
 from gtopk_ext.compressors import Compressor
 from gtopk_ext.config import DensitySchedule, SparseConfig, recipe
 from gtopk_ext.fsdp.layout import ShardLayout
-from gtopk_ext.momentum import MomentumCorrection, watch
+from gtopk_ext.momentum import AdamCorrection, MomentumCorrection, watch
 from gtopk_ext.paths import PathPolicy
 from gtopk_ext.reduction import Memory, Slot, StepStats
 
@@ -91,6 +91,9 @@ class SparseFSDPState:
         if collective not in SPARSE_COLLECTIVES:
             raise ValueError(f"collective must be one of the sparse collectives {SPARSE_COLLECTIVES}, got "
                              f"{collective!r}")
+        if isinstance(config.momentum, AdamCorrection):
+            raise ValueError("momentum: AdamCorrection (the AdamW recipe) is not supported by the FSDP hook yet: use "
+                             "it with DDP's hook (gx.SparseGradState.recipe(..., optimizer='adamw'))")
         if config.momentum is not None and config.momentum.clip_norm is not None:
             raise ValueError("momentum: clip_norm is not supported by the FSDP hook (a rank holds a shard of its "
                              "node's average gradient, not its own gradient): clip after the exchange, e.g. "

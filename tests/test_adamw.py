@@ -1,0 +1,309 @@
+"""The AdamW recipe (gx.AdamCorrection in the hook, gx.SparseAdamW as the optimizer) on real Gloo groups.
+
+1. The reduction against a plain-PyTorch replay of the algorithm, one rank's view, P = 2, 3, 4: the gradients
+   clipped by one factor over the ranks, m = b1 m + (1 - b1) g; before the freeze the gradient averaged densely;
+   after it ``v += m / (1 - b1^t) / s``, the top-k of v sent, applied slots cleared in v and m, dropped ones back in
+   v. Conserved at every step: what entered the ranks' v = what was applied + what their v keep; with the 8-bit
+   warm-up, g + residual = average + new residual summed over the ranks, and the residual moves into m at the freeze.
+2. Real DDP with SparseAdamW (P = 2): the warm-up is AdamW's, replicas bitwise equal after every step, a resume
+   bitwise equal to an uninterrupted run, clip_grad_norm_ undone with a warning, the pairing checks, bad input.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gtopk_ext as gx
+from gtopk_ext.ddp import reduce_buffer
+from tests.distributed import run_distributed
+
+NUMEL, DENSITY, START_ITER, FREEZE, STEPS, K = 300, 0.05, 2, 4, 9, 15
+SHAPES = [(200,), (100,)]
+BETAS, CLIP = (0.9, 0.95), 8.0
+
+
+def gradient(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * step + rank)) * (1 + rank)
+
+
+def scales() -> torch.Tensor:
+    return torch.rand(NUMEL, generator=torch.Generator().manual_seed(3)) + 0.5
+
+
+def correction(warmup_path: str = "dense") -> gx.AdamCorrection:
+    return gx.AdamCorrection(betas=BETAS, freeze_step=FREEZE, clip_norm=CLIP, warmup_path=warmup_path)
+
+
+def clipped(step: int, rank: int, group, size: int) -> torch.Tensor:
+    g = gradient(step, rank)
+    square = g.norm().square().reshape(1)
+    dist.all_reduce(square, group=group)
+    return g * min(1.0, CLIP / (float((square / size).sqrt()) + 1e-6))
+
+
+def replay(group, rank: int, size: int, collective: str):
+    """One rank's view in plain PyTorch: per step (output, m, v, what entered v so far)."""
+    s, b1 = scales(), BETAS[0]
+    m, v, entered = torch.zeros(NUMEL), torch.zeros(NUMEL), torch.zeros(NUMEL, dtype=torch.float64)
+    steps = []
+    for step in range(STEPS):
+        g = clipped(step, rank, group, size)
+        m = b1 * m + (1 - b1) * g
+        if step < FREEZE:
+            output = g / size
+            dist.all_reduce(output, group=group)
+        else:
+            increment = m / (1 - b1 ** (step + 1)) / s
+            entered += increment.double()
+            v = v + increment
+            indices = torch.topk(v.abs(), K).indices.sort().values
+            values = v[indices].clone()
+            v[indices] = 0
+            msg = gx.SparseMessage(values, indices.int(), torch.tensor([K], dtype=torch.int32), NUMEL)
+            output = torch.zeros(NUMEL)
+            if collective == "allgather":
+                applied = torch.ones(K, dtype=torch.bool)
+                output = gx.collectives.sparse_allgather(msg, group) / size
+            else:
+                glob, applied = gx.collectives.gtopk_allreduce(msg, group)
+                output.index_add_(0, glob.indices.long(), glob.values / size)
+                v[indices[~applied]] += values[~applied]
+            m[indices[applied]] = 0
+        steps.append((output, m.clone(), v.clone(), entered.clone()))
+    return steps
+
+
+def new_state(group, collective: str = "gtopk", warmup_path: str = "dense") -> gx.SparseGradState:
+    return gx.SparseGradState(group, density=DENSITY, compressor="topk", collective=collective, start_iter=START_ITER,
+                              path=gx.PathPolicy("sparse", min_compress_numel=1), stats_logging_frequency=0,
+                              momentum=correction(warmup_path))
+
+
+def check_reduction(group, rank: int, size: int) -> list[str]:
+    failures = []
+    params = [torch.zeros(shape) for shape in SHAPES]
+    for collective in ("gtopk", "allgather"):
+        where = f"P={size} {collective}"
+        state = new_state(group, collective)
+        state.adam.publish({id(p): piece.reshape(p.shape) for p, piece in zip(params, scales().split([200, 100]))})
+        applied = torch.zeros(NUMEL, dtype=torch.float64)
+        for step, (output, m, v, entered) in enumerate(replay(group, rank, size, collective)):
+            got = reduce_buffer(state, gradient(step, rank), 0, parameters=params).wait()
+            velocity = state.store.tensors["velocity"][0]
+            residual = state.store.residuals.get(0, torch.zeros(NUMEL))
+            if not (torch.allclose(got, output, rtol=1e-5, atol=1e-6) and torch.allclose(velocity, m, atol=1e-6)
+                    and torch.allclose(residual, v, atol=1e-5)):
+                failures.append(f"{where}, step {step}: output off by {float((got - output).abs().max()):.3g}, "
+                                f"m by {float((velocity - m).abs().max()):.3g}, "
+                                f"v by {float((residual - v).abs().max()):.3g}")
+                break
+            if step < FREEZE:
+                continue
+            # Conserved at every step: what entered the ranks' v = what was applied + what their v keep.
+            applied += size * got.double()
+            total = torch.stack([entered, residual.double()])
+            dist.all_reduce(total, group=group)
+            imbalance = float((total[0] - applied - total[1]).abs().max())
+            if not imbalance <= 1e-4:  # a NaN fails too
+                failures.append(f"{where}, step {step}: entered != applied + kept by {imbalance:.3g}")
+                break
+    # The 8-bit warm-up: per step, the ranks' g + residual = P x average + their new residuals; at the freeze the
+    # residual (the roundings still owed) enters m.
+    state = new_state(group, warmup_path="dense8")
+    state.adam.publish({id(p): piece.reshape(p.shape) for p, piece in zip(params, scales().split([200, 100]))})
+    m = torch.zeros(NUMEL)
+    for step in range(FREEZE + 1):
+        g = clipped(step, rank, group, size)
+        before = state.store.residuals.get(0, torch.zeros(NUMEL)).clone()
+        got = reduce_buffer(state, gradient(step, rank), 0, parameters=params).wait()
+        m = BETAS[0] * m + (1 - BETAS[0]) * (g + (before if step == FREEZE else 0))
+        after = state.store.residuals.get(0, torch.zeros(NUMEL))
+        path = state.stats()["buckets"][0]["path"]
+        if step < FREEZE:
+            want = "dense" if step < START_ITER else "dense8"
+            total = torch.stack([(g + before).double(), after.double()])
+            dist.all_reduce(total, group=group)
+            imbalance = float((total[0] - size * got.double() - total[1]).abs().max())
+            if path != want or not imbalance <= 1e-5:
+                failures.append(f"P={size} dense8 warm-up, step {step}: path {path} (expected {want}), "
+                                f"imbalance {imbalance:.3g}")
+        else:  # the freeze's step is sparse: m is cleared where a slot was applied (at most K of them)
+            velocity = state.store.tensors["velocity"][0]
+            kept = velocity != 0
+            if int((~kept).sum()) > K or not torch.allclose(velocity[kept], m[kept], atol=1e-6):
+                failures.append(f"P={size} at the freeze: the warm-up's residual did not enter m")
+        if step == START_ITER and not float(after.abs().max()) > 0:
+            failures.append(f"P={size} dense8: no rounding kept in the residual (the test cannot see a loss)")
+    # Past the freeze without an optimizer's scales: the same error on every rank, naming the fix.
+    state = new_state(group)
+    try:
+        for step in range(FREEZE + 1):
+            reduce_buffer(state, gradient(step, rank), 0, parameters=params).wait()
+        failures.append(f"P={size}: no error past the freeze without scales")
+    except (ValueError, RuntimeError) as error:
+        if "SparseAdamW" not in str(error):
+            failures.append(f"P={size}: the error does not name SparseAdamW: {error}")
+    return failures
+
+
+def reduction_worker(rank: int, world_size: int) -> list[str]:
+    failures = []
+    for size in (2, 3, 4):
+        group = dist.new_group(list(range(size)))
+        if rank < size:
+            failures += check_reduction(group, rank, size)
+    return failures
+
+
+def test_adamw_reduction_matches_the_algorithm_and_conserves():
+    results = run_distributed(reduction_worker, 4, timeout=400)
+    assert results == [[]] * 4, "\n".join(f for r in results for f in r)
+
+
+# 2. Real DDP.
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(50, 16)  # rows a batch does not use get no gradient
+        self.hidden = nn.Linear(16, 32)
+        self.out = nn.Linear(32, 50)
+
+    def forward(self, tokens):
+        return self.out(torch.relu(self.hidden(self.embed(tokens))))
+
+
+def batch(step: int, rank: int):
+    tokens = torch.randint(0, 30, (16, 2), generator=torch.Generator().manual_seed(100 * step + rank))
+    return tokens[:, 0], tokens[:, 1]
+
+
+def train(steps: int, *, freeze: int = FREEZE, clip_norm=1.0, warmup_path="dense8", plain=False, restore=None,
+          save_at=None, clip_after=None):
+    """Parameters after each step (and the state saved at ``save_at``) of the AdamW recipe, or (``plain``) DDP with
+    torch.optim.AdamW; ``restore``: a saved state to start from."""
+    model = Model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    if plain:
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2, betas=BETAS, weight_decay=0.1)
+    else:
+        state = gx.SparseGradState(density=0.05, momentum=gx.AdamCorrection(
+            freeze_step=freeze, clip_norm=clip_norm, warmup_path=warmup_path), path="sparse",
+            stats_logging_frequency=0)
+        ddp.register_comm_hook(state, gx.sparse_grad_hook)
+        optimizer = gx.SparseAdamW(ddp.parameters(), lr=1e-2, betas=BETAS, weight_decay=0.1, state=state)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+    start, saved, history = 0, None, []
+    if restore is not None:
+        model.load_state_dict(restore["model"])
+        state.load_state_dict(restore["hook"])
+        optimizer.load_state_dict(restore["optimizer"])
+        schedule.load_state_dict(restore["schedule"])
+        start = restore["step"]
+    for step in range(start, steps):
+        optimizer.zero_grad()
+        tokens, targets = batch(step, dist.get_rank())
+        nn.functional.cross_entropy(ddp(tokens), targets).backward()
+        if clip_after is not None:
+            nn.utils.clip_grad_norm_(ddp.parameters(), clip_after)
+        optimizer.step()
+        schedule.step()
+        history.append([p.detach().clone() for p in model.parameters()])
+        if save_at == step + 1:
+            saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "step": step + 1,
+                     "hook": state.state_dict(), "optimizer": optimizer.state_dict(),
+                     "schedule": schedule.state_dict()}
+    return history, saved
+
+
+def same(a: list, b: list) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def ddp_worker(rank: int, world_size: int) -> list[str]:
+    failures = []
+    # The warm-up is AdamW's: with the float32 warm-up and no clipping, the first FREEZE steps are DDP + AdamW's.
+    ours, _ = train(FREEZE, clip_norm=None, warmup_path="dense")
+    theirs, _ = train(FREEZE, plain=True)
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        if not all(torch.allclose(x, y, rtol=1e-6, atol=1e-7) for x, y in zip(a, b)):
+            failures.append(f"warm-up step {step}: not AdamW's")
+            break
+    # Replicas bitwise equal after every step; training moves the loss down.
+    history, saved = train(12, save_at=7)
+    for step, params in enumerate(history):
+        flat = torch.cat([p.reshape(-1) for p in params])
+        other = flat.clone()
+        dist.broadcast(other, 0)
+        if not torch.equal(flat, other):
+            failures.append(f"step {step}: replicas differ by {float((flat - other).abs().max()):.3g}")
+            break
+    if not any(not torch.equal(a, b) for a, b in zip(history[FREEZE], history[-1])):
+        failures.append("nothing moved after the freeze")
+    # A resume after the freeze: bitwise the uninterrupted run.
+    resumed, _ = train(12, restore=saved)
+    for step, (a, b) in enumerate(zip(resumed, history[7:])):
+        if not same(a, b):
+            failures.append(f"resumed step {7 + step}: differs from the uninterrupted run")
+            break
+    # clip_grad_norm_ after the hook: undone, with a warning.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        clipped_run, _ = train(8, clip_after=1e-3)
+    if not any("rescaled after the hook" in str(w.message) for w in caught):
+        failures.append("clip_grad_norm_ after the hook: no warning")
+    if not all(torch.allclose(x, y, rtol=1e-4, atol=1e-6) for x, y in zip(clipped_run[-1], history[7])):
+        failures.append("clip_grad_norm_ after the hook: not undone")
+    # The pairing: a plain AdamW beside the AdamW recipe, and AdamW beside the SGD recipe, refused naming the fix.
+    for recipe, message in ((gx.SparseGradState.recipe(optimizer="adamw", stats_logging_frequency=0), "SparseAdamW"),
+                            (gx.SparseGradState.recipe(stats_logging_frequency=0), "optimizer='adamw'")):
+        model = Model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(recipe, gx.sparse_grad_hook)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        tokens, targets = batch(0, rank)
+        nn.functional.cross_entropy(ddp(tokens), targets).backward()
+        try:
+            optimizer.step()
+            failures.append(f"{message}: a plain AdamW was not refused")
+        except ValueError as error:
+            if message not in str(error):
+                failures.append(f"the refusal does not name {message}: {error}")
+    return failures
+
+
+def test_sparse_adamw_under_ddp():
+    results = run_distributed(ddp_worker, 2, timeout=400)
+    assert results == [[]] * 2, "\n".join(f for r in results for f in r)
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: gx.AdamCorrection(betas=(1.0, 0.9)), r"betas\[0\]"),
+    (lambda: gx.AdamCorrection(betas=(0.0, 0.9)), "the first > 0"),
+    (lambda: gx.AdamCorrection(freeze_step=0), "freeze_step"),
+    (lambda: gx.AdamCorrection(warmup_path="sparse"), "warmup_path"),
+    (lambda: gx.AdamCorrection(variance_floor=2.0), "variance_floor"),
+    (lambda: gx.AdamCorrection(clip_norm=0.0), "clip_norm"),
+    (lambda: gx.SparseGradState.recipe(optimizer="adam"), "optimizer must be one of"),
+    (lambda: gx.SparseGradState(momentum=gx.AdamCorrection(), error_feedback=False), "error_feedback"),
+    (lambda: gx.SparseGradState.recipe(optimizer="adamw", scaler=torch.amp.GradScaler("cpu")), "scaler"),
+    (lambda: gx.SparseAdamW([nn.Parameter(torch.zeros(2))], state=gx.SparseGradState()), "state must be"),
+    (lambda: gx.SparseAdamW([{"params": [nn.Parameter(torch.zeros(2))]},
+                             {"params": [nn.Parameter(torch.zeros(2))], "betas": (0.8, 0.9)}],
+                            state=gx.SparseGradState.recipe(optimizer="adamw")), "the same in every parameter group"),
+])
+def test_bad_adamw_arguments(make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make()
+
+
+def test_sparse_adamw_gives_its_betas_to_the_hook():
+    state = gx.SparseGradState.recipe(optimizer="adamw")
+    gx.SparseAdamW([nn.Parameter(torch.zeros(2))], betas=(0.8, 0.9), eps=1e-6, state=state)
+    assert (state.config.momentum.betas, state.config.momentum.eps) == ((0.8, 0.9), 1e-6)
+    state.iter = 3
+    with pytest.raises(ValueError, match="has run 3 iterations"):
+        gx.SparseAdamW([nn.Parameter(torch.zeros(2))], betas=(0.5, 0.9), state=state)

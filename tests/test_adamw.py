@@ -307,3 +307,17 @@ def test_sparse_adamw_gives_its_betas_to_the_hook():
     state.iter = 3
     with pytest.raises(ValueError, match="has run 3 iterations"):
         gx.SparseAdamW([nn.Parameter(torch.zeros(2))], betas=(0.5, 0.9), state=state)
+
+
+def test_the_transformer_example_runs_the_recipe(tmp_path):
+    """examples/train_transformer.py as its docstring launches it (2 ranks, Hugging Face's GPT-2 of a small shape):
+    the recipe's paths, and a validation loss below the untrained model's (ln 256 = 5.55)."""
+    from bench.harness.launch import run_torchrun
+
+    log = "".join(run_torchrun(["examples/train_transformer.py", "--hf", "--steps", "30", "--freeze", "8",
+                                "--warmup", "8", "--width", "64", "--layers", "2", "--log-every", "0"],
+                               1, 2, None, tmp_path, "transformer", timeout=300))
+    found = [line for line in log.splitlines() if "adamw-recipe: validation loss" in line]
+    assert found, log[-3000:]
+    assert float(found[0].split("validation loss ")[1].split()[0]) < 4.5, found[0]
+    assert "paths taken (bucket steps): sparse 22, dense8 6, dense 2" in log, log[-3000:]

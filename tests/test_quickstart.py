@@ -55,3 +55,33 @@ def test_default_checkpoints_are_ignored_by_git():
     checkpoint = f"{default.group(1)}/world2/rank0.pt"
     assert subprocess.run(["git", "check-ignore", "-q", checkpoint], cwd=ROOT).returncode == 0, \
         f"{checkpoint} is not in .gitignore"
+
+
+def readme_adamw_lines() -> list[str]:
+    """The python code block of README.md's "With AdamW" section: lines for the quick start's train()."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## With AdamW", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert match, "README.md's With AdamW section has no python code block"
+    return match.group(1).splitlines()
+
+
+def test_readme_adamw_lines_run_in_the_quickstart(tmp_path):
+    """The quick start with README's AdamW lines in place of its optimizer and state: it trains past the freeze
+    (24 steps) and resumes from its checkpoints."""
+    quickstart = (ROOT / "examples" / "quickstart.py").read_text().splitlines()
+    optimizer = next(i for i, line in enumerate(quickstart) if line.strip().startswith("optimizer = torch.optim.SGD"))
+    state = next(i for i, line in enumerate(quickstart) if line.strip().startswith("state = gx.SparseGradState"))
+    script = quickstart[:optimizer] + readme_adamw_lines() + quickstart[optimizer + 1:state] + quickstart[state + 1:]
+    (tmp_path / "adamw_quickstart.py").write_text("\n".join(script) + "\n")
+    checkpoints = tmp_path / "checkpoints"
+
+    def run(steps: int) -> str:
+        command = [str(tmp_path / "adamw_quickstart.py"), "--steps", str(steps), "--checkpoint-dir", str(checkpoints)]
+        return "".join(run_torchrun(command, 1, 2, None, tmp_path, f"adamw{steps}", timeout=120,
+                                    env={"CUDA_VISIBLE_DEVICES": ""}))
+
+    first = run(30)
+    assert "AdamW's momentum in the hook" in first and "run: 30 steps (6 compressed)" in first, first[-3000:]
+    resumed = run(36)
+    assert "resumed from step 30" in resumed and "run: 36 steps (12 compressed)" in resumed, resumed[-3000:]

@@ -119,17 +119,18 @@ WARMUP_PATHS = ("dense8", "dense16", "dense")
 
 class AdamLink:
     """What the hook and :class:`gtopk_ext.SparseAdamW` share under :class:`gtopk_ext.AdamCorrection`: ``scales``,
-    per parameter (by id) the frozen variance's scale, published by the optimizer at the freeze (and on a resume);
-    ``flat``, per bucket index (the ids of its parameters, their scales laid end to end); ``norms``, per bucket
-    index (iteration, the L2 norm of the hook's output): the optimizer tells from them whether the gradients were
-    rescaled after the hook (``clip_grad_norm_``). Not pickled: the optimizer publishes the scales again."""
+    per parameter (by id) the frozen variance's scale (this rank's piece), published by the optimizer at the freeze
+    (and on a resume); ``flat``, per tensor index (the ids of its parameters, their scales laid end to end);
+    ``norms``, per tensor index (iteration, the L2 norm of the hook's output, the ids of its parameters): the
+    optimizer tells from them whether the gradients were rescaled after the hook (``clip_grad_norm_``). Not
+    pickled: the optimizer publishes the scales again."""
 
     __slots__ = ("scales", "flat", "norms")
 
     def __init__(self):
         self.scales: dict[int, torch.Tensor] = {}
         self.flat: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
-        self.norms: dict[int, tuple[int, torch.Tensor]] = {}
+        self.norms: dict[int, tuple[int, torch.Tensor, frozenset[int]]] = {}
 
     def publish(self, scales: dict[int, torch.Tensor]) -> None:
         self.scales.update(scales)
@@ -151,12 +152,13 @@ class AdamLink:
         return flat
 
 
-def clip_together(tensor: torch.Tensor, max_norm: float, group: dist.ProcessGroup) -> None:
-    """Scale ``tensor`` on every rank by one factor, ``min(1, max_norm / sqrt(mean over ranks of |tensor|^2))``,
-    so that the ranks' average is at most ``max_norm`` long (one scalar allreduce)."""
+def clip_together(tensor: torch.Tensor, max_norm: float, group: dist.ProcessGroup, count: Optional[int] = None) -> None:
+    """Scale ``tensor`` on every rank of ``group`` by one factor, ``min(1, max_norm / sqrt(sum over the ranks of
+    |tensor|^2 / count))`` (``count``: the gradients whose pieces the ranks hold, default one per rank), so that
+    their average is at most ``max_norm`` long (one scalar allreduce)."""
     square = torch.linalg.vector_norm(tensor, dtype=torch.float32).square().reshape(1)
     dist.all_reduce(square, group=group)
-    mean = square / dist.get_world_size(group)
+    mean = square / (count or dist.get_world_size(group))
     tensor.mul_(torch.clamp(max_norm / (mean.sqrt() + 1e-6), max=1.0).to(tensor.dtype))
 
 

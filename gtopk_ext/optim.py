@@ -105,8 +105,8 @@ class SparseAdamW(torch.optim.AdamW):
         self.publish()
 
     def publish(self) -> None:
-        """Hand the scales (after the freeze, or a restore) to the hook."""
-        scales = {id(p): held["scale"] for p, held in self.state.items() if "scale" in held}
+        """Hand the scales (after the freeze, or a restore) to the hook: this rank's pieces of them."""
+        scales = {id(p): _local(held["scale"]) for p, held in self.state.items() if "scale" in held}
         if scales:
             self.hook_state.adam.publish(scales)
 
@@ -116,12 +116,10 @@ class SparseAdamW(torch.optim.AdamW):
 
     def _undo_rescaling(self, iteration: int) -> None:
         """Put back the hook's output where the gradients were scaled after it (``clip_grad_norm_``)."""
-        link = self.hook_state.adam
-        norms = [norm for done, norm in link.norms.values() if done == iteration]
-        ids = self.hook_state.store.parameter_ids() if hasattr(self.hook_state, "store") else None
-        if not norms or ids is None:
-            return
-        grads = [p.grad for group in self.param_groups for p in group["params"]
+        latest = [(norm, ids) for done, norm, ids in self.hook_state.adam.norms.values() if done == iteration]
+        norms = [norm for norm, _ in latest]
+        ids = frozenset().union(*(ids for _, ids in latest))
+        grads = [_local(p.grad) for group in self.param_groups for p in group["params"]
                  if p.grad is not None and id(p) in ids]
         if not grads:
             return
@@ -136,3 +134,8 @@ class SparseAdamW(torch.optim.AdamW):
                           f"{sent:.4g}; clip_grad_norm_?): undone. With the AdamW recipe the hook clips (the "
                           f"recipe's clip_norm={self.correction.clip_norm}); drop clip_grad_norm_", UserWarning,
                           stacklevel=3)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``tensor`` (an FSDP2 parameter's, gradient's or state's DTensor), or ``tensor``."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

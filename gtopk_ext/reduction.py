@@ -90,7 +90,8 @@ class Memory:
 def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: SparseConfig, *, index: int,
                 iteration: int, group: dist.ProcessGroup, what: str, parts: Optional[list[int]] = None,
                 weights: Optional[list[torch.Tensor]] = None, scales: Optional[torch.Tensor] = None,
-                scaling: Optional[LossScaling] = None, queue=None) -> torch.futures.Future:
+                clip_over: Optional[tuple[dist.ProcessGroup, int]] = None, scaling: Optional[LossScaling] = None,
+                queue=None) -> torch.futures.Future:
     """One step of ``tensor`` (flat: this rank's gradient of the front end's tensor ``index``) over ``group``: a
     future of ``tensor``, which becomes the average over the ranks of what was applied.
 
@@ -98,9 +99,10 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
        warm-up, for small tensors and the dense collective, else ``config.path``'s).
     2. Prepare: DGC's clipping and momentum correction (``weights``: the parameters laid end to end as in
        ``tensor``, for weight decay), or its AdamW form (``scales``: the frozen variance's scale laid out as
-       ``tensor``; the warm-up's dense path in place of the sparse one); each part's largest |gradient| (``parts``:
-       their sizes) tells which parts this rank did not use (their residual waits) and whether grad + residual can
-       be non-finite.
+       ``tensor``; the warm-up's dense path in place of the sparse one; its clipping over ``clip_over``, a group
+       whose ranks hold pieces of that many gradients, by default ``group``); each part's largest |gradient|
+       (``parts``: their sizes) tells which parts this rank did not use (their residual waits) and whether
+       grad + residual can be non-finite.
     3. Reduce (sparse, :func:`reduce`): acc = grad + residual compressed to k slots, reduced by the collective (or
        the hierarchical one); what was not applied stays in the residual. A rank whose acc is not finite raises a
        flag instead.
@@ -123,11 +125,11 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     adam = isinstance(correction, AdamCorrection)
     if correction is not None and correction.clip_norm is not None:
         if adam:
-            clip_together(tensor, correction.clip_norm, group)
+            clip_together(tensor, correction.clip_norm, *(clip_over or (group,)))
         else:
             clip(tensor, correction.clip_norm / math.sqrt(dist.get_world_size(group)))
     if adam:
-        path = stats.path = _prepare_adam(tensor, slot, memory, correction, scales, parts, iteration, path, what)
+        path = stats.path = prepare_adam(tensor, slot, memory, correction, scales, parts, iteration, path, what)
     accumulates = correction is not None and not adam and correction.accumulates
     record = None if scaling is None else functools.partial(scaling.velocities_before.__setitem__, index)
     if path != "sparse":
@@ -181,9 +183,9 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     return _done(tensor)
 
 
-def _prepare_adam(tensor: torch.Tensor, slot: Slot, memory: Memory, correction: AdamCorrection,
-                  scales: Optional[torch.Tensor], parts: Optional[list[int]], iteration: int, path: str,
-                  what: str) -> str:
+def prepare_adam(tensor: torch.Tensor, slot: Slot, memory: Memory, correction: AdamCorrection,
+                 scales: Optional[torch.Tensor], parts: Optional[list[int]], iteration: int, path: str,
+                 what: str) -> str:
     """Step 2 with :class:`AdamCorrection`: ``tensor`` enters m and becomes what enters the residual (the gradient
     itself before the freeze); returns the path, the warm-up's in place of the sparse one before the freeze."""
     frozen = correction.frozen(iteration)

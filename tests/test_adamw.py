@@ -321,3 +321,95 @@ def test_the_transformer_example_runs_the_recipe(tmp_path):
     assert found, log[-3000:]
     assert float(found[0].split("validation loss ")[1].split()[0]) < 4.5, found[0]
     assert "paths taken (bucket steps): sparse 22, dense8 6, dense 2" in log, log[-3000:]
+
+
+def fsdp_worker(rank: int, world_size: int) -> list[str]:
+    """2 nodes x 2 ranks (FSDP2 inside a node, the AdamW recipe between nodes), and one node of 4."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from tests.test_fsdp import SPARSE, batch as fsdp_batch, full_parameters, make_model, shard
+
+    failures = []
+    for node_size in (2, 4):
+        where = f"FSDP2, node size {node_size}"
+        state = gx.SparseFSDPState.recipe(gx.fsdp.node_mesh(node_size), density=0.1, optimizer="adamw",
+                                          warmup_steps=3, path=SPARSE)
+        model = shard(make_model(), state.shard_mesh)
+        gx.register_sparse_all_reduce(model, state)
+        optimizer = gx.SparseAdamW(model.parameters(), lr=1e-2, betas=BETAS, weight_decay=0.1, state=state)
+        losses = []
+        for step in range(10):
+            loss = model(fsdp_batch(step % 2, rank)).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+            full = full_parameters(model)
+            replicas = [torch.empty_like(full) for _ in range(world_size)]
+            dist.all_gather(replicas, full)
+            if not all(torch.equal(replicas[0], r) for r in replicas):
+                failures.append(f"{where}, step {step}: the full parameters differ between ranks")
+                break
+        paths = {group.slot.stats.path for group in state.groups if group.layout.numel}
+        expected = {"sparse"} if node_size == 2 else {"none"}
+        if paths != expected or not losses[-1] < 0.7 * losses[1]:
+            failures.append(f"{where}: paths {paths} (expected {expected}), loss {losses[1]:.4f} -> {losses[-1]:.4f}")
+    # 16-bit reduction is refused on every rank.
+    state = gx.SparseFSDPState.recipe(gx.fsdp.node_mesh(2), optimizer="adamw", path=SPARSE)
+    model = shard(make_model(), state.shard_mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+    try:
+        gx.register_sparse_all_reduce(model, state)
+        failures.append("FSDP2: a bfloat16 reduction was not refused")
+    except ValueError as error:
+        if "float32" not in str(error):
+            failures.append(f"FSDP2: the refusal does not name float32: {error}")
+    return failures
+
+
+def test_sparse_adamw_under_fsdp2():
+    results = run_distributed(fsdp_worker, 4, timeout=400)
+    assert results == [[]] * 4, "\n".join(f for r in results for f in r)
+
+
+def same_as_ddp_worker(rank: int, world_size: int) -> list[str]:
+    """Nodes of one rank, the model one FSDP group: the FSDP2 hook reduces the same elements as DDP's one bucket
+    (in another order), so with top-k selection both runs give the same parameters, to float rounding."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.test_fsdp import SPARSE, batch as fsdp_batch, make_model
+
+    def correction():
+        return gx.AdamCorrection(betas=BETAS, freeze_step=3, warmup_path="dense", clip_norm=0.05)  # active
+
+    runs = []
+    for front in ("ddp", "fsdp"):
+        model = make_model()
+        if front == "ddp":
+            state = gx.SparseGradState(density=0.1, compressor="topk", path=SPARSE, momentum=correction(),
+                                       stats_logging_frequency=0)
+            trained = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=100)
+            trained.register_comm_hook(state, gx.sparse_grad_hook)
+        else:
+            state = gx.SparseFSDPState(gx.fsdp.node_mesh(1), density=0.1, compressor="topk", start_iter=2,
+                                       path=SPARSE, momentum=correction())
+            trained = fully_shard(model, mesh=state.shard_mesh)
+            gx.register_sparse_all_reduce(trained, state)
+        optimizer = gx.SparseAdamW(trained.parameters(), lr=1e-2, betas=BETAS, weight_decay=0.1, state=state)
+        for step in range(8):
+            trained(fsdp_batch(step, rank)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append(torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1)
+                               for p in model.parameters()]))
+    ddp, fsdp = runs
+    moved = float((ddp - torch.cat([p.reshape(-1) for p in make_model().parameters()])).abs().max())
+    if not (moved > 1e-3 and torch.allclose(ddp, fsdp, rtol=1e-4, atol=1e-6)):
+        failures = [f"FSDP2 vs DDP: moved {moved:.3g}, differ by {float((ddp - fsdp).abs().max()):.3g}"]
+    else:
+        failures = []
+    return failures
+
+
+def test_fsdp2_hook_reduces_as_ddps_hook():
+    results = run_distributed(same_as_ddp_worker, 2, timeout=300)
+    assert results == [[]] * 2, "\n".join(f for r in results for f in r)

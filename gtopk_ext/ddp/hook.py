@@ -123,7 +123,8 @@ def _reduce_bucket(state: SparseGradState, buffer: torch.Tensor, index: int, is_
     # worker, which prefers the cause another rank published. Under AdamCorrection the output's norm is kept, for
     # SparseAdamW to tell a later rescaling of the gradients.
     worker, iteration = state.worker, state.iter - is_last
-    adam = isinstance(state.config.momentum, AdamCorrection)
+    ids = (frozenset(id(p) for p in parameters) if isinstance(state.config.momentum, AdamCorrection)
+           and parameters is not None else None)
 
     def forward(future):
         try:
@@ -132,8 +133,8 @@ def _reduce_bucket(state: SparseGradState, buffer: torch.Tensor, index: int, is_
             worker.fail(error)
             fail(result, worker.failure)
         else:
-            if adam:
-                state.adam.norms[index] = (iteration, torch.linalg.vector_norm(buffer, dtype=torch.float32))
+            if ids is not None:
+                state.adam.norms[index] = (iteration, torch.linalg.vector_norm(buffer, dtype=torch.float32), ids)
             complete(result, buffer)
 
     reduced.add_done_callback(forward)

@@ -14,9 +14,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMe
 from gtopk_ext.collectives import DTYPE_CODES, Disagreement, agree
 from gtopk_ext.fsdp.layout import fsdp_modules, parameter_group, shard_layout
 from gtopk_ext.fsdp.state import GroupState, SparseFSDPState
-from gtopk_ext.momentum import increment
+from gtopk_ext.momentum import AdamCorrection, clip_together, increment
 from gtopk_ext.ops import is_finite
-from gtopk_ext.reduction import Memory, Slot, StepStats, reduce_step
+from gtopk_ext.reduction import Memory, Slot, StepStats, prepare_adam, reduce_step
 
 
 def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: torch.Tensor) -> None:
@@ -40,8 +40,12 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     group.calls += 1
     config = state.config
     correction = config.momentum
+    adam = isinstance(correction, AdamCorrection)
     if layout.numel == 0 or (state.mesh.size(0) == 1 and correction is None):  # one node: FSDP's average is the answer
         group.slot.stats = StepStats("none", layout.numel, 0)
+        if adam and correction.clip_norm is not None:  # the other ranks' clipping counts on this one
+            clip_together(shard.new_zeros(0, dtype=torch.float32), correction.clip_norm, dist.group.WORLD,
+                          state.mesh.size(0))
         return
     # 1. Gather.
     in_place = layout.numel == layout.padded_numel and shard.dtype == torch.float32
@@ -51,14 +55,25 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     if tensors["residual"].device != work.device:  # CPU offload: parameters (where it was made) live on the host
         group.memory.tensors = {kind: tensor.to(work.device) for kind, tensor in tensors.items()}
     weights = group.parameters() if correction is not None and correction.weight_decay else None
+    scales = state.adam.scales_of(group.index, group.trained()) if adam and correction.frozen(iteration) else None
+    clip_over = (dist.group.WORLD, state.mesh.size(0))  # a module's gradient: its shards on a node's ranks
     if state.mesh.size(0) == 1:  # 2. One node.
         group.slot.stats = StepStats("none", layout.numel, 0)
-        if is_finite(work):
+        if adam:
+            if correction.clip_norm is not None:
+                clip_together(work, correction.clip_norm, *clip_over)
+            prepare_adam(work, group.slot, group.memory, correction, scales, None, iteration, "dense",
+                         "sparse_all_reduce_hook")
+        elif is_finite(work):
             increment(correction, group.memory.get("velocity"), work, weights, None, [1.0], sent_whole=True)
     else:  # 3. Reduce over the nodes.
         reduce_step(work, group.slot, group.memory, config, index=group.index, iteration=iteration,
-                    group=state.mesh.get_group(0), what="sparse_all_reduce_hook", weights=weights).wait()
+                    group=state.mesh.get_group(0), what="sparse_all_reduce_hook", weights=weights, scales=scales,
+                    clip_over=clip_over).wait()
         group.run_traffic.add(group.slot.stats.traffic.sent, group.slot.stats.traffic.received)
+    if adam:  # for SparseAdamW to tell a later rescaling of the gradients
+        state.adam.norms[group.index] = (iteration, torch.linalg.vector_norm(work),
+                                         frozenset(id(p) for p in group.trained()))
     # 4. Write back.
     if not in_place:
         shard.index_copy_(0, index, work.to(shard.dtype))
@@ -82,6 +97,8 @@ def register_sparse_all_reduce(model: nn.Module, state: SparseFSDPState) -> None
                 continue
             _check_mesh(param_group, name, shard_ranks)
             _check_divide_factor(param_group, name)
+            if isinstance(state.config.momentum, AdamCorrection):
+                _check_float32(param_group, name)
             found.append((name, module, param_group, shard_layout(param_group)))
         if not found:
             raise ValueError(f"model ({type(model).__name__}) has no FSDP2 module with trainable parameters")
@@ -134,3 +151,14 @@ def _check_divide_factor(param_group, name: str) -> None:
         raise ValueError(f"FSDP module {name!r} has a gradient divide factor "
                          f"({param_group.gradient_divide_factor}): the sparse hook averages over the nodes, which "
                          f"supports only FSDP's own average; remove set_gradient_divide_factor")
+
+
+def _check_float32(param_group, name: str) -> None:
+    """The AdamW recipe's hook is not linear (clipping, the frozen variance): FSDP's pre- and post-division of a
+    16-bit reduction would not pass through it."""
+    policy = param_group.mp_policy
+    dtypes = {policy.reduce_dtype or policy.param_dtype or p.sharded_param.dtype for p in param_group.fsdp_params}
+    if dtypes != {torch.float32}:
+        raise ValueError(f"FSDP module {name!r} reduces its gradients in {sorted(map(str, dtypes))}: "
+                         f"the AdamW recipe (momentum=AdamCorrection) needs float32 parameters and reduction "
+                         f"(MixedPrecisionPolicy(reduce_dtype=torch.float32))")

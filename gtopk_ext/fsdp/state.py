@@ -17,7 +17,7 @@ from gtopk_ext.collectives import SPARSE_COLLECTIVES, Traffic, agree
 from gtopk_ext.compressors import Compressor
 from gtopk_ext.config import DensitySchedule, SparseConfig, recipe
 from gtopk_ext.fsdp.layout import ShardLayout
-from gtopk_ext.momentum import AdamCorrection, MomentumCorrection, watch
+from gtopk_ext.momentum import AdamCorrection, AdamLink, MomentumCorrection, watch
 from gtopk_ext.paths import PathPolicy
 from gtopk_ext.reduction import Memory, Slot, StepStats
 
@@ -58,10 +58,13 @@ class GroupState:
     run_traffic: Traffic = field(default_factory=Traffic)
     fsdp_group: object = field(default=None, repr=False)
 
+    def trained(self) -> list[torch.Tensor]:
+        """The group's trainable parameters (FSDP's sharded DTensors), in the shard's order."""
+        return [p.sharded_param for p in self.fsdp_group.fsdp_params if p.sharded_param.requires_grad]
+
     def parameters(self) -> list[torch.Tensor]:
         """This rank's pieces of the group's trainable parameters (flat, real elements), in the shard's order."""
-        return [p.sharded_param.to_local().detach().reshape(-1) for p in self.fsdp_group.fsdp_params
-                if p.sharded_param.requires_grad]
+        return [p.to_local().detach().reshape(-1) for p in self.trained()]
 
 
 class SparseFSDPState:
@@ -72,15 +75,18 @@ class SparseFSDPState:
       (the ranks with the same local rank on every node, which hold the same shard positions).
     * ``config``: the :class:`gtopk_ext.SparseConfig` of the other arguments, as for DDP, but: the collective is a
       sparse one; ``start_iter`` (default 0) counts the hook's calls; ``momentum`` corrects each shard (the
-      optimizer then runs WITHOUT momentum or weight decay); neither ``clip_norm`` nor per-tensor selection.
+      optimizer then runs WITHOUT momentum or weight decay; no ``clip_norm``), or :class:`gtopk_ext.AdamCorrection`
+      (with :class:`gtopk_ext.SparseAdamW`, float32 gradients; it clips each module's gradient over the world);
+      no per-tensor selection.
     * ``groups``: a :class:`GroupState` per FSDP parameter group, filled by
-      :func:`gtopk_ext.fsdp.register_sparse_all_reduce`; ``world_size``.
+      :func:`gtopk_ext.fsdp.register_sparse_all_reduce`; ``world_size``; ``adam``: what the hook and
+      :class:`gtopk_ext.SparseAdamW` share (:class:`gtopk_ext.momentum.AdamLink`).
 
     An iteration is one call of the hook for a group: one per optimizer step when microbatches skip the reduction
     with ``model.set_requires_gradient_sync(False)`` (with ``set_requires_all_reduce(False)``: one per microbatch).
     """
 
-    __slots__ = ("mesh", "config", "groups", "world_size", "__weakref__")
+    __slots__ = ("mesh", "config", "groups", "world_size", "adam", "__weakref__")
 
     def __init__(self, mesh: Optional[DeviceMesh] = None, density: DensitySchedule = 0.01,
                  compressor: Union[str, Compressor] = "gaussiank", collective: str = "gtopk", wire: str = "plain",
@@ -91,10 +97,7 @@ class SparseFSDPState:
         if collective not in SPARSE_COLLECTIVES:
             raise ValueError(f"collective must be one of the sparse collectives {SPARSE_COLLECTIVES}, got "
                              f"{collective!r}")
-        if isinstance(config.momentum, AdamCorrection):
-            raise ValueError("momentum: AdamCorrection (the AdamW recipe) is not supported by the FSDP hook yet: use "
-                             "it with DDP's hook (gx.SparseGradState.recipe(..., optimizer='adamw'))")
-        if config.momentum is not None and config.momentum.clip_norm is not None:
+        if isinstance(config.momentum, MomentumCorrection) and config.momentum.clip_norm is not None:
             raise ValueError("momentum: clip_norm is not supported by the FSDP hook (a rank holds a shard of its "
                              "node's average gradient, not its own gradient): clip after the exchange, e.g. "
                              "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before optimizer.step()")
@@ -114,8 +117,14 @@ class SparseFSDPState:
         self.config = config
         self.groups: list[GroupState] = []
         self.world_size = dist.get_world_size()
+        self.adam = AdamLink()
         if config.momentum is not None:
             watch(self, _reduced_parameters)
+
+    @property
+    def iter(self) -> int:
+        """Iterations done: the hook's calls of a group (of the first; every group is called once an iteration)."""
+        return self.groups[0].calls if self.groups else 0
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -123,11 +132,16 @@ class SparseFSDPState:
         return self.mesh[MESH_DIM_NAMES[1]]
 
     @classmethod
-    def recipe(cls, mesh: Optional[DeviceMesh] = None, density: float = 0.01, warmup_steps: int = 44,
-               momentum: float = 0.9, **options) -> "SparseFSDPState":
-        """The DDP recipe (:meth:`gtopk_ext.SparseGradState.recipe`; ``warmup_steps`` counts calls) for FSDP2: train
-        with an optimizer WITHOUT momentum or weight decay; ``options``: the other arguments."""
-        return cls(mesh, **recipe(density, warmup_steps, momentum), **options)
+    def recipe(cls, mesh: Optional[DeviceMesh] = None, density: float = 0.01, warmup_steps: Optional[int] = None,
+               momentum: float = 0.9, *, optimizer: str = "sgd", clip_norm: Optional[float] = 1.0,
+               **options) -> "SparseFSDPState":
+        """The DDP recipes (:meth:`gtopk_ext.SparseGradState.recipe`; ``warmup_steps`` counts calls) for FSDP2: with
+        ``optimizer="sgd"`` train with an optimizer WITHOUT momentum or weight decay, with ``"adamw"`` with
+        :class:`gtopk_ext.SparseAdamW` (the hook clips each module's gradient at ``clip_norm``); ``options``: the
+        other arguments."""
+        if warmup_steps is None:
+            warmup_steps = 24 if optimizer == "adamw" else 44
+        return cls(mesh, **recipe(density, warmup_steps, momentum, optimizer, clip_norm), **options)
 
     def state_dict(self) -> dict:
         """This rank's resumable state: ``{"world_size", "rank<r>": {"group<i>": {"calls", "numel", "residual",

@@ -7,6 +7,8 @@
    warm-up, g + residual = average + new residual summed over the ranks, and the residual moves into m at the freeze.
 2. Real DDP with SparseAdamW (P = 2): the warm-up is AdamW's, replicas bitwise equal after every step, a resume
    bitwise equal to an uninterrupted run, clip_grad_norm_ undone with a warning, the pairing checks, bad input.
+3. FSDP2: 2 nodes x 2 ranks and one node of 4 (replicas equal, the loss falls, 16-bit reductions refused); nodes
+   of one rank give DDP's hook's parameters.
 """
 
 import warnings
@@ -155,10 +157,11 @@ def reduction_worker(rank: int, world_size: int) -> list[str]:
         group = dist.new_group(list(range(size)))
         if rank < size:
             failures += check_reduction(group, rank, size)
-    return failures
+    return failures + fsdp_checks(rank, world_size)
 
 
-def test_adamw_reduction_matches_the_algorithm_and_conserves():
+def test_adamw_reduction_matches_the_algorithm_and_conserves_and_fsdp2_trains():
+    """The reduction on P = 2, 3, 4, then the FSDP2 hook on 4 ranks (one spawn: starting processes costs)."""
     results = run_distributed(reduction_worker, 4, timeout=400)
     assert results == [[]] * 4, "\n".join(f for r in results for f in r)
 
@@ -272,10 +275,10 @@ def ddp_worker(rank: int, world_size: int) -> list[str]:
         except ValueError as error:
             if message not in str(error):
                 failures.append(f"the refusal does not name {message}: {error}")
-    return failures
+    return failures + same_as_ddp_checks(rank, world_size)
 
 
-def test_sparse_adamw_under_ddp():
+def test_sparse_adamw_under_ddp_and_fsdp2_nodes_of_one_rank():
     results = run_distributed(ddp_worker, 2, timeout=400)
     assert results == [[]] * 2, "\n".join(f for r in results for f in r)
 
@@ -323,7 +326,7 @@ def test_the_transformer_example_runs_the_recipe(tmp_path):
     assert "paths taken (bucket steps): sparse 22, dense8 6, dense 2" in log, log[-3000:]
 
 
-def fsdp_worker(rank: int, world_size: int) -> list[str]:
+def fsdp_checks(rank: int, world_size: int) -> list[str]:
     """2 nodes x 2 ranks (FSDP2 inside a node, the AdamW recipe between nodes), and one node of 4."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -366,12 +369,7 @@ def fsdp_worker(rank: int, world_size: int) -> list[str]:
     return failures
 
 
-def test_sparse_adamw_under_fsdp2():
-    results = run_distributed(fsdp_worker, 4, timeout=400)
-    assert results == [[]] * 4, "\n".join(f for r in results for f in r)
-
-
-def same_as_ddp_worker(rank: int, world_size: int) -> list[str]:
+def same_as_ddp_checks(rank: int, world_size: int) -> list[str]:
     """Nodes of one rank, the model one FSDP group: the FSDP2 hook reduces the same elements as DDP's one bucket
     (in another order), so with top-k selection both runs give the same parameters, to float rounding."""
     from torch.distributed.fsdp import fully_shard
@@ -408,8 +406,3 @@ def same_as_ddp_worker(rank: int, world_size: int) -> list[str]:
     else:
         failures = []
     return failures
-
-
-def test_fsdp2_hook_reduces_as_ddps_hook():
-    results = run_distributed(same_as_ddp_worker, 2, timeout=300)
-    assert results == [[]] * 2, "\n".join(f for r in results for f in r)

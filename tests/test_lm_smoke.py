@@ -117,10 +117,11 @@ def test_race_stops_each_method_at_the_target_or_its_budget(tmp_path):
 
 def test_adamw_runs_every_peer_and_the_seeds_table_reads_the_curves(tmp_path):
     """The default optimizer, AdamW with a schedule and clipping, under DDP's hooks, PowerSGD, the sparse hook, the
-    floor and DiLoCo; two seeds merged with a target: each seed's steps and bytes to it, their means, the loss at the
-    schedule's end."""
-    flags = [*TINY, "--steps", "6", "--lr-warmup", "2", "--lr-decay-steps", "4", "--clip-norm", "0.5"]
-    methods = ["ddp", "bf16", "powersgd-2", "gtopk-0.01", "floor", "diloco-2"]
+    AdamW recipe (sparse from step 3), the floor and DiLoCo; two seeds merged with a target: each seed's steps and
+    bytes to it, their means, the loss at the schedule's end."""
+    flags = [*TINY, "--steps", "6", "--lr-warmup", "2", "--lr-decay-steps", "4", "--clip-norm", "0.5",
+             "--adam-warmup", "2"]
+    methods = ["ddp", "bf16", "powersgd-2", "gtopk-0.01", "adamw-0.01", "floor", "diloco-2"]
     out = run_lm(*flags, "--methods", *methods, "--json", str(tmp_path / "seed0.json"))
     assert "AdamW lr 0.002 betas 0.9/0.95, weight decay 0.1 on the matrices, 2 warm-up steps then cosine to 0.1x at " \
            "step 4, clipping at 0.5" in out
@@ -256,6 +257,9 @@ def test_optimizer_defaults_and_the_hooks_that_cannot_take_adamw(capsys):
         assert f"{method} applies SGD momentum in its hook" in capsys.readouterr().err
     with pytest.raises(ValueError, match="run it with --optimizer sgd, not --optimizer adamw"):
         Trainer("recipe-0.01", torch.nn.Linear(2, 2), adamw, 2)  # before any process group
+    with pytest.raises(SystemExit):
+        parse_args(["--optimizer", "sgd", "--methods", "adamw-0.01"])
+    assert "adamw-0.01 is the AdamW recipe: run it with --optimizer adamw" in capsys.readouterr().err
     for argv, flag in ((["--lr", "0"], "--lr"), (["--min-lr-ratio", "1.5"], "--min-lr-ratio"),
                        (["--betas", "0.9", "1.0"], "--betas"), (["--clip-norm", "-1"], "--clip-norm")):
         with pytest.raises(SystemExit):

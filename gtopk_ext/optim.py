@@ -21,7 +21,7 @@ class SparseAdamW(torch.optim.AdamW):
     freeze step. ``lr``, ``betas``, ``eps``, ``weight_decay``, parameter groups and learning-rate schedulers are
     AdamW's; the betas and eps are the hook's too (given to ``state`` before its first step).
 
-    1. Steps 1 to ``freeze_step``: ``torch.optim.AdamW`` on the hook's dense average, bitwise.
+    1. Steps 1 to ``freeze_step``: ``torch.optim.AdamW``'s own step, on the hook's dense average.
     2. At the end of step ``freeze_step``: each parameter's bias-corrected variance v^ becomes its scale
        ``s = sqrt(max(v^, variance_floor x mean(v^))) + eps`` (a parameter that never had a gradient: the mean of
        all), handed to the hook; AdamW's m and v are dropped (m goes on in the hook, per rank).

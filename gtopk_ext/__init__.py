@@ -27,6 +27,6 @@ from gtopk_ext.utils import destroy_process_group  # noqa: E402,F401
 
 __all__ = ["ops", "reference", "collectives", "compressors", "costs", "hierarchical", "reduction", "wire",
            "SparseMessage", "make_compressor", "SparseConfig", "SparseGradState", "sparse_grad_hook",
-           "exponential_warmup", "MomentumCorrection", "AdamCorrection", "SparseAdamW", "Hierarchical", "PathPolicy", "paths", "fsdp",
-           "SparseFSDPState", "register_sparse_all_reduce", "GroupModelAverager", "SparseLocalSGD",
+           "exponential_warmup", "MomentumCorrection", "AdamCorrection", "SparseAdamW", "Hierarchical", "PathPolicy",
+           "paths", "fsdp", "SparseFSDPState", "register_sparse_all_reduce", "GroupModelAverager", "SparseLocalSGD",
            "destroy_process_group", "backends"]

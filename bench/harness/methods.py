@@ -213,7 +213,7 @@ METHODS = {
         f"gtopk_ext recipe, d={d:g}, {warmup}-step warm-up",
         lambda args: recipe_state(d, warmup, args.momentum, args.auto_choices), True),
     "dgc-pt-<d>": lambda d: dgc_recipe(d, per_tensor=True),
-    "adamw-<d>": lambda d: adamw_recipe(d),  # the AdamW recipe (--optimizer adamw), --adam-warmup steps before the freeze
+    "adamw-<d>": lambda d: adamw_recipe(d),  # the AdamW recipe (--optimizer adamw)
     "<collective>-<d>": lambda collective, d: hook_recipe(f"Gaussian-k + {collective}, d={d:g}",
                                                           lambda args: hook_state(d, collective=collective)),
     "hook-<collective>-<d>": lambda collective, d: METHODS["<collective>-<d>"](collective, d),

@@ -33,7 +33,7 @@ class Trainer:
         self.recipe = found if isinstance(found, Recipe) else None
         self.clip_norm = getattr(args, "clip_norm", None)
         adamw_in_hook = self.recipe is not None and self.recipe.adamw_in_hook
-        if adamw_in_hook and self.clip_norm:  # the hook clips; the norm is still measured (an update's, after the freeze)
+        if adamw_in_hook and self.clip_norm:  # the hook clips; an infinite max_norm only measures the norm
             self.clip_norm = math.inf
         if not adamw_in_hook:
             self.optimizer = make_optimizer(model, args, self.recipe is not None and self.recipe.momentum_in_hook)

@@ -17,7 +17,7 @@ from gtopk_ext.collectives import SPARSE_COLLECTIVES, Traffic, agree
 from gtopk_ext.compressors import Compressor
 from gtopk_ext.config import DensitySchedule, SparseConfig, recipe
 from gtopk_ext.fsdp.layout import ShardLayout
-from gtopk_ext.momentum import AdamCorrection, AdamLink, MomentumCorrection, watch
+from gtopk_ext.momentum import AdamLink, MomentumCorrection, watch
 from gtopk_ext.paths import PathPolicy
 from gtopk_ext.reduction import Memory, Slot, StepStats
 

@@ -21,6 +21,7 @@ from torch import nn
 import gtopk_ext as gx
 from gtopk_ext.ddp import reduce_buffer
 from tests.distributed import run_distributed
+from tests.replay import differs, exchange_topk, imbalance
 
 NUMEL, DENSITY, START_ITER, FREEZE, STEPS, K = 300, 0.05, 2, 4, 9, 15
 SHAPES = [(200,), (100,)]
@@ -61,18 +62,7 @@ def replay(group, rank: int, size: int, collective: str):
             increment = m / (1 - b1 ** (step + 1)) / s
             entered += increment.double()
             v = v + increment
-            indices = torch.topk(v.abs(), K).indices.sort().values
-            values = v[indices].clone()
-            v[indices] = 0
-            msg = gx.SparseMessage(values, indices.int(), torch.tensor([K], dtype=torch.int32), NUMEL)
-            output = torch.zeros(NUMEL)
-            if collective == "allgather":
-                applied = torch.ones(K, dtype=torch.bool)
-                output = gx.collectives.sparse_allgather(msg, group) / size
-            else:
-                glob, applied = gx.collectives.gtopk_allreduce(msg, group)
-                output.index_add_(0, glob.indices.long(), glob.values / size)
-                v[indices[~applied]] += values[~applied]
+            output, indices, applied = exchange_topk(v, K, group, size, collective)
             m[indices[applied]] = 0
         steps.append((output, m.clone(), v.clone(), entered.clone()))
     return steps
@@ -94,23 +84,17 @@ def check_reduction(group, rank: int, size: int) -> list[str]:
         applied = torch.zeros(NUMEL, dtype=torch.float64)
         for step, (output, m, v, entered) in enumerate(replay(group, rank, size, collective)):
             got = reduce_buffer(state, gradient(step, rank), 0, parameters=params).wait()
-            velocity = state.store.tensors["velocity"][0]
-            residual = state.store.residuals.get(0, torch.zeros(NUMEL))
-            if not (torch.allclose(got, output, rtol=1e-5, atol=1e-6) and torch.allclose(velocity, m, atol=1e-6)
-                    and torch.allclose(residual, v, atol=1e-5)):
-                failures.append(f"{where}, step {step}: output off by {float((got - output).abs().max()):.3g}, "
-                                f"m by {float((velocity - m).abs().max()):.3g}, "
-                                f"v by {float((residual - v).abs().max()):.3g}")
+            off = differs(state, got, output, m, v, "m", 1e-6)
+            if off:
+                failures.append(f"{where}, step {step}: {off}")
                 break
             if step < FREEZE:
                 continue
             # Conserved at every step: what entered the ranks' v = what was applied + what their v keep.
             applied += size * got.double()
-            total = torch.stack([entered, residual.double()])
-            dist.all_reduce(total, group=group)
-            imbalance = float((total[0] - applied - total[1]).abs().max())
-            if not imbalance <= 1e-4:  # a NaN fails too
-                failures.append(f"{where}, step {step}: entered != applied + kept by {imbalance:.3g}")
+            lost = imbalance(entered, applied, state, group)
+            if not lost <= 1e-4:  # a NaN fails too
+                failures.append(f"{where}, step {step}: entered != applied + kept by {lost:.3g}")
                 break
     # The 8-bit warm-up: per step, the ranks' g + residual = P x average + their new residuals; at the freeze the
     # residual (the roundings still owed) enters m.
@@ -128,10 +112,10 @@ def check_reduction(group, rank: int, size: int) -> list[str]:
             want = "dense" if step < START_ITER else "dense8"
             total = torch.stack([(g + before).double(), after.double()])
             dist.all_reduce(total, group=group)
-            imbalance = float((total[0] - size * got.double() - total[1]).abs().max())
-            if path != want or not imbalance <= 1e-5:
+            lost = float((total[0] - size * got.double() - total[1]).abs().max())
+            if path != want or not lost <= 1e-5:
                 failures.append(f"P={size} dense8 warm-up, step {step}: path {path} (expected {want}), "
-                                f"imbalance {imbalance:.3g}")
+                                f"imbalance {lost:.3g}")
         else:  # the freeze's step is sparse: m is cleared where a slot was applied (at most K of them)
             velocity = state.store.tensors["velocity"][0]
             kept = velocity != 0

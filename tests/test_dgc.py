@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from gtopk_ext.compressors import tensor_shares
 from tests.distributed import run_distributed
+from tests.replay import differs, exchange_topk, imbalance
 
 NUMEL, DENSITY, START_ITER, STEPS = 300, 0.05, 2, 7
 SHAPES = [(200,), (100,)]  # two parameters in one bucket
@@ -47,18 +48,7 @@ def replay(group, rank: int, size: int, collective: str, momentum: float, nester
         else:
             entered += increment.double()
             v = v + increment
-            indices = torch.topk(v.abs(), k).indices.sort().values
-            values = v[indices].clone()
-            v[indices] = 0
-            msg = gx.SparseMessage(values, indices.int(), torch.tensor([k], dtype=torch.int32), NUMEL)
-            output = torch.zeros(NUMEL)
-            if collective == "allgather":
-                applied = torch.ones(k, dtype=torch.bool)
-                output = gx.collectives.sparse_allgather(msg, group) / size
-            else:
-                glob, applied = gx.collectives.gtopk_allreduce(msg, group)
-                output.index_add_(0, glob.indices.long(), glob.values / size)
-                v[indices[~applied]] += values[~applied]
+            output, indices, applied = exchange_topk(v, k, group, size, collective)
             if step >= masking_start:
                 u[indices[applied]] = 0
         steps.append((output, u.clone(), v.clone()))
@@ -81,22 +71,16 @@ def check(group, rank: int, size: int) -> list[str]:
             applied = torch.zeros(NUMEL, dtype=torch.float64)
             for step, (output, u, v) in enumerate(expected):
                 got = reduce_buffer(state, gradient(step, rank), 0, parameters=params).wait()
-                velocity = state.store.tensors["velocity"][0]
-                residual = state.store.residuals.get(0, torch.zeros(NUMEL))
-                if not (torch.allclose(got, output, rtol=1e-5, atol=1e-6) and torch.allclose(velocity, u, atol=1e-5)
-                        and torch.allclose(residual, v, atol=1e-5)):
-                    failures.append(f"{where}, step {step}: output off by {float((got - output).abs().max()):.3g}, "
-                                    f"u by {float((velocity - u).abs().max()):.3g}, "
-                                    f"v by {float((residual - v).abs().max()):.3g}")
+                off = differs(state, got, output, u, v, "u", 1e-5)
+                if off:
+                    failures.append(f"{where}, step {step}: {off}")
                     break
                 if step >= START_ITER:
                     applied += size * got.double()
             # Conserved: what entered every rank's v = what was applied + what the v keep.
-            total = torch.stack([entered, state.store.residuals[0].double()])
-            dist.all_reduce(total, group=group)
-            imbalance = float((total[0] - applied - total[1]).abs().max())
-            if not imbalance <= 1e-4:  # a NaN fails too
-                failures.append(f"{where}: entered != applied + kept by {imbalance:.3g}")
+            lost = imbalance(entered, applied, state, group)
+            if not lost <= 1e-4:  # a NaN fails too
+                failures.append(f"{where}: entered != applied + kept by {lost:.3g}")
     # Local clipping: each rank's bucket scaled to an L2 norm of at most clip_norm / sqrt(P), on every path.
     clip_norm = 5.0
     for collective, extra in (("dense", {}), ("gtopk", {"density": 1.0, "start_iter": 0, "error_feedback": False})):

@@ -17,6 +17,7 @@ from gtopk_ext._validate import check_int, check_number
 from gtopk_ext.compressors import hold_unused
 
 OPTIMIZER_CHECKS = ("raise", "warn", "off")
+WARMUP_PATHS = ("dense8", "dense16", "dense")  # AdamCorrection's, before the freeze
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,6 @@ class AdamCorrection:
     def frozen(self, iteration: int) -> bool:
         """Whether ``iteration``'s step exchanges Adam's update (the variance is frozen), not the gradient."""
         return iteration >= self.freeze_step
-
-
-WARMUP_PATHS = ("dense8", "dense16", "dense")
 
 
 class AdamLink:

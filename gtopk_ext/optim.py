@@ -124,7 +124,7 @@ class SparseAdamW(torch.optim.AdamW):
         if not grads:
             return
         sent = math.sqrt(sum(float(n) ** 2 for n in norms))
-        found = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+        found = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))))
         if found == 0 or abs(found - sent) <= RESCALED_TOLERANCE * sent:
             return
         torch._foreach_mul_(grads, sent / found)

@@ -244,6 +244,22 @@ def ddp_worker(rank: int, world_size: int) -> list[str]:
         failures.append("clip_grad_norm_ after the hook: no warning")
     if not all(torch.allclose(x, y, rtol=1e-4, atol=1e-6) for x, y in zip(clipped_run[-1], history[7])):
         failures.append("clip_grad_norm_ after the hook: not undone")
+    # bfloat16 parameters: the step sees the hook's output as it was (no false alarm from a 16-bit norm).
+    model = Model().to(torch.bfloat16)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = gx.SparseGradState.recipe(density=0.05, optimizer="adamw", warmup_steps=3, path="sparse",
+                                      stats_logging_frequency=0)
+    ddp.register_comm_hook(state, gx.sparse_grad_hook)
+    optimizer = gx.SparseAdamW(model.parameters(), lr=1e-2, state=state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            tokens, targets = batch(step, rank)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(tokens).float(), targets).backward()
+            optimizer.step()
+    if any("rescaled after the hook" in str(w.message) for w in caught):
+        failures.append("bfloat16: the step took the hook's output for a rescaled one")
     # The pairing: a plain AdamW beside the AdamW recipe, and AdamW beside the SGD recipe, refused naming the fix.
     for recipe, message in ((gx.SparseGradState.recipe(optimizer="adamw", stats_logging_frequency=0), "SparseAdamW"),
                             (gx.SparseGradState.recipe(stats_logging_frequency=0), "optimizer='adamw'")):

@@ -40,15 +40,17 @@ def exponential_warmup(final_density: float, warmup_iters: int, start_density: f
 OPTIMIZERS = ("sgd", "adamw")
 
 
-def recipe(density: float, warmup_steps: int, momentum: float, optimizer: str = "sgd",
+def recipe(density: float, warmup_steps: Optional[int], momentum: float, optimizer: str = "sgd",
            clip_norm: Optional[float] = 1.0) -> dict:
     """The recipe's ``density`` and ``momentum``, for every front end. ``optimizer="sgd"``: DGC's exponential
-    warm-up from 0.25 to ``density`` over ``warmup_steps`` steps and Nesterov momentum correction ``momentum``, its
-    masking from the warm-up's end. ``"adamw"``: ``warmup_steps`` steps of 8-bit dense averages under AdamW, then
-    ``density`` with Adam's update corrected in the hook (:class:`AdamCorrection`, ``clip_norm``; the betas are
-    :class:`gtopk_ext.SparseAdamW`'s)."""
+    warm-up from 0.25 to ``density`` over ``warmup_steps`` (None: 44) steps and Nesterov momentum correction
+    ``momentum``, its masking from the warm-up's end. ``"adamw"``: ``warmup_steps`` (None: 24) steps of 8-bit dense
+    averages under AdamW, then ``density`` with Adam's update corrected in the hook (:class:`AdamCorrection`,
+    ``clip_norm``; the betas are :class:`gtopk_ext.SparseAdamW`'s)."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if warmup_steps is None:
+        warmup_steps = 24 if optimizer == "adamw" else 44
     if optimizer == "adamw":
         return {"density": density, "momentum": AdamCorrection(freeze_step=check_int("warmup_steps", warmup_steps, 1),
                                                                clip_norm=clip_norm)}

@@ -5,7 +5,6 @@ itself, and applies the hook's average with AdamW's decoupled weight decay."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 
 import torch
@@ -123,8 +122,9 @@ class SparseAdamW(torch.optim.AdamW):
                  if p.grad is not None and id(p) in ids]
         if not grads:
             return
-        sent = math.sqrt(sum(float(n) ** 2 for n in norms))
-        found = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))))
+        pair = torch.stack([torch.linalg.vector_norm(torch.stack(norms)),  # one host sync for both
+                            torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))])
+        sent, found = pair.tolist()
         if found == 0 or abs(found - sent) <= RESCALED_TOLERANCE * sent:
             return
         torch._foreach_mul_(grads, sent / found)

@@ -123,13 +123,11 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     # 2. Prepare.
     correction = config.momentum
     adam = isinstance(correction, AdamCorrection)
-    if correction is not None and correction.clip_norm is not None:
-        if adam:
-            clip_together(tensor, correction.clip_norm, *(clip_over or (group,)))
-        else:
-            clip(tensor, correction.clip_norm / math.sqrt(dist.get_world_size(group)))
     if adam:
-        path = stats.path = prepare_adam(tensor, slot, memory, correction, scales, parts, iteration, path, what)
+        path = stats.path = prepare_adam(tensor, slot, memory, correction, scales, parts, iteration, path, what,
+                                         clip_over or (group,))
+    elif correction is not None and correction.clip_norm is not None:
+        clip(tensor, correction.clip_norm / math.sqrt(dist.get_world_size(group)))
     accumulates = correction is not None and not adam and correction.accumulates
     record = None if scaling is None else functools.partial(scaling.velocities_before.__setitem__, index)
     if path != "sparse":
@@ -185,9 +183,12 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
 
 def prepare_adam(tensor: torch.Tensor, slot: Slot, memory: Memory, correction: AdamCorrection,
                  scales: Optional[torch.Tensor], parts: Optional[list[int]], iteration: int, path: str,
-                 what: str) -> str:
-    """Step 2 with :class:`AdamCorrection`: ``tensor`` enters m and becomes what enters the residual (the gradient
-    itself before the freeze); returns the path, the warm-up's in place of the sparse one before the freeze."""
+                 what: str, clip_over: tuple) -> str:
+    """Step 2 with :class:`AdamCorrection`: ``tensor`` is clipped over ``clip_over`` (:func:`clip_together`'s
+    group and count), enters m and becomes what enters the residual (the gradient itself before the freeze);
+    returns the path, the warm-up's in place of the sparse one before the freeze."""
+    if correction.clip_norm is not None:
+        clip_together(tensor, correction.clip_norm, *clip_over)
     frozen = correction.frozen(iteration)
     if frozen and (scales is None or scales.shape != tensor.shape):
         raise ValueError(f"{what}: iteration {iteration} is past the freeze step ({correction.freeze_step}), but no "

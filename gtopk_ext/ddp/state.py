@@ -125,8 +125,6 @@ class SparseGradState:
             ddp_model.register_comm_hook(state, gx.sparse_grad_hook)
             optimizer = gx.SparseAdamW(ddp_model.parameters(), lr=3e-4, weight_decay=0.1, state=state)
         """
-        if warmup_steps is None:
-            warmup_steps = 24 if optimizer == "adamw" else 44
         return cls(process_group, **recipe(density, warmup_steps, momentum, optimizer, clip_norm), **options)
 
     def __getstate__(self):

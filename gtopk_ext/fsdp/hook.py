@@ -60,10 +60,8 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     if state.mesh.size(0) == 1:  # 2. One node.
         group.slot.stats = StepStats("none", layout.numel, 0)
         if adam:
-            if correction.clip_norm is not None:
-                clip_together(work, correction.clip_norm, *clip_over)
             prepare_adam(work, group.slot, group.memory, correction, scales, None, iteration, "dense",
-                         "sparse_all_reduce_hook")
+                         "sparse_all_reduce_hook", clip_over)
         elif is_finite(work):
             increment(correction, group.memory.get("velocity"), work, weights, None, [1.0], sent_whole=True)
     else:  # 3. Reduce over the nodes.

@@ -139,8 +139,6 @@ class SparseFSDPState:
         ``optimizer="sgd"`` train with an optimizer WITHOUT momentum or weight decay, with ``"adamw"`` with
         :class:`gtopk_ext.SparseAdamW` (the hook clips each module's gradient at ``clip_norm``); ``options``: the
         other arguments."""
-        if warmup_steps is None:
-            warmup_steps = 24 if optimizer == "adamw" else 44
         return cls(mesh, **recipe(density, warmup_steps, momentum, optimizer, clip_norm), **options)
 
     def state_dict(self) -> dict:

@@ -29,6 +29,8 @@ from bench.harness import cli, report
 from bench.harness.launch import run_group
 from bench.harness.methods import (START_ITER, add_dgc_arguments, add_outer_arguments, method, method_name, numel_of,
                                    optimizer_conflict)
+from bench.harness.regime import (CALIBRATION_STEPS, Regime, add_regime_args, apply_regime, check_regime_args,
+                                  floor_seconds, measured_ratio, probe_steps, seconds_for, steady_seconds)
 from bench.harness.train import Trainer, reduced, slowest, train_curve
 
 # Per --optimizer: the methods by default (no momentum-correcting hook under AdamW) and the defaults of the flags
@@ -197,6 +199,9 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
     warmed_up = START_ITER
     if trainer.recipe is not None and (trainer.recipe.momentum_in_hook or trainer.recipe.adamw_in_hook):
         warmed_up = args.adam_warmup if trainer.recipe.adamw_in_hook else args.dgc_warmup
+    period = trainer.local.method.period if trainer.local is not None else None
+    # --steps-from: only as long as its steady step time takes to measure
+    steps = probe_steps(warmed_up, period) if args.steps_from else args.steps
     updated = []  # after each compressed step of gtopk_ext's hook: each group's elements its reduced gradient touched
 
     def loss_at(step: int):
@@ -210,10 +215,10 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
         return ((args.target_loss is not None and point["val_loss"] <= args.target_loss)
                 or (args.budget is not None and point["seconds"] >= args.budget))
 
-    curve, measured = train_curve(trainer, args.steps, loss_at,
+    curve, measured = train_curve(trainer, steps, loss_at,
                                   lambda model: validation_loss(model, val_batches, rank, world_size),
                                   args.eval_every, tx, progress, count_updated, stop)
-    record = {"method": name, "label": method(name).label, "seed": args.seed, "curve": curve,
+    record = {"method": name, "label": method(name).label, "seed": args.seed, "curve": curve, "period": period,
               "train_loss": (reduced([m["loss"] for m in measured]) / world_size).tolist(),
               "step_seconds": slowest([m["seconds"] for m in measured]).tolist(),
               **{key: curve[-1][key] for key in ("seconds", "bytes_sent", "tx_bytes")},
@@ -335,6 +340,48 @@ def seeds_columns(horizon: int, target: bool) -> list[tuple]:
             ("ms / step", ".0f", "ms_per_step")]
 
 
+def race_rows(probes: list[dict], references: list[dict], target: float, regime: Regime) -> list[dict]:
+    """The race at ``regime``: a row per method timed there (``probes``, this run's records; the floor left out)
+    with its steps to ``target`` in each seed's full run (``references``), its steady step time at the regime, its
+    seconds to the target (estimated: regime.seconds_for), MB per rank to it, and its seconds over the best peer's
+    and over the ideal's (the floor's step x DDP's steps)."""
+    rows = []
+    for probe in (p for p in probes if p["method"] != "floor"):
+        runs = sorted((r for r in references if r["method"] == probe["method"]), key=lambda r: r["seed"])
+        if not runs:
+            raise SystemExit(f"--steps-from: no full run of {probe['method']} in the reports")
+        reached = [report.to_target([r["curve"]], lambda point: point["val_loss"] <= target, "seconds", "bytes_sent")
+                   for r in runs]
+        steps = [found["steps_to_target"] for found in reached]
+        rows.append({"method": probe["method"], "label": probe["label"], "peer": method(probe["method"]).peer,
+                     "per_seed": [{"seed": r["seed"], "steps": r["curve"][-1]["step"], "steps_to_target": n}
+                                  for r, n in zip(runs, steps)],
+                     "steps_to_target": mean_or_none(steps),
+                     "ms_per_step": 1e3 * steady_seconds(probe["step_seconds"], probe["period"]),
+                     "seconds_to_target": mean_or_none([n and seconds_for(n, probe["step_seconds"], probe["period"])
+                                                        for n in steps]),
+                     "mb_to_target": mean_or_none([found["bytes_to_target"] for found in reached]),
+                     "step_seconds": probe["step_seconds"], "period": probe["period"]})
+    ddp = next((row for row in rows if row["method"] == "ddp"), None)
+    ideal = regime.floor_seconds * ddp["steps_to_target"] if ddp and ddp["steps_to_target"] else None
+    best = min((row["seconds_to_target"] for row in rows if row["peer"] and row["seconds_to_target"]), default=None)
+    for row in rows:
+        row["mb_to_target"] = row["mb_to_target"] and row["mb_to_target"] / 1e6
+        row["vs_best_peer"] = row["seconds_to_target"] and best and row["seconds_to_target"] / best
+        row["vs_ideal"] = row["seconds_to_target"] and ideal and row["seconds_to_target"] / ideal
+    return rows
+
+
+RACE_AT_REGIME_COLUMNS = [
+    ("method", "", "label"),
+    ("steps to target, per seed", "", per_seed("steps_to_target", "g", lambda r: f">{r['steps']}")),
+    ("mean", "g", "steps_to_target"), ("ms / step", ".0f", "ms_per_step"),
+    ("s to target (estimated)", ".0f", "seconds_to_target"),
+    ("vs best peer", "", lambda r: r["vs_best_peer"] and f"{r['vs_best_peer']:.2f}x"),
+    ("vs ideal", "", lambda r: r["vs_ideal"] and f"{r['vs_ideal']:.2f}x"),
+    ("MB / rank to target", ".0f", "mb_to_target")]
+
+
 def describe_optimizer(args: argparse.Namespace) -> str:
     if args.optimizer == "sgd":
         return f"SGD lr {args.lr:g} momentum {args.momentum:g}"
@@ -350,7 +397,8 @@ def setting(args: argparse.Namespace, corpus: dict) -> str:
             f"{'Hugging Face GPT-2' if args.model == 'gpt2' else 'transformer'} "
             f"({numel_of(build_model(args)) / 1e6:.2f}M parameters, d={args.d_model}, {args.layers} "
             f"layers, {args.heads} heads), sequence {args.seq_len}, batch {args.batch_size}/rank, {args.steps} steps, "
-            f"{describe_optimizer(args)}, seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}")
+            f"{describe_optimizer(args)}, seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}"
+            + (f", regime R = {args.regime:g} (floor {args.floor_ms:.0f} ms)" if getattr(args, "regime", None) else ""))
 
 
 def seeds_of(records: list[dict]) -> list:
@@ -395,6 +443,12 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                              "evaluation at or below it (the first columns), where the method stops")
     parser.add_argument("--budget", type=float, default=None,
                         help="training seconds after which a method stops (then: not reached)")
+    add_regime_args(parser)
+    parser.add_argument("--steps-from", type=Path, nargs="+",
+                        help="with --regime and --target-loss: the race there from these full runs' reports (one "
+                             "configuration, any link): each method trains only as long as its step time at the "
+                             "regime takes to measure (its warm-up and 20 steps, or whole periods), and its seconds "
+                             "to the target are its steps to it in each seed's full run at that step time")
     parser.add_argument("--merge", type=Path, nargs="+",
                         help="run nothing: the table, --json and --plot of these reports' methods together (reports "
                              "of one configuration, written by parts of --methods or with other seeds: then a table "
@@ -406,6 +460,9 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
         parser.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
     if not 0 < args.val_percent < 100:
         parser.error(f"--val-percent must be in (0, 100), got {args.val_percent}")
+    check_regime_args(parser, args)
+    if args.steps_from and (args.regime is None or args.target_loss is None):
+        parser.error("--steps-from needs --regime and --target-loss")
     cli.fill_optimizer_defaults(parser, args, OPTIMIZER_DEFAULTS)
     args.lr_decay_steps = args.lr_decay_steps or args.steps
     args.methods = list(dict.fromkeys(args.methods or DEFAULT_METHODS[args.optimizer]))
@@ -418,31 +475,69 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
 def settings_of(report_: dict) -> dict:
     """A report's settings, with what the reports from before a flag ran with: loopback (--rate), SGD without a
     schedule (--optimizer)."""
-    old = {"model": "transformer", "rate": None, "target_loss": None, "budget": None, "optimizer": "sgd",
-           "betas": [0.9, 0.95], **OPTIMIZER_DEFAULTS["sgd"], "lr_decay_steps": report_["settings"]["steps"]}
+    old = {"model": "transformer", "rate": None, "regime": None, "target_loss": None, "budget": None,
+           "optimizer": "sgd", "betas": [0.9, 0.95], **OPTIMIZER_DEFAULTS["sgd"],
+           "lr_decay_steps": report_["settings"]["steps"]}
     return {**old, **report_["settings"]}
 
 
-def merged(args: argparse.Namespace) -> tuple[argparse.Namespace, dict, list[dict]]:
-    """The settings, corpus and records of the reports ``args.merge`` names, which must share one configuration
-    (a method once per seed; "seed" of the settings: the list of the seeds where there are several)."""
-    reports = [json.loads(path.read_text()) for path in args.merge]
+def load_reports(paths: list[Path], flag: str, ignore=()) -> tuple[list[dict], list[dict]]:
+    """The reports at ``paths`` and their records (a method once per seed), which must share one configuration
+    (CONFIGURATION but ``ignore``); ``flag`` names the option in the errors."""
+    reports = [json.loads(path.read_text()) for path in paths]
     first = settings_of(reports[0])
-    for path, other in zip(args.merge[1:], reports[1:]):
-        differ = [key for key in CONFIGURATION if settings_of(other).get(key) != first.get(key)]
+    for path, other in zip(paths[1:], reports[1:]):
+        differ = [key for key in CONFIGURATION if key not in ignore and settings_of(other).get(key) != first.get(key)]
         if differ:
-            raise SystemExit(f"--merge: {path} differs from {args.merge[0]} in {differ}: not one experiment")
+            raise SystemExit(f"{flag}: {path} differs from {paths[0]} in {differ}: not one experiment")
     records = [{"seed": r["settings"]["seed"], **record} for r in reports for record in r["runs"]]  # older: no seed
     runs = [(record["method"], record["seed"]) for record in records]
     if len(set(runs)) != len(runs):
-        raise SystemExit(f"--merge: a method appears more than once with one seed: {runs}")
+        raise SystemExit(f"{flag}: a method appears more than once with one seed: {runs}")
+    return reports, records
+
+
+def merged(args: argparse.Namespace) -> tuple[argparse.Namespace, dict, list[dict]]:
+    """The settings, corpus and records of the reports ``args.merge`` names (:func:`load_reports`; "seed" of the
+    settings: the list of the seeds where there are several)."""
+    reports, records = load_reports(args.merge, "--merge")
+    first = settings_of(reports[0])
     seeds = seeds_of(records)
-    settings = argparse.Namespace(**{**first, "methods": list(dict.fromkeys(name for name, _ in runs)),
+    settings = argparse.Namespace(**{**first, "methods": list(dict.fromkeys(r["method"] for r in records)),
                                      "seed": seeds if len(seeds) > 1 else seeds[0],
                                      "steps": max(r["settings"]["steps"] for r in reports),
                                      "json": args.json, "plot": args.plot,
                                      **({"target_loss": args.target_loss} if args.target_loss is not None else {})})
     return settings, reports[0]["corpus"], records
+
+
+def measure_floor(args: argparse.Namespace) -> float:
+    """The compute floor's step here (seconds): the floor method for CALIBRATION_STEPS steps on loopback."""
+    settings = argparse.Namespace(**{**vars(args), "methods": ["floor"], "steps": CALIBRATION_STEPS, "json": None,
+                                     "eval_every": CALIBRATION_STEPS, "target_loss": None, "budget": None,
+                                     "steps_from": None, "no_progress": True})
+    measured = run_group("bench.lm", args.world_size, settings, args.timeout, prefix=args.prefix)
+    return floor_seconds(measured["records"][0]["step_seconds"])
+
+
+def race_at_regime(args: argparse.Namespace, regime: Regime, corpus: dict, probes: list[dict]) -> None:
+    """--steps-from's table, --json and --plot (validation loss against the estimated seconds)."""
+    _, references = load_reports(args.steps_from, "--steps-from", ignore=("rate", "eval_every", "lr_decay_steps"))
+    rows = race_rows(probes, references, args.target_loss, regime)
+    title = f"{setting(args, corpus)}; to a validation loss of {args.target_loss:g}"
+    ddp = next((row for row in rows if row["method"] == "ddp"), None)
+    print(f"\n{title}\n{regime.describe()}"
+          + (f"\n{measured_ratio(ddp['ms_per_step'] / 1e3, regime.floor_seconds)}" if ddp else "")
+          + f"\n\n{report.table(rows, RACE_AT_REGIME_COLUMNS, markdown=True)}")
+    if args.json:
+        report.write_json(args.json, args, setting=title, regime=regime.describe(), race=rows, runs=probes)
+    if args.plot:
+        timed = {row["method"]: row for row in rows}
+        curves = [{**r, "label": f"{r['label']}, seed {r['seed']}", "curve": [
+            {**point, "seconds": seconds_for(point["step"], timed[r["method"]]["step_seconds"], r["period"])}
+            for point in r["curve"]]} for r in references if r["method"] in timed]
+        report.plot_curves(curves, args.plot, title, "validation loss (nats per byte)", lambda c: min(c["val_loss"], 4),
+                           [("seconds at R = {:g} (estimated)".format(args.regime), lambda c: c["seconds"], "log")])
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -453,10 +548,20 @@ def main(argv: Optional[list] = None) -> int:
         args, corpus, records = merged(args)
         write_report(args, corpus, records)
     else:
-        args.rate = cli.link_rate("bench.lm", args)
+        regime = apply_regime(args, "bench.lm", numel_of(build_model(args)), args.world_size,
+                              lambda: measure_floor(args)) if args.regime else None
+        if regime is None:
+            args.rate = cli.link_rate("bench.lm", args)
         args.json = args.json.resolve() if args.json else None  # the ranks run in the repository's root
-        measured = run_group("bench.lm", args.world_size, args, args.timeout, rate_bps=args.rate, prefix=args.prefix)
+        # the probes run their steps whatever the loss (no stop at the target); their report is race_at_regime's
+        settings = ({**vars(args), "json": None, "target_loss": None, "budget": None,
+                     "steps_from": list(map(str, args.steps_from))} if args.steps_from else args)
+        measured = run_group("bench.lm", args.world_size, settings, args.timeout, rate_bps=args.rate,
+                             prefix=args.prefix)
         corpus, records = measured["corpus"], measured["records"]
+        if args.steps_from:
+            race_at_regime(args, regime, corpus, records)
+            return 0
     title = setting(args, corpus)
     print(f"\n{title}\n")
     found = tables(args, records)

@@ -26,6 +26,8 @@ from bench.harness import cli, report
 from bench.harness.gradients import wide_mlp
 from bench.harness.launch import run_group
 from bench.harness.methods import START_ITER, add_dgc_arguments, method, method_name, numel_of
+from bench.harness.regime import (CALIBRATION_STEPS, add_regime_args, apply_regime, check_regime_args, floor_seconds,
+                                  measured_ratio)
 from bench.harness.train import Trainer, batch_loss, epoch_batches, evaluate, gathered
 
 WARMUP_STEPS = START_ITER + 1  # steps left out of the timing and byte statistics
@@ -151,7 +153,9 @@ def parse_args(argv: list | None = None) -> argparse.Namespace:
     parser.add_argument("--target", type=float, default=0.9, help="test accuracy whose steps and seconds to report")
     add_dgc_arguments(parser)
     cli.add_network_args(parser, prefix="gxpeers")
+    add_regime_args(parser)
     args = parser.parse_args(argv)
+    check_regime_args(parser, args)
     cli.check(parser, args, positive=("world_size", "steps", "eval_every", "batch_size", "mlp_params"),
               unit=("target",))
     if args.steps <= WARMUP_STEPS:
@@ -160,12 +164,22 @@ def parse_args(argv: list | None = None) -> argparse.Namespace:
     return args
 
 
+def measure_floor(args: argparse.Namespace) -> float:
+    """The compute floor's step here (seconds, the slowest rank's): the floor method alone on loopback."""
+    settings = {**vars(args), "methods": ["floor"], "steps": CALIBRATION_STEPS, "seeds": args.seeds[:1],
+                "eval_every": CALIBRATION_STEPS, "no_progress": True, "json": None, "plot": None}
+    seconds = run_group("bench.peers", args.world_size, settings, args.timeout, prefix=args.prefix)["runs"][0]["floor"]
+    return floor_seconds([max(per_rank) for per_rank in zip(*seconds["seconds"])])
+
+
 def main(argv: list | None = None) -> None:
     args = parse_args(argv)
     if cli.ran_as_worker(args, run_worker, "timeout"):
         return
-    rate = cli.link_rate("peers", args)
-    network = network_name(rate)
+    if args.regime:
+        apply_regime(args, "bench.peers", numel_of(build_model(args, 0)), args.world_size, lambda: measure_floor(args))
+    rate = args.rate if args.regime else cli.link_rate("peers", args)
+    network = network_name(rate) + (f", regime R = {args.regime:g}" if args.regime else "")
     others, started, load_before = others_cpu_seconds(), time.perf_counter(), os.getloadavg()
     measured = run_group("bench.peers", args.world_size, args, args.timeout, rate_bps=rate, prefix=args.prefix)
     wall, others = time.perf_counter() - started, max(0.0, others_cpu_seconds() - others)
@@ -186,6 +200,9 @@ def main(argv: list | None = None) -> None:
         ("MB/rank/step wire", ".3f", "tx_mb_per_step"), ("MB/rank/step own", ".3f", "own_mb_per_step"),
         ("CPU ms/step/rank", ".1f", "cpu_ms_per_step"), ("test acc", ".1%", "final_accuracy"),
         (f"steps to {target}", "g", "steps_to_target"), (f"s to {target}", ".1f", "seconds_to_target")], markdown=True))
+    floor = next((row for row in rows if row["method"] == "floor"), None)
+    if args.regime and ddp and floor:
+        print("\n" + measured_ratio(ddp["ms_per_step"] / 1e3, floor["ms_per_step"] / 1e3))
     print(f"\nms per step in each stage of the dgc methods' warm-up (--dgc-warmup {args.dgc_warmup}):\n")
     print(stage_table(runs, args))
     for name in args.methods:  # the hook forced to finish each bucket in the call must not change a bit

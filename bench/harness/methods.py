@@ -71,6 +71,7 @@ class Recipe:
     one_bucket: bool = False
     momentum_in_hook: bool = False
     adamw_in_hook: bool = False  # the AdamW recipe: its optimizer is gx.SparseAdamW on the hook's state
+    peer: bool = False  # what users have without gtopk_ext (DDP, PyTorch's hooks): the races' "best peer"
 
 
 def attached(ddp, state: gx.SparseGradState) -> Accounting:
@@ -107,7 +108,7 @@ def allreduce_recipe(label: str, hook=None, wire_bytes: int = 4) -> Recipe:
         if hook is not None:
             ddp.register_comm_hook(None, hook)
         return Accounting(lambda: ring_allreduce_bytes(numel_of(ddp) * wire_bytes, world_size))
-    return Recipe(label, attach)
+    return Recipe(label, attach, peer=True)
 
 
 def powersgd_recipe(rank: int) -> Recipe:
@@ -123,7 +124,7 @@ def powersgd_recipe(rank: int) -> Recipe:
             added, counted[0] = state.total_numel_after_compression - counted[0], state.total_numel_after_compression
             return ring_allreduce_bytes((added or numel) * 4, world_size)
         return Accounting(bytes_sent, lambda: len(state.error_dict))
-    return Recipe(f"PowerSGD rank {rank} (one bucket)", attach, one_bucket=True)
+    return Recipe(f"PowerSGD rank {rank} (one bucket)", attach, one_bucket=True, peer=True)
 
 
 def dgc_recipe(density: float, per_tensor: bool = False, path: str | None = None) -> Recipe:
@@ -173,6 +174,11 @@ class LocalMethod:
     collective: str = "dense"
     density: float = 1.0
     wire: str = "plain"
+
+    @property
+    def peer(self) -> bool:
+        """PyTorch's local SGD and DiLoCo are what users have; SparseLocalSGD's sparse exchange is gtopk_ext's."""
+        return self.kind != "sparse"
 
     @property
     def label(self) -> str:

@@ -18,6 +18,7 @@ from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
 from bench.harness.methods import add_outer_arguments, method, method_name, numel_of
+from bench.harness.regime import CALIBRATION_STEPS, add_regime_args, apply_regime, check_regime_args
 from bench.harness.train import Trainer, batch_loss, evaluation, train_curve
 from gtopk_ext.collectives import ring_allreduce_bytes
 
@@ -76,7 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                         type=lambda text: text if text == "diloco-equal" else method_name(text))
     cli.add_network_args(parser, prefix="gxlocalsgd", rate="100mbit", timeout=3600.0)
+    add_regime_args(parser)
     args = parser.parse_args(argv)
+    check_regime_args(parser, args)
     cli.check(parser, args, positive=("world_size", "steps", "eval_every", "batch_size"))
     args.periods = {}  # diloco-equal is DiLoCo with this H
     if "diloco-equal" in args.methods:
@@ -88,11 +91,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def measure_floor(args: argparse.Namespace) -> float:
+    """The compute floor's step here (seconds): the floor method's mean step on loopback."""
+    settings = {**vars(args), "methods": ["floor"], "steps": CALIBRATION_STEPS, "eval_every": CALIBRATION_STEPS}
+    return run_group("bench.local_sgd", args.world_size, settings, args.timeout)[0]["curve"][-1]["seconds"] / \
+        CALIBRATION_STEPS
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if cli.ran_as_worker(args, run_worker):
         return
-    rate = cli.link_rate("local_sgd", args)
+    if args.regime:
+        apply_regime(args, "bench.local_sgd", numel_of(make_model(args.model)), args.world_size,
+                     lambda: measure_floor(args))
+    rate = args.rate if args.regime else cli.link_rate("local_sgd", args)
     print(f"{args.world_size} Gloo processes on {network_name(rate)}, digits {args.model} "
           f"({numel_of(make_model(args.model))} parameters), batch {args.batch_size}/rank, {args.steps} inner steps "
           f"(SGD lr {args.lr}, momentum {args.momentum}), outer lr {args.outer_lr}, "

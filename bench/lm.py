@@ -449,6 +449,9 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                              "configuration, any link): each method trains only as long as its step time at the "
                              "regime takes to measure (its warm-up and 20 steps, or whole periods), and its seconds "
                              "to the target are its steps to it in each seed's full run at that step time")
+    parser.add_argument("--timed-from", type=Path,
+                        help="with --steps-from: run nothing, the step times and regime of this earlier --steps-from "
+                             "run's --json (with other or more full runs)")
     parser.add_argument("--merge", type=Path, nargs="+",
                         help="run nothing: the table, --json and --plot of these reports' methods together (reports "
                              "of one configuration, written by parts of --methods or with other seeds: then a table "
@@ -461,8 +464,10 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     if not 0 < args.val_percent < 100:
         parser.error(f"--val-percent must be in (0, 100), got {args.val_percent}")
     check_regime_args(parser, args)
-    if args.steps_from and (args.regime is None or args.target_loss is None):
-        parser.error("--steps-from needs --regime and --target-loss")
+    if args.steps_from and args.target_loss is None or args.timed_from and not args.steps_from:
+        parser.error("--steps-from needs --target-loss; --timed-from needs --steps-from")
+    if args.steps_from and (args.regime is None) == (args.timed_from is None):
+        parser.error("--steps-from needs --regime (time the methods now) or --timed-from (as timed before)")
     cli.fill_optimizer_defaults(parser, args, OPTIMIZER_DEFAULTS)
     args.lr_decay_steps = args.lr_decay_steps or args.steps
     args.methods = list(dict.fromkeys(args.methods or DEFAULT_METHODS[args.optimizer]))
@@ -522,7 +527,11 @@ def measure_floor(args: argparse.Namespace) -> float:
 
 def race_at_regime(args: argparse.Namespace, regime: Regime, corpus: dict, probes: list[dict]) -> None:
     """--steps-from's table, --json and --plot (validation loss against the estimated seconds)."""
-    _, references = load_reports(args.steps_from, "--steps-from", ignore=("rate", "eval_every", "lr_decay_steps"))
+    ignore = ("rate", "eval_every", "lr_decay_steps")  # what does not change a step's time
+    reports, references = load_reports(args.steps_from, "--steps-from", ignore)
+    differ = [key for key in CONFIGURATION if key not in ignore and settings_of(reports[0]).get(key) != vars(args)[key]]
+    if differ:
+        raise SystemExit(f"--steps-from: {args.steps_from[0]} differs from the timed run in {differ}")
     rows = race_rows(probes, references, args.target_loss, regime)
     title = f"{setting(args, corpus)}; to a validation loss of {args.target_loss:g}"
     ddp = next((row for row in rows if row["method"] == "ddp"), None)
@@ -530,7 +539,8 @@ def race_at_regime(args: argparse.Namespace, regime: Regime, corpus: dict, probe
           + (f"\n{measured_ratio(ddp['ms_per_step'] / 1e3, regime.floor_seconds)}" if ddp else "")
           + f"\n\n{report.table(rows, RACE_AT_REGIME_COLUMNS, markdown=True)}")
     if args.json:
-        report.write_json(args.json, args, setting=title, regime=regime.describe(), race=rows, runs=probes)
+        report.write_json(args.json, args, setting=title, regime=regime.describe(), corpus=corpus, race=rows,
+                          runs=probes)
     if args.plot:
         timed = {row["method"]: row for row in rows}
         curves = [{**r, "label": f"{r['label']}, seed {r['seed']}", "curve": [
@@ -547,6 +557,13 @@ def main(argv: Optional[list] = None) -> int:
     if args.merge:
         args, corpus, records = merged(args)
         write_report(args, corpus, records)
+    elif args.timed_from:
+        timed = json.loads(args.timed_from.read_text())  # its configuration, regime and link
+        for key in (*CONFIGURATION, "regime", "floor_ms"):
+            setattr(args, key, timed["settings"][key])
+        regime = Regime.of(args.regime, args.floor_ms / 1e3, numel_of(build_model(args)), args.world_size)
+        race_at_regime(args, regime, timed["corpus"], timed["runs"])
+        return 0
     else:
         regime = apply_regime(args, "bench.lm", numel_of(build_model(args)), args.world_size,
                               lambda: measure_floor(args)) if args.regime else None

@@ -122,6 +122,20 @@ def test_tiny_race_at_a_regime(tmp_path):
         assert rows[name]["seconds_to_target"] == (reached and pytest.approx(
             sum(probes[name]["step_seconds"][:reached])))
     assert math.isfinite(rows["ddp"]["vs_ideal"]) and rows["ddp"]["vs_ideal"] > 1
+    # --timed-from: the same table again from the recorded step times, nothing run (no --regime, no model flags)
+    again = subprocess.run([sys.executable, "-m", "bench.lm", "--steps-from", str(tmp_path / "full.json"),
+                            "--timed-from", str(tmp_path / "race.json"), "--target-loss", repr(target), "--json",
+                            str(tmp_path / "again.json")], cwd=ROOT, timeout=120, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((tmp_path / "again.json").read_text())["race"] == race["race"]
+    # full runs of another model are not this race's
+    other = json.loads((tmp_path / "full.json").read_text())
+    other["settings"]["d_model"] = 64
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    refused = subprocess.run([sys.executable, "-m", "bench.lm", "--steps-from", str(tmp_path / "other.json"),
+                              "--timed-from", str(tmp_path / "race.json"), "--target-loss", repr(target)], cwd=ROOT,
+                             timeout=120, capture_output=True, text=True)
+    assert refused.returncode != 0 and "differs from the timed run in ['d_model']" in refused.stderr
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="namespaces and tc need root and iproute2")

@@ -49,6 +49,11 @@ class Regime:
     floor_seconds: float
     ddp_bytes: float
 
+    @classmethod
+    def of(cls, ratio: float, floor_seconds: float, numel: int, world_size: int) -> Regime:
+        """DDP's bytes: a ring allreduce of ``numel`` float32 elements over ``world_size`` ranks."""
+        return cls(ratio, floor_seconds, ring_allreduce_bytes(4 * numel, world_size))
+
     @property
     def rate_bps(self) -> int:
         """The links' rate at which DDP's exchange takes ``ratio`` x the floor's step."""
@@ -91,8 +96,7 @@ def apply_regime(args: argparse.Namespace, program: str, numel: int, world_size:
     """--regime's: the floor's step (``measure_floor()``, or --floor-ms) and DDP's float32 ring allreduce of ``numel``
     elements over ``world_size`` ranks; sets --rate and --floor-ms, and says what it chose."""
     require_emulation(f"{program} --regime")
-    regime = Regime(args.regime, args.floor_ms / 1e3 if args.floor_ms else measure_floor(),
-                    ring_allreduce_bytes(4 * numel, world_size))
+    regime = Regime.of(args.regime, args.floor_ms / 1e3 if args.floor_ms else measure_floor(), numel, world_size)
     args.rate, args.floor_ms = regime.rate_bps, 1e3 * regime.floor_seconds
     print(regime.describe(), flush=True)
     return regime

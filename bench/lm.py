@@ -525,14 +525,29 @@ def measure_floor(args: argparse.Namespace) -> float:
     return floor_seconds(measured["records"][0]["step_seconds"])
 
 
+OUTER = ("outer_lr", "outer_momentum", "outer_nesterov", "error_decay")
+
+
+def outer_step(settings: dict) -> str:
+    """A report's outer step of DiLoCo and SparseLocalSGD, in words."""
+    momentum = settings["outer_momentum"]
+    return (f"outer lr {settings['outer_lr']:g}"
+            + (f", {'Nesterov ' * settings['outer_nesterov']}momentum {momentum:g}" if momentum else "")
+            + (f", error decay {settings['error_decay']:g}" if settings.get("error_decay", 1.0) != 1.0 else ""))
+
+
 def race_at_regime(args: argparse.Namespace, regime: Regime, corpus: dict, probes: list[dict]) -> None:
     """--steps-from's table, --json and --plot (validation loss against the estimated seconds)."""
-    ignore = ("rate", "eval_every", "lr_decay_steps")  # what does not change a step's time
+    # what changes no step's time: the link, the evaluations, and the steps and outer step of each method's own run
+    ignore = ("rate", "eval_every", "lr_decay_steps", *OUTER)
     reports, references = load_reports(args.steps_from, "--steps-from", ignore)
     differ = [key for key in CONFIGURATION if key not in ignore and settings_of(reports[0]).get(key) != vars(args)[key]]
     if differ:
         raise SystemExit(f"--steps-from: {args.steps_from[0]} differs from the timed run in {differ}")
     rows = race_rows(probes, references, args.target_loss, regime)
+    for row in (row for row in rows if getattr(method(row["method"]), "kind", None) in ("diloco", "sparse")):
+        row["label"] += "; " + " / ".join(sorted({outer_step(settings_of(r)) for r in reports  # as its runs had it
+                                                  if any(run["method"] == row["method"] for run in r["runs"])}))
     title = f"{setting(args, corpus)}; to a validation loss of {args.target_loss:g}"
     ddp = next((row for row in rows if row["method"] == "ddp"), None)
     print(f"\n{title}\n{regime.describe()}"
@@ -577,6 +592,8 @@ def main(argv: Optional[list] = None) -> int:
                              prefix=args.prefix)
         corpus, records = measured["corpus"], measured["records"]
         if args.steps_from:
+            if args.json:  # the step times first: for --timed-from, whatever the table's fate
+                report.write_json(args.json, args, regime=regime.describe(), corpus=corpus, runs=records)
             race_at_regime(args, regime, corpus, records)
             return 0
     title = setting(args, corpus)

@@ -24,14 +24,6 @@ SUBNET = "10.77.0"  # private, and only ever assigned inside this module's own n
 RANK_IFNAME = "eth0"
 
 
-def parse_rate(text: str) -> int:
-    """'1gbit', '100mbit', '250kbit' or a plain number of bits per second -> bits per second."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)(?:bit)?", text.strip().lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"rate must look like 1gbit, 100mbit or 5e8, got {text!r}")
-    return int(float(match[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match[2]])
-
-
 def rate_name(bps: int | None) -> str:
     if bps is None:
         return "loopback"

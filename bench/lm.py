@@ -449,9 +449,10 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                              "configuration, any link): each method trains only as long as its step time at the "
                              "regime takes to measure (its warm-up and 20 steps, or whole periods), and its seconds "
                              "to the target are its steps to it in each seed's full run at that step time")
-    parser.add_argument("--timed-from", type=Path,
-                        help="with --steps-from: run nothing, the step times and regime of this earlier --steps-from "
-                             "run's --json (with other or more full runs)")
+    parser.add_argument("--timed-from", type=Path, nargs="+",
+                        help="with --steps-from: run nothing, the step times and regime of these earlier --steps-from "
+                             "runs' --json (one regime; a method timed in several: the last one's), with other or "
+                             "more full runs")
     parser.add_argument("--merge", type=Path, nargs="+",
                         help="run nothing: the table, --json and --plot of these reports' methods together (reports "
                              "of one configuration, written by parts of --methods or with other seeds: then a table "
@@ -573,11 +574,14 @@ def main(argv: Optional[list] = None) -> int:
         args, corpus, records = merged(args)
         write_report(args, corpus, records)
     elif args.timed_from:
-        timed = json.loads(args.timed_from.read_text())  # its configuration, regime and link
-        for key in (*CONFIGURATION, "regime", "floor_ms"):
-            setattr(args, key, timed["settings"][key])
+        timed = [json.loads(path.read_text()) for path in args.timed_from]
+        for key in (*CONFIGURATION, "regime", "floor_ms"):  # the timed runs' configuration, regime and link
+            if len({json.dumps(t["settings"][key]) for t in timed}) > 1:
+                raise SystemExit(f"--timed-from: the runs differ in {key}: not one regime")
+            setattr(args, key, timed[0]["settings"][key])
         regime = Regime.of(args.regime, args.floor_ms / 1e3, numel_of(build_model(args)), args.world_size)
-        race_at_regime(args, regime, timed["corpus"], timed["runs"])
+        probes = {r["method"]: r for t in timed for r in t["runs"]}
+        race_at_regime(args, regime, timed[0]["corpus"], list(probes.values()))
         return 0
     else:
         regime = apply_regime(args, "bench.lm", numel_of(build_model(args)), args.world_size,

@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 import gtopk_ext as gx
 from bench.cost_model import METHODS, WIRES, bytes_per_rank, features
-from bench.emulated_network import TxCounter, cleanup_stale, parse_rate, rate_name
+from bench.emulated_network import TxCounter, cleanup_stale, rate_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
 from bench.harness.train import barrier_bytes, gathered, slowest
+from gtopk_ext.costs import parse_rate
 
 
 def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dict) -> list[dict]:

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import argparse
 import math
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gtopk_ext.collectives import Collective
     from gtopk_ext.wire import Wire
+
+
+# Bytes on an Ethernet link per byte of TCP payload in full 1500-byte frames: Ethernet (14), IP (20), TCP (32) headers.
+WIRE_OVERHEAD = (1448 + 66) / 1448
+
+
+def parse_rate(text: str) -> int:
+    """A link's rate for argparse: '1gbit', '100mbit', '250kbit' or a plain number of bits per second -> bits per
+    second."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmg]?)(?:bit)?", text.strip().lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"rate must look like 1gbit, 100mbit or 5e8, got {text!r}")
+    return int(float(match[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match[2]])
 
 
 def format_bytes(count: float) -> str:

@@ -24,7 +24,7 @@ LAYERS = [
     {"gtopk_ext.config"},
     {"gtopk_ext.reduction"},
     {"gtopk_ext.ddp", "gtopk_ext.fsdp", "gtopk_ext.local_sgd", "gtopk_ext.averaging", "gtopk_ext.resume",
-     "gtopk_ext.optim"},
+     "gtopk_ext.optim", "gtopk_ext.plan"},
     {"gtopk_ext.utils", "gtopk_ext"},
 ]
 # What a front end may not call itself: error feedback is the reduction's, the collectives are reached through it.

@@ -1,6 +1,6 @@
-"""Every benchmark command that README.md and docs/*.md show (in code blocks, continued over lines with ``\\``, or in
-backticks in the prose), and those in the benchmarks' own docstrings, parses with its module's ``parse_args``:
-nothing runs, so a renamed or dropped flag fails here in seconds."""
+"""Every benchmark and planner command that README.md and docs/*.md show (in code blocks, continued over lines with
+``\\``, or in backticks in the prose), and those in the benchmarks' own docstrings, parses with its module's
+``parse_args``: nothing runs, so a renamed or dropped flag fails here in seconds."""
 
 import importlib
 import re
@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-COMMAND = re.compile(r"(?:python -m bench\.\w+|bash scripts/demo\.sh)\b.*")
+COMMAND = re.compile(r"(?:python -m (?:bench\.\w+|gtopk_ext\.plan)|bash scripts/demo\.sh)\b.*")
 
 
 def demo_script_flags() -> list[str]:
@@ -35,7 +35,8 @@ def commands(text: str, markdown: bool = True) -> list[str]:
             if match:
                 found.append(re.sub(r"\$(\w+)", lambda var: loops.get(var[1], var[0]), match.group(0)).strip())
     for prose in parts[0::2]:  # a command in backticks may run on over a line break
-        found += [" ".join(span.split()) for span in re.findall(r"`(python -m bench\.\w+[^`]*)`", prose)]
+        found += [" ".join(span.split()) for span in re.findall(r"`(python -m (?:bench\.\w+|gtopk_ext\.plan)[^`]*)`",
+                                                               prose)]
     return list(dict.fromkeys(found))
 
 

@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 
-from bench.emulated_network import Network, parse_rate
+from bench.emulated_network import Network
+from gtopk_ext.costs import parse_rate
 from bench.harness.launch import run_torchrun
 
 TINY = ["--steps", "6", "--eval-every", "3", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch-size",

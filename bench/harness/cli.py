@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 from bench.digits import MODELS
-from bench.emulated_network import check_can_emulate, parse_rate
+from bench.emulated_network import check_can_emulate
 from bench.harness.launch import as_rank
+from gtopk_ext.costs import parse_rate
 
 # The flags several benchmarks share: (argparse options but the default, help).
 COMMON = {"world_size": ({"type": int}, "Gloo processes (DDP ranks)"),

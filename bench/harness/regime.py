@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from bench.harness.cli import require_emulation
-from gtopk_ext.costs import ring_allreduce_bytes
+from gtopk_ext.costs import WIRE_OVERHEAD, ring_allreduce_bytes
 
-# Bytes on the link per byte of TCP payload in full 1500-byte frames: Ethernet (14), IP (20) and TCP (32) headers.
-WIRE_OVERHEAD = (1448 + 66) / 1448
 TIMED_STEPS = 20  # a method's steady step time: the median over this many steps after its warm-up
 CALIBRATION_STEPS = 12  # the compute floor's run; its first 2 steps are left out
 # Deployments and the R they have (gpu_ratio): (what, achieved Tflop/s, tokens per GPU and step, link bits/s).

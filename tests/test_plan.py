@@ -80,3 +80,14 @@ def test_command_line_names_the_fastest():
                              "--nodes", "8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "R = " in result.stdout and result.stdout.count("<- fastest") == 1
+
+
+def test_link_rates_parse_as_their_message_says():
+    import argparse
+
+    from gtopk_ext.costs import parse_rate
+
+    assert [parse_rate(text) for text in ("1gbit", "100mbit", "250kbit", "5e8", "1.5gbit", "12345")] == [
+        10**9, 10**8, 250_000, 5 * 10**8, 1_500_000_000, 12345]
+    with pytest.raises(argparse.ArgumentTypeError, match="rate must look like 1gbit, 100mbit or 5e8, got 'fast'"):
+        parse_rate("fast")

@@ -30,6 +30,12 @@ POWERSGD_WARMUP = (4, 4)
 ADAM_WARMUP = (4, 4) + (1,) * 22
 
 
+def gpu_ratio(tflops: float, tokens: float, link_bps: float) -> float:
+    """R of data-parallel nodes that achieve ``tflops`` on ``tokens`` per GPU and step over ``link_bps`` links:
+    4F / (3 T bw), the limit of many nodes (each node's link carries 8N bytes a step)."""
+    return 4 * tflops * 1e12 / (3 * tokens * link_bps / 8)
+
+
 @dataclass(frozen=True)
 class Cluster:
     params: float
@@ -44,7 +50,7 @@ class Cluster:
 
     @property
     def ratio(self) -> float:
-        """R: DDP's exchange time over the compute's."""
+        """R: DDP's exchange time over the compute's, its ring on these nodes (:func:`gpu_ratio`: many nodes)."""
         return self.seconds(ring_allreduce_bytes(4 * round(self.params), self.nodes), 0) / self.compute_s
 
     def seconds(self, link_bytes: float, messages: float) -> float:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness.regime import (TIMED_STEPS, WIRE_OVERHEAD, Regime, gpu_ratio, nearest_deployment, probe_steps,
-                                  seconds_for)
+from bench.harness.regime import TIMED_STEPS, WIRE_OVERHEAD, Regime, nearest_deployment, probe_steps, seconds_for
 from bench.lm import race_rows
+from gtopk_ext.plan import gpu_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 

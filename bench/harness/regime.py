@@ -17,6 +17,7 @@ from typing import Callable
 
 from bench.harness.cli import require_emulation
 from gtopk_ext.costs import WIRE_OVERHEAD, ring_allreduce_bytes
+from gtopk_ext.plan import gpu_ratio
 
 TIMED_STEPS = 20  # a method's steady step time: the median over this many steps after its warm-up
 CALIBRATION_STEPS = 12  # the compute floor's run; its first 2 steps are left out
@@ -26,11 +27,6 @@ DEPLOYMENTS = (("H100s, 16,384 tokens/GPU, 400 Gbit/s InfiniBand", 400, 16384, 4
                ("A100s, 8,192 tokens/GPU, 25 Gbit/s Ethernet", 150, 8192, 25e9),
                ("H100s, 16,384 tokens/GPU, 10 Gbit/s Ethernet", 400, 16384, 10e9),
                ("H100s, 16,384 tokens/GPU, 1 Gbit/s between sites", 400, 16384, 1e9))
-
-
-def gpu_ratio(tflops: float, tokens: float, link_bps: float) -> float:
-    """R of data-parallel nodes that achieve ``tflops`` on ``tokens`` per GPU and step over ``link_bps`` links."""
-    return 4 * tflops * 1e12 / (3 * tokens * link_bps / 8)
 
 
 def nearest_deployment(ratio: float) -> tuple[str, float]:

@@ -29,8 +29,8 @@ from bench.harness import cli, report
 from bench.harness.launch import run_group
 from bench.harness.methods import (START_ITER, add_dgc_arguments, add_outer_arguments, method, method_name, numel_of,
                                    optimizer_conflict)
-from bench.harness.regime import (CALIBRATION_STEPS, Regime, add_regime_args, apply_regime, check_regime_args,
-                                  floor_seconds, measured_ratio, probe_steps, seconds_for, steady_seconds)
+from bench.harness.regime import (CALIBRATION_STEPS, Regime, add_regime_args, check_regime_args, floor_seconds,
+                                  link_rate, measured_ratio, probe_steps, seconds_for, steady_seconds)
 from bench.harness.train import Trainer, reduced, slowest, train_curve
 
 # Per --optimizer: the methods by default (no momentum-correcting hook under AdamW) and the defaults of the flags
@@ -537,6 +537,14 @@ def outer_step(settings: dict) -> str:
             + (f", error decay {settings['error_decay']:g}" if settings.get("error_decay", 1.0) != 1.0 else ""))
 
 
+def curve_style(records: list[dict]):
+    """A plot_curves style: a colour per method (DDP black), a line style per seed."""
+    seeds, methods = seeds_of(records), list(dict.fromkeys(r["method"] for r in records))
+    return lambda i, r: {"linestyle": ("-", "--", ":", "-.")[seeds.index(r["seed"]) % 4],
+                         **({"color": "black", "linewidth": 2} if r["method"] == "ddp" else
+                            {"color": f"C{methods.index(r['method']) % 10}"})}
+
+
 def race_at_regime(args: argparse.Namespace, regime: Regime, corpus: dict, probes: list[dict]) -> None:
     """--steps-from's table, --json and --plot (validation loss against the estimated seconds)."""
     # what changes no step's time: the link, the evaluations, and the steps and outer step of each method's own run
@@ -546,6 +554,7 @@ def race_at_regime(args: argparse.Namespace, regime: Regime, corpus: dict, probe
     if differ:
         raise SystemExit(f"--steps-from: {args.steps_from[0]} differs from the timed run in {differ}")
     rows = race_rows(probes, references, args.target_loss, regime)
+    args.steps, args.seed = max(r["settings"]["steps"] for r in reports), seeds_of(references)  # the full runs'
     for row in (row for row in rows if getattr(method(row["method"]), "kind", None) in ("diloco", "sparse")):
         row["label"] += "; " + " / ".join(sorted({outer_step(settings_of(r)) for r in reports  # as its runs had it
                                                   if any(run["method"] == row["method"] for run in r["runs"])}))
@@ -560,10 +569,12 @@ def race_at_regime(args: argparse.Namespace, regime: Regime, corpus: dict, probe
     if args.plot:
         timed = {row["method"]: row for row in rows}
         curves = [{**r, "label": f"{r['label']}, seed {r['seed']}", "curve": [
-            {**point, "seconds": seconds_for(point["step"], timed[r["method"]]["step_seconds"], r["period"])}
+            {**point, "seconds": seconds_for(point["step"], timed[r["method"]]["step_seconds"],
+                                             timed[r["method"]]["period"])}
             for point in r["curve"]]} for r in references if r["method"] in timed]
         report.plot_curves(curves, args.plot, title, "validation loss (nats per byte)", lambda c: min(c["val_loss"], 4),
-                           [("seconds at R = {:g} (estimated)".format(args.regime), lambda c: c["seconds"], "log")])
+                           [("seconds at R = {:g} (estimated)".format(args.regime), lambda c: c["seconds"], "log")],
+                           style=curve_style(references))
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -584,10 +595,7 @@ def main(argv: Optional[list] = None) -> int:
         race_at_regime(args, regime, timed[0]["corpus"], list(probes.values()))
         return 0
     else:
-        regime = apply_regime(args, "bench.lm", numel_of(build_model(args)), args.world_size,
-                              lambda: measure_floor(args)) if args.regime else None
-        if regime is None:
-            args.rate = cli.link_rate("bench.lm", args)
+        args.rate, regime = link_rate(args, "bench.lm", numel_of(build_model(args)), lambda: measure_floor(args))
         args.json = args.json.resolve() if args.json else None  # the ranks run in the repository's root
         # the probes run their steps whatever the loss (no stop at the target); their report is race_at_regime's
         settings = ({**vars(args), "json": None, "target_loss": None, "budget": None,
@@ -611,16 +619,14 @@ def main(argv: Optional[list] = None) -> int:
         print(report.table(found["seeds_table"], seeds_columns(args.lr_decay_steps, args.target_loss is not None),
                            markdown=True))
     if args.plot:  # validation loss against steps, training seconds and MB sent per rank; each step's time apart
-        seeds, methods = seeds_of(records), list(dict.fromkeys(r["method"] for r in records))
+        seeds = seeds_of(records)
         shown = [{**r, "label": r["label"] + f", seed {r['seed']}" * (len(seeds) > 1)} for r in records]
         report.plot_curves(shown, args.plot, title, "validation loss (nats per byte)",
                            lambda c: min(c["val_loss"], 6.0),
                            [("step", lambda c: c["step"], "linear"),
                             ("training seconds (slowest rank)", lambda c: c.get("seconds", math.nan), "linear"),
                             ("MB sent per rank", lambda c: c["bytes_sent"] / 1e6, "log")],
-                           style=lambda i, r: {"linestyle": ("-", "--", ":", "-.")[seeds.index(r["seed"]) % 4],
-                                               **({"color": "black", "linewidth": 2} if r["method"] == "ddp" else
-                                                  {"color": f"C{methods.index(r['method']) % 10}"})})
+                           style=curve_style(records))
         timed = [{**r, "curve": [{"step": i + 1, "ms": 1e3 * t} for i, t in enumerate(r["step_seconds"])]}
                  for r in records if "step_seconds" in r]
         report.plot_curves(timed, args.plot.with_name(f"{args.plot.stem}_steps.png"), title,

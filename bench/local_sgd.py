@@ -18,7 +18,7 @@ from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.launch import run_group
 from bench.harness.methods import add_outer_arguments, method, method_name, numel_of
-from bench.harness.regime import CALIBRATION_STEPS, add_regime_args, apply_regime, check_regime_args
+from bench.harness.regime import CALIBRATION_STEPS, add_regime_args, check_regime_args, link_rate
 from bench.harness.train import Trainer, batch_loss, evaluation, train_curve
 from gtopk_ext.collectives import ring_allreduce_bytes
 
@@ -102,10 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if cli.ran_as_worker(args, run_worker):
         return
-    if args.regime:
-        apply_regime(args, "bench.local_sgd", numel_of(make_model(args.model)), args.world_size,
-                     lambda: measure_floor(args))
-    rate = args.rate if args.regime else cli.link_rate("local_sgd", args)
+    rate, _ = link_rate(args, "local_sgd", numel_of(make_model(args.model)), lambda: measure_floor(args))
     print(f"{args.world_size} Gloo processes on {network_name(rate)}, digits {args.model} "
           f"({numel_of(make_model(args.model))} parameters), batch {args.batch_size}/rank, {args.steps} inner steps "
           f"(SGD lr {args.lr}, momentum {args.momentum}), outer lr {args.outer_lr}, "

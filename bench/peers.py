@@ -26,7 +26,7 @@ from bench.harness import cli, report
 from bench.harness.gradients import wide_mlp
 from bench.harness.launch import run_group
 from bench.harness.methods import START_ITER, add_dgc_arguments, method, method_name, numel_of
-from bench.harness.regime import (CALIBRATION_STEPS, add_regime_args, apply_regime, check_regime_args, floor_seconds,
+from bench.harness.regime import (CALIBRATION_STEPS, add_regime_args, check_regime_args, floor_seconds, link_rate,
                                   measured_ratio)
 from bench.harness.train import Trainer, batch_loss, epoch_batches, evaluate, gathered
 
@@ -176,9 +176,7 @@ def main(argv: list | None = None) -> None:
     args = parse_args(argv)
     if cli.ran_as_worker(args, run_worker, "timeout"):
         return
-    if args.regime:
-        apply_regime(args, "bench.peers", numel_of(build_model(args, 0)), args.world_size, lambda: measure_floor(args))
-    rate = args.rate if args.regime else cli.link_rate("peers", args)
+    rate, _ = link_rate(args, "peers", numel_of(build_model(args, 0)), lambda: measure_floor(args))
     network = network_name(rate) + (f", regime R = {args.regime:g}" if args.regime else "")
     others, started, load_before = others_cpu_seconds(), time.perf_counter(), os.getloadavg()
     measured = run_group("bench.peers", args.world_size, args, args.timeout, rate_bps=rate, prefix=args.prefix)

@@ -19,6 +19,7 @@ import argparse
 import math
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 from gtopk_ext.collectives import collective_named
 from gtopk_ext.costs import WIRE_OVERHEAD, parse_rate, ring_allreduce_bytes
@@ -65,7 +66,7 @@ class Method:
 
     name: str
     label: str
-    exchange: object  # (Cluster) -> (bytes, messages)
+    exchange: Callable[[Cluster], tuple[float, float]]  # bytes on a node's link and messages, per exchange
     steps_vs_ddp: float | None
     period: int = 1
     sparse: bool = False  # the package's selection runs on every GPU's gradient (its node's share)
@@ -111,15 +112,15 @@ def gtopk(density: float):
     return exchange
 
 
-# The LM race's methods (docs/race.md: 4 ranks, seeds 0 and 1): steps to DDP's 500-step loss over DDP's steps on the
-# same 1000-step schedule; None: not reached in 1000 (over 2.08x).
+# The LM race's methods (docs/race.md: 4 ranks, the means of seeds 0 and 1): steps to DDP's 500-step loss over DDP's
+# steps (490) on the same 1000-step schedule; None: not reached in 1000 (over 2.04x).
 METHODS = (
     Method("ddp", "DDP", lambda c: dense(c, 4), 1.0),
     Method("bf16", "bf16_compress_hook", lambda c: dense(c, 2), 1.0),
-    Method("powersgd-4", "PowerSGD rank 4", powersgd(4), 780 / 480, warmup=POWERSGD_WARMUP),
-    Method("diloco-32", "DiLoCo H=32 (dense; outer lr 0.7, Nesterov 0.9)", lambda c: dense(c, 4), 880 / 480,
+    Method("powersgd-4", "PowerSGD rank 4", powersgd(4), 780 / 490, warmup=POWERSGD_WARMUP),
+    Method("diloco-32", "DiLoCo H=32 (dense; outer lr 0.7, Nesterov 0.9)", lambda c: dense(c, 4), 920 / 490,
            period=32),
-    Method("adamw-0.01", "gtopk_ext AdamW recipe, d=0.01", gtopk(0.01), 760 / 480, sparse=True, warmup=ADAM_WARMUP),
+    Method("adamw-0.01", "gtopk_ext AdamW recipe, d=0.01", gtopk(0.01), 760 / 490, sparse=True, warmup=ADAM_WARMUP),
     Method("adamw-0.001", "gtopk_ext AdamW recipe, d=0.001", gtopk(0.001), None, sparse=True, warmup=ADAM_WARMUP),
     Method("sparse-gtopk-0.02-32", "SparseLocalSGD defaults (gtopk d=0.02, H=32)", gtopk(0.02), None, period=32,
            sparse=True),

@@ -125,8 +125,10 @@ def test_tiny_race_at_a_regime(tmp_path):
     # --timed-from: the same table again from the recorded step times, nothing run (no --regime, no model flags)
     again = subprocess.run([sys.executable, "-m", "bench.lm", "--steps-from", str(tmp_path / "full.json"),
                             "--timed-from", str(tmp_path / "race.json"), "--target-loss", repr(target), "--json",
-                            str(tmp_path / "again.json")], cwd=ROOT, timeout=120, capture_output=True, text=True)
+                            str(tmp_path / "again.json"), "--plot", str(tmp_path / "again.png")], cwd=ROOT, timeout=120,
+                           capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "again.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "again.json").read_text())["race"] == race["race"]
     # full runs of another model are not this race's
     other = json.loads((tmp_path / "full.json").read_text())

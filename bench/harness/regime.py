@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable
 
-from bench.harness.cli import require_emulation
+from bench.harness import cli
 from gtopk_ext.costs import WIRE_OVERHEAD, ring_allreduce_bytes
 from gtopk_ext.plan import gpu_ratio
 
@@ -85,15 +85,18 @@ def check_regime_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("--floor-ms goes with --regime")
 
 
-def apply_regime(args: argparse.Namespace, program: str, numel: int, world_size: int,
-                 measure_floor: Callable[[], float]) -> Regime:
-    """--regime's: the floor's step (``measure_floor()``, or --floor-ms) and DDP's float32 ring allreduce of ``numel``
-    elements over ``world_size`` ranks; sets --rate and --floor-ms, and says what it chose."""
-    require_emulation(f"{program} --regime")
-    regime = Regime.of(args.regime, args.floor_ms / 1e3 if args.floor_ms else measure_floor(), numel, world_size)
+def link_rate(args: argparse.Namespace, program: str, numel: int,
+              measure_floor: Callable[[], float]) -> tuple[int | None, Regime | None]:
+    """The links' rate (None: loopback) and the regime: with --regime, the floor's step (``measure_floor()``, or
+    --floor-ms) and DDP's float32 ring allreduce of ``numel`` elements over --world-size ranks give it (--rate and
+    --floor-ms are set, and what it chose is said); else --rate's (cli.link_rate)."""
+    if args.regime is None:
+        return cli.link_rate(program, args), None
+    cli.require_emulation(f"{program} --regime")
+    regime = Regime.of(args.regime, args.floor_ms / 1e3 if args.floor_ms else measure_floor(), numel, args.world_size)
     args.rate, args.floor_ms = regime.rate_bps, 1e3 * regime.floor_seconds
     print(regime.describe(), flush=True)
-    return regime
+    return args.rate, regime
 
 
 def floor_seconds(step_seconds: list[float]) -> float:

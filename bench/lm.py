@@ -360,13 +360,13 @@ def race_rows(probes: list[dict], references: list[dict], target: float, regime:
                      "ms_per_step": 1e3 * steady_seconds(probe["step_seconds"], probe["period"]),
                      "seconds_to_target": mean_or_none([n and seconds_for(n, probe["step_seconds"], probe["period"])
                                                         for n in steps]),
-                     "mb_to_target": mean_or_none([found["bytes_to_target"] for found in reached]),
+                     "mb_to_target": mean_or_none([found["bytes_to_target"] and found["bytes_to_target"] / 1e6
+                                                   for found in reached]),
                      "step_seconds": probe["step_seconds"], "period": probe["period"]})
     ddp = next((row for row in rows if row["method"] == "ddp"), None)
     ideal = regime.floor_seconds * ddp["steps_to_target"] if ddp and ddp["steps_to_target"] else None
     best = min((row["seconds_to_target"] for row in rows if row["peer"] and row["seconds_to_target"]), default=None)
     for row in rows:
-        row["mb_to_target"] = row["mb_to_target"] and row["mb_to_target"] / 1e6
         row["vs_best_peer"] = row["seconds_to_target"] and best and row["seconds_to_target"] / best
         row["vs_ideal"] = row["seconds_to_target"] and ideal and row["seconds_to_target"] / ideal
     return rows

@@ -17,7 +17,7 @@ from gtopk_ext._validate import check_number
 from gtopk_ext.backends import Backend, BackendChoice, BackendLike
 from gtopk_ext.message import SparseMessage
 
-COMPRESSOR_KINDS = ("gaussiank", "topk", "randomk")
+COMPRESSOR_KINDS = ("gaussiank", "topk", "randomk", "chunktopk")
 GAUSSIANK_MODES = ("accurate", "paper")
 
 
@@ -189,13 +189,54 @@ class RandomK(Compressor):
         return torch.randperm(acc.numel(), generator=generator)[:k].sort().values.int().to(acc.device)
 
 
+class ChunkTopK(Compressor):
+    """Top-k within each ``chunk`` consecutive elements (SparseLoCo: 128 of every 4,096): every chunk gets
+    ``k // chunks`` slots (the last, shorter chunk as many as it holds), so the message covers the whole tensor
+    evenly; slots left over are padding. ``k = ceil(density * numel)`` must give each chunk at least one."""
+
+    kind = "chunktopk"
+
+    def __init__(self, density: float, *, chunk: int = 4096, backend: BackendLike = None, per_tensor: bool = False):
+        super().__init__(density, backend=backend, per_tensor=per_tensor)
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+        if density * chunk < 1:
+            raise ValueError(f"chunktopk sends k // chunks slots of each chunk: density x chunk must be >= 1, got "
+                             f"{density!r} x {chunk} (raise the density or the chunk)")
+        self.chunk = chunk
+        self.options["chunk"] = chunk
+
+    def _compress(self, grad, residual, k, step, backend):
+        acc = residual.add_(grad) if residual is not None else grad
+        numel = acc.numel()
+        chunks = -(-numel // self.chunk)
+        per_chunk = k // chunks
+        if per_chunk < 1:
+            raise ValueError(f"chunktopk: k = {k} slots cannot cover {chunks} chunks of {self.chunk} elements "
+                             f"(numel {numel}): raise the density")
+        magnitude = acc.detach().abs().float()
+        padded = magnitude.new_full((chunks * self.chunk,), -1.0)  # never above a real element
+        padded[:numel] = magnitude
+        columns = torch.topk(padded.view(chunks, self.chunk), min(per_chunk, self.chunk), dim=1, sorted=False).indices
+        starts = torch.arange(chunks, device=acc.device).mul_(self.chunk).unsqueeze(1)
+        indices = (columns + starts).reshape(-1).sort().values
+        indices = indices[indices < numel].int()  # the last chunk's padding
+        used = indices.numel()
+        values = acc[indices.long()]
+        if used < k:
+            indices = torch.cat([indices, indices.new_zeros(k - used)])
+            values = torch.cat([values, values.new_zeros(k - used)])
+        count = torch.full((1,), used, dtype=torch.int32, device=acc.device)
+        return self._message(acc, residual, values, indices, count, backend)
+
+
 def make_compressor(kind: str = "gaussiank", density: float = 0.01, **kwargs) -> Compressor:
-    """A compressor by name: ``"gaussiank"`` (``mode=``), ``"topk"`` or ``"randomk"`` (``seed=``); every kind
-    takes ``backend=`` and ``per_tensor=``."""
+    """A compressor by name: ``"gaussiank"`` (``mode=``), ``"topk"``, ``"randomk"`` (``seed=``) or
+    ``"chunktopk"`` (``chunk=``); every kind takes ``backend=`` and ``per_tensor=``."""
     if kind not in COMPRESSOR_KINDS:
         raise ValueError(f"compressor must be one of {COMPRESSOR_KINDS}, got {kind!r}")
     try:
-        return (GaussianK, TopK, RandomK)[COMPRESSOR_KINDS.index(kind)](density, **kwargs)
+        return (GaussianK, TopK, RandomK, ChunkTopK)[COMPRESSOR_KINDS.index(kind)](density, **kwargs)
     except TypeError as error:
         if "unexpected keyword" not in str(error):
             raise

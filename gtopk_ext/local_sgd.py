@@ -84,15 +84,18 @@ class SparseLocalSGD:
         outer_lr, outer_momentum, nesterov: the outer step, ``torch.optim.SGD``'s on the global weights with the
             averaged pseudo-gradient as gradient (``nesterov`` needs a momentum); the defaults: docs/local_sgd.md.
         process_group: the group to reduce over (``None``: the default group).
-        compressor: ``"gaussiank"`` (default), ``"topk"`` or ``"randomk"``; ``compressor_kwargs`` are its extra
-            arguments (see :func:`gtopk_ext.make_compressor`).
+        compressor: ``"gaussiank"`` (default), ``"topk"``, ``"randomk"`` or ``"chunktopk"`` (SparseLoCo's top-k
+            per chunk); ``compressor_kwargs`` are its extra arguments (see :func:`gtopk_ext.make_compressor`).
         buffers: tensors averaged densely at each sync (``model.buffers()``); integer buffers (BatchNorm's
             ``num_batches_tracked``) are taken from the group's first rank.
-        wire: how a sparse collective sends its pairs (:mod:`gtopk_ext.wire`): ``"plain"`` or ``"compact"``
-            (whose rounding errors go into the accumulator); the dense collective takes ``"plain"`` only.
+        wire: how a sparse collective sends its pairs (:mod:`gtopk_ext.wire`): ``"plain"``, ``"compact"`` or
+            ``"2bit"`` (whose rounding errors go into the accumulator); the dense collective takes ``"plain"`` only.
         error_decay: in [0, 1]; each sync first multiplies the accumulator by it (SparseLoCo's decayed
             accumulator). 1.0 (default) is exact error feedback; below 1 the decayed part is dropped, and its L1
             norm counted in :meth:`stats`. Sparse collectives only.
+        average: ``"ranks"`` (default): each element's sum over the ranks divided by P; ``"senders"``: by how many
+            ranks sent it (SparseLoCo's; ``collective="allgather"`` only), so an element one rank sent is applied
+            whole.
 
     Construction is collective over ``process_group``: the ranks check that they have the same parameters, and
     all adopt the first rank's parameters and buffers, as DDP does. The global weights, outer momentum and
@@ -100,15 +103,17 @@ class SparseLocalSGD:
 
     After every sync the parameters and buffers are bitwise equal on every rank; with a sparse collective,
     ``sum over ranks (pseudo-gradient + error_decay x old accumulator) = P x averaged pseudo-gradient + sum over
-    ranks (new accumulator)`` up to float rounding. A non-finite pseudo-gradient on any rank raises
-    :class:`FloatingPointError` on every rank and changes nothing.
+    ranks (new accumulator)`` up to float rounding (``average="senders"``: ``P x averaged`` becomes the sum of
+    what the ranks sent, and each element's average is that sum over its senders). A non-finite pseudo-gradient
+    on any rank raises :class:`FloatingPointError` on every rank and changes nothing.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], sync_every: int = 32, density: float = 0.02,
                  collective: str = "gtopk", outer_lr: float = 1.0, outer_momentum: float = 0.0,
                  nesterov: bool = False, process_group: dist.ProcessGroup | None = None, *,
                  compressor: str = "gaussiank", compressor_kwargs: dict | None = None,
-                 buffers: Iterable[torch.Tensor] = (), wire: str = "plain", error_decay: float = 1.0):
+                 buffers: Iterable[torch.Tensor] = (), wire: str = "plain", error_decay: float = 1.0,
+                 average: str = "ranks"):
         check_int("sync_every", sync_every, 1)
         self.config = SparseConfig(density, make_compressor(compressor, density, **dict(compressor_kwargs or {})),
                                    collective, wire)
@@ -121,6 +126,11 @@ class SparseLocalSGD:
         if collective == "dense" and self.error_decay != 1.0:
             raise ValueError(f"error_decay decays the accumulator of a sparse collective; collective='dense' has none "
                              f"and takes error_decay=1.0 only, got {error_decay!r}")
+        if average not in ("ranks", "senders"):
+            raise ValueError(f"average must be 'ranks' or 'senders', got {average!r}")
+        if average == "senders" and not self.config.reducer.counts_senders:
+            raise ValueError(f"average='senders' divides each element by the ranks that sent it, which only "
+                             f"collective='allgather' counts, got collective={collective!r}")
         if not isinstance(nesterov, bool):
             raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
         if nesterov and self.outer_momentum == 0.0:
@@ -138,7 +148,7 @@ class SparseLocalSGD:
                                  f"{p.dtype} of shape {tuple(p.shape)}{' (sparse)' if p.is_sparse else ''}")
         self.buffers = tensor_list(buffers, "buffers")
         self.sync_every, self.density, self.collective, self.wire = sync_every, float(density), collective, wire
-        self.nesterov, self.process_group, self.compressor = nesterov, process_group, compressor
+        self.nesterov, self.process_group, self.compressor, self.average = nesterov, process_group, compressor, average
         self._compressor = self.config.compressor if collective != "dense" else None
         self.local_step = 0  # calls of step() so far
         self.syncs = 0
@@ -151,7 +161,8 @@ class SparseLocalSGD:
         signature = repr([(tuple(t.shape), str(t.dtype)) for t in [*self.params, *self.buffers]])
         agree({"params": len(self.params), "buffers": len(self.buffers), "numel": sum(p.numel() for p in self.params),
                "signature": zlib.crc32(signature.encode()), "sync_every": self.sync_every,
-               "wire": self.config.wire.code}, group, self._shards[0].device, "SparseLocalSGD")
+               "wire": self.config.wire.code, "senders": int(average == "senders")}, group, self._shards[0].device,
+              "SparseLocalSGD")
         with torch.no_grad():  # every rank starts from the first rank's model
             for t in [*self.params, *self.buffers]:
                 self._broadcast(t, group, None)
@@ -219,7 +230,8 @@ class SparseLocalSGD:
         # accumulator becomes delta + old accumulator - what this rank sends
         msg = self._compressor.compress(delta, accumulator, step=self.syncs * len(self._shards) + index)
         outcome = reduce(delta, accumulator, msg, self.config.reducer, group, k=msg.k, wire=self.config.wire,
-                         backend=self._compressor.backend[delta.device], traffic=traffic)
+                         backend=self._compressor.backend[delta.device], traffic=traffic,
+                         senders=self.average == "senders")
         return delta, outcome.msg.k, int(outcome.msg.count)
 
     def _average_buffers(self, group: dist.ProcessGroup, size: int, traffic: Traffic) -> None:
@@ -261,7 +273,8 @@ class SparseLocalSGD:
                  f"{last.get('decayed', 0.0):.4g} in the latest sync"] if self.error_decay != 1.0 else []
         return "\n".join([
             f"SparseLocalSGD: {self.collective}{f' ({self.compressor})' * bool(self._compressor)}, density "
-            f"{self.density:g}, {self.wire} wire, sync_every {self.sync_every}, outer lr {self.outer_lr:g}{momentum}",
+            f"{self.density:g}, {self.wire} wire{', averaged over senders' * (self.average == 'senders')}, "
+            f"sync_every {self.sync_every}, outer lr {self.outer_lr:g}{momentum}",
             f"run: {stats['syncs']} syncs in {stats['local_step']} local steps; "
             + sent_and_received(stats["bytes_sent"], stats["bytes_received"], stats["syncs"], "sync"),
             f"dense DiLoCo would send {format_bytes(dense)} a sync, {format_bytes(dense * stats['syncs'])} in all",
@@ -332,4 +345,5 @@ class SparseLocalSGD:
     def __repr__(self) -> str:
         return (f"SparseLocalSGD(sync_every={self.sync_every}, density={self.density}, collective={self.collective!r}, "
                 f"outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, nesterov={self.nesterov}, "
-                f"compressor={self.compressor!r}, wire={self.wire!r}, error_decay={self.error_decay})")
+                f"compressor={self.compressor!r}, wire={self.wire!r}, error_decay={self.error_decay}, "
+                f"average={self.average!r})")

@@ -342,18 +342,23 @@ class Outcome:
 
 def reduce(tensor: torch.Tensor, residual: torch.Tensor | None, msg: SparseMessage | None, collective: Collective,
            group: dist.ProcessGroup, *, k: int, wire: Wire, backend: Backend | None, traffic: Traffic | None = None,
-           state=None, out: torch.Tensor | None = None) -> Outcome:
+           state=None, out: torch.Tensor | None = None, senders: bool = False) -> Outcome:
     """The sparse exchange of ``tensor`` (flat) over ``group``: ``msg`` is ``tensor + residual`` compressed to k
     slots, the rest left in ``residual``, or None from a rank whose sum is not finite (it raises a flag). ``out``
-    (default ``tensor``) becomes the average of what was applied; what was not goes back into the residual. After
-    a flag nothing is applied: a finite rank's ``tensor`` holds all of its ``tensor + residual``."""
+    (default ``tensor``) becomes the average of what was applied (``senders``: each element's sum divided by how
+    many ranks sent it, SparseLoCo's average; the collective must count them); what was not goes back into the
+    residual. After a flag nothing is applied: a finite rank's ``tensor`` holds all of its ``tensor + residual``."""
+    if senders and not collective.counts_senders:
+        raise ValueError(f"averaging over the ranks that sent each element needs a collective that counts them "
+                         f"(allgather), got {collective.name!r}")
     finite = msg is not None
     flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
     if not finite:
         flags[0] = FLAG_NONFINITE
         msg = padding_message(tensor, k)
     rounding = Rounding()
-    reduced = collective.reduce(msg, group, wire=wire, traffic=traffic, flags=flags, rounding=rounding, state=state)
+    reduced = collective.reduce(msg, group, wire=wire, traffic=traffic, flags=flags, rounding=rounding, state=state,
+                                **({"senders": True} if senders else {}))
     if int(flags) & FLAG_NONFINITE:
         if finite and residual is not None:  # all of this rank's sum goes into the dense average
             ops.scatter_add_(residual, msg.indices, msg.values, backend=backend, check=False)

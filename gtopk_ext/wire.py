@@ -3,6 +3,8 @@
 * :class:`PlainWire` (``"plain"``): int32 indices, then the values in their dtype: exact.
 * :class:`CompactWire` (``"compact"``): :func:`gtopk_ext.ops.wire_encode`'s 4 bytes a pair, the used slots only;
   the rounding errors go to a :class:`Rounding`, which the reduction adds to the residual (by exactly one rank).
+* :class:`TwoBitWire` (``"2bit"``): the compact wire's indices and 2 bits a value (SparseLoCo's), 2.25 bytes a
+  pair; its (large) rounding errors go to the residual as the compact wire's do.
 
 A payload is one uint8 tensor: the head (int32 words: the count, then any flags), then the format's parts.
 """
@@ -168,7 +170,56 @@ class CompactWire(Wire):
         return indices[order], values[order], order
 
 
-WIRES = {wire.name: wire for wire in (PlainWire(), CompactWire())}
+class TwoBitWire(CompactWire):
+    """Each value as its sign and one of two magnitudes per message (4 levels): the mean |value| splits the used
+    slots, each side is sent as its mean |value| (two float32 levels: one Lloyd step of a 2-level quantizer, so
+    the levels fit the message's own spread), 4 values a byte; indices as on the compact wire."""
+
+    name = "2bit"
+    code = 2
+
+    def payload_size(self, k, numel, dtype, head_words):
+        return 4 * (head_words + wire_num_pages(numel) + 1 + 2) + 2 * k + (k + 3) // 4
+
+    def pack(self, indices, values, head, numel, backend=None):
+        count = head[:1].contiguous()
+        _, low, pages, _ = ops.wire_encode(indices, values, count, numel, backend=backend)
+        used = torch.arange(values.numel(), device=values.device) < count
+        magnitude = values.float().abs() * used
+        upper = used & (magnitude * used.sum().clamp(min=1) > magnitude.sum())  # above the mean |value|
+        lower = used & ~upper
+        levels = torch.stack([(magnitude * lower).sum() / lower.sum().clamp(min=1),
+                              (magnitude * upper).sum() / upper.sum().clamp(min=1)])
+        codes = (values < 0).to(torch.uint8) * 2 + upper.to(torch.uint8)
+        quads = torch.cat([codes, codes.new_zeros(-codes.numel() % 4)]).view(-1, 4)
+        packed = quads[:, 0] | quads[:, 1] << 2 | quads[:, 2] << 4 | quads[:, 3] << 6
+        payload = torch.cat([as_bytes(head), as_bytes(pages), as_bytes(levels), as_bytes(low), packed])
+        return payload, torch.where(used, indices, 0), self._values(codes, levels, used, values.dtype)
+
+    def unpack(self, payload, k, numel, dtype, head_words, backend=None):
+        start = 4 * head_words
+        pages_end = start + 4 * (wire_num_pages(numel) + 1)
+        head = payload[:start].view(torch.int32)
+        pages = payload[start:pages_end].view(torch.int32)
+        levels = payload[pages_end:pages_end + 8].view(torch.float32)
+        low = payload[pages_end + 8:pages_end + 8 + 2 * k].view(torch.int16)
+        packed = payload[pages_end + 8 + 2 * k:self.payload_size(k, numel, dtype, head_words)]
+        count = head[:1].contiguous()
+        zero = torch.zeros(1, dtype=torch.int32, device=payload.device)
+        indices, _, invalid = ops.wire_decode(torch.zeros(k, dtype=torch.float16, device=payload.device), low, pages,
+                                              zero, count, numel, backend=backend)
+        codes = torch.stack([packed >> shift & 3 for shift in (0, 2, 4, 6)], dim=1).reshape(-1)[:k]
+        used = torch.arange(k, device=payload.device) < count
+        return indices, self._values(codes, levels, used, dtype), head, invalid
+
+    @staticmethod
+    def _values(codes: torch.Tensor, levels: torch.Tensor, used: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The values 2-bit ``codes`` stand for: (1 - 2 x sign bit) x levels[magnitude bit], 0 past the count."""
+        signs = 1.0 - (codes >> 1).float() * 2
+        return (signs * levels[(codes & 1).long()] * used).to(dtype)
+
+
+WIRES = {wire.name: wire for wire in (PlainWire(), CompactWire(), TwoBitWire())}
 WireLike = Union[str, Wire]
 
 

@@ -15,7 +15,7 @@ from gtopk_ext import ops, reference
 from gtopk_ext.compressors import k_for_density
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-KINDS = ["gaussiank", "topk", "randomk"]
+KINDS = ["gaussiank", "topk", "randomk", "chunktopk"]
 SHAPES = [(1,), (7,), (1000,), (33, 65)]  # 33 * 65 = 2145: not a multiple of any vector width
 TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -139,6 +139,42 @@ def test_topk_selects_the_largest_magnitudes(dtype):
     assert int(msg.count) == k and len(set(msg.indices.tolist())) == k
     assert bool((magnitudes[msg.indices.long()] >= kth_largest).all())
     assert int((magnitudes > kth_largest).sum()) <= k
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel, chunk, density", [(5000, 256, 0.05), (4096 * 3, 4096, 0.03125), (700, 1000, 0.01),
+                                                   (1030, 64, 0.02)])
+def test_chunktopk_takes_each_chunks_largest(dtype, numel, chunk, density):
+    """Each chunk's k // chunks largest |acc| (the last, shorter chunk as many as it holds, at most), found here by
+    a plain loop over the chunks with numpy's stable sort; the rest of the k slots are padding."""
+    grad = gradient((numel,), dtype, seed=13)
+    residual = gradient((numel,), dtype, seed=14)
+    acc = (grad + residual).float().numpy()
+    msg = gx.make_compressor("chunktopk", density, chunk=chunk).compress(grad, residual)
+    k = k_for_density(density, numel)
+    per_chunk = k // math.ceil(numel / chunk)
+    expected = []
+    for start in range(0, numel, chunk):
+        part = np.abs(acc[start:start + chunk])
+        order = np.argsort(-part, kind="stable")[:per_chunk]
+        cut = part[order[-1]]
+        chosen = set(msg.indices[:int(msg.count)].tolist()) & set(range(start, start + part.size))
+        assert len(chosen) == min(per_chunk, part.size), (start, len(chosen))
+        assert all(part[i - start] >= cut for i in chosen), start  # ties may pick another index of equal |acc|
+        expected.append(min(per_chunk, part.size))
+    assert int(msg.count) == sum(expected)
+    check_message_layout(msg, numel, k)
+    assert torch.equal((residual + msg.to_dense()).float(), torch.from_numpy(acc).to(dtype).float())
+
+
+def test_chunktopk_refuses_chunks_it_cannot_cover():
+    with pytest.raises(ValueError, match=r"density x chunk must be >= 1, got 0.001 x 512"):
+        gx.make_compressor("chunktopk", 0.001, chunk=512)
+    for chunk in (0, 2.5, True):
+        with pytest.raises(ValueError, match="chunk must be a positive int"):
+            gx.make_compressor("chunktopk", 0.1, chunk=chunk)
+    with pytest.raises(ValueError, match=r"k = 2 slots cannot cover 3 chunks of 10 elements"):
+        gx.make_compressor("chunktopk", 0.1, chunk=10).compress(torch.ones(30), k=2)
 
 
 def test_randomk_draws_the_same_indices_for_the_same_step():

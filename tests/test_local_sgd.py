@@ -173,6 +173,61 @@ def _case_error_decay(rank: int, world_size: int) -> None:
     assert states[0]["decayed"] == states[1]["decayed"] == 0.0
 
 
+def _chunk_top(went_in: torch.Tensor, chunk: int, per_chunk: int) -> torch.Tensor:
+    """The mask of each chunk's per_chunk largest |values| (a plain loop; ties: the lower index)."""
+    mask = torch.zeros(went_in.numel(), dtype=torch.bool)
+    for start in range(0, went_in.numel(), chunk):
+        part = went_in[start:start + chunk].abs().tolist()
+        order = sorted(range(len(part)), key=lambda i: (-part[i], i))[:per_chunk]
+        mask[[start + i for i in order]] = True
+    return mask
+
+
+def _case_sparseloco(rank: int, world_size: int) -> None:
+    """SparseLoCo's exchange: top-k per chunk, values on the 2-bit wire, each element averaged over the ranks that
+    sent it, the accumulator decayed. Per sync: each rank sends exactly its chunks' top |pseudo-gradient + decay x
+    old accumulator| (a plain loop decides), in at most two magnitudes; what it keeps is what went in less what
+    it sent; and each element of the average is the sum of what was sent of it over the ranks that sent it (0
+    where none did). Replicas bitwise equal; averaging by P instead, or a rounding not kept, fails these."""
+    chunk, density, decay = 32, 0.125, 0.95
+    model = _model(seed=rank)
+    numel = sum(p.numel() for p in model.parameters())
+    outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=density, collective="allgather",
+                              compressor="chunktopk", compressor_kwargs={"chunk": chunk}, wire="2bit",
+                              average="senders", error_decay=decay, buffers=model.buffers())
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    per_chunk = math.ceil(density * numel) // math.ceil(numel / chunk)
+    shared = 0
+    for step in range(4 * H):
+        _inner_step(model, inner, rank, step)
+        if (step + 1) % H:
+            assert not outer.step()
+            continue
+        what = f"sync {outer.syncs + 1}"
+        before = outer.state_dict()
+        adopted = _flat(before["global"])
+        went_in = adopted - _flat(model.parameters()) + decay * before["accumulator"][0].double()
+        assert outer.step()
+        after = outer.state_dict()
+        sent = went_in - after["accumulator"][0].double()
+        chosen = _chunk_top(went_in.float(), chunk, per_chunk)
+        assert int(chosen.sum()) == outer.stats()["last_sync"]["selected"], what
+        assert not sent[~chosen].abs().max() > 1e-7, f"{what}: kept back less than it did not send"
+        magnitudes = sent[chosen].abs().sort().values  # float64 differences: equal up to float32's rounding
+        levels = 1 + int((magnitudes.diff() > 1e-6 * float(magnitudes[-1])).sum())
+        assert levels <= 2, f"{what}: {levels} magnitudes were sent, the 2-bit wire has two"
+        senders = chosen.double()
+        total = torch.cat([sent, senders])
+        dist.all_reduce(total)
+        expected = total[:numel] / total[numel:].clamp(min=1)
+        averaged = adopted - _flat(after["global"])  # outer lr 1, no momentum
+        torch.testing.assert_close(averaged, expected, rtol=0, atol=1e-6, msg=lambda m: f"{what}: {m}")
+        shared += int((total[numel:] > 1).sum())
+        _assert_replicas_equal(model, what)
+    assert shared > 0, "no element was sent by two ranks: the average over senders was not tested against P"
+    assert "averaged over senders" in outer.summary().splitlines()[0]
+
+
 def _diloco_reference(model: nn.Module, world_size: int, outer_lr: float, momentum: float):
     """A plain-PyTorch DiLoCo sync: every rank's pseudo-gradient averaged by allreduce, torch.optim.SGD on the
     global weights, which every rank adopts; buffers averaged."""
@@ -332,7 +387,7 @@ def _case_errors(rank: int, world_size: int) -> None:
     _expect_error(ValueError, r"error_decay must be a number in \[0, 1\], got '0.9'", make(error_decay="0.9"))
     _expect_error(ValueError, r"collective='dense' has none and takes error_decay=1.0 only, got 0.9",
                   make(collective="dense", density=1.0, error_decay=0.9))
-    _expect_error(ValueError, r"wire must be one of \('plain', 'compact'\), got 'zip'", make(wire="zip"))
+    _expect_error(ValueError, r"wire must be one of \('plain', 'compact', '2bit'\), got 'zip'", make(wire="zip"))
     _expect_error(ValueError, r"collective='dense' allreduces float32 on the plain wire, got wire='compact'",
                   make(collective="dense", density=1.0, wire="compact"))
     _expect_error(ValueError, r"params is empty", make(params=[]))
@@ -368,7 +423,7 @@ def _case_errors(rank: int, world_size: int) -> None:
     other = gx.SparseLocalSGD(_model(1)[0].parameters(), sync_every=H, density=0.1)
     _expect_error(ValueError, r"state_dict holds shards of \[\d+\] elements, this optimizer's parameters make",
                   lambda: other.load_state_dict(before))
-    _expect_error(ValueError, r"state_dict\['wire'\] must be one of \('plain', 'compact'\), got 'zip'",
+    _expect_error(ValueError, r"state_dict\['wire'\] must be one of \('plain', 'compact', '2bit'\), got 'zip'",
                   lambda: outer.load_state_dict({**before, "wire": "zip"}))
     _expect_error(KeyError, r"state_dict is missing \['global'\]",
                   lambda: outer.load_state_dict({k: v for k, v in before.items() if k != "global"}))
@@ -383,8 +438,8 @@ def _case_errors(rank: int, world_size: int) -> None:
                   lambda: outer.load_state_dict(with_momentum))
 
 
-CASES = {case.__name__: case for case in (_case_replicas_and_conservation, _case_error_decay, _case_diloco,
-                                          _case_local_sgd, _case_resume, _case_errors, _case_summary)}
+CASES = {case.__name__: case for case in (_case_replicas_and_conservation, _case_error_decay, _case_sparseloco,
+                                          _case_diloco, _case_local_sgd, _case_resume, _case_errors, _case_summary)}
 
 
 def _run_cases(rank: int, world_size: int, names: list[str]) -> None:
@@ -394,8 +449,9 @@ def _run_cases(rank: int, world_size: int, names: list[str]) -> None:
 
 @pytest.mark.parametrize("world_size,names", [
     (2, ["_case_replicas_and_conservation", "_case_diloco", "_case_local_sgd", "_case_errors", "_case_summary"]),
-    (3, ["_case_replicas_and_conservation", "_case_error_decay", "_case_diloco", "_case_resume"]),
-    (4, ["_case_replicas_and_conservation", "_case_error_decay", "_case_local_sgd", "_case_resume"]),
+    (3, ["_case_replicas_and_conservation", "_case_error_decay", "_case_sparseloco", "_case_diloco", "_case_resume"]),
+    (4, ["_case_replicas_and_conservation", "_case_error_decay", "_case_sparseloco", "_case_local_sgd",
+         "_case_resume"]),
 ])
 def test_sparse_local_sgd(world_size: int, names: list[str]) -> None:
     run_distributed(_run_cases, world_size, names, timeout=300)

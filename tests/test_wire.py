@@ -5,6 +5,8 @@ the hook, identical results on every rank, corruption and bad arguments failing 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 
 import gtopk_ext as gx
 from gtopk_ext import backends, collectives, ops, reference, wire
+from gtopk_ext._contract import wire_num_pages
 from tests.distributed import run_distributed
 from tests.test_collectives import Members, bucket_input, equal_on_every_rank, reduce_and_check_bucket
 from tests.test_ops import BACKENDS, DTYPES, backend_device
@@ -194,6 +197,43 @@ def test_compact_payload_is_four_bytes_a_pair():
     assert compact / k <= 4.01 and compact / wire.payload_size("plain", k, numel, torch.float32, 1) <= 0.501
 
 
+def test_two_bit_wire_sends_signs_and_two_magnitudes():
+    """Each used slot arrives as its sign times one of two levels: the mean |value| of the slots at or below the
+    used slots' mean |value|, and of those above (found here by a loop); indices exact, padding (0, 0); 2 bytes of
+    index and a quarter byte of value a pair, plus the page table and the two levels."""
+    generator = torch.Generator().manual_seed(3)
+    two_bit = wire.WIRES["2bit"]
+    for numel, k, count in ((70_000, 37, 37), (200_003, 300, 290), (1000, 5, 0), (10, 1, 1)):
+        for dtype in DTYPES:
+            indices, values = sorted_message(numel, k, dtype, generator, duplicates=False)
+            head = torch.tensor([count, 6], dtype=torch.int32)
+            payload, sent_indices, sent_values = two_bit.pack(indices, values, head, numel)
+            assert payload.numel() == two_bit.payload_size(k, numel, dtype, 2)
+            got_indices, got_values, got_head, invalid = two_bit.unpack(payload, k, numel, dtype, 2)
+            assert int(invalid) == 0 and got_head.tolist() == [count, 6]
+            assert torch.equal(got_indices, sent_indices) and torch.equal(got_values, sent_values)
+            assert got_indices[:count].tolist() == indices[:count].tolist() and not got_indices[count:].any()
+            used = [abs(float(v)) for v in values[:count].float()]
+            mean = sum(used) / max(count, 1)
+            lower = [m for m in used if m <= mean] or [0.0]
+            upper = [m for m in used if m > mean] or [0.0]
+            levels = (sum(lower) / len(lower), sum(upper) / len(upper))
+            for value, got in zip(values[:count].float().tolist(), got_values[:count].float().tolist()):
+                level = levels[abs(value) > mean]
+                expected = torch.tensor(math.copysign(level, value)).to(dtype).float()
+                assert got == pytest.approx(float(expected), rel=1e-5, abs=1e-12), (numel, k, dtype, value, got)
+            assert not got_values[count:].float().any()
+    k, numel = 30_000, 3_000_000
+    assert (two_bit.payload_size(k, numel, torch.float32, 1) - two_bit.payload_size(0, numel, torch.float32, 1)
+            == 2 * k + k // 4)
+    # A corrupted index is caught as on the compact wire.
+    indices, values = sorted_message(140_000, 600, torch.float32, generator)
+    payload, _, _ = two_bit.pack(indices, values, torch.tensor([600], dtype=torch.int32), 140_000)
+    low_start = 4 * (1 + wire_num_pages(140_000) + 1 + 2)
+    payload[low_start:low_start + 2 * 600] = payload[low_start:low_start + 2 * 600].flip(0)
+    assert int(two_bit.unpack(payload, 600, 140_000, torch.float32, 1)[3]) > 0
+
+
 # ----- the collectives on real groups -----
 
 WIRE_COLLECTIVES = ("gtopk", "allgather", "oktopk")
@@ -213,16 +253,16 @@ def check_hook_conservation(members: Members, checked: tuple[str, ...] | None = 
     if checked is None:
         checked = WIRE_COLLECTIVES + (("hierarchical",) if members.size == dist.get_world_size() else ())
     for collective in checked:
-        for dtype in DTYPES:
+        for dtype, lossy in [*((dtype, "compact") for dtype in DTYPES), (torch.float32, "2bit")]:
             options = ({"collective": "gtopk", "hierarchical": gx.Hierarchical(2)} if collective == "hierarchical"
                        else {"collective": collective})
             state = gx.SparseGradState(members.group, density=0.02, start_iter=2,
                                        path=gx.PathPolicy("sparse", min_compress_numel=1000),
-                                       stats_logging_frequency=0, wire="compact", **options)
+                                       stats_logging_frequency=0, wire=lossy, **options)
             state.synchronous = True
             for step in range(STEPS):
                 for index, numel in enumerate(BUCKET_NUMELS):
-                    where = f"{members.name}, {collective}/{dtype}, step {step}, bucket {index}"
+                    where = f"{members.name}, {collective}/{dtype}/{lossy}, step {step}, bucket {index}"
                     failures += reduce_and_check_bucket(members, state, step, index, numel, dtype,
                                                         index == len(BUCKET_NUMELS) - 1, where)
     return failures
@@ -261,9 +301,11 @@ def check_collectives(members: Members) -> list[str]:
         # Unsorted slots, with a count above k: the same result as sorted ones, glob the same on every rank.
         shuffled = torch.randperm(msg.k, generator=torch.Generator().manual_seed(members.me))
         hostile = gx.SparseMessage(msg.values[shuffled], msg.indices[shuffled], msg.count + 5, msg.numel)
-        for variant, m in (("sorted", msg), ("unsorted", hostile)):
+        for variant, m, lossy in (("sorted", msg, "compact"), ("unsorted", hostile, "compact"),
+                                  ("sorted", msg, "2bit"), ("unsorted", hostile, "2bit")):
+            variant = f"{variant}, {lossy}"
             rounding = wire.Rounding()
-            result = run_collective(name, m, members.group, wire="compact", rounding=rounding)
+            result = run_collective(name, m, members.group, wire=lossy, rounding=rounding)
             total = result if name == "allgather" else result[0].to_dense(torch.float32)
             if not equal_on_every_rank(members, total):
                 failures.append(f"{where} ({variant}): the result differs across ranks")

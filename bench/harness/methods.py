@@ -167,13 +167,16 @@ def add_dgc_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class LocalMethod:
-    """A local method: ``kind`` "postlocal", "diloco" or "sparse", exchanging every ``period`` (H) steps."""
+    """A local method: ``kind`` "postlocal", "diloco" or "sparse", exchanging every ``period`` (H) steps;
+    ``sparseloco``: SparseLoCo's exchange (top-k per 4,096-element chunk, the 2-bit wire, each element averaged over
+    its senders, the accumulator decayed by 0.95 a sync) in place of the sparse collective's."""
 
     kind: str
     period: int
     collective: str = "dense"
     density: float = 1.0
     wire: str = "plain"
+    sparseloco: bool = False
 
     @property
     def peer(self) -> bool:
@@ -182,9 +185,17 @@ class LocalMethod:
 
     @property
     def label(self) -> str:
+        if self.sparseloco:
+            return f"SparseLocalSGD as SparseLoCo, d={self.density:g}, H={self.period}"
         compact = ", compact wire" if self.wire == "compact" else ""
         return {"postlocal": "PyTorch PostLocalSGD", "diloco": "DiLoCo (dense)"}.get(
             self.kind, f"SparseLocalSGD {self.collective} d={self.density:g}") + f", H={self.period}{compact}"
+
+    def options(self, error_decay: float) -> dict:
+        """SparseLocalSGD's keyword arguments for this method (``error_decay``: the command's, for sparse ones)."""
+        if self.sparseloco:
+            return {"compressor": "chunktopk", "wire": "2bit", "average": "senders", "error_decay": 0.95}
+        return {"wire": self.wire, "error_decay": error_decay if self.kind == "sparse" else 1.0}
 
 
 def one_of(choices) -> Callable[[str], str]:
@@ -230,6 +241,7 @@ METHODS = {
     "diloco-<H>": lambda H: LocalMethod("diloco", H),  # SparseLocalSGD, density 1, dense
     "sparse-<collective>-<d>-<H>": lambda collective, d, H: LocalMethod("sparse", H, collective, d),
     "sparse-<collective>-<d>-<H>-compact": lambda collective, d, H: LocalMethod("sparse", H, collective, d, "compact"),
+    "sparseloco-<d>-<H>": lambda d, H: LocalMethod("sparse", H, "allgather", d, "2bit", sparseloco=True),
 }
 
 
@@ -299,9 +311,8 @@ class LocalExchange:
         else:
             self.outer = gx.SparseLocalSGD(
                 model.parameters(), sync_every=method.period, density=method.density, collective=method.collective,
-                outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, wire=method.wire,
-                nesterov=args.outer_nesterov and args.outer_momentum > 0,
-                error_decay=args.error_decay if method.kind == "sparse" else 1.0)
+                outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                nesterov=args.outer_nesterov and args.outer_momentum > 0, **method.options(args.error_decay))
 
     def after_step(self) -> None:
         self.steps += 1

@@ -161,15 +161,18 @@ class Reduced:
     """A collective's result on this rank: the SUM over the group's ranks of what was applied, as ``glob`` (a
     SparseMessage with distinct indices: gTop-k, Ok-Topk) or ``summed`` (a dense float32 tensor: the allgather,
     the dense collectives), bitwise the same on every rank; ``applied``, the mask over this rank's message slots
-    of those inside the sum (None: all of them)."""
+    of those inside the sum (None: all of them); ``senders`` (when asked for), how many ranks sent each element."""
 
     glob: SparseMessage | None = None
     summed: torch.Tensor | None = None
     applied: torch.Tensor | None = None
+    senders: torch.Tensor | None = None
 
     def average_into(self, out: torch.Tensor, size: int, backend: Backend | None = None) -> torch.Tensor:
-        """``out`` (flat, the tensor's numel) becomes the sum divided by ``size``, in out's dtype (divided in
-        float32)."""
+        """``out`` (flat, the tensor's numel) becomes the sum divided by ``size`` (with ``senders``: by how many
+        ranks sent each element, 0 where none did), in out's dtype (divided in float32)."""
+        if self.senders is not None:
+            return out.copy_(self.summed.div_(self.senders.clamp(min=1)))
         if self.glob is None:
             return out.copy_(self.summed.div_(size))
         out.zero_()
@@ -209,6 +212,7 @@ class Collective:
 
     name = ""
     sparse = True
+    counts_senders = False  # reduce(..., senders=True) counts the ranks that sent each element (Reduced.senders)
 
     def __init__(self, backend: BackendLike = None):
         self.backend = backend if isinstance(backend, BackendChoice) else BackendChoice(backend)
@@ -218,6 +222,7 @@ class Collective:
 
     def reduce(self, msg: SparseMessage, group: dist.ProcessGroup, *, wire: Wire, traffic: Traffic | None = None,
                flags: torch.Tensor | None = None, rounding: Rounding | None = None, state=None) -> Reduced:
+        """(A collective whose ``counts_senders`` is True also takes ``senders=True``.)"""
         raise NotImplementedError
 
     def wire_bytes(self, numel: int, k: int, size: int, dtype: torch.dtype, wire: Wire) -> int:

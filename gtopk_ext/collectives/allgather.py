@@ -19,7 +19,7 @@ from gtopk_ext.wire import Rounding, WireLike, rounding_error, wire_named
 def sparse_allgather(msg: SparseMessage, group: dist.ProcessGroup | None = None, *, dtype: torch.dtype | None = None,
                      check: bool = True, traffic: Traffic | None = None, flags: torch.Tensor | None = None,
                      wire: WireLike = "plain", rounding: Rounding | None = None,
-                     backend: BackendLike = None) -> torch.Tensor:
+                     backend: BackendLike = None, senders: torch.Tensor | None = None) -> torch.Tensor:
     """TopK-SGD: every rank's k pairs, scatter-added into a flat dense tensor of ``msg.numel`` elements: the SUM
     over the group's ranks (not averaged), identical on every rank, accumulated in float32, returned in ``dtype``
     (default the message's). ``check=False`` skips the header agreement: only when the caller has made sure every
@@ -28,7 +28,9 @@ def sparse_allgather(msg: SparseMessage, group: dist.ProcessGroup | None = None,
 
     ``wire`` (:mod:`gtopk_ext.wire`): ``"plain"`` or ``"compact"`` (4 bytes a pair, the used slots only). With
     compact, what the wire took off this rank's values is added to ``rounding`` when given: add it to the
-    residual, or it is lost. A corrupted compact payload raises ValueError on every rank, nothing written."""
+    residual, or it is lost. A corrupted compact payload raises ValueError on every rank, nothing written.
+    ``senders`` (float32, ``msg.numel`` elements): 1 is added at each index for every rank that sent it (its used
+    slots), for an average over the ranks that sent each element."""
     group, _, size = group_rank_and_size(group)
     if check:
         agree_on_message(msg, flags, group, "sparse_allgather", traffic, wire=wire)
@@ -47,8 +49,12 @@ def sparse_allgather(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     if flags is not None:
         flags.copy_(functools.reduce(torch.bitwise_or, [h[1:] for _, _, h, _ in pairs]))
     total = torch.zeros(msg.numel, dtype=torch.float32, device=msg.values.device)
-    ops.scatter_add_(total, torch.cat([i for i, _, _, _ in pairs]), torch.cat([v for _, v, _, _ in pairs]).float(),
-                     backend=backend)
+    indices = torch.cat([i for i, _, _, _ in pairs])
+    ops.scatter_add_(total, indices, torch.cat([v for _, v, _, _ in pairs]).float(), backend=backend)
+    if senders is not None:  # the used slots: the first count of each payload's k (no host sync)
+        slots = torch.arange(msg.values.numel(), device=indices.device)
+        used = torch.cat([(slots < h[0]).float() for _, _, h, _ in pairs])
+        ops.scatter_add_(senders, indices, used, backend=backend)
     return total.to(dtype or msg.values.dtype)
 
 
@@ -67,7 +73,11 @@ class Allgather(Collective):
             terms.update(encode=k * share, decode=(size + 1) * k * share)
         return terms  # every rank decodes every payload: no corruption check after the exchange
 
-    def reduce(self, msg, group, *, wire, traffic=None, flags=None, rounding=None, state=None):
+    counts_senders = True
+
+    def reduce(self, msg, group, *, wire, traffic=None, flags=None, rounding=None, state=None, senders=False):
+        counts = torch.zeros(msg.numel, dtype=torch.float32, device=msg.values.device) if senders else None
         summed = sparse_allgather(msg, group, dtype=torch.float32, check=False, traffic=traffic, flags=flags,
-                                  wire=wire, rounding=rounding, backend=self.backend[msg.values.device])
-        return Reduced(summed=summed)
+                                  wire=wire, rounding=rounding, backend=self.backend[msg.values.device],
+                                  senders=counts)
+        return Reduced(summed=summed, senders=counts)

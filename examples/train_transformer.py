@@ -1,13 +1,18 @@
 """A byte-level transformer trained as transformers train (AdamW, a warm-up then a cosine, clipping at 1.0) under
-DDP with gtopk_ext's AdamW recipe, launched by torchrun. On one machine, 4 ranks:
+DDP with gtopk_ext's AdamW recipe, or each rank on its own with SparseLocalSGD, launched by torchrun. On one
+machine, 4 ranks:
 
     torchrun --nproc-per-node 4 examples/train_transformer.py                  # the AdamW recipe, density 0.01
+    torchrun --nproc-per-node 4 examples/train_transformer.py --method sparseloco  # SparseLocalSGD's defaults
     torchrun --nproc-per-node 4 examples/train_transformer.py --method ddp     # DDP + torch.optim.AdamW, to compare
 
 The text is the running Python's standard library (every rank reads its own windows); with ``--hf``, Hugging
 Face's GPT2LMHeadModel of the same shape (``pip install transformers``). What changes from a DDP + AdamW script
 is marked "gtopk_ext:" below: the hook's state, SparseAdamW in place of AdamW with the same arguments, and no
-``clip_grad_norm_`` (the hook clips; after the variance freezes the optimizer never sees a gradient).
+``clip_grad_norm_`` (the hook clips; after the variance freezes the optimizer never sees a gradient). With
+``--method sparseloco`` the model is not wrapped in DDP: torch's AdamW trains each replica, and
+``gx.SparseLocalSGD(model.parameters())`` (SparseLoCo's exchange: every 8 steps, 1/64 of the drift, 2 bits a value)
+syncs them.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import gtopk_ext as gx
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--method", default="adamw-recipe", choices=("adamw-recipe", "ddp", "bf16"),
+    parser.add_argument("--method", default="adamw-recipe", choices=("adamw-recipe", "sparseloco", "ddp", "bf16"),
                         help="the AdamW recipe, DDP's allreduce, or bf16_compress_hook (both with torch's AdamW)")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--steps", type=int, default=300)
@@ -108,12 +113,17 @@ def main() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     train, held_out = corpus()
     model = make_model(args)
-    ddp = DDP(model)
+    local = args.method == "sparseloco"
+    ddp = model if local else DDP(model)
     decayed = [p for p in model.parameters() if p.dim() >= 2]  # weight decay on the matrices only
     groups = [{"params": decayed, "weight_decay": 0.1},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    state = None
-    if args.method == "adamw-recipe":
+    state = outer = None
+    if local:
+        # gtopk_ext: each rank trains its replica with torch's AdamW; SparseLocalSGD syncs them every 8 steps.
+        optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+        outer = gx.SparseLocalSGD(model.parameters())
+    elif args.method == "adamw-recipe":
         # gtopk_ext: the hook's state and the optimizer that goes with it (AdamW's arguments, plus the state).
         state = gx.SparseGradState.recipe(density=args.density, optimizer="adamw", warmup_steps=args.freeze,
                                           path="sparse")
@@ -135,8 +145,12 @@ def main() -> None:
             nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
         optimizer.step()
         schedule.step()
+        if outer is not None:
+            outer.step()  # gtopk_ext: a sync every sync_every calls
         if args.log_every and rank == 0 and (step + 1) % args.log_every == 0:
             print(f"step {step + 1}: training loss {loss.item():.4f}", flush=True)
+    if outer is not None:
+        outer.sync()  # gtopk_ext: every rank ends with the global model
     with torch.no_grad():
         model.eval()
         held = torch.stack([loss_of(model, b) for b in windows(held_out, 64, args.seq_len, 7 + rank).split(16)])
@@ -144,8 +158,8 @@ def main() -> None:
     dist.all_reduce(mean)
     if rank == 0:
         print(f"{args.method}: validation loss {float(mean) / world_size:.4f} after {args.steps} steps", flush=True)
-        if state is not None:
-            print(state.summary(), flush=True)
+        if state is not None or outer is not None:
+            print((state or outer).summary(), flush=True)
     gx.destroy_process_group()
 
 

@@ -71,8 +71,10 @@ class SparseLocalSGD:
     r"""The outer optimizer of local SGD over a model that is not wrapped in DDP: every ``sync_every`` steps each
     rank compresses its pseudo-gradient (the global weights adopted at the last sync minus its weights now) plus
     its error-feedback accumulator, the collective averages it, and an outer SGD step on the global weights gives
-    the model every rank adopts. ``density=1.0, collective="dense"`` is DiLoCo; the default outer step is plain
-    local SGD (periodic model averaging).
+    the model every rank adopts. The defaults are SparseLoCo's exchange (Sarfi et al. 2025: top-k per 4,096-element
+    chunk, 2-bit values, each element averaged over the ranks that sent it, a decayed accumulator, outer lr 1, no
+    outer momentum) with H and the density measured on a language model with AdamW inside (docs/local_sgd.md);
+    ``density=1.0, collective="dense"`` is DiLoCo.
 
     Args:
         params: the model's parameters (``model.parameters()``), float32, float16 or bfloat16, the same shapes in
@@ -84,18 +86,21 @@ class SparseLocalSGD:
         outer_lr, outer_momentum, nesterov: the outer step, ``torch.optim.SGD``'s on the global weights with the
             averaged pseudo-gradient as gradient (``nesterov`` needs a momentum); the defaults: docs/local_sgd.md.
         process_group: the group to reduce over (``None``: the default group).
-        compressor: ``"gaussiank"`` (default), ``"topk"``, ``"randomk"`` or ``"chunktopk"`` (SparseLoCo's top-k
-            per chunk); ``compressor_kwargs`` are its extra arguments (see :func:`gtopk_ext.make_compressor`).
+        compressor: ``"chunktopk"`` (default: SparseLoCo's top-k per chunk, ``compressor_kwargs={"chunk": 4096}``),
+            ``"gaussiank"``, ``"topk"`` or ``"randomk"``; ``compressor_kwargs`` are its extra arguments (see
+            :func:`gtopk_ext.make_compressor`).
         buffers: tensors averaged densely at each sync (``model.buffers()``); integer buffers (BatchNorm's
             ``num_batches_tracked``) are taken from the group's first rank.
         wire: how a sparse collective sends its pairs (:mod:`gtopk_ext.wire`): ``"plain"``, ``"compact"`` or
             ``"2bit"`` (whose rounding errors go into the accumulator); the dense collective takes ``"plain"`` only.
+            None (default): ``"2bit"`` for a sparse collective, ``"plain"`` for the dense one.
         error_decay: in [0, 1]; each sync first multiplies the accumulator by it (SparseLoCo's decayed
             accumulator). 1.0 (default) is exact error feedback; below 1 the decayed part is dropped, and its L1
-            norm counted in :meth:`stats`. Sparse collectives only.
-        average: ``"ranks"`` (default): each element's sum over the ranks divided by P; ``"senders"``: by how many
-            ranks sent it (SparseLoCo's; ``collective="allgather"`` only), so an element one rank sent is applied
-            whole.
+            norm counted in :meth:`stats`. Sparse collectives only. None (default): 0.95 for a sparse collective,
+            1.0 for the dense one.
+        average: ``"ranks"``: each element's sum over the ranks divided by P; ``"senders"``: by how many ranks
+            sent it (SparseLoCo's; ``collective="allgather"`` only, the one that counts them), so an element one
+            rank sent is applied whole. None (default): ``"senders"`` with the allgather, else ``"ranks"``.
 
     Construction is collective over ``process_group``: the ranks check that they have the same parameters, and
     all adopt the first rank's parameters and buffers, as DDP does. The global weights, outer momentum and
@@ -108,13 +113,16 @@ class SparseLocalSGD:
     on any rank raises :class:`FloatingPointError` on every rank and changes nothing.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], sync_every: int = 32, density: float = 0.02,
-                 collective: str = "gtopk", outer_lr: float = 1.0, outer_momentum: float = 0.0,
+    def __init__(self, params: Iterable[torch.Tensor], sync_every: int = 8, density: float = 1 / 64,
+                 collective: str = "allgather", outer_lr: float = 1.0, outer_momentum: float = 0.0,
                  nesterov: bool = False, process_group: dist.ProcessGroup | None = None, *,
-                 compressor: str = "gaussiank", compressor_kwargs: dict | None = None,
-                 buffers: Iterable[torch.Tensor] = (), wire: str = "plain", error_decay: float = 1.0,
-                 average: str = "ranks"):
+                 compressor: str = "chunktopk", compressor_kwargs: dict | None = None,
+                 buffers: Iterable[torch.Tensor] = (), wire: str | None = None, error_decay: float | None = None,
+                 average: str | None = None):
         check_int("sync_every", sync_every, 1)
+        sparse = collective != "dense"
+        wire = ("2bit" if sparse else "plain") if wire is None else wire
+        error_decay = (0.95 if sparse else 1.0) if error_decay is None else error_decay
         self.config = SparseConfig(density, make_compressor(compressor, density, **dict(compressor_kwargs or {})),
                                    collective, wire)
         if collective == "dense" and density != 1.0:
@@ -126,6 +134,8 @@ class SparseLocalSGD:
         if collective == "dense" and self.error_decay != 1.0:
             raise ValueError(f"error_decay decays the accumulator of a sparse collective; collective='dense' has none "
                              f"and takes error_decay=1.0 only, got {error_decay!r}")
+        if average is None:
+            average = "senders" if self.config.reducer.counts_senders else "ranks"
         if average not in ("ranks", "senders"):
             raise ValueError(f"average must be 'ranks' or 'senders', got {average!r}")
         if average == "senders" and not self.config.reducer.counts_senders:

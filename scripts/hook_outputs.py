@@ -394,10 +394,11 @@ def run_local_sgd(rank: int, size: int, seed: int, rec: Recording, *, collective
     step, the state_dict() at the end."""
     torch.manual_seed(seed + rank)  # different on every rank: construction adopts rank 0's
     model = SmallNet()
-    # The outer step named (the defaults before 0.3.0): recordings across the default change stay comparable, and
-    # the state holds a Nesterov momentum.
+    # Every setting named (the defaults before 0.3.0 and before SparseLoCo's): recordings across the default
+    # changes stay comparable, and the state holds a Nesterov momentum.
     outer = gx.SparseLocalSGD(model.parameters(), sync_every=2, density=density, collective=collective, wire=wire,
-                              outer_lr=0.7, outer_momentum=0.9, nesterov=True, buffers=model.buffers())
+                              outer_lr=0.7, outer_momentum=0.9, nesterov=True, buffers=model.buffers(),
+                              compressor="gaussiank", error_decay=1.0, average="ranks")
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(STEPS):
         g = generator(seed, rank, step)

@@ -48,7 +48,8 @@ def test_split_depends_on_the_paths_alone():
 
 
 def test_tiny_run_writes_a_sane_report(tmp_path):
-    methods = ["ddp", "gtopk-0.01", "recipe-0.01", "sparse-gtopk-0.1-2", "sparse-gtopk-0.1-2-compact", "postlocal-3"]
+    methods = ["ddp", "gtopk-0.01", "recipe-0.01", "sparse-gtopk-0.1-2", "sparse-gtopk-0.1-2-compact", "postlocal-3",
+               "sparseloco-0.0625-2", "sparseloco-0.0625-2-plain"]
     out = run_lm(*TINY, "--optimizer", "sgd", "--steps", "4", "--dgc-warmup", "2", "--methods", *methods,
                  "--json", str(tmp_path / "lm.json"))
     assert "final val loss" in out and "SGD lr 0.1 momentum 0.9" in out
@@ -72,6 +73,8 @@ def test_tiny_run_writes_a_sane_report(tmp_path):
     assert 0 < table["gtopk-0.01"]["bytes_vs_ddp"] < 1 and 0 < table["sparse-gtopk-0.1-2"]["bytes_vs_ddp"] < 0.2
     # the compact wire: 4 bytes a pair instead of 8 (plus a few words per message)
     assert 0.4 < table["sparse-gtopk-0.1-2-compact"]["mb_sent"] / table["sparse-gtopk-0.1-2"]["mb_sent"] < 0.65
+    # SparseLoCo's 2-bit wire: 2.25 bytes a pair instead of the plain wire's 8
+    assert 0.25 < table["sparseloco-0.0625-2"]["mb_sent"] / table["sparseloco-0.0625-2-plain"]["mb_sent"] < 0.33
     # PyTorch's local SGD averages at steps 1 and 4 (every 3 steps from the first): a ring allreduce of the model
     # each, 2 (P - 1) / P of its float32 bytes, against DDP's 4
     assert table["postlocal-3"]["bytes_vs_ddp"] == pytest.approx(2 / 4)

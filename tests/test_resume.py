@@ -49,7 +49,8 @@ def make_outer() -> tuple[nn.Module, gx.SparseLocalSGD]:
     model = nn.Linear(40, 30)
     # Plain local SGD (no outer momentum, outer_lr 1): the global weights after a sync are the mean of the
     # replicas minus the mean of what the accumulators add.
-    return model, gx.SparseLocalSGD(model.parameters(), sync_every=1, density=0.05, outer_lr=1.0,
+    return model, gx.SparseLocalSGD(model.parameters(), sync_every=1, density=0.05, collective="gtopk",
+                                    compressor="gaussiank", wire="plain", error_decay=1.0, outer_lr=1.0,
                                     outer_momentum=0.0, nesterov=False)
 
 

@@ -169,7 +169,8 @@ def add_dgc_arguments(parser: argparse.ArgumentParser) -> None:
 class LocalMethod:
     """A local method: ``kind`` "postlocal", "diloco" or "sparse", exchanging every ``period`` (H) steps;
     ``sparseloco``: SparseLoCo's exchange (top-k per 4,096-element chunk, the 2-bit wire, each element averaged over
-    its senders, the accumulator decayed by 0.95 a sync) in place of the sparse collective's."""
+    its senders, the accumulator decayed by 0.95 a sync) in place of the sparse collective's, but ``without`` one
+    of its pieces (:data:`SPARSELOCO_PIECES`), which then takes SparseLocalSGD's earlier choice."""
 
     kind: str
     period: int
@@ -177,6 +178,7 @@ class LocalMethod:
     density: float = 1.0
     wire: str = "plain"
     sparseloco: bool = False
+    without: str = ""
 
     @property
     def peer(self) -> bool:
@@ -186,7 +188,8 @@ class LocalMethod:
     @property
     def label(self) -> str:
         if self.sparseloco:
-            return f"SparseLocalSGD as SparseLoCo, d={self.density:g}, H={self.period}"
+            without = f", without {SPARSELOCO_PIECES[self.without][0]}" if self.without else ""
+            return f"SparseLocalSGD as SparseLoCo, d={self.density:g}, H={self.period}{without}"
         compact = ", compact wire" if self.wire == "compact" else ""
         return {"postlocal": "PyTorch PostLocalSGD", "diloco": "DiLoCo (dense)"}.get(
             self.kind, f"SparseLocalSGD {self.collective} d={self.density:g}") + f", H={self.period}{compact}"
@@ -194,8 +197,18 @@ class LocalMethod:
     def options(self, error_decay: float) -> dict:
         """SparseLocalSGD's keyword arguments for this method (``error_decay``: the command's, for sparse ones)."""
         if self.sparseloco:
-            return {"compressor": "chunktopk", "wire": "2bit", "average": "senders", "error_decay": 0.95}
-        return {"wire": self.wire, "error_decay": error_decay if self.kind == "sparse" else 1.0}
+            options = {"compressor": "chunktopk", "wire": "2bit", "average": "senders", "error_decay": 0.95}
+            return {**options, **(SPARSELOCO_PIECES[self.without][1] if self.without else {})}
+        if self.kind == "sparse":  # the exchange SparseLocalSGD's defaults were before SparseLoCo's
+            return {"compressor": "gaussiank", "wire": self.wire, "average": "ranks", "error_decay": error_decay}
+        return {}  # DiLoCo: the dense collective's
+
+
+# The sparseloco- methods' pieces that a name can leave out: (the piece in words, what replaces it).
+SPARSELOCO_PIECES = {"nochunk": ("the chunks (one top-k)", {"compressor": "topk"}),
+                     "plain": ("the 2-bit wire (float32)", {"wire": "plain"}),
+                     "ranks": ("the average over senders (over P)", {"average": "ranks"}),
+                     "nodecay": ("the decay", {"error_decay": 1.0})}
 
 
 def one_of(choices) -> Callable[[str], str]:
@@ -213,7 +226,7 @@ def density_of(text: str) -> float:
 
 # What a <field> of a method's name holds.
 FIELDS = {"collective": one_of(gx.collectives.SPARSE_COLLECTIVES), "d": density_of, "rank": int, "H": int,
-          "path": one_of(gx.paths.MODES), "warmup": int}
+          "path": one_of(gx.paths.MODES), "warmup": int, "without": one_of(SPARSELOCO_PIECES)}
 # Every method: the pattern of its name and what builds it from the pattern's fields.
 METHODS = {
     "ddp": lambda: allreduce_recipe("DDP allreduce"),
@@ -242,6 +255,8 @@ METHODS = {
     "sparse-<collective>-<d>-<H>": lambda collective, d, H: LocalMethod("sparse", H, collective, d),
     "sparse-<collective>-<d>-<H>-compact": lambda collective, d, H: LocalMethod("sparse", H, collective, d, "compact"),
     "sparseloco-<d>-<H>": lambda d, H: LocalMethod("sparse", H, "allgather", d, "2bit", sparseloco=True),
+    "sparseloco-<d>-<H>-<without>": lambda d, H, without: LocalMethod("sparse", H, "allgather", d, "2bit", True,
+                                                                      without),
 }
 
 

@@ -31,7 +31,7 @@ from bench.harness.methods import (START_ITER, add_dgc_arguments, add_outer_argu
                                    optimizer_conflict)
 from bench.harness.regime import (CALIBRATION_STEPS, Regime, add_regime_args, check_regime_args, floor_seconds,
                                   link_rate, measured_ratio, probe_steps, seconds_for, steady_seconds)
-from bench.harness.train import Trainer, reduced, slowest, train_curve
+from bench.harness.train import Trainer, reduced, slowest_rank, train_curve
 
 # Per --optimizer: the methods by default (no momentum-correcting hook under AdamW) and the defaults of the flags
 # left None. AdamW's: nanoGPT's betas, decay and clipping; the learning rate tuned for DDP (docs/language_model.md).
@@ -220,7 +220,7 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
                                   args.eval_every, tx, progress, count_updated, stop)
     record = {"method": name, "label": method(name).label, "seed": args.seed, "curve": curve, "period": period,
               "train_loss": (reduced([m["loss"] for m in measured]) / world_size).tolist(),
-              "step_seconds": slowest([m["seconds"] for m in measured]).tolist(),
+              "step_seconds": slowest_rank([m["seconds"] for m in measured]),
               **{key: curve[-1][key] for key in ("seconds", "bytes_sent", "tx_bytes")},
               "final_val_loss": curve[-1]["val_loss"],
               "group_numel": {g: sum(p.numel() for h, p in zip(groups, trainer.model.parameters()) if h == g)

@@ -140,8 +140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="link rates (tbf), e.g. 1gbit 100mbit")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
                         help="hierarchical runs only with --local-size above 1")
-    parser.add_argument("--wires", nargs="+", choices=WIRES, default=list(WIRES),
-                        help="the sparse collectives' wire formats (hierarchical: plain only)")
+    parser.add_argument("--wires", nargs="+", choices=WIRES, default=["plain", "compact"],
+                        help="the sparse collectives' wire formats (hierarchical: plain only); the scaling page's "
+                             "runs measured plain and compact")
     parser.add_argument("--local-size", type=int, default=1,
                         help="ranks per emulated node (a namespace each, unshaped inside); 1: a link per rank")
     parser.add_argument("--repeats", type=int, default=5, help="most repetitions of one exchange")

@@ -112,6 +112,16 @@ def gtopk(density: float):
     return exchange
 
 
+def sparseloco(density: float):
+    """SparseLocalSGD's defaults between the nodes: every node's k pairs to every other (the allgather) on the 2-bit
+    wire."""
+    def exchange(c: Cluster) -> tuple[float, float]:
+        numel = round(c.params)
+        k = max(1, round(density * numel))
+        return collective_named("allgather").mean_bytes(numel, k, c.nodes, wire_named("2bit")), c.nodes - 1
+    return exchange
+
+
 # The LM race's methods (docs/race.md: 4 ranks, the means of seeds 0 and 1): steps to DDP's 500-step loss over DDP's
 # steps (490) on the same 1000-step schedule; None: not reached in 1000 (over 2.04x).
 METHODS = (
@@ -122,8 +132,10 @@ METHODS = (
            period=32),
     Method("adamw-0.01", "gtopk_ext AdamW recipe, d=0.01", gtopk(0.01), 760 / 490, sparse=True, warmup=ADAM_WARMUP),
     Method("adamw-0.001", "gtopk_ext AdamW recipe, d=0.001", gtopk(0.001), None, sparse=True, warmup=ADAM_WARMUP),
-    Method("sparse-gtopk-0.02-32", "SparseLocalSGD defaults (gtopk d=0.02, H=32)", gtopk(0.02), None, period=32,
-           sparse=True),
+    Method("sparse-gtopk-0.02-32", "SparseLocalSGD's earlier defaults (gtopk d=0.02, H=32)", gtopk(0.02), None,
+           period=32, sparse=True),
+    Method("sparseloco-0.015625-8", "SparseLocalSGD defaults (SparseLoCo, d=1/64, H=8)", sparseloco(1 / 64),
+           570 / 490, period=8, sparse=True),
 )
 PEERS = ("ddp", "bf16", "powersgd-4", "diloco-32")
 
@@ -188,12 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{size} parameters, {args.nodes} nodes x {args.gpus_per_node} GPUs, compute {1e3 * c.compute_s:.0f} ms a "
           f"step, links of {link}: R = {c.ratio:.3g}\n")
     best = min((r["seconds_to_target"] for r in rows if r["seconds_to_target"] is not None), default=None)
-    print(f"{'method':50} {'step (ms)':>10} {'steps vs DDP':>13} {'time to target':>15}")
+    print(f"{'method':56} {'step (ms)':>10} {'steps vs DDP':>13} {'time to target':>15}")
     for r in rows:
         hours = "-" if r["seconds_to_target"] is None else duration(r["seconds_to_target"])
         mark = " <- fastest" if best is not None and r["seconds_to_target"] == best else ""
         steps = "-" if r["steps_vs_ddp"] is None else f"{r['steps_vs_ddp']:.2f}x"
-        print(f"{r['label']:50} {1e3 * r['step_s']:10.0f} {steps:>13} {hours:>15}{mark}")
+        print(f"{r['label']:56} {1e3 * r['step_s']:10.0f} {steps:>13} {hours:>15}{mark}")
     print(f"\nto DDP's loss after {args.ddp_steps:g} of its steps; '-': not measured in the races (docs/race.md)")
     return 0
 

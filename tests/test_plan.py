@@ -1,6 +1,7 @@
 """The planner (gtopk_ext.plan): its step times from the byte formulas and the link, worked out by hand here, its
 time to the target from the races' step counts, its refusals of bad input, and its command line."""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,18 @@ def test_sparse_bytes_are_gtopks_rounds_and_the_selection_is_per_gpu():
     exchange = 8 * FRAMES * 3 * (8 * k + 4) / 1e9
     step = by_name("adamw-0.01").step_seconds(c)
     assert step == pytest.approx(0.1 + exchange + 2e-11 * 1e8 / 8, rel=1e-3)
+
+
+def test_sparseloco_sends_every_nodes_pairs_on_the_2bit_wire_every_8_steps():
+    c = Cluster(params=1e8, compute_s=0.1, link_bps=1e9, nodes=8, gpus_per_node=8, latency_s=1e-4, overlap=0.5,
+                select_s=2e-11)
+    k = 1e8 / 64
+    # to each of the 7 other nodes: a 1-word head, the page table (one int32 per 65,536 elements, and one), two
+    # float32 levels, then 2 bytes of index and 2 bits of value a pair; nothing hidden by the backward
+    payload = 4 * (1 + math.ceil(1e8 / 65536) + 1 + 2) + 2 * k + k / 4
+    exchange = 8 * FRAMES * 7 * payload / 1e9 + 7 * 1e-4
+    step = by_name("sparseloco-0.015625-8").step_seconds(c)
+    assert step == pytest.approx(0.1 + exchange / 8 + 2e-11 * 1e8 / 8 / 8, rel=1e-3)
 
 
 def test_time_to_target_counts_the_recipes_dense_warmup_and_the_measured_steps():

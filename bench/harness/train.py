@@ -200,6 +200,13 @@ def slowest(values) -> torch.Tensor:
     return reduced(values, dist.ReduceOp.MAX)
 
 
+def slowest_rank(step_seconds: list[float]) -> list[float]:
+    """The step times of the rank whose steps took longest in all: a run's wall time is that rank's, and the
+    maximum of each step over the ranks would overstate it where the ranks do not wait for each other every step
+    (local SGD)."""
+    return max(gathered(step_seconds), key=sum)
+
+
 def gathered(values) -> list:
     """Every rank's ``values`` (a list of numbers or of lists of numbers), in rank order."""
     mine = torch.tensor(values, dtype=torch.float64)

@@ -312,17 +312,23 @@ def test_sparse_adamw_gives_its_betas_to_the_hook():
         gx.SparseAdamW([nn.Parameter(torch.zeros(2))], betas=(0.5, 0.9), state=state)
 
 
-def test_the_transformer_example_runs_the_recipe(tmp_path):
-    """examples/train_transformer.py as its docstring launches it (2 ranks, Hugging Face's GPT-2 of a small shape):
-    the recipe's paths, and a validation loss below the untrained model's (ln 256 = 5.55)."""
+def run_transformer_example(tmp_path, method: str, *args: str) -> tuple[str, float]:
+    """examples/train_transformer.py as its docstring launches it, 2 ranks, Hugging Face's GPT-2 of a small shape:
+    (its log, the validation loss it printed)."""
     from bench.harness.launch import run_torchrun
 
-    log = "".join(run_torchrun(["examples/train_transformer.py", "--hf", "--steps", "30", "--freeze", "8",
-                                "--warmup", "8", "--width", "64", "--layers", "2", "--log-every", "0"],
-                               1, 2, None, tmp_path, "transformer", timeout=300))
-    found = [line for line in log.splitlines() if "adamw-recipe: validation loss" in line]
+    log = "".join(run_torchrun(["examples/train_transformer.py", "--method", method, "--hf", "--warmup", "8",
+                                "--width", "64", "--layers", "2", "--log-every", "0", *args],
+                               1, 2, None, tmp_path, method, timeout=300))
+    found = [line for line in log.splitlines() if f"{method}: validation loss" in line]
     assert found, log[-3000:]
-    assert float(found[0].split("validation loss ")[1].split()[0]) < 4.5, found[0]
+    return log, float(found[0].split("validation loss ")[1].split()[0])
+
+
+def test_the_transformer_example_runs_the_recipe(tmp_path):
+    """The recipe's paths, and a validation loss below the untrained model's (ln 256 = 5.55)."""
+    log, loss = run_transformer_example(tmp_path, "adamw-recipe", "--steps", "30", "--freeze", "8")
+    assert loss < 4.5, log[-3000:]
     assert "paths taken (bucket steps): sparse 22, dense8 6, dense 2" in log, log[-3000:]
 
 

@@ -103,22 +103,13 @@ def powersgd(rank: int):
     return lambda c: (ring_allreduce_bytes(4 * round(1.5 * rank / c.d_model * c.params), c.nodes), 4 * (c.nodes - 1))
 
 
-def gtopk(density: float):
-    """gTop-k between the nodes at ``density``: the package's byte formula (plain wire), log2(n) rounds."""
+def sparse_exchange(collective: str, wire: str, density: float):
+    """A sparse exchange between the nodes at ``density``: the package's byte formula for ``collective`` on ``wire``
+    (gTop-k: log2(n) rounds; the allgather: every node's k pairs to every other), in its messages."""
     def exchange(c: Cluster) -> tuple[float, float]:
-        numel = round(c.params)
+        numel, reducer = round(c.params), collective_named(collective)
         k = max(1, round(density * numel))
-        return collective_named("gtopk").mean_bytes(numel, k, c.nodes, wire_named("plain")), math.log2(c.nodes)
-    return exchange
-
-
-def sparseloco(density: float):
-    """SparseLocalSGD's defaults between the nodes: every node's k pairs to every other (the allgather) on the 2-bit
-    wire."""
-    def exchange(c: Cluster) -> tuple[float, float]:
-        numel = round(c.params)
-        k = max(1, round(density * numel))
-        return collective_named("allgather").mean_bytes(numel, k, c.nodes, wire_named("2bit")), c.nodes - 1
+        return reducer.mean_bytes(numel, k, c.nodes, wire_named(wire)), reducer.messages(c.nodes)
     return exchange
 
 
@@ -130,12 +121,14 @@ METHODS = (
     Method("powersgd-4", "PowerSGD rank 4", powersgd(4), 780 / 490, warmup=POWERSGD_WARMUP),
     Method("diloco-32", "DiLoCo H=32 (dense; outer lr 0.7, Nesterov 0.9)", lambda c: dense(c, 4), 920 / 490,
            period=32),
-    Method("adamw-0.01", "gtopk_ext AdamW recipe, d=0.01", gtopk(0.01), 760 / 490, sparse=True, warmup=ADAM_WARMUP),
-    Method("adamw-0.001", "gtopk_ext AdamW recipe, d=0.001", gtopk(0.001), None, sparse=True, warmup=ADAM_WARMUP),
-    Method("sparse-gtopk-0.02-32", "SparseLocalSGD's earlier defaults (gtopk d=0.02, H=32)", gtopk(0.02), None,
-           period=32, sparse=True),
-    Method("sparseloco-0.015625-8", "SparseLocalSGD defaults (SparseLoCo, d=1/64, H=8)", sparseloco(1 / 64),
-           570 / 490, period=8, sparse=True),
+    Method("adamw-0.01", "gtopk_ext AdamW recipe, d=0.01", sparse_exchange("gtopk", "plain", 0.01), 760 / 490,
+           sparse=True, warmup=ADAM_WARMUP),
+    Method("adamw-0.001", "gtopk_ext AdamW recipe, d=0.001", sparse_exchange("gtopk", "plain", 0.001), None,
+           sparse=True, warmup=ADAM_WARMUP),
+    Method("sparse-gtopk-0.02-32", "SparseLocalSGD's earlier defaults (gtopk d=0.02, H=32)",
+           sparse_exchange("gtopk", "plain", 0.02), None, period=32, sparse=True),
+    Method("sparseloco-0.015625-8", "SparseLocalSGD defaults (SparseLoCo, d=1/64, H=8)",
+           sparse_exchange("allgather", "2bit", 1 / 64), 570 / 490, period=8, sparse=True),
 )
 PEERS = ("ddp", "bf16", "powersgd-4", "diloco-32")
 

@@ -220,7 +220,9 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
                                   args.eval_every, tx, progress, count_updated, stop)
     record = {"method": name, "label": method(name).label, "seed": args.seed, "curve": curve, "period": period,
               "train_loss": (reduced([m["loss"] for m in measured]) / world_size).tolist(),
-              "step_seconds": slowest_rank([m["seconds"] for m in measured]),
+              # the steps alone: the final exchange that leaves one model (an overlapped one's) is not a step's
+              "step_seconds": slowest_rank([m["seconds"] - m["finish_seconds"] for m in measured]),
+              "steady_from": period if trainer.local is not None and trainer.local.method.overlap else 0,
               **{key: curve[-1][key] for key in ("seconds", "bytes_sent", "tx_bytes")},
               "final_val_loss": curve[-1]["val_loss"],
               "group_numel": {g: sum(p.numel() for h, p in zip(groups, trainer.model.parameters()) if h == g)
@@ -353,16 +355,16 @@ def race_rows(probes: list[dict], references: list[dict], target: float, regime:
         reached = [report.to_target([r["curve"]], lambda point: point["val_loss"] <= target, "seconds", "bytes_sent")
                    for r in runs]
         steps = [found["steps_to_target"] for found in reached]
+        timing = (probe["step_seconds"], probe["period"], probe.get("steady_from", 0))
         rows.append({"method": probe["method"], "label": probe["label"], "peer": method(probe["method"]).peer,
                      "per_seed": [{"seed": r["seed"], "steps": r["curve"][-1]["step"], "steps_to_target": n}
                                   for r, n in zip(runs, steps)],
                      "steps_to_target": mean_or_none(steps),
-                     "ms_per_step": 1e3 * steady_seconds(probe["step_seconds"], probe["period"]),
-                     "seconds_to_target": mean_or_none([n and seconds_for(n, probe["step_seconds"], probe["period"])
-                                                        for n in steps]),
+                     "ms_per_step": 1e3 * steady_seconds(*timing),
+                     "seconds_to_target": mean_or_none([n and seconds_for(n, *timing) for n in steps]),
                      "mb_to_target": mean_or_none([found["bytes_to_target"] and found["bytes_to_target"] / 1e6
                                                    for found in reached]),
-                     "step_seconds": probe["step_seconds"], "period": probe["period"]})
+                     "step_seconds": probe["step_seconds"], "period": probe["period"], "skip": timing[2]})
     ddp = next((row for row in rows if row["method"] == "ddp"), None)
     ideal = regime.floor_seconds * ddp["steps_to_target"] if ddp and ddp["steps_to_target"] else None
     best = min((row["seconds_to_target"] for row in rows if row["peer"] and row["seconds_to_target"]), default=None)
@@ -570,7 +572,7 @@ def race_at_regime(args: argparse.Namespace, regime: Regime, corpus: dict, probe
         timed = {row["method"]: row for row in rows}
         curves = [{**r, "label": f"{r['label']}, seed {r['seed']}", "curve": [
             {**point, "seconds": seconds_for(point["step"], timed[r["method"]]["step_seconds"],
-                                             timed[r["method"]]["period"])}
+                                             timed[r["method"]]["period"], timed[r["method"]]["skip"])}
             for point in r["curve"]]} for r in references if r["method"] in timed]
         report.plot_curves(curves, args.plot, title, "validation loss (nats per byte)", lambda c: min(c["val_loss"], 4),
                            [("seconds at R = {:g} (estimated)".format(args.regime), lambda c: c["seconds"], "log")],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from time import perf_counter
 from typing import Any
 
@@ -25,6 +26,7 @@ from gtopk_ext.collectives._transport import allreduce
 from gtopk_ext.compressors import make_compressor
 from gtopk_ext.config import SparseConfig
 from gtopk_ext.costs import format_bytes, latest_line, ring_allreduce_bytes, sent_and_received
+from gtopk_ext.message import SparseMessage
 from gtopk_ext.reduction import reduce
 from gtopk_ext.resume import StateDicts, plan_resume, world_fields
 from gtopk_ext.wire import WIRES
@@ -101,12 +103,19 @@ class SparseLocalSGD:
         average: ``"ranks"``: each element's sum over the ranks divided by P; ``"senders"``: by how many ranks
             sent it (SparseLoCo's; ``collective="allgather"`` only, the one that counts them), so an element one
             rank sent is applied whole. None (default): ``"senders"`` with the allgather, else ``"ranks"``.
+        overlap: inner steps an exchange may take before its average is applied, in [0, ``sync_every``]. 0
+            (default): the sync waits for it. From 1 (Streaming DiLoCo's overlap): the exchange runs in the
+            background (a thread, on a process group of its own made at the first sync) while the next inner steps
+            train from where the rank was, and ``overlap`` steps after the sync its outer step is applied with the
+            rank's progress since the sync kept on top: ``weights = global + (weights - weights at the sync)``.
+            A rank waits only when an exchange takes longer than ``overlap`` inner steps.
 
     Construction is collective over ``process_group``: the ranks check that they have the same parameters, and
     all adopt the first rank's parameters and buffers, as DDP does. The global weights, outer momentum and
     accumulator are float32 (a master copy for float16 and bfloat16 models).
 
-    After every sync the parameters and buffers are bitwise equal on every rank; with a sparse collective,
+    After every sync the parameters and buffers are bitwise equal on every rank (with ``overlap``: the global
+    weights after every applied exchange, and the parameters after :meth:`sync`); with a sparse collective,
     ``sum over ranks (pseudo-gradient + error_decay x old accumulator) = P x averaged pseudo-gradient + sum over
     ranks (new accumulator)`` up to float rounding (``average="senders"``: ``P x averaged`` becomes the sum of
     what the ranks sent, and each element's average is that sum over its senders). A non-finite pseudo-gradient
@@ -118,8 +127,11 @@ class SparseLocalSGD:
                  nesterov: bool = False, process_group: dist.ProcessGroup | None = None, *,
                  compressor: str = "chunktopk", compressor_kwargs: dict | None = None,
                  buffers: Iterable[torch.Tensor] = (), wire: str | None = None, error_decay: float | None = None,
-                 average: str | None = None):
+                 average: str | None = None, overlap: int = 0):
         check_int("sync_every", sync_every, 1)
+        if check_int("overlap", overlap) > sync_every:
+            raise ValueError(f"overlap must be at most sync_every={sync_every} (an exchange is applied before the "
+                             f"next one starts), got {overlap!r}")
         sparse = collective != "dense"
         wire = ("2bit" if sparse else "plain") if wire is None else wire
         error_decay = (0.95 if sparse else 1.0) if error_decay is None else error_decay
@@ -159,6 +171,12 @@ class SparseLocalSGD:
         self.buffers = tensor_list(buffers, "buffers")
         self.sync_every, self.density, self.collective, self.wire = sync_every, float(density), collective, wire
         self.nesterov, self.process_group, self.compressor, self.average = nesterov, process_group, compressor, average
+        self.overlap = overlap
+        self._pending: Future | dict | None = None  # an exchange in flight (overlap), or finished and not applied
+        self._due = 0  # the local step at which the pending exchange is applied
+        self._at_sync: list[torch.Tensor] = []  # overlap: the weights at the sync whose exchange is pending
+        self._pool: ThreadPoolExecutor | None = None
+        self._exchange_group: dist.ProcessGroup | None = None
         self._compressor = self.config.compressor if collective != "dense" else None
         self.local_step = 0  # calls of step() so far
         self.syncs = 0
@@ -171,8 +189,8 @@ class SparseLocalSGD:
         signature = repr([(tuple(t.shape), str(t.dtype)) for t in [*self.params, *self.buffers]])
         agree({"params": len(self.params), "buffers": len(self.buffers), "numel": sum(p.numel() for p in self.params),
                "signature": zlib.crc32(signature.encode()), "sync_every": self.sync_every,
-               "wire": self.config.wire.code, "senders": int(average == "senders")}, group, self._shards[0].device,
-              "SparseLocalSGD")
+               "wire": self.config.wire.code, "senders": int(average == "senders"), "overlap": overlap}, group,
+              self._shards[0].device, "SparseLocalSGD")
         with torch.no_grad():  # every rank starts from the first rank's model
             for t in [*self.params, *self.buffers]:
                 self._broadcast(t, group, None)
@@ -182,19 +200,33 @@ class SparseLocalSGD:
 
     @torch.no_grad()
     def step(self) -> bool:
-        """Counts one inner step; syncs at every ``sync_every``-th call. Returns whether it synced."""
+        """Counts one inner step; applies an exchange in flight when it is due (``overlap`` steps after its sync);
+        syncs at every ``sync_every``-th call. Returns whether it synced."""
         self.local_step += 1
+        if self._pending is not None and self.local_step >= self._due:
+            self._apply(self._join(), merge=True)
         if self.local_step % self.sync_every:
             return False
-        self.sync()
+        self._sync(wait=not self.overlap)
         return True
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Syncs now (collective): e.g. after the last inner step, so that every rank ends with the global model."""
+        """Syncs now and waits for it (collective): e.g. after the last inner step, so that every rank ends with the
+        global model (an exchange in flight is applied first)."""
+        if self._pending is not None:
+            self._apply(self._join(), merge=True)
+        self._sync(wait=True)
+
+    def _sync(self, wait: bool) -> None:
+        """1. This period's pseudo-gradient: the global weights (as the replicas hold them) minus the weights now;
+        the ranks check their step counts and that it is finite. 2. The accumulators decay. 3. The exchange: waited
+        for, its outer step applied and adopted by every rank; or (``overlap``) started in the background, the
+        weights now kept to apply it against. 4. The buffers are averaged."""
         group, _, size = group_rank_and_size(self.process_group)
         start = perf_counter()
         traffic = Traffic()
+        # 1.
         deltas = [shard.adopted(g).sub(shard.flat()) for shard, g in zip(self._shards, self._global)]
         finite = all(bool(torch.isfinite(d).all()) for d in deltas)
         headers = agree({"local_step": self.local_step, "syncs": self.syncs}, group, self._shards[0].device,
@@ -203,46 +235,97 @@ class SparseLocalSGD:
         if diverged:
             raise FloatingPointError(f"SparseLocalSGD.sync: the pseudo-gradient of rank(s) {diverged} is not finite "
                                      f"(inner training diverged); nothing was applied")
+        # 2.
         decayed = 0.0  # the L1 norm of what error_decay drops from the accumulators: (1 - decay) x |old|
         if self.error_decay != 1.0:
             decayed = (1.0 - self.error_decay) * sum(float(a.abs().sum(dtype=torch.float64)) for a in self._accumulator)
             for a in self._accumulator:
                 a.mul_(self.error_decay)
-        k = selected = 0
-        for index, delta in enumerate(deltas):
-            averaged, shard_k, shard_selected = self._reduce(index, delta, group, size, traffic)
+        # 3.
+        fold, self._send_accumulators = self._send_accumulators, False
+        messages = [self._compress(index, delta, fold) for index, delta in enumerate(deltas)]
+        figures = (0, 0, 0, 0)
+        if wait:
+            exchanged = self._counted(self._exchange(deltas, messages, group, size))
+            self._apply(exchanged, merge=False)
+            figures = exchanged["figures"]
+        else:
+            if self._pool is None:  # its own group: the main thread's collectives go on beside the exchange
+                self._exchange_group = dist.new_group(dist.get_process_group_ranks(group),
+                                                      use_local_synchronization=True)
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="SparseLocalSGD")
+            self._at_sync = [shard.flat() for shard in self._shards]
+            self._pending = self._pool.submit(self._exchange, deltas, messages, self._exchange_group, size)
+            self._due = self.local_step + self.overlap
+        # 4.
+        self._average_buffers(group, size, traffic)
+        self.syncs += 1
+        self.traffic.add(traffic.sent, traffic.received)
+        self.decayed += decayed
+        k, selected, sent, received = figures
+        self._last = {"numel": sum(s.numel for s in self._shards), "k": k, "selected": selected,
+                      "bytes_sent": traffic.sent + sent, "bytes_received": traffic.received + received,
+                      "decayed": decayed, "seconds": perf_counter() - start}
+
+    def _exchange(self, deltas: list[torch.Tensor], messages: list, group: dist.ProcessGroup, size: int) -> dict:
+        """Every shard's pseudo-gradient averaged over the ranks (this rank's accumulators updated):
+        ``{"averaged": [...], "figures": (k, selected, bytes sent, bytes received)}``."""
+        traffic, k, selected = Traffic(), 0, 0
+        for index, (delta, msg) in enumerate(zip(deltas, messages)):
+            shard_k, shard_selected = self._reduce(index, delta, msg, group, size, traffic)
             k, selected = k + shard_k, selected + shard_selected
-            # torch.optim.SGD's step (dampening 0, no weight decay), from the same bits on every rank
+        return {"averaged": deltas, "figures": (k, selected, traffic.sent, traffic.received)}
+
+    def _counted(self, exchanged: dict) -> dict:
+        """A finished exchange, its bytes added to this rank's."""
+        self.traffic.add(*exchanged["figures"][2:])
+        return exchanged
+
+    def _join(self) -> dict | None:
+        """The exchange in flight, finished (its bytes counted; kept pending), or None."""
+        if isinstance(self._pending, Future):
+            self._pending = self._counted(self._pending.result())
+            if self._last:  # the latest sync's figures, now that its exchange is done
+                k, selected, sent, received = self._pending["figures"]
+                self._last.update(k=k, selected=selected, bytes_sent=self._last["bytes_sent"] + sent,
+                                  bytes_received=self._last["bytes_received"] + received)
+        return self._pending
+
+    def _apply(self, exchanged: dict, merge: bool) -> None:
+        """The outer step with an exchange's average (torch.optim.SGD's: dampening 0, no weight decay; from the same
+        bits on every rank) on the global weights, which the parameters adopt; ``merge`` (an overlapped exchange):
+        with this rank's progress since the sync kept on top."""
+        for index, averaged in enumerate(exchanged["averaged"]):
             update = averaged
             if self.outer_momentum:
                 momentum = self._momentum[index].mul_(self.outer_momentum).add_(averaged)
                 update = averaged.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
             self._global[index].add_(update, alpha=-self.outer_lr)
-            self._shards[index].adopt(self._global[index])
-        self._average_buffers(group, size, traffic)
-        self._send_accumulators = False
-        self.syncs += 1
-        self.traffic.add(traffic.sent, traffic.received)
-        self.decayed += decayed
-        self._last = {"numel": sum(s.numel for s in self._shards), "k": k, "selected": selected,
-                      "bytes_sent": traffic.sent, "bytes_received": traffic.received, "decayed": decayed,
-                      "seconds": perf_counter() - start}
+            shard = self._shards[index]
+            shard.adopt(self._global[index] + (shard.flat() - self._at_sync[index]) if merge else self._global[index])
+        self._pending, self._at_sync = None, []
 
-    def _reduce(self, index: int, delta: torch.Tensor, group: dist.ProcessGroup, size: int,
-                traffic: Traffic) -> tuple[torch.Tensor, int, int]:
-        """(the pseudo-gradient averaged over ranks, k, elements selected) of one shard."""
-        if self._compressor is None or self._send_accumulators:
-            if self._accumulator:  # a fold: delta + accumulator, all of it, so the accumulator is empty after
+    def _compress(self, index: int, delta: torch.Tensor, fold: bool) -> SparseMessage | None:
+        """The message of one shard's ``delta + accumulator`` (the accumulator keeps the rest), or None where the
+        whole of it is sent: the dense collective, or a fold (``delta`` takes the accumulator, which empties)."""
+        if self._compressor is None or fold:
+            if self._accumulator:
                 delta.add_(self._accumulator[index])
                 self._accumulator[index].zero_()
-            return allreduce(delta, group, traffic).div_(size), delta.numel(), delta.numel()
-        accumulator = self._accumulator[index]
-        # accumulator becomes delta + old accumulator - what this rank sends
-        msg = self._compressor.compress(delta, accumulator, step=self.syncs * len(self._shards) + index)
-        outcome = reduce(delta, accumulator, msg, self.config.reducer, group, k=msg.k, wire=self.config.wire,
-                         backend=self._compressor.backend[delta.device], traffic=traffic,
+            return None
+        return self._compressor.compress(delta, self._accumulator[index], step=self.syncs * len(self._shards) + index)
+
+    def _reduce(self, index: int, delta: torch.Tensor, msg: SparseMessage | None, group: dist.ProcessGroup, size: int,
+                traffic: Traffic) -> tuple[int, int]:
+        """``delta`` becomes the average over the ranks of one shard's message (or of ``delta``, without one);
+        returns (k, elements selected)."""
+        if msg is None:
+            allreduce(delta, group, traffic).div_(size)
+            return delta.numel(), delta.numel()
+        outcome = reduce(delta, self._accumulator[index], msg, self.config.reducer, group, k=msg.k,
+                         wire=self.config.wire, backend=self._compressor.backend[delta.device], traffic=traffic,
                          senders=self.average == "senders")
-        return delta, outcome.msg.k, int(outcome.msg.count)
+        return outcome.msg.k, int(outcome.msg.count)
 
     def _average_buffers(self, group: dist.ProcessGroup, size: int, traffic: Traffic) -> None:
         floating = [b for b in self.buffers if b.is_floating_point()]
@@ -284,7 +367,8 @@ class SparseLocalSGD:
         return "\n".join([
             f"SparseLocalSGD: {self.collective}{f' ({self.compressor})' * bool(self._compressor)}, density "
             f"{self.density:g}, {self.wire} wire{', averaged over senders' * (self.average == 'senders')}, "
-            f"sync_every {self.sync_every}, outer lr {self.outer_lr:g}{momentum}",
+            f"sync_every {self.sync_every}{f', overlap {self.overlap}' * bool(self.overlap)}, outer lr "
+            f"{self.outer_lr:g}{momentum}",
             f"run: {stats['syncs']} syncs in {stats['local_step']} local steps; "
             + sent_and_received(stats["bytes_sent"], stats["bytes_received"], stats["syncs"], "sync"),
             f"dense DiLoCo would send {format_bytes(dense)} a sync, {format_bytes(dense * stats['syncs'])} in all",
@@ -295,11 +379,15 @@ class SparseLocalSGD:
     def state_dict(self) -> dict[str, Any]:
         """This rank's resumable state (copies), to save with the model's and the inner optimizer's: the counters,
         ``world_size`` and ``rank``, and per shard the ``global`` weights, ``momentum`` and (this rank's)
-        ``accumulator``."""
+        ``accumulator``; with an exchange in flight (``overlap``), it waits for it and saves its average as
+        ``pending``, this rank's weights at its sync as ``at_sync`` and the step it is due at as ``due``."""
+        pending = self._join()
         return {"local_step": self.local_step, "syncs": self.syncs, **world_fields(self.process_group),
                 "wire": self.wire, "numels": [s.numel for s in self._shards], "decayed": self.decayed,
                 "global": [g.clone() for g in self._global], "momentum": [m.clone() for m in self._momentum],
-                "accumulator": [a.clone() for a in self._accumulator]}
+                "accumulator": [a.clone() for a in self._accumulator],
+                "pending": [a.clone() for a in pending["averaged"]] if pending is not None else [],
+                "at_sync": [w.clone() for w in self._at_sync], "due": self._due}
 
     def load_state_dict(self, state_dict: StateDicts, on_world_size_change: str = "error") -> None:
         """Restores :meth:`state_dict`'s output; with the model's and the inner optimizer's states restored too,
@@ -310,6 +398,7 @@ class SparseLocalSGD:
         ``"error"`` (default) raises naming both sizes; ``"fold"`` takes every saved rank's state_dict as a list
         in rank order, this rank adds up those of the saved ranks ``q % world_size == rank`` and the next sync
         sends them whole (nothing is lost); ``"zero"`` drops them."""
+        self._join()  # an exchange of this run in flight ends before the saved state replaces what it touches
         plan = plan_resume(state_dict, on_world_size_change, self.process_group, "SparseLocalSGD.load_state_dict")
         state_dict = plan.replicated
         missing = {"local_step", "syncs", "numels", "global"} - set(state_dict)
@@ -333,11 +422,24 @@ class SparseLocalSGD:
             restored["accumulator"] = [sum(parts) for parts in zip(*taken)] if taken else None
         if restored["global"] is None:
             raise ValueError("state_dict['global'] is empty: expected the global weights")
+        pending = self._checked_vectors(state_dict, "pending", self._global)
+        at_sync = self._checked_vectors(state_dict, "at_sync", self._global)
+        if (pending is None) != (at_sync is None):
+            raise ValueError("state_dict holds one of 'pending' and 'at_sync' without the other: expected both (an "
+                             "exchange in flight) or neither")
+        if pending is not None and plan.policy is not None:
+            raise ValueError("state_dict was saved with an exchange in flight (overlap), which is this rank's own: it "
+                             "resumes at the same world size only")
+        due = check_int("state_dict['due']", state_dict.get("due", 0))
         decayed = sum(check_number("state_dict['decayed']", saved.get("decayed", 0.0), 0.0, math.inf, high_open=True)
                       for saved in plan.own)
         for name, mine in vectors.items():
             for vector, saved in zip(mine, restored[name] or [torch.zeros_like(v) for v in mine]):
                 vector.copy_(saved)
+        self._pending = None if pending is None else {"averaged": [p.clone() for p in pending],
+                                                      "figures": (0, 0, 0, 0)}
+        self._at_sync = [] if at_sync is None else [w.clone() for w in at_sync]
+        self._due = due
         self.local_step, self.syncs, self.decayed = state_dict["local_step"], state_dict["syncs"], float(decayed)
         self._send_accumulators = plan.policy == "fold"
 
@@ -356,4 +458,4 @@ class SparseLocalSGD:
         return (f"SparseLocalSGD(sync_every={self.sync_every}, density={self.density}, collective={self.collective!r}, "
                 f"outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, nesterov={self.nesterov}, "
                 f"compressor={self.compressor!r}, wire={self.wire!r}, error_decay={self.error_decay}, "
-                f"average={self.average!r})")
+                f"average={self.average!r}, overlap={self.overlap})")

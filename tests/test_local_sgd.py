@@ -228,6 +228,62 @@ def _case_sparseloco(rank: int, world_size: int) -> None:
     assert "averaged over senders" in outer.summary().splitlines()[0]
 
 
+def _case_overlap(rank: int, world_size: int) -> None:
+    """overlap: each exchange travels while the next inner steps train and is applied ``overlap`` steps after its
+    sync (1 and H). Until then neither the sync nor step() moves the weights; then the global weights move by
+    exactly the exchange's average (outer lr 1, no momentum), bitwise equal on every rank, and each rank's weights
+    become the global ones plus its progress since the sync. The exchange conserves (what went in = what was sent
+    + the new accumulator; each element of the average = its sum over its senders). The final sync() applies the
+    exchange in flight, then exchanges and applies the rest, waiting: the replicas are one model."""
+    for overlap in (1, H):
+        model = _model(seed=rank)
+        outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=0.125, compressor_kwargs={"chunk": 32},
+                                  buffers=model.buffers(), overlap=overlap)
+        assert f"sync_every 3, overlap {overlap}," in outer.summary().splitlines()[0]
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        numel = sum(p.numel() for p in model.parameters())
+        started = None  # the exchange in flight: (its sync's step, what went in, the weights after its sync)
+        applied = 0
+        for step in range(1, 4 * H + overlap + 1):
+            what = f"overlap {overlap}, step {step}"
+            _inner_step(model, inner, rank, step)
+            before = outer.state_dict()  # waits for the exchange in flight
+            weights = _flat(model.parameters())
+            due = started is not None and step == started[0] + overlap
+            if due:
+                sent = started[1] - before["accumulator"][0].double()
+                senders = (sent.abs() > 1e-6).double()  # the rest differs from 0 by the float32 decay's rounding
+                total = torch.cat([sent, senders])
+                dist.all_reduce(total)
+                expected = total[:numel] / total[numel:].clamp(min=1)
+                torch.testing.assert_close(before["pending"][0].double(), expected, rtol=0, atol=1e-6,
+                                           msg=lambda m: f"{what}: the average: {m}")
+            synced = outer.step()
+            assert synced == (step % H == 0), what
+            after = outer.state_dict()
+            now = _flat(model.parameters())
+            if due:
+                assert torch.equal(after["global"][0], before["global"][0] - before["pending"][0]), what
+                torch.testing.assert_close(now, _flat(after["global"]) + (weights - started[2]), rtol=0, atol=1e-6,
+                                           msg=lambda m: f"{what}: the global weights + the progress since: {m}")
+                _assert_equal_everywhere(after["global"][0], f"{what}: the global weights")
+                started, applied = None, applied + 1
+            else:  # neither a step between nor a sync moves the weights
+                assert torch.equal(now, weights), f"{what}: the weights moved before the exchange was due"
+            if synced:
+                assert after["pending"] and after["due"] == step + overlap, what
+                started = (step, _flat(after["global"]) - now + 0.95 * before["accumulator"][0].double(), now)
+        assert applied == 4, f"overlap {overlap}: {applied} exchanges applied"
+        outer.sync()
+        _assert_replicas_equal(model, f"overlap {overlap}, after the final sync")
+        assert not outer.state_dict()["pending"]
+
+
+def _assert_equal_everywhere(tensor: torch.Tensor, what: str) -> None:
+    for rank, other in enumerate(_gather(tensor.contiguous())):
+        assert torch.equal(other, tensor), f"{what}: rank {rank}'s differ from rank {dist.get_rank()}'s"
+
+
 def _diloco_reference(model: nn.Module, world_size: int, outer_lr: float, momentum: float):
     """A plain-PyTorch DiLoCo sync: every rank's pseudo-gradient averaged by allreduce, torch.optim.SGD on the
     global weights, which every rank adopts; buffers averaged."""
@@ -324,6 +380,8 @@ def _case_resume(rank: int, world_size: int) -> None:
         _resume(rank, wire, decay, {"collective": "gtopk", "compressor": "gaussiank", "wire": wire,
                                     "error_decay": decay})
     _resume(rank, "2bit", 0.95, {})  # the defaults
+    for overlap in (1, H):  # saved with an exchange in flight
+        _resume(rank, "2bit", 0.95, {"overlap": overlap})
 
 
 def _resume(rank: int, wire: str, decay: float, options: dict) -> None:
@@ -335,12 +393,15 @@ def _resume(rank: int, wire: str, decay: float, options: dict) -> None:
         return model, torch.optim.AdamW(model.parameters(), lr=0.01), outer
 
     model, inner, outer = build(0)
-    steps, saved_at = 4 * H, 2 * H + 1  # after two syncs: the second decayed the accumulator
+    # after two syncs (the second decayed the accumulator): in the next interval, or right after the second sync,
+    # with its exchange in flight
+    steps, saved_at = 4 * H, 2 * H + (0 if options.get("overlap") else 1)
     for step in range(steps):
         if step == saved_at:
             saved = copy.deepcopy((model.state_dict(), inner.state_dict(), outer.state_dict()))
         _inner_step(model, inner, rank, step)
         outer.step()
+    assert bool(saved[2]["pending"]) == bool(options.get("overlap")), "saved without the exchange in flight"
     resumed_model, resumed_inner, resumed_outer = build(seed=7)
     resumed_outer.load_state_dict(saved[2])  # after construction, which adopts rank 0's model
     resumed_model.load_state_dict(saved[0])
@@ -399,6 +460,9 @@ def _case_errors(rank: int, world_size: int) -> None:
                   r"collective='allgather' counts, got collective='gtopk'", make(collective="gtopk", average="senders"))
     _expect_error(ValueError, r"density x chunk must be >= 1, got 0.1 x 4", make(compressor_kwargs={"chunk": 4},
                                                                                   density=0.1))
+    _expect_error(ValueError, r"overlap must be an int >= 0, got True", make(overlap=True))
+    _expect_error(ValueError, r"overlap must be at most sync_every=8 \(an exchange is applied before the next one "
+                  r"starts\), got 9", make(overlap=9))
     _expect_error(ValueError, r"params is empty", make(params=[]))
     _expect_error(TypeError, r"params must be an iterable of tensors .* got a single tensor", make(params=params[0]))
     _expect_error(TypeError, r"param groups are not supported", make(params=[{"params": params}]))
@@ -448,7 +512,8 @@ def _case_errors(rank: int, world_size: int) -> None:
 
 
 CASES = {case.__name__: case for case in (_case_replicas_and_conservation, _case_error_decay, _case_sparseloco,
-                                          _case_diloco, _case_local_sgd, _case_resume, _case_errors, _case_summary)}
+                                          _case_overlap, _case_diloco, _case_local_sgd, _case_resume, _case_errors,
+                                          _case_summary)}
 
 
 def _run_cases(rank: int, world_size: int, names: list[str]) -> None:
@@ -458,7 +523,8 @@ def _run_cases(rank: int, world_size: int, names: list[str]) -> None:
 
 @pytest.mark.parametrize("world_size,names", [
     (2, ["_case_replicas_and_conservation", "_case_diloco", "_case_local_sgd", "_case_errors", "_case_summary"]),
-    (3, ["_case_replicas_and_conservation", "_case_error_decay", "_case_sparseloco", "_case_diloco", "_case_resume"]),
+    (3, ["_case_replicas_and_conservation", "_case_error_decay", "_case_sparseloco", "_case_overlap", "_case_diloco",
+         "_case_resume"]),
     (4, ["_case_replicas_and_conservation", "_case_error_decay", "_case_sparseloco", "_case_local_sgd",
          "_case_resume"]),
 ])

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness.regime import TIMED_STEPS, WIRE_OVERHEAD, Regime, nearest_deployment, probe_steps, seconds_for
+from bench.harness.regime import (TIMED_STEPS, WIRE_OVERHEAD, Regime, nearest_deployment, probe_steps, seconds_for,
+                                  steady_seconds)
 from bench.lm import race_rows
 from gtopk_ext.plan import gpu_ratio
 
@@ -45,6 +46,10 @@ def test_probe_lengths_and_seconds_from_steps():
     # every H = 4 steps a 3 s sync: the mean over the whole periods, (3 x 0.5 + 3) / 4 per step
     periodic = [0.5, 0.5, 0.5, 3.0] * 5
     assert seconds_for(40, periodic, period=4) == pytest.approx(sum(periodic) + 20 * 1.125)
+    # an overlapped exchange: the first period waits for none, each later one for one (2 s); the first is left out
+    overlapped = [0.5] * 4 + [0.5, 0.5, 0.5, 2.0] * 2
+    assert steady_seconds(overlapped, period=4, skip=4) == pytest.approx(0.875)
+    assert seconds_for(20, overlapped, period=4, skip=4) == pytest.approx(sum(overlapped) + 8 * 0.875)
 
 
 def curve(losses: list[float], bytes_per_step: float, every: int = 10) -> list[dict]:

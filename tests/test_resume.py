@@ -114,6 +114,11 @@ def load_worker(rank: int, size: int, out: str) -> dict:
         "hook policy": raises(lambda: make_state().load_state_dict(hooks, on_world_size_change="sum"),
                               r"on_world_size_change must be one of \('error', 'fold', 'zero'\), got 'sum'"),
         "local SGD": raises(lambda: make_outer()[1].load_state_dict(locals_[rank]), r"world size 3.*world size 2"),
+        # saved with an overlapped exchange in flight (its average and each rank's weights at the sync)
+        "local SGD in flight": raises(lambda: make_outer()[1].load_state_dict(
+            [{**saved, "pending": saved["global"], "at_sync": saved["global"]} for saved in locals_],
+            on_world_size_change="fold"), r"saved with an exchange in flight \(overlap\), which is this rank's own: "
+                                          r"it resumes at the same world size only"),
     }
     failures = []
 

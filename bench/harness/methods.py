@@ -179,6 +179,7 @@ class LocalMethod:
     wire: str = "plain"
     sparseloco: bool = False
     without: str = ""
+    overlap: int = 0  # SparseLocalSGD's overlap: inner steps an exchange runs before it is applied
 
     @property
     def peer(self) -> bool:
@@ -189,7 +190,8 @@ class LocalMethod:
     def label(self) -> str:
         if self.sparseloco:
             without = f", without {SPARSELOCO_PIECES[self.without][0]}" if self.without else ""
-            return f"SparseLocalSGD as SparseLoCo, d={self.density:g}, H={self.period}{without}"
+            overlap = f", overlap {self.overlap}" if self.overlap else ""
+            return f"SparseLocalSGD as SparseLoCo, d={self.density:g}, H={self.period}{without}{overlap}"
         compact = ", compact wire" if self.wire == "compact" else ""
         return {"postlocal": "PyTorch PostLocalSGD", "diloco": "DiLoCo (dense)"}.get(
             self.kind, f"SparseLocalSGD {self.collective} d={self.density:g}") + f", H={self.period}{compact}"
@@ -197,7 +199,8 @@ class LocalMethod:
     def options(self, error_decay: float) -> dict:
         """SparseLocalSGD's keyword arguments for this method (``error_decay``: the command's, for sparse ones)."""
         if self.sparseloco:
-            options = {"compressor": "chunktopk", "wire": "2bit", "average": "senders", "error_decay": 0.95}
+            options = {"compressor": "chunktopk", "wire": "2bit", "average": "senders", "error_decay": 0.95,
+                       "overlap": self.overlap}
             return {**options, **(SPARSELOCO_PIECES[self.without][1] if self.without else {})}
         if self.kind == "sparse":  # the exchange SparseLocalSGD's defaults were before SparseLoCo's
             return {"compressor": "gaussiank", "wire": self.wire, "average": "ranks", "error_decay": error_decay}
@@ -226,7 +229,8 @@ def density_of(text: str) -> float:
 
 # What a <field> of a method's name holds.
 FIELDS = {"collective": one_of(gx.collectives.SPARSE_COLLECTIVES), "d": density_of, "rank": int, "H": int,
-          "path": one_of(gx.paths.MODES), "warmup": int, "without": one_of(SPARSELOCO_PIECES)}
+          "path": one_of(gx.paths.MODES), "warmup": int, "without": one_of(SPARSELOCO_PIECES),
+          "overlap": int}
 # Every method: the pattern of its name and what builds it from the pattern's fields.
 METHODS = {
     "ddp": lambda: allreduce_recipe("DDP allreduce"),
@@ -257,6 +261,8 @@ METHODS = {
     "sparseloco-<d>-<H>": lambda d, H: LocalMethod("sparse", H, "allgather", d, "2bit", sparseloco=True),
     "sparseloco-<d>-<H>-<without>": lambda d, H, without: LocalMethod("sparse", H, "allgather", d, "2bit", True,
                                                                       without),
+    "sparseloco-<d>-<H>-overlap-<overlap>": lambda d, H, overlap: LocalMethod("sparse", H, "allgather", d, "2bit",
+                                                                              True, overlap=overlap),
 }
 
 
@@ -289,14 +295,12 @@ def optimizer_conflict(which: "str | Recipe", optimizer: str) -> Optional[str]:
     return None
 
 
-def method_name(text: str, ddp_only: bool = False) -> str:
-    """An argparse type: a method's name (with ``ddp_only``, a DDP method's)."""
+def method_name(text: str) -> str:
+    """An argparse type: a method's name."""
     try:
-        found = method(text)
+        method(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from error
-    if ddp_only and not isinstance(found, Recipe):
-        raise argparse.ArgumentTypeError(f"{text} is a local method: only DDP hooks here")
     return text
 
 
@@ -337,7 +341,10 @@ class LocalExchange:
             self.counted += self.average_bytes
 
     def synced(self) -> bool:
-        """Whether the replicas are one model now (right after an average or a sync, or :meth:`finish`)."""
+        """Whether the replicas are one model now (right after an average or a sync, or :meth:`finish`; with an
+        overlapped exchange only after :meth:`finish`)."""
+        if self.outer is not None and self.outer.overlap and not self.finished:
+            return False
         return self.finished or (self.steps - (self.outer is None)) % self.method.period == 0
 
     def finish(self) -> None:

@@ -110,15 +110,16 @@ def probe_steps(warmup: int, period: int | None = None) -> int:
     return period * math.ceil(TIMED_STEPS / period) if period else warmup + TIMED_STEPS
 
 
-def steady_seconds(step_seconds: list[float], period: int | None = None) -> float:
+def steady_seconds(step_seconds: list[float], period: int | None = None, skip: int = 0) -> float:
     """A method's step after its warm-up, from a probe's ``step_seconds`` (:func:`probe_steps` of them): the median of
-    the last TIMED_STEPS, or (exchanging every ``period`` steps) the mean over the whole periods."""
-    return statistics.fmean(step_seconds) if period else statistics.median(step_seconds[-TIMED_STEPS:])
+    the last TIMED_STEPS, or (exchanging every ``period`` steps) the mean over the whole periods after the first
+    ``skip`` steps (an overlapped exchange's first period waits for none)."""
+    return statistics.fmean(step_seconds[skip:]) if period else statistics.median(step_seconds[-TIMED_STEPS:])
 
 
-def seconds_for(steps: int, step_seconds: list[float], period: int | None = None) -> float:
+def seconds_for(steps: int, step_seconds: list[float], period: int | None = None, skip: int = 0) -> float:
     """Seconds ``steps`` steps take, from a probe's ``step_seconds``: the probe's own first steps, then each further
     one at :func:`steady_seconds`."""
     if steps <= len(step_seconds):
         return sum(step_seconds[:steps])
-    return sum(step_seconds) + (steps - len(step_seconds)) * steady_seconds(step_seconds, period)
+    return sum(step_seconds) + (steps - len(step_seconds)) * steady_seconds(step_seconds, period, skip)

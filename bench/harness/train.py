@@ -51,7 +51,8 @@ class Trainer:
 
     def measured_step(self, loss_of, tx, last: bool = False) -> dict:
         """One step on ``loss_of(trained model)``, started by every rank together (with ``last``, then the exchange
-        that leaves one model): its loss, seconds, the gradient's norm before clipping (with clipping; None without),
+        that leaves one model): its loss, seconds (the final exchange's also apart, ``finish_seconds``), the
+        gradient's norm before clipping (with clipping; None without),
         CPU seconds (all threads), bytes sent by the method's count and by ``tx`` (a TxCounter), and its buckets'
         paths."""
         dist.barrier()
@@ -64,13 +65,16 @@ class Trainer:
         self.optimizer.step()
         if self.schedule is not None:
             self.schedule.step()
+        finish = 0.0  # seconds of the exchange that leaves one model, after the last step of a local method
         if self.local is not None:
             self.local.after_step()
             if last:
+                finish = time.perf_counter()
                 self.local.finish()
+                finish = time.perf_counter() - finish
         else:
             self.sent += self.accounting.bytes_sent()
-        return {"loss": float(loss.detach()), "seconds": time.perf_counter() - start,
+        return {"loss": float(loss.detach()), "seconds": time.perf_counter() - start, "finish_seconds": finish,
                 "grad_norm": None if norm is None else float(norm),
                 "cpu_seconds": time.process_time() - cpu, "bytes": self.bytes_sent() - sent,
                 "tx_bytes": tx.read() - tx_bytes, "paths": self.accounting.paths() if self.local is None else None}

@@ -25,7 +25,8 @@ from bench.emulated_network import TxCounter, network_name
 from bench.harness import cli, report
 from bench.harness.gradients import wide_mlp
 from bench.harness.launch import run_group
-from bench.harness.methods import START_ITER, add_dgc_arguments, method, method_name, numel_of
+from bench.harness.methods import (START_ITER, LocalMethod, add_dgc_arguments, add_outer_arguments, method,
+                                   method_name, numel_of)
 from bench.harness.regime import (CALIBRATION_STEPS, add_regime_args, check_regime_args, floor_seconds, link_rate,
                                   measured_ratio)
 from bench.harness.train import Trainer, batch_loss, epoch_batches, evaluate, gathered
@@ -68,16 +69,19 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
             for name in args.methods[shift:] + args.methods[:shift] if step else []:
                 progress.set_description(f"seed {seed} step {step} {name}", refresh=False)
                 progress.update()
-                measured[name].append(trainers[name].measured_step(loss_of, counter))
-            if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
+                measured[name].append(trainers[name].measured_step(loss_of, counter, last=step == args.steps))
+            if step % args.eval_every == 0 or step == args.steps:
                 for name in args.methods:
-                    evals[name].append((step, evaluate(trainers[name].model, test_x, test_y)[0]))
+                    shared = trainers[name].shared_model()  # a local method's replicas' mean: every rank
+                    if rank == 0:
+                        evals[name].append((step, evaluate(shared, test_x, test_y)[0]))
         runs.append({})
         for name, steps in measured.items():  # each [rank][step]
             seconds, cpu, tx, own = zip(*gathered([[m[key] for m in steps]
                                                    for key in ("seconds", "cpu_seconds", "tx_bytes", "bytes")]))
             runs[-1][name] = {"seconds": seconds, "cpu_seconds": cpu, "tx_bytes": tx if counter.path else None,
-                              "own_bytes": own, "buckets": trainers[name].accounting.buckets(),
+                              "own_bytes": own,
+                              "buckets": trainers[name].accounting.buckets() if trainers[name].local is None else None,
                               "paths": [m["paths"] for m in steps], "evals": evals[name],
                               "digest": digest(trainers[name].model)}
         del trainers
@@ -88,11 +92,13 @@ def run_worker(args: argparse.Namespace, rank: int, world_size: int, config: dic
 
 def summarize(name: str, runs: list[dict], args: argparse.Namespace) -> dict:
     """One method's row from every seed's measurements (per step: the slowest rank's time, the mean over ranks of
-    CPU time and bytes; pooled over the steps after the warm-up of every seed)."""
-    timed = slice(WARMUP_STEPS, None)
+    CPU time and bytes; pooled over the steps after the warm-up of every seed). A local method's steps are those of
+    the rank whose steps took longest in all: its ranks do not wait for each other at every step."""
+    timed, local = slice(WARMUP_STEPS, None), isinstance(method(name), LocalMethod)
     slowest, cpu, tx, own, curves = [], [], [], [], []
     for run in runs:
-        step_seconds = [max(per_rank) for per_rank in zip(*run["seconds"])]
+        step_seconds = (list(max(run["seconds"], key=sum)) if local
+                        else [max(per_rank) for per_rank in zip(*run["seconds"])])
         slowest += step_seconds[timed]
         cpu += [statistics.fmean(per_rank) for per_rank in zip(*run["cpu_seconds"])][timed]
         own += [statistics.fmean(per_rank) for per_rank in zip(*run["own_bytes"])][timed]
@@ -140,9 +146,11 @@ def others_cpu_seconds() -> float:
 def parse_args(argv: list | None = None) -> argparse.Namespace:
     parser = cli.parser(__doc__, world_size=4, steps=100, eval_every=10, seeds=[0], batch_size=32, lr=0.05,
                         momentum=0.9, nesterov=False, json=None, plot=Path("peers.png"), no_progress=False)
-    parser.add_argument("--methods", nargs="+", type=lambda text: method_name(text, ddp_only=True), default=METHODS,
-                        help=f"DDP methods (bench/harness/methods.py), e.g. {' '.join(METHODS)}, dgc-0.01-sparse, "
-                             f"recipe-0.01, recipe-0.01-44 (its own warm-up length)")
+    parser.add_argument("--methods", nargs="+", type=method_name, default=METHODS,
+                        help=f"methods (bench/harness/methods.py), e.g. {' '.join(METHODS)}, dgc-0.01-sparse, "
+                             f"recipe-0.01, recipe-0.01-44 (its own warm-up length), and the local ones: "
+                             f"sparseloco-0.015625-8 (SparseLocalSGD's defaults), diloco-32 (their inner optimizer: "
+                             f"the DDP methods' SGD)")
     parser.add_argument("--model", choices=MODELS, default="cnn",
                         help="cnn: the demo's CNN (0.6M parameters); mlp: 64-h-h-10 with about --mlp-params; "
                              f"deep: {DEEP_LAYERS} equal hidden layers with about --mlp-params")
@@ -152,6 +160,7 @@ def parse_args(argv: list | None = None) -> argparse.Namespace:
                         help="DDP's bucket cap of every method but PowerSGD (default: DDP's own, 25)")
     parser.add_argument("--target", type=float, default=0.9, help="test accuracy whose steps and seconds to report")
     add_dgc_arguments(parser)
+    add_outer_arguments(parser)
     cli.add_network_args(parser, prefix="gxpeers")
     add_regime_args(parser)
     args = parser.parse_args(argv)

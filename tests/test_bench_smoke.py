@@ -87,7 +87,7 @@ def test_kernel_benchmark_suite_runs():
                                          reason="namespaces and tc need root and iproute2"))])
 def test_peers_benchmark(tmp_path, network):
     out, figure = tmp_path / "peers.json", tmp_path / "peers.png"
-    methods = ["powersgd-1", "gtopk-0.01", "floor"]
+    methods = ["powersgd-1", "gtopk-0.01", "sparseloco-0.05-2", "floor"]  # a local method too: SparseLocalSGD
     run_bench("peers", network, "--world-size", "2", "--model", "mlp", "--mlp-params", "20000", "--steps", "5",
               "--eval-every", "2", "--methods", *methods, "--prefix", "gxsmokepeers", "--no-progress",
               "--json", str(out), "--plot", str(figure))
@@ -112,6 +112,7 @@ def test_peers_benchmark(tmp_path, network):
             assert 0 < row["own_mb_per_step"] * 1e6 < 0.5 * dense_bytes
             assert wire is None or row["own_mb_per_step"] <= wire < 2 * row["own_mb_per_step"] + 0.01
     assert rows["powersgd-1"]["buckets"] == 1 and rows["gtopk-0.01"]["buckets"] >= 1
+    assert rows["sparseloco-0.05-2"]["buckets"] is None  # no DDP
     assert report["load"]["other_processes_cores"] >= 0
     if network != "--loopback":  # the run removed the namespaces it made
         assert "gxsmokepeers" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -69,9 +69,9 @@ class Trainer:
         if self.local is not None:
             self.local.after_step()
             if last:
-                finish = time.perf_counter()
+                finishing = time.perf_counter()
                 self.local.finish()
-                finish = time.perf_counter() - finish
+                finish = time.perf_counter() - finishing
         else:
             self.sent += self.accounting.bytes_sent()
         return {"loss": float(loss.detach()), "seconds": time.perf_counter() - start, "finish_seconds": finish,

@@ -109,6 +109,9 @@ class SparseLocalSGD:
             train from where the rank was, and ``overlap`` steps after the sync its outer step is applied with the
             rank's progress since the sync kept on top: ``weights = global + (weights - weights at the sync)``.
             A rank waits only when an exchange takes longer than ``overlap`` inner steps.
+        fragments: F >= 1 dividing ``sync_every``: the parameters (each shard) in F consecutive slices, each synced
+            every ``sync_every`` steps at its own offset, one every ``sync_every / F`` steps (Streaming DiLoCo's
+            fragments): an exchange carries 1/F of the bytes, so ``overlap`` up to ``sync_every / F`` can hide it.
 
     Construction is collective over ``process_group``: the ranks check that they have the same parameters, and
     all adopt the first rank's parameters and buffers, as DDP does. The global weights, outer momentum and
@@ -127,11 +130,14 @@ class SparseLocalSGD:
                  nesterov: bool = False, process_group: dist.ProcessGroup | None = None, *,
                  compressor: str = "chunktopk", compressor_kwargs: dict | None = None,
                  buffers: Iterable[torch.Tensor] = (), wire: str | None = None, error_decay: float | None = None,
-                 average: str | None = None, overlap: int = 0):
+                 average: str | None = None, overlap: int = 0, fragments: int = 1):
         check_int("sync_every", sync_every, 1)
-        if check_int("overlap", overlap) > sync_every:
-            raise ValueError(f"overlap must be at most sync_every={sync_every} (an exchange is applied before the "
-                             f"next one starts), got {overlap!r}")
+        if check_int("fragments", fragments, 1) > sync_every or sync_every % fragments:
+            raise ValueError(f"fragments must divide sync_every={sync_every} (one fragment syncs every "
+                             f"sync_every / fragments steps), got {fragments!r}")
+        if check_int("overlap", overlap) > sync_every // fragments:
+            raise ValueError(f"overlap must be at most sync_every / fragments = {sync_every // fragments} (an exchange "
+                             f"is applied before the next one starts), got {overlap!r}")
         sparse = collective != "dense"
         wire = ("2bit" if sparse else "plain") if wire is None else wire
         error_decay = (0.95 if sparse else 1.0) if error_decay is None else error_decay
@@ -171,9 +177,10 @@ class SparseLocalSGD:
         self.buffers = tensor_list(buffers, "buffers")
         self.sync_every, self.density, self.collective, self.wire = sync_every, float(density), collective, wire
         self.nesterov, self.process_group, self.compressor, self.average = nesterov, process_group, compressor, average
-        self.overlap = overlap
+        self.overlap, self.fragments = overlap, fragments
         self._pending: Future | dict | None = None  # an exchange in flight (overlap), or finished and not applied
         self._due = 0  # the local step at which the pending exchange is applied
+        self._due_fragment: int | None = None  # the pending exchange's fragment (None: the whole model)
         self._at_sync: list[torch.Tensor] = []  # overlap: the weights at the sync whose exchange is pending
         self._pool: ThreadPoolExecutor | None = None
         self._exchange_group: dist.ProcessGroup | None = None
@@ -189,7 +196,8 @@ class SparseLocalSGD:
         signature = repr([(tuple(t.shape), str(t.dtype)) for t in [*self.params, *self.buffers]])
         agree({"params": len(self.params), "buffers": len(self.buffers), "numel": sum(p.numel() for p in self.params),
                "signature": zlib.crc32(signature.encode()), "sync_every": self.sync_every,
-               "wire": self.config.wire.code, "senders": int(average == "senders"), "overlap": overlap}, group,
+               "wire": self.config.wire.code, "senders": int(average == "senders"), "overlap": overlap,
+               "fragments": fragments}, group,
               self._shards[0].device, "SparseLocalSGD")
         with torch.no_grad():  # every rank starts from the first rank's model
             for t in [*self.params, *self.buffers]:
@@ -205,9 +213,10 @@ class SparseLocalSGD:
         self.local_step += 1
         if self._pending is not None and self.local_step >= self._due:
             self._apply(self._join(), merge=True)
-        if self.local_step % self.sync_every:
+        every = self.sync_every // self.fragments
+        if self.local_step % every:
             return False
-        self._sync(wait=not self.overlap)
+        self._sync(wait=not self.overlap, fragment=(self.local_step // every - 1) % self.fragments)
         return True
 
     @torch.no_grad()
@@ -216,9 +225,16 @@ class SparseLocalSGD:
         global model (an exchange in flight is applied first)."""
         if self._pending is not None:
             self._apply(self._join(), merge=True)
-        self._sync(wait=True)
+        self._sync(wait=True, fragment=None)
 
-    def _sync(self, wait: bool) -> None:
+    def _slices(self, fragment: int | None) -> list[slice]:
+        """Each shard's part of ``fragment`` (None: the whole shard)."""
+        if fragment is None or self.fragments == 1:
+            return [slice(None)] * len(self._shards)
+        return [slice(shard.numel * fragment // self.fragments, shard.numel * (fragment + 1) // self.fragments)
+                for shard in self._shards]
+
+    def _sync(self, wait: bool, fragment: int | None) -> None:
         """1. This period's pseudo-gradient: the global weights (as the replicas hold them) minus the weights now;
         the ranks check their step counts and that it is finite. 2. The accumulators decay. 3. The exchange: waited
         for, its outer step applied and adopted by every rank; or (``overlap``) started in the background, the
@@ -227,7 +243,9 @@ class SparseLocalSGD:
         start = perf_counter()
         traffic = Traffic()
         # 1.
-        deltas = [shard.adopted(g).sub(shard.flat()) for shard, g in zip(self._shards, self._global)]
+        slices = self._slices(fragment)
+        deltas = [shard.adopted(g)[part].sub(shard.flat()[part]) for shard, g, part in zip(self._shards, self._global,
+                                                                                          slices)]
         finite = all(bool(torch.isfinite(d).all()) for d in deltas)
         headers = agree({"local_step": self.local_step, "syncs": self.syncs}, group, self._shards[0].device,
                         "SparseLocalSGD.sync", traffic=traffic, reported={"finite": int(finite)})
@@ -238,15 +256,16 @@ class SparseLocalSGD:
         # 2.
         decayed = 0.0  # the L1 norm of what error_decay drops from the accumulators: (1 - decay) x |old|
         if self.error_decay != 1.0:
-            decayed = (1.0 - self.error_decay) * sum(float(a.abs().sum(dtype=torch.float64)) for a in self._accumulator)
-            for a in self._accumulator:
-                a.mul_(self.error_decay)
+            decayed = (1.0 - self.error_decay) * sum(float(a[part].abs().sum(dtype=torch.float64))
+                                                     for a, part in zip(self._accumulator, slices))
+            for a, part in zip(self._accumulator, slices):
+                a[part].mul_(self.error_decay)
         # 3.
         fold, self._send_accumulators = self._send_accumulators, False
-        messages = [self._compress(index, delta, fold) for index, delta in enumerate(deltas)]
+        messages = [self._compress(index, delta, fold, part) for index, (delta, part) in enumerate(zip(deltas, slices))]
         figures = (0, 0, 0, 0)
         if wait:
-            exchanged = self._counted(self._exchange(deltas, messages, group, size))
+            exchanged = self._counted(self._exchange(deltas, messages, slices, group, size))
             self._apply(exchanged, merge=False)
             figures = exchanged["figures"]
         else:
@@ -254,11 +273,12 @@ class SparseLocalSGD:
                 self._exchange_group = dist.new_group(dist.get_process_group_ranks(group),
                                                       use_local_synchronization=True)
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="SparseLocalSGD")
-            self._at_sync = [shard.flat() for shard in self._shards]
-            self._pending = self._pool.submit(self._exchange, deltas, messages, self._exchange_group, size)
-            self._due = self.local_step + self.overlap
-        # 4.
-        self._average_buffers(group, size, traffic)
+            self._at_sync = [shard.flat()[part] for shard, part in zip(self._shards, slices)]
+            self._pending = self._pool.submit(self._exchange, deltas, messages, slices, self._exchange_group, size)
+            self._due, self._due_fragment = self.local_step + self.overlap, fragment
+        # 4. (once a round of fragments)
+        if fragment is None or fragment == self.fragments - 1:
+            self._average_buffers(group, size, traffic)
         self.syncs += 1
         self.traffic.add(traffic.sent, traffic.received)
         self.decayed += decayed
@@ -267,14 +287,15 @@ class SparseLocalSGD:
                       "bytes_sent": traffic.sent + sent, "bytes_received": traffic.received + received,
                       "decayed": decayed, "seconds": perf_counter() - start}
 
-    def _exchange(self, deltas: list[torch.Tensor], messages: list, group: dist.ProcessGroup, size: int) -> dict:
-        """Every shard's pseudo-gradient averaged over the ranks (this rank's accumulators updated):
-        ``{"averaged": [...], "figures": (k, selected, bytes sent, bytes received)}``."""
+    def _exchange(self, deltas: list[torch.Tensor], messages: list, slices: list[slice], group: dist.ProcessGroup,
+                  size: int) -> dict:
+        """Every shard's pseudo-gradient (its part ``slices``) averaged over the ranks (this rank's accumulators
+        updated): ``{"averaged": [...], "slices": slices, "figures": (k, selected, bytes sent, bytes received)}``."""
         traffic, k, selected = Traffic(), 0, 0
-        for index, (delta, msg) in enumerate(zip(deltas, messages)):
-            shard_k, shard_selected = self._reduce(index, delta, msg, group, size, traffic)
+        for index, (delta, msg, part) in enumerate(zip(deltas, messages, slices)):
+            shard_k, shard_selected = self._reduce(index, delta, msg, part, group, size, traffic)
             k, selected = k + shard_k, selected + shard_selected
-        return {"averaged": deltas, "figures": (k, selected, traffic.sent, traffic.received)}
+        return {"averaged": deltas, "slices": slices, "figures": (k, selected, traffic.sent, traffic.received)}
 
     def _counted(self, exchanged: dict) -> dict:
         """A finished exchange, its bytes added to this rank's."""
@@ -295,34 +316,38 @@ class SparseLocalSGD:
         """The outer step with an exchange's average (torch.optim.SGD's: dampening 0, no weight decay; from the same
         bits on every rank) on the global weights, which the parameters adopt; ``merge`` (an overlapped exchange):
         with this rank's progress since the sync kept on top."""
-        for index, averaged in enumerate(exchanged["averaged"]):
+        for index, (averaged, part) in enumerate(zip(exchanged["averaged"], exchanged["slices"])):
             update = averaged
             if self.outer_momentum:
-                momentum = self._momentum[index].mul_(self.outer_momentum).add_(averaged)
+                momentum = self._momentum[index][part].mul_(self.outer_momentum).add_(averaged)
                 update = averaged.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
-            self._global[index].add_(update, alpha=-self.outer_lr)
-            shard = self._shards[index]
-            shard.adopt(self._global[index] + (shard.flat() - self._at_sync[index]) if merge else self._global[index])
+            self._global[index][part].add_(update, alpha=-self.outer_lr)
+            shard, adopted = self._shards[index], self._global[index]
+            if merge or part != slice(None):  # the other fragments' weights stay the rank's own
+                adopted = shard.flat()
+                adopted[part] = self._global[index][part] + (adopted[part] - self._at_sync[index] if merge else 0)
+            shard.adopt(adopted)
         self._pending, self._at_sync = None, []
 
-    def _compress(self, index: int, delta: torch.Tensor, fold: bool) -> SparseMessage | None:
+    def _compress(self, index: int, delta: torch.Tensor, fold: bool, part: slice) -> SparseMessage | None:
         """The message of one shard's ``delta + accumulator`` (the accumulator keeps the rest), or None where the
         whole of it is sent: the dense collective, or a fold (``delta`` takes the accumulator, which empties)."""
         if self._compressor is None or fold:
             if self._accumulator:
-                delta.add_(self._accumulator[index])
-                self._accumulator[index].zero_()
+                delta.add_(self._accumulator[index][part])
+                self._accumulator[index][part].zero_()
             return None
-        return self._compressor.compress(delta, self._accumulator[index], step=self.syncs * len(self._shards) + index)
+        return self._compressor.compress(delta, self._accumulator[index][part],
+                                         step=self.syncs * len(self._shards) + index)
 
-    def _reduce(self, index: int, delta: torch.Tensor, msg: SparseMessage | None, group: dist.ProcessGroup, size: int,
-                traffic: Traffic) -> tuple[int, int]:
+    def _reduce(self, index: int, delta: torch.Tensor, msg: SparseMessage | None, part: slice,
+                group: dist.ProcessGroup, size: int, traffic: Traffic) -> tuple[int, int]:
         """``delta`` becomes the average over the ranks of one shard's message (or of ``delta``, without one);
         returns (k, elements selected)."""
         if msg is None:
             allreduce(delta, group, traffic).div_(size)
             return delta.numel(), delta.numel()
-        outcome = reduce(delta, self._accumulator[index], msg, self.config.reducer, group, k=msg.k,
+        outcome = reduce(delta, self._accumulator[index][part], msg, self.config.reducer, group, k=msg.k,
                          wire=self.config.wire, backend=self._compressor.backend[delta.device], traffic=traffic,
                          senders=self.average == "senders")
         return outcome.msg.k, int(outcome.msg.count)
@@ -367,7 +392,8 @@ class SparseLocalSGD:
         return "\n".join([
             f"SparseLocalSGD: {self.collective}{f' ({self.compressor})' * bool(self._compressor)}, density "
             f"{self.density:g}, {self.wire} wire{', averaged over senders' * (self.average == 'senders')}, "
-            f"sync_every {self.sync_every}{f', overlap {self.overlap}' * bool(self.overlap)}, outer lr "
+            f"sync_every {self.sync_every}{f', {self.fragments} fragments' * (self.fragments > 1)}"
+            f"{f', overlap {self.overlap}' * bool(self.overlap)}, outer lr "
             f"{self.outer_lr:g}{momentum}",
             f"run: {stats['syncs']} syncs in {stats['local_step']} local steps; "
             + sent_and_received(stats["bytes_sent"], stats["bytes_received"], stats["syncs"], "sync"),
@@ -387,7 +413,7 @@ class SparseLocalSGD:
                 "global": [g.clone() for g in self._global], "momentum": [m.clone() for m in self._momentum],
                 "accumulator": [a.clone() for a in self._accumulator],
                 "pending": [a.clone() for a in pending["averaged"]] if pending is not None else [],
-                "at_sync": [w.clone() for w in self._at_sync], "due": self._due}
+                "at_sync": [w.clone() for w in self._at_sync], "due": self._due, "due_fragment": self._due_fragment}
 
     def load_state_dict(self, state_dict: StateDicts, on_world_size_change: str = "error") -> None:
         """Restores :meth:`state_dict`'s output; with the model's and the inner optimizer's states restored too,
@@ -422,8 +448,13 @@ class SparseLocalSGD:
             restored["accumulator"] = [sum(parts) for parts in zip(*taken)] if taken else None
         if restored["global"] is None:
             raise ValueError("state_dict['global'] is empty: expected the global weights")
-        pending = self._checked_vectors(state_dict, "pending", self._global)
-        at_sync = self._checked_vectors(state_dict, "at_sync", self._global)
+        due_fragment = state_dict.get("due_fragment")
+        if due_fragment is not None and not 0 <= check_int("state_dict['due_fragment']", due_fragment) < self.fragments:
+            raise ValueError(f"state_dict['due_fragment'] must be a fragment of this optimizer's {self.fragments}, got "
+                             f"{due_fragment!r}")
+        parts = [g[part] for g, part in zip(self._global, self._slices(due_fragment))]
+        pending = self._checked_vectors(state_dict, "pending", parts)
+        at_sync = self._checked_vectors(state_dict, "at_sync", parts)
         if (pending is None) != (at_sync is None):
             raise ValueError("state_dict holds one of 'pending' and 'at_sync' without the other: expected both (an "
                              "exchange in flight) or neither")
@@ -437,7 +468,8 @@ class SparseLocalSGD:
             for vector, saved in zip(mine, restored[name] or [torch.zeros_like(v) for v in mine]):
                 vector.copy_(saved)
         self._pending = None if pending is None else {"averaged": [p.clone() for p in pending],
-                                                      "figures": (0, 0, 0, 0)}
+                                                      "slices": self._slices(due_fragment), "figures": (0, 0, 0, 0)}
+        self._due_fragment = due_fragment
         self._at_sync = [] if at_sync is None else [w.clone() for w in at_sync]
         self._due = due
         self.local_step, self.syncs, self.decayed = state_dict["local_step"], state_dict["syncs"], float(decayed)
@@ -458,4 +490,4 @@ class SparseLocalSGD:
         return (f"SparseLocalSGD(sync_every={self.sync_every}, density={self.density}, collective={self.collective!r}, "
                 f"outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, nesterov={self.nesterov}, "
                 f"compressor={self.compressor!r}, wire={self.wire!r}, error_decay={self.error_decay}, "
-                f"average={self.average!r}, overlap={self.overlap})")
+                f"average={self.average!r}, overlap={self.overlap}, fragments={self.fragments})")

@@ -230,53 +230,84 @@ def _case_sparseloco(rank: int, world_size: int) -> None:
 
 def _case_overlap(rank: int, world_size: int) -> None:
     """overlap: each exchange travels while the next inner steps train and is applied ``overlap`` steps after its
-    sync (1 and H). Until then neither the sync nor step() moves the weights; then the global weights move by
-    exactly the exchange's average (outer lr 1, no momentum), bitwise equal on every rank, and each rank's weights
-    become the global ones plus its progress since the sync. The exchange conserves (what went in = what was sent
-    + the new accumulator; each element of the average = its sum over its senders). The final sync() applies the
+    sync (1 and H; and with H fragments, one synced each step, overlap 1). Until then neither the sync nor step()
+    moves the weights; then the global weights of the exchange's fragment move by exactly its average (outer lr 1,
+    no momentum), the rest not at all, bitwise equal on every rank, and each rank's weights there become the global
+    ones plus its progress since the sync, elsewhere stay. The exchange conserves (what went in = what was sent +
+    the new accumulator; each element of the average = its sum over its senders). The final sync() applies the
     exchange in flight, then exchanges and applies the rest, waiting: the replicas are one model."""
-    for overlap in (1, H):
+    for fragments, overlap in ((1, 1), (1, H), (H, 1)):
         model = _model(seed=rank)
         outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=0.125, compressor_kwargs={"chunk": 32},
-                                  buffers=model.buffers(), overlap=overlap)
-        assert f"sync_every 3, overlap {overlap}," in outer.summary().splitlines()[0]
+                                  buffers=model.buffers(), overlap=overlap, fragments=fragments)
+        assert f"sync_every 3{f', {fragments} fragments' * (fragments > 1)}, overlap {overlap}," in (
+            outer.summary().splitlines()[0])
         inner = torch.optim.AdamW(model.parameters(), lr=0.01)
         numel = sum(p.numel() for p in model.parameters())
-        started = None  # the exchange in flight: (its sync's step, what went in, the weights after its sync)
+        every = H // fragments
+        started = None  # the exchange in flight: (its sync's step, what went in, the weights after its sync, its part)
         applied = 0
         for step in range(1, 4 * H + overlap + 1):
-            what = f"overlap {overlap}, step {step}"
+            what = f"fragments {fragments}, overlap {overlap}, step {step}"
             _inner_step(model, inner, rank, step)
             before = outer.state_dict()  # waits for the exchange in flight
             weights = _flat(model.parameters())
             due = started is not None and step == started[0] + overlap
             if due:
-                sent = started[1] - before["accumulator"][0].double()
+                part = started[3]
+                sent = started[1] - before["accumulator"][0][part].double()
                 senders = (sent.abs() > 1e-6).double()  # the rest differs from 0 by the float32 decay's rounding
                 total = torch.cat([sent, senders])
                 dist.all_reduce(total)
-                expected = total[:numel] / total[numel:].clamp(min=1)
+                expected = total[:len(sent)] / total[len(sent):].clamp(min=1)
                 torch.testing.assert_close(before["pending"][0].double(), expected, rtol=0, atol=1e-6,
                                            msg=lambda m: f"{what}: the average: {m}")
             synced = outer.step()
-            assert synced == (step % H == 0), what
+            assert synced == (step % every == 0), what
             after = outer.state_dict()
             now = _flat(model.parameters())
             if due:
-                assert torch.equal(after["global"][0], before["global"][0] - before["pending"][0]), what
-                torch.testing.assert_close(now, _flat(after["global"]) + (weights - started[2]), rtol=0, atol=1e-6,
-                                           msg=lambda m: f"{what}: the global weights + the progress since: {m}")
+                outside = torch.ones(numel, dtype=torch.bool)
+                outside[part] = False
+                assert torch.equal(after["global"][0][part], before["global"][0][part] - before["pending"][0]), what
+                assert torch.equal(after["global"][0][outside], before["global"][0][outside]), what
+                torch.testing.assert_close(now[part], after["global"][0][part].double() + (weights[part] - started[2]),
+                                           rtol=0, atol=1e-6, msg=lambda m: f"{what}: global + the progress since: {m}")
+                assert torch.equal(now[outside], weights[outside]), f"{what}: another fragment's weights moved"
                 _assert_equal_everywhere(after["global"][0], f"{what}: the global weights")
                 started, applied = None, applied + 1
             else:  # neither a step between nor a sync moves the weights
                 assert torch.equal(now, weights), f"{what}: the weights moved before the exchange was due"
             if synced:
+                fragment = (step // every - 1) % fragments
+                part = slice(numel * fragment // fragments, numel * (fragment + 1) // fragments)
                 assert after["pending"] and after["due"] == step + overlap, what
-                started = (step, _flat(after["global"]) - now + 0.95 * before["accumulator"][0].double(), now)
-        assert applied == 4, f"overlap {overlap}: {applied} exchanges applied"
+                assert after["due_fragment"] == fragment and len(after["pending"][0]) == len(range(numel)[part]), what
+                went_in = (after["global"][0][part].double() - now[part]
+                           + 0.95 * before["accumulator"][0][part].double())
+                started = (step, went_in, now[part], part)
+        assert applied == 4 * fragments, f"{what}: {applied} exchanges applied"
         outer.sync()
-        _assert_replicas_equal(model, f"overlap {overlap}, after the final sync")
+        _assert_replicas_equal(model, f"fragments {fragments}, overlap {overlap}, after the final sync")
         assert not outer.state_dict()["pending"]
+    # fragments without overlap: each step's sync adopts its fragment's global weights and leaves the rest
+    model = _model(seed=rank)
+    outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=0.125, compressor_kwargs={"chunk": 32},
+                              buffers=model.buffers(), fragments=H)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    numel = sum(p.numel() for p in model.parameters())
+    for step in range(1, 2 * H + 1):
+        _inner_step(model, inner, rank, step)
+        before, weights = outer.state_dict(), _flat(model.parameters())
+        assert outer.step()
+        after, now = outer.state_dict(), _flat(model.parameters())
+        fragment = (step - 1) % H
+        outside = torch.ones(numel, dtype=torch.bool)
+        outside[numel * fragment // H:numel * (fragment + 1) // H] = False
+        assert torch.equal(now[~outside], after["global"][0][~outside].double()), f"fragment sync {step}: not adopted"
+        assert torch.equal(now[outside], weights[outside]), f"fragment sync {step}: another fragment moved"
+        assert torch.equal(after["global"][0][outside], before["global"][0][outside]), f"fragment sync {step}"
+        _assert_equal_everywhere(after["global"][0], f"fragment sync {step}: the global weights")
 
 
 def _assert_equal_everywhere(tensor: torch.Tensor, what: str) -> None:
@@ -382,6 +413,8 @@ def _case_resume(rank: int, world_size: int) -> None:
     _resume(rank, "2bit", 0.95, {})  # the defaults
     for overlap in (1, H):  # saved with an exchange in flight
         _resume(rank, "2bit", 0.95, {"overlap": overlap})
+    _resume(rank, "2bit", 0.95, {"fragments": H})  # one fragment synced at each step
+    _resume(rank, "2bit", 0.95, {"fragments": H, "overlap": 1})
 
 
 def _resume(rank: int, wire: str, decay: float, options: dict) -> None:
@@ -461,8 +494,12 @@ def _case_errors(rank: int, world_size: int) -> None:
     _expect_error(ValueError, r"density x chunk must be >= 1, got 0.1 x 4", make(compressor_kwargs={"chunk": 4},
                                                                                   density=0.1))
     _expect_error(ValueError, r"overlap must be an int >= 0, got True", make(overlap=True))
-    _expect_error(ValueError, r"overlap must be at most sync_every=8 \(an exchange is applied before the next one "
-                  r"starts\), got 9", make(overlap=9))
+    _expect_error(ValueError, r"overlap must be at most sync_every / fragments = 8 \(an exchange is applied before the "
+                  r"next one starts\), got 9", make(overlap=9))
+    _expect_error(ValueError, r"overlap must be at most sync_every / fragments = 2 \(an exchange is applied before the "
+                  r"next one starts\), got 3", make(overlap=3, fragments=4))
+    _expect_error(ValueError, r"fragments must divide sync_every=8 \(one fragment syncs every sync_every / fragments "
+                  r"steps\), got 3", make(fragments=3))
     _expect_error(ValueError, r"params is empty", make(params=[]))
     _expect_error(TypeError, r"params must be an iterable of tensors .* got a single tensor", make(params=params[0]))
     _expect_error(TypeError, r"param groups are not supported", make(params=[{"params": params}]))

@@ -180,6 +180,7 @@ class LocalMethod:
     sparseloco: bool = False
     without: str = ""
     overlap: int = 0  # SparseLocalSGD's overlap: inner steps an exchange runs before it is applied
+    fragments: int = 1  # SparseLocalSGD's fragments: slices of the model synced at staggered steps
 
     @property
     def peer(self) -> bool:
@@ -190,7 +191,8 @@ class LocalMethod:
     def label(self) -> str:
         if self.sparseloco:
             without = f", without {SPARSELOCO_PIECES[self.without][0]}" if self.without else ""
-            overlap = f", overlap {self.overlap}" if self.overlap else ""
+            overlap = (f", {self.fragments} fragments" if self.fragments > 1 else "") + (
+                f", overlap {self.overlap}" if self.overlap else "")
             return f"SparseLocalSGD as SparseLoCo, d={self.density:g}, H={self.period}{without}{overlap}"
         compact = ", compact wire" if self.wire == "compact" else ""
         return {"postlocal": "PyTorch PostLocalSGD", "diloco": "DiLoCo (dense)"}.get(
@@ -200,7 +202,7 @@ class LocalMethod:
         """SparseLocalSGD's keyword arguments for this method (``error_decay``: the command's, for sparse ones)."""
         if self.sparseloco:
             options = {"compressor": "chunktopk", "wire": "2bit", "average": "senders", "error_decay": 0.95,
-                       "overlap": self.overlap}
+                       "overlap": self.overlap, "fragments": self.fragments}
             return {**options, **(SPARSELOCO_PIECES[self.without][1] if self.without else {})}
         if self.kind == "sparse":  # the exchange SparseLocalSGD's defaults were before SparseLoCo's
             return {"compressor": "gaussiank", "wire": self.wire, "average": "ranks", "error_decay": error_decay}
@@ -230,7 +232,7 @@ def density_of(text: str) -> float:
 # What a <field> of a method's name holds.
 FIELDS = {"collective": one_of(gx.collectives.SPARSE_COLLECTIVES), "d": density_of, "rank": int, "H": int,
           "path": one_of(gx.paths.MODES), "warmup": int, "without": one_of(SPARSELOCO_PIECES),
-          "overlap": int}
+          "overlap": int, "fragments": int}
 # Every method: the pattern of its name and what builds it from the pattern's fields.
 METHODS = {
     "ddp": lambda: allreduce_recipe("DDP allreduce"),
@@ -263,6 +265,8 @@ METHODS = {
                                                                       without),
     "sparseloco-<d>-<H>-overlap-<overlap>": lambda d, H, overlap: LocalMethod("sparse", H, "allgather", d, "2bit",
                                                                               True, overlap=overlap),
+    "sparseloco-<d>-<H>-fragments-<fragments>-overlap-<overlap>": lambda d, H, fragments, overlap: LocalMethod(
+        "sparse", H, "allgather", d, "2bit", True, overlap=overlap, fragments=fragments),
 }
 
 
@@ -343,7 +347,7 @@ class LocalExchange:
     def synced(self) -> bool:
         """Whether the replicas are one model now (right after an average or a sync, or :meth:`finish`; with an
         overlapped exchange only after :meth:`finish`)."""
-        if self.outer is not None and self.outer.overlap and not self.finished:
+        if self.outer is not None and (self.outer.overlap or self.outer.fragments > 1) and not self.finished:
             return False
         return self.finished or (self.steps - (self.outer is None)) % self.method.period == 0
 

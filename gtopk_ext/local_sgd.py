@@ -209,7 +209,8 @@ class SparseLocalSGD:
     @torch.no_grad()
     def step(self) -> bool:
         """Counts one inner step; applies an exchange in flight when it is due (``overlap`` steps after its sync);
-        syncs at every ``sync_every``-th call. Returns whether it synced."""
+        syncs at every ``sync_every``-th call (with ``fragments``: the next fragment at every ``sync_every /
+        fragments``-th). Returns whether it synced."""
         self.local_step += 1
         if self._pending is not None and self.local_step >= self._due:
             self._apply(self._join(), merge=True)

@@ -132,7 +132,7 @@ class SparseLocalSGD:
                  buffers: Iterable[torch.Tensor] = (), wire: str | None = None, error_decay: float | None = None,
                  average: str | None = None, overlap: int = 0, fragments: int = 1):
         check_int("sync_every", sync_every, 1)
-        if check_int("fragments", fragments, 1) > sync_every or sync_every % fragments:
+        if sync_every % check_int("fragments", fragments, 1):
             raise ValueError(f"fragments must divide sync_every={sync_every} (one fragment syncs every "
                              f"sync_every / fragments steps), got {fragments!r}")
         if check_int("overlap", overlap) > sync_every // fragments:

@@ -364,7 +364,7 @@ def race_rows(probes: list[dict], references: list[dict], target: float, regime:
                      "seconds_to_target": mean_or_none([n and seconds_for(n, *timing) for n in steps]),
                      "mb_to_target": mean_or_none([found["bytes_to_target"] and found["bytes_to_target"] / 1e6
                                                    for found in reached]),
-                     "step_seconds": probe["step_seconds"], "period": probe["period"], "skip": timing[2]})
+                     "step_seconds": probe["step_seconds"], "period": probe["period"], "steady_from": timing[2]})
     ddp = next((row for row in rows if row["method"] == "ddp"), None)
     ideal = regime.floor_seconds * ddp["steps_to_target"] if ddp and ddp["steps_to_target"] else None
     best = min((row["seconds_to_target"] for row in rows if row["peer"] and row["seconds_to_target"]), default=None)
@@ -572,7 +572,7 @@ def race_at_regime(args: argparse.Namespace, regime: Regime, corpus: dict, probe
         timed = {row["method"]: row for row in rows}
         curves = [{**r, "label": f"{r['label']}, seed {r['seed']}", "curve": [
             {**point, "seconds": seconds_for(point["step"], timed[r["method"]]["step_seconds"],
-                                             timed[r["method"]]["period"], timed[r["method"]]["skip"])}
+                                             timed[r["method"]]["period"], timed[r["method"]]["steady_from"])}
             for point in r["curve"]]} for r in references if r["method"] in timed]
         report.plot_curves(curves, args.plot, title, "validation loss (nats per byte)", lambda c: min(c["val_loss"], 4),
                            [("seconds at R = {:g} (estimated)".format(args.regime), lambda c: c["seconds"], "log")],

@@ -11,9 +11,9 @@ bash scripts/setup.sh
 echo "== lint: ruff (pyproject.toml), clang-format (.clang-format)"
 ruff check .
 find csrc \( -name '*.h' -o -name '*.cpp' -o -name '*.cuh' -o -name '*.cu' \) -print0 | xargs -0 clang-format --dry-run --Werror
-# Two pytest workers (PYTEST_WORKERS; 0: one process): most tests wait on one core (the Triton interpreter, the
-# reference kernels, one rank's Python), so two share the machine's cores; every test makes its own rendezvous
-# file and namespaces, so none shares a port or a name with the other worker's.
+# Two pytest workers (PYTEST_WORKERS; 0: one process): most tests keep one core busy at a time (the Triton
+# interpreter, the reference kernels, one rank's Python), so a second worker uses the second core. Every test
+# makes its own rendezvous file and pid-named namespaces: the workers share no port and no name.
 echo "== pytest"
 python -m pytest tests -q -ra --timeout=900 --durations=20 -n "${PYTEST_WORKERS:-2}" --dist worksteal "$@"
 echo "== CMake build"

@@ -10,13 +10,13 @@ except ImportError as error:  # pragma: no cover - exercised only on a broken in
         "`pip install --no-build-isolation -e .` in the source tree (see README.md)"
     ) from error
 
-from gtopk_ext import (backends, collectives, compressors, costs, fsdp, hierarchical, ops, paths,  # noqa: E402,F401
-                       reduction, reference, wire)
+from gtopk_ext import (backends, collectives, compressors, costs, dct, fsdp, hierarchical, ops,  # noqa: E402,F401
+                       paths, reduction, reference, wire)
 from gtopk_ext.averaging import GroupModelAverager  # noqa: E402,F401
 from gtopk_ext.compressors import make_compressor  # noqa: E402,F401
 from gtopk_ext.message import SparseMessage  # noqa: E402,F401
 from gtopk_ext.config import SparseConfig, exponential_warmup  # noqa: E402,F401
-from gtopk_ext.momentum import AdamCorrection, MomentumCorrection  # noqa: E402,F401
+from gtopk_ext.momentum import AdamCorrection, DecoupledMomentum, MomentumCorrection  # noqa: E402,F401
 from gtopk_ext.ddp import SparseGradState, sparse_grad_hook  # noqa: E402,F401
 from gtopk_ext.hierarchical import Hierarchical  # noqa: E402,F401
 from gtopk_ext.paths import PathPolicy  # noqa: E402,F401
@@ -25,8 +25,9 @@ from gtopk_ext.local_sgd import SparseLocalSGD  # noqa: E402,F401
 from gtopk_ext.optim import SparseAdamW  # noqa: E402,F401
 from gtopk_ext.utils import destroy_process_group  # noqa: E402,F401
 
-__all__ = ["ops", "reference", "collectives", "compressors", "costs", "hierarchical", "reduction", "wire",
+__all__ = ["ops", "reference", "collectives", "compressors", "costs", "dct", "hierarchical", "reduction", "wire",
            "SparseMessage", "make_compressor", "SparseConfig", "SparseGradState", "sparse_grad_hook",
-           "exponential_warmup", "MomentumCorrection", "AdamCorrection", "SparseAdamW", "Hierarchical", "PathPolicy",
+           "exponential_warmup", "MomentumCorrection", "AdamCorrection", "DecoupledMomentum", "SparseAdamW",
+           "Hierarchical", "PathPolicy",
            "paths", "fsdp", "SparseFSDPState", "register_sparse_all_reduce", "GroupModelAverager", "SparseLocalSGD",
            "destroy_process_group", "backends"]

@@ -12,7 +12,7 @@ from gtopk_ext._validate import check_int
 from gtopk_ext.collectives import COLLECTIVES, SPARSE_COLLECTIVES, Collective, collective_named
 from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, make_compressor
 from gtopk_ext.hierarchical import Hierarchical
-from gtopk_ext.momentum import OPTIMIZER_CHECKS, AdamCorrection, MomentumCorrection
+from gtopk_ext.momentum import OPTIMIZER_CHECKS, AdamCorrection, DecoupledMomentum, MomentumCorrection
 from gtopk_ext.paths import PathPolicy, path_policy
 from gtopk_ext.wire import Wire, wire_named
 
@@ -121,11 +121,16 @@ class SparseConfig:
         compressor = (self.compressor.with_density(float(density)) if isinstance(self.compressor, Compressor)
                       else make_compressor(self.compressor, float(density)))
         momentum = self.momentum
-        if momentum is not None and not isinstance(momentum, (MomentumCorrection, AdamCorrection)):
+        if momentum is not None and not isinstance(momentum, (MomentumCorrection, AdamCorrection, DecoupledMomentum)):
             momentum = MomentumCorrection(momentum)
-        if isinstance(momentum, AdamCorrection) and not self.error_feedback:
-            raise ValueError("momentum=AdamCorrection needs error_feedback=True: the residual holds Adam's update "
-                             "not yet sent")
+        if isinstance(momentum, (AdamCorrection, DecoupledMomentum)) and not self.error_feedback:
+            raise ValueError(f"momentum={type(momentum).__name__} needs error_feedback=True: the residual holds "
+                             f"Adam's momentum or update not yet sent")
+        policy = path_policy(self.path)
+        if isinstance(momentum, DecoupledMomentum) and policy.mode != "sparse":
+            raise ValueError(f"path: DecoupledMomentum sends a top-k of the momentum every step, and a dense path "
+                             f"would send all of it (another update, chosen by timing under 'auto'): use "
+                             f"path='sparse', got {policy.mode!r}")
         if momentum is not None and not (momentum.momentum or momentum.weight_decay or momentum.clip_norm):
             momentum = None
         check_int("start_iter", self.start_iter)
@@ -144,7 +149,7 @@ class SparseConfig:
         if self.optimizer_check not in OPTIMIZER_CHECKS:
             raise ValueError(f"optimizer_check must be one of {OPTIMIZER_CHECKS}, got {self.optimizer_check!r}")
         for name, value in (("density", float(density)), ("schedule", schedule), ("compressor", compressor),
-                            ("wire", wire_named(self.wire)), ("path", path_policy(self.path)),
+                            ("wire", wire_named(self.wire)), ("path", policy),
                             ("momentum", momentum), ("_compressors", {float(density): compressor}),
                             ("reducer", collective_named(self.collective, compressor.backend))):
             object.__setattr__(self, name, value)

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from gtopk_ext.momentum import AdamCorrection
+from gtopk_ext.momentum import ADAMW_CORRECTIONS, AdamCorrection, DecoupledMomentum
 
 RESCALED_TOLERANCE = 1e-3  # relative: a norm that differs more was rescaled after the hook
 
@@ -33,27 +33,33 @@ class SparseAdamW(torch.optim.AdamW):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, state):
         correction = getattr(getattr(state, "config", None), "momentum", None)
-        if not isinstance(correction, AdamCorrection):
+        if not isinstance(correction, ADAMW_CORRECTIONS):
             raise ValueError(f"state must be a hook state made for AdamW (gx.SparseGradState.recipe(..., "
-                             f"optimizer='adamw') or momentum=gx.AdamCorrection()), got {type(state).__name__} "
-                             f"with momentum={correction!r}")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+                             f"optimizer='adamw'), momentum=gx.AdamCorrection() or gx.DecoupledMomentum()), got "
+                             f"{type(state).__name__} with momentum={correction!r}")
+        decoupled = isinstance(correction, DecoupledMomentum)
+        try:  # decoupled: the hook's momentum replaces AdamW's first moment; Adam with beta1 = 0 normalises its output
+            inner = (0.0, betas[1]) if decoupled else betas
+        except (TypeError, IndexError):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}") from None
+        super().__init__(params, lr=lr, betas=inner, eps=eps, weight_decay=weight_decay)
         shared = {(tuple(group["betas"]), group["eps"]) for group in self.param_groups}
-        if len(shared) != 1:
-            raise ValueError(f"betas and eps must be the same in every parameter group (the hook keeps one Adam "
-                             f"momentum), got {sorted(shared)}")
-        (betas, eps), = shared
-        if (tuple(float(b) for b in betas), float(eps)) != (correction.betas, correction.eps):
-            if state.iter:
-                raise ValueError(f"betas={betas}, eps={eps}: the hook's state has run {state.iter} iterations with "
-                                 f"betas={correction.betas}, eps={correction.eps}; give the optimizer those")
-            state.config = state.config.replace(momentum=dataclasses.replace(correction, betas=betas, eps=eps))
+        if not decoupled:
+            if len(shared) != 1:
+                raise ValueError(f"betas and eps must be the same in every parameter group (the hook keeps one Adam "
+                                 f"momentum), got {sorted(shared)}")
+            (betas, eps), = shared
+            if (tuple(float(b) for b in betas), float(eps)) != (correction.betas, correction.eps):
+                if state.iter:
+                    raise ValueError(f"betas={betas}, eps={eps}: the hook's state has run {state.iter} iterations "
+                                     f"with betas={correction.betas}, eps={correction.eps}; give the optimizer those")
+                state.config = state.config.replace(momentum=dataclasses.replace(correction, betas=betas, eps=eps))
         self.hook_state = state  # the momentum-twice check pairs the two by it
         self._warned = False
         self.publish()
 
     @property
-    def correction(self) -> AdamCorrection:
+    def correction(self) -> "AdamCorrection | DecoupledMomentum":
         return self.hook_state.config.momentum
 
     @torch.no_grad()
@@ -61,6 +67,8 @@ class SparseAdamW(torch.optim.AdamW):
         """One step: AdamW's before the freeze (then, at the freeze step, the scales), the hook's update after."""
         iteration = self.hook_state.iter  # this step applies the hook's iteration - 1
         self._undo_rescaling(iteration - 1)
+        if isinstance(self.correction, DecoupledMomentum):
+            return super().step(closure)
         if not self.correction.frozen(iteration - 1):
             loss = super().step(closure)
             if iteration == self.correction.freeze_step:

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from gtopk_ext import ops
+from gtopk_ext import dct, ops
 from gtopk_ext._worker import future_on
 from gtopk_ext.amp import LossScaling
 from gtopk_ext.backends import Backend
@@ -25,7 +25,8 @@ from gtopk_ext.compressors import hold_unused, k_for_density, part_maxima, selec
 from gtopk_ext.config import SparseConfig
 from gtopk_ext.hierarchical import hierarchical_allreduce
 from gtopk_ext.message import SparseMessage, padding_message
-from gtopk_ext.momentum import AdamCorrection, adam_increment, clip, clip_together, increment, mask
+from gtopk_ext.momentum import (AdamCorrection, DecoupledMomentum, adam_increment, clip, clip_together, increment,
+                                mask)
 from gtopk_ext.ops import is_finite
 from gtopk_ext.paths import ROUNDED, PathPlan, agreed_costs, own_seconds, predicted
 from gtopk_ext.wire import Rounding, Wire
@@ -100,7 +101,9 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     2. Prepare: DGC's clipping and momentum correction (``weights``: the parameters laid end to end as in
        ``tensor``, for weight decay), or its AdamW form (``scales``: the frozen variance's scale laid out as
        ``tensor``; the warm-up's dense path in place of the sparse one; its clipping over ``clip_over``, a group
-       whose ranks hold pieces of that many gradients, by default ``group``); each part's largest |gradient|
+       whose ranks hold pieces of that many gradients, by default ``group``), or DeMo's decoupled momentum (the
+       gradient clipped likewise and in DCT coefficients, the residual decayed; the average goes back to elements
+       before it is returned); each part's largest |gradient|
        (``parts``: their sizes) tells which parts this rank did not use (their residual waits) and whether
        grad + residual can be non-finite.
     3. Reduce (sparse, :func:`reduce`): acc = grad + residual compressed to k slots, reduced by the collective (or
@@ -123,7 +126,14 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     # 2. Prepare.
     correction = config.momentum
     adam = isinstance(correction, AdamCorrection)
-    if adam:
+    decoupled = isinstance(correction, DecoupledMomentum)
+    finish = _returned
+    if decoupled:  # from here on plain error feedback, in DCT coefficients; the average goes back to elements
+        prepare_decoupled(tensor, memory, correction, parts, clip_over or (group,))
+        finish = functools.partial(_returned, back=functools.partial(dct.inverse_, chunk=correction.chunk,
+                                                                     parts=parts))
+        correction = None
+    elif adam:
         path = stats.path = prepare_adam(tensor, slot, memory, correction, scales, parts, iteration, path, what,
                                          clip_over or (group,))
     elif correction is not None and correction.clip_norm is not None:
@@ -135,11 +145,11 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
             increment(correction, memory.get("velocity"), tensor, weights, parts, [1.0] * len(parts or [numel]),
                       record=record, sent_whole=True)
         if path in ROUNDED:
-            return _reduce_rounded(path, tensor, slot, memory, config, index, group, parts, scaling)
+            return finish(_reduce_rounded(path, tensor, slot, memory, config, index, group, parts, scaling))
         held = memory.held("residual") if config.error_feedback else None
         if held is not None:  # 5. a residual left by sparse steps (or another layout) is sent too
             tensor.add_(held)
-        return _dense(tensor, held, slot, memory, group, queue, scaling, index)
+        return finish(_dense(tensor, held, slot, memory, group, queue, scaling, index))
     stats.k, stats.selected = k, 0
     compressor = config.compressor_at(density)
     start = perf_counter()
@@ -170,7 +180,7 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     stats.exchange_seconds = perf_counter() - start - stats.select_seconds
     if outcome.nonfinite:  # 5. every rank goes dense; a finite rank's whole sum is in tensor
         stats.path = "nonfinite"
-        return _dense(tensor, residual if finite else None, slot, memory, group, queue, scaling, index)
+        return finish(_dense(tensor, residual if finite else None, slot, memory, group, queue, scaling, index))
     slot.plan.costs.observe_sparse(numel, k, stats.select_seconds, stats.exchange_seconds)
 
     # 4. Keep.
@@ -178,7 +188,7 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
         scaling.taken[index] = outcome.taken()
     if velocity is not None and iteration >= correction.masking_start_iter:
         mask(velocity, outcome.msg.indices, outcome.msg.count, outcome.applied)
-    return _done(tensor)
+    return finish(_done(tensor))
 
 
 def prepare_adam(tensor: torch.Tensor, slot: Slot, memory: Memory, correction: AdamCorrection,
@@ -204,6 +214,29 @@ def prepare_adam(tensor: torch.Tensor, slot: Slot, memory: Memory, correction: A
     if frozen or path != "sparse":
         return path
     return correction.warmup_path if correction.warmup_path == "dense" or tensor.dtype == torch.float32 else "dense"
+
+
+def prepare_decoupled(tensor: torch.Tensor, memory: Memory, correction: DecoupledMomentum,
+                      parts: Optional[list[int]], clip_over: tuple) -> None:
+    """Step 2 with :class:`DecoupledMomentum`: ``tensor`` is clipped over ``clip_over`` and becomes its DCT
+    coefficients; the residual (m, in coefficients) decays by ``beta``, so that grad + residual is the new m."""
+    if correction.clip_norm is not None:
+        clip_together(tensor, correction.clip_norm, *clip_over)
+    dct.forward_(tensor, correction.chunk, parts)
+    memory.get("residual").mul_(correction.beta)
+
+
+def _returned(future: torch.futures.Future, back=None) -> torch.futures.Future:
+    """``future``, or one whose tensor ``back`` has changed in place first (DCT coefficients back to elements)."""
+    if back is None:
+        return future
+
+    def then(done: torch.futures.Future) -> torch.Tensor:
+        tensor = done.value()
+        back(tensor)
+        return tensor
+
+    return future.then(then)
 
 
 def _reduce_hierarchical(tensor: torch.Tensor, residual: Optional[torch.Tensor], maxima: list[float], slot: Slot,

@@ -95,6 +95,16 @@ def adamw_recipe(density: float) -> Recipe:
         adamw_in_hook=True)
 
 
+def decoupled_recipe(density: float) -> Recipe:
+    """AdamW's momentum decoupled in the hook (gx.DecoupledMomentum, DeMo's form): top-k per 4,096 DCT coefficients,
+    allgather on the compact wire, ``--clip-norm`` in the hook, sparse from the first step."""
+    return Recipe(f"gtopk_ext AdamW, decoupled momentum, d={density:g}", lambda ddp, world_size, args: attached(
+        ddp, gx.SparseGradState(None, density=density, compressor="chunktopk", collective="allgather",
+                                wire="compact", path="sparse", stats_logging_frequency=0,
+                                momentum=gx.DecoupledMomentum(clip_norm=args.clip_norm or None))),
+        adamw_in_hook=True)
+
+
 def no_communication_hook(_, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The compute floor: the bucket divided by the world size, as every averaging hook does, and nothing sent."""
     future = torch.futures.Future()
@@ -250,6 +260,7 @@ METHODS = {
         lambda args: recipe_state(d, warmup, args.momentum, args.auto_choices), True),
     "dgc-pt-<d>": lambda d: dgc_recipe(d, per_tensor=True),
     "adamw-<d>": lambda d: adamw_recipe(d),  # the AdamW recipe (--optimizer adamw)
+    "decoupled-<d>": lambda d: decoupled_recipe(d),  # AdamW's momentum decoupled (--optimizer adamw)
     "<collective>-<d>": lambda collective, d: hook_recipe(f"Gaussian-k + {collective}, d={d:g}",
                                                           lambda args: hook_state(d, collective=collective)),
     "hook-<collective>-<d>": lambda collective, d: METHODS["<collective>-<d>"](collective, d),

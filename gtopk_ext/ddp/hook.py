@@ -16,7 +16,7 @@ from gtopk_ext._worker import Disagreement, Worker, complete, fail, future_on
 from gtopk_ext.collectives import DTYPE_CODES, group_rank_and_size
 from gtopk_ext.ddp.state import SparseGradState
 from gtopk_ext.ddp.store import BucketMemory, Layout
-from gtopk_ext.momentum import AdamCorrection
+from gtopk_ext.momentum import ADAMW_CORRECTIONS, AdamCorrection
 from gtopk_ext.reduction import Slot, reduce_step
 
 logger = logging.getLogger("gtopk_ext.ddp")
@@ -123,7 +123,7 @@ def _reduce_bucket(state: SparseGradState, buffer: torch.Tensor, index: int, is_
     # worker, which prefers the cause another rank published. Under AdamCorrection the output's norm is kept, for
     # SparseAdamW to tell a later rescaling of the gradients.
     worker, iteration = state.worker, state.iter - is_last
-    ids = (frozenset(id(p) for p in parameters) if isinstance(state.config.momentum, AdamCorrection)
+    ids = (frozenset(id(p) for p in parameters) if isinstance(state.config.momentum, ADAMW_CORRECTIONS)
            and parameters is not None else None)
 
     def forward(future):

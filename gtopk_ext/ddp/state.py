@@ -15,7 +15,7 @@ from gtopk_ext.config import DensitySchedule, SparseConfig, recipe
 from gtopk_ext.costs import format_bytes, latest_line, sent_and_received
 from gtopk_ext.ddp.store import BucketStore
 from gtopk_ext.hierarchical import Hierarchical
-from gtopk_ext.momentum import AdamCorrection, AdamLink, MomentumCorrection, watch
+from gtopk_ext.momentum import ADAMW_CORRECTIONS, AdamCorrection, AdamLink, DecoupledMomentum, MomentumCorrection, watch
 from gtopk_ext.paths import PathPolicy
 from gtopk_ext.reduction import Slot, StepStats
 from gtopk_ext.resume import StateDicts, plan_resume, world_fields
@@ -92,7 +92,7 @@ class SparseGradState:
         self.buckets: dict[int, Slot] = {}
         self.totals = RunTotals()
         self.loss_scaling = LossScaling(scaler)
-        if isinstance(config.momentum, AdamCorrection) and scaler is not None:
+        if isinstance(config.momentum, ADAMW_CORRECTIONS) and scaler is not None:
             raise ValueError("scaler: the AdamW recipe (momentum=AdamCorrection) does not follow a GradScaler yet; "
                              "train in bfloat16 autocast (no scaler), or use the SGD recipe")
         self.adam = AdamLink()
@@ -265,9 +265,13 @@ def _paths_line(policy: PathPolicy, paths: dict[str, int], measured: int) -> str
     return line + "'auto' from the policy's calibration (repeatable)"
 
 
-def _momentum(correction: Union[MomentumCorrection, AdamCorrection, None]) -> str:
+def _momentum(correction: Union[MomentumCorrection, AdamCorrection, DecoupledMomentum, None]) -> str:
     if correction is None:
         return ""
+    if isinstance(correction, DecoupledMomentum):
+        clipped = f", clip norm {correction.clip_norm:g}" if correction.clip_norm is not None else ""
+        return (f", AdamW's momentum decoupled in the hook (beta {correction.beta:g}, DCT chunks of "
+                f"{correction.chunk}{clipped})")
     if isinstance(correction, AdamCorrection):
         clipped = f", clip norm {correction.clip_norm:g}" if correction.clip_norm is not None else ""
         return (f", AdamW's momentum in the hook (betas {correction.betas[0]:g}/{correction.betas[1]:g}, variance "

@@ -14,7 +14,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMe
 from gtopk_ext.collectives import DTYPE_CODES, Disagreement, agree
 from gtopk_ext.fsdp.layout import fsdp_modules, parameter_group, shard_layout
 from gtopk_ext.fsdp.state import GroupState, SparseFSDPState
-from gtopk_ext.momentum import AdamCorrection, clip_together, increment
+from gtopk_ext.momentum import ADAMW_CORRECTIONS, AdamCorrection, DecoupledMomentum, clip_together, increment
 from gtopk_ext.ops import is_finite
 from gtopk_ext.reduction import Memory, Slot, StepStats, prepare_adam, reduce_step
 
@@ -40,7 +40,7 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     group.calls += 1
     config = state.config
     correction = config.momentum
-    adam = isinstance(correction, AdamCorrection)
+    adam = isinstance(correction, ADAMW_CORRECTIONS)
     if layout.numel == 0 or (state.mesh.size(0) == 1 and correction is None):  # one node: FSDP's average is the answer
         group.slot.stats = StepStats("none", layout.numel, 0)
         if adam and correction.clip_norm is not None:  # the other ranks' clipping counts on this one
@@ -55,11 +55,15 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     if tensors["residual"].device != work.device:  # CPU offload: parameters (where it was made) live on the host
         group.memory.tensors = {kind: tensor.to(work.device) for kind, tensor in tensors.items()}
     weights = group.parameters() if correction is not None and correction.weight_decay else None
-    scales = state.adam.scales_of(group.index, group.trained()) if adam and correction.frozen(iteration) else None
+    frozen = isinstance(correction, AdamCorrection) and correction.frozen(iteration)
+    scales = state.adam.scales_of(group.index, group.trained()) if frozen else None
     clip_over = (dist.group.WORLD, state.mesh.size(0))  # a module's gradient: its shards on a node's ranks
     if state.mesh.size(0) == 1:  # 2. One node.
         group.slot.stats = StepStats("none", layout.numel, 0)
-        if adam:
+        if isinstance(correction, DecoupledMomentum):  # nothing to select: all of m goes, m = the clipped gradient
+            if correction.clip_norm is not None:
+                clip_together(work, correction.clip_norm, *clip_over)
+        elif adam:
             prepare_adam(work, group.slot, group.memory, correction, scales, None, iteration, "dense",
                          "sparse_all_reduce_hook", clip_over)
         elif is_finite(work):
@@ -95,7 +99,7 @@ def register_sparse_all_reduce(model: nn.Module, state: SparseFSDPState) -> None
                 continue
             _check_mesh(param_group, name, shard_ranks)
             _check_divide_factor(param_group, name)
-            if isinstance(state.config.momentum, AdamCorrection):
+            if isinstance(state.config.momentum, ADAMW_CORRECTIONS):
                 _check_float32(param_group, name)
             found.append((name, module, param_group, shard_layout(param_group)))
         if not found:

@@ -1,0 +1,261 @@
+"""AdamW's momentum decoupled in the hook (gx.DecoupledMomentum, DeMo's form, with gx.SparseAdamW) on real Gloo groups.
+
+1. The reduction against a plain-PyTorch replay, one rank's view, P = 2, 3, 4 (allgather): the gradients clipped by
+   one factor over the ranks, c = the DCT of each 16 consecutive elements of each parameter (written out here from
+   its formula), m = beta m + c, the top of each 64-chunk of |m| sent and taken out of m (the first two, dense
+   steps: all of m), the output the inverse DCT of the average. Conserved at every step, gTop-k too: the ranks'
+   beta m + c = P x the average + their new m.
+2. Real DDP (P = 2): replicas bitwise equal after every step, the loss falls, a resume bitwise equal to the
+   uninterrupted run, the pairing check; FSDP2 with 2 nodes x 2 ranks and one node of 4 (P = 4 spawn).
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gtopk_ext as gx
+from gtopk_ext.ddp import reduce_buffer
+from tests.distributed import run_distributed
+
+PARTS, CHUNK, SELECT, DENSITY, BETA, CLIP, START_ITER, STEPS = [200, 100], 16, 64, 0.05, 0.9, 8.0, 2, 7
+NUMEL = sum(PARTS)
+
+
+def gradient(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * step + rank)) * (1 + rank)
+
+
+def dct(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """The orthonormal DCT-II (or its inverse, the DCT-III) of each CHUNK consecutive elements of each part, a part's
+    shorter tail by its own size, from the formula X_k = s_k sum_n x_n cos(pi (n + 1/2) k / N)."""
+    out = []
+    for part in x.double().split(PARTS):
+        for start in range(0, part.numel(), CHUNK):
+            piece = part[start:start + CHUNK]
+            n = piece.numel()
+            position = torch.arange(n, dtype=torch.float64)
+            grid = torch.cos(math.pi / n * (position[None, :] + 0.5) * position[:, None])
+            grid[0] *= math.sqrt(1 / n)
+            grid[1:] *= math.sqrt(2 / n)
+            out.append(grid.T @ piece if inverse else grid @ piece)
+    return torch.cat(out).float()
+
+
+def new_state(group, collective: str) -> gx.SparseGradState:
+    return gx.SparseGradState(group, density=DENSITY, compressor=gx.make_compressor("chunktopk", DENSITY, chunk=SELECT),
+                              collective=collective, start_iter=START_ITER,
+                              path=gx.PathPolicy("sparse", min_compress_numel=1),
+                              stats_logging_frequency=0,
+                              momentum=gx.DecoupledMomentum(beta=BETA, chunk=CHUNK, clip_norm=CLIP))
+
+
+def clipped(step: int, rank: int, group, size: int) -> torch.Tensor:
+    g = gradient(step, rank)
+    square = g.norm().square().reshape(1)
+    dist.all_reduce(square, group=group)
+    return g * min(1.0, CLIP / (float((square / size).sqrt()) + 1e-6))
+
+
+def check_reduction(group, rank: int, size: int) -> list[str]:
+    failures = []
+    params = [torch.zeros(n) for n in PARTS]
+    k = math.ceil(DENSITY * NUMEL)
+    per_chunk = k // -(-NUMEL // SELECT)
+    for collective in ("allgather", "gtopk"):
+        where = f"P={size} {collective}"
+        state = new_state(group, collective)
+        m = torch.zeros(NUMEL)
+        for step in range(STEPS):
+            c = dct(clipped(step, rank, group, size))
+            before = state.store.residuals.get(0, torch.zeros(NUMEL)).clone()
+            got = reduce_buffer(state, gradient(step, rank), 0, parameters=params).wait().clone()
+            after = state.store.residuals.get(0, torch.zeros(NUMEL))
+            # Conserved: the ranks' beta m + c = P x the average (in coefficients) + their new m.
+            total = torch.stack([(BETA * before + c).double(), after.double()])
+            dist.all_reduce(total, group=group)
+            lost = float((total[0] - size * dct(got).double() - total[1]).abs().max())
+            if not lost <= 1e-4:
+                failures.append(f"{where}, step {step}: beta m + c != P x average + new m by {lost:.3g}")
+                break
+            if collective != "allgather":
+                continue
+            # The replay: the top per_chunk of each SELECT-chunk of |m| sent and taken out of m.
+            m = BETA * m + c
+            sent = m.clone() if step < START_ITER else torch.zeros(NUMEL)
+            for start in range(0, NUMEL if step >= START_ITER else 0, SELECT):
+                chunk = m[start:start + SELECT]
+                top = chunk.abs().topk(min(per_chunk, chunk.numel())).indices + start
+                sent[top] = m[top]
+            m = m - sent
+            average = sent.clone()
+            dist.all_reduce(average, group=group)
+            want = dct(average / size, inverse=True)
+            if not (torch.allclose(got, want, rtol=1e-5, atol=1e-6) and torch.allclose(after, m, atol=1e-5)):
+                failures.append(f"{where}, step {step}: output off by {float((got - want).abs().max()):.3g}, m by "
+                                f"{float((after - m).abs().max()):.3g}")
+                break
+    return failures
+
+
+def reduction_worker(rank: int, world_size: int) -> list[str]:
+    failures = []
+    for size in (2, 3, 4):
+        group = dist.new_group(list(range(size)))
+        if rank < size:
+            failures += check_reduction(group, rank, size)
+    return failures + fsdp_checks(rank, world_size)
+
+
+def fsdp_checks(rank: int, world_size: int) -> list[str]:
+    """2 nodes x 2 ranks (FSDP2 inside a node, the decoupled momentum between nodes), and one node of 4."""
+    from tests.test_fsdp import SPARSE, batch, full_parameters, make_model, shard
+
+    failures = []
+    for node_size in (2, 4):
+        where = f"FSDP2, node size {node_size}"
+        state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1, compressor="chunktopk",
+                                   collective="allgather", path=SPARSE, momentum=gx.DecoupledMomentum(chunk=CHUNK))
+        model = shard(make_model(), state.shard_mesh)
+        gx.register_sparse_all_reduce(model, state)
+        optimizer = gx.SparseAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, state=state)
+        losses = []
+        for step in range(10):
+            loss = model(batch(step % 2, rank)).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+            full = full_parameters(model)
+            replicas = [torch.empty_like(full) for _ in range(world_size)]
+            dist.all_gather(replicas, full)
+            if not all(torch.equal(replicas[0], r) for r in replicas):
+                failures.append(f"{where}, step {step}: the full parameters differ between ranks")
+                break
+        paths = {group.slot.stats.path for group in state.groups if group.layout.numel}
+        expected = {"sparse"} if node_size == 2 else {"none"}
+        if paths != expected or not losses[-1] < 0.7 * losses[1]:
+            failures.append(f"{where}: paths {paths} (expected {expected}), loss {losses[1]:.4f} -> {losses[-1]:.4f}")
+    return failures
+
+
+def test_decoupled_reduction_matches_the_algorithm_and_conserves_and_fsdp2_trains():
+    results = run_distributed(reduction_worker, 4, timeout=400)
+    assert results == [[]] * 4, "\n".join(f for r in results for f in r)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(50, 16)  # rows a batch does not use get no gradient
+        self.hidden = nn.Linear(16, 32)
+        self.out = nn.Linear(32, 50)
+
+    def forward(self, tokens):
+        return self.out(torch.relu(self.hidden(self.embed(tokens))))
+
+
+def batch(step: int, rank: int):
+    tokens = torch.randint(0, 30, (16, 2), generator=torch.Generator().manual_seed(100 * step + rank))
+    return tokens[:, 0], tokens[:, 1]
+
+
+def train(steps: int, restore=None, save_at=None):
+    """Parameters and loss after each step (and the state saved at ``save_at``); ``restore``: a saved state."""
+    model = Model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = gx.SparseGradState(density=0.05, compressor="chunktopk", collective="allgather", wire="compact",
+                               path="sparse", momentum=gx.DecoupledMomentum(), stats_logging_frequency=0)
+    ddp.register_comm_hook(state, gx.sparse_grad_hook)
+    optimizer = gx.SparseAdamW(ddp.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, state=state)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+    start, saved, history = 0, None, []
+    if restore is not None:
+        model.load_state_dict(restore["model"])
+        state.load_state_dict(restore["hook"])
+        optimizer.load_state_dict(restore["optimizer"])
+        schedule.load_state_dict(restore["schedule"])
+        start = restore["step"]
+    for step in range(start, steps):
+        optimizer.zero_grad()
+        tokens, targets = batch(step % 4, dist.get_rank())
+        loss = nn.functional.cross_entropy(ddp(tokens), targets)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        history.append(([p.detach().clone() for p in model.parameters()], float(loss.detach())))
+        if save_at == step + 1:
+            saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "step": step + 1,
+                     "hook": state.state_dict(), "optimizer": copy.deepcopy(optimizer.state_dict()),
+                     "schedule": schedule.state_dict()}
+    return history, saved
+
+
+def ddp_worker(rank: int, world_size: int) -> list[str]:
+    failures = []
+    history, saved = train(24, save_at=7)
+    for step, (params, _) in enumerate(history):
+        flat = torch.cat([p.reshape(-1) for p in params])
+        other = flat.clone()
+        dist.broadcast(other, 0)
+        if not torch.equal(flat, other):
+            failures.append(f"step {step}: replicas differ by {float((flat - other).abs().max()):.3g}")
+            break
+    first, last = sum(loss for _, loss in history[:4]), sum(loss for _, loss in history[-4:])
+    if not last < 0.85 * first:
+        failures.append(f"the loss did not fall: {first / 4:.4f} -> {last / 4:.4f}")
+    resumed, _ = train(24, restore=saved)
+    for step, ((a, _), (b, _)) in enumerate(zip(resumed, history[7:])):
+        if not all(torch.equal(x, y) for x, y in zip(a, b)):
+            failures.append(f"resumed step {7 + step}: differs from the uninterrupted run")
+            break
+    # A plain AdamW beside the decoupled momentum: refused, naming SparseAdamW.
+    model = Model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(gx.SparseGradState(path="sparse", momentum=gx.DecoupledMomentum(),
+                                              stats_logging_frequency=0), gx.sparse_grad_hook)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    tokens, targets = batch(0, rank)
+    nn.functional.cross_entropy(ddp(tokens), targets).backward()
+    try:
+        optimizer.step()
+        failures.append("a plain AdamW was not refused")
+    except ValueError as error:
+        if "SparseAdamW" not in str(error):
+            failures.append(f"the refusal does not name SparseAdamW: {error}")
+    return failures
+
+
+def test_decoupled_momentum_under_ddp():
+    results = run_distributed(ddp_worker, 2, timeout=400)
+    assert results == [[]] * 2, "\n".join(f for r in results for f in r)
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: gx.DecoupledMomentum(beta=1.0), "beta"),
+    (lambda: gx.DecoupledMomentum(chunk=0), "chunk"),
+    (lambda: gx.DecoupledMomentum(clip_norm=-1.0), "clip_norm"),
+    (lambda: gx.SparseGradState(momentum=gx.DecoupledMomentum()), "path='sparse'"),
+    (lambda: gx.SparseGradState(momentum=gx.DecoupledMomentum(), path="sparse", error_feedback=False),
+     "error_feedback"),
+    (lambda: gx.SparseGradState(momentum=gx.DecoupledMomentum(), path="sparse",
+                                scaler=torch.amp.GradScaler("cpu")), "scaler"),
+])
+def test_bad_decoupled_arguments(make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make()
+
+
+def test_the_dct_is_orthonormal_and_its_own_inverse():
+    """gtopk_ext.dct against the formula above, and back."""
+    x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
+    y = x.clone()
+    gx.dct.forward_(y, CHUNK, PARTS)
+    assert torch.allclose(y, dct(x), atol=1e-5)
+    assert torch.allclose(y.norm(), x.norm(), rtol=1e-5)
+    gx.dct.inverse_(y, CHUNK, PARTS)
+    assert torch.allclose(y, x, atol=1e-5)

@@ -195,10 +195,10 @@ def run_method(name: str, rank: int, world_size: int, args: argparse.Namespace, 
                val_batches: torch.Tensor, tx: TxCounter, progress) -> dict:
     trainer = Trainer(name, build_model(args, args.seed), args, world_size)  # the same weights for all
     groups = [parameter_group(n) for n, _ in trainer.model.named_parameters()]
-    # steps before the target density: the recipe's and the dgc methods' warm-up (the hooks with momentum in them)
+    # steps before the target density: the SGD recipe's and the dgc methods' warm-up (the hooks with momentum in them)
     warmed_up = START_ITER
-    if trainer.recipe is not None and (trainer.recipe.momentum_in_hook or trainer.recipe.adamw_in_hook):
-        warmed_up = args.adam_warmup if trainer.recipe.adamw_in_hook else args.dgc_warmup
+    if trainer.recipe is not None and trainer.recipe.momentum_in_hook:
+        warmed_up = args.dgc_warmup
     period = trainer.local.method.period if trainer.local is not None else None
     # --steps-from: only as long as its steady step time takes to measure
     steps = probe_steps(warmed_up, period) if args.steps_from else args.steps

@@ -9,7 +9,7 @@ machine, 4 ranks:
 The text is the running Python's standard library (every rank reads its own windows); with ``--hf``, Hugging
 Face's GPT2LMHeadModel of the same shape (``pip install transformers``). What changes from a DDP + AdamW script
 is marked "gtopk_ext:" below: the hook's state, SparseAdamW in place of AdamW with the same arguments, and no
-``clip_grad_norm_`` (the hook clips; after the variance freezes the optimizer never sees a gradient). With
+``clip_grad_norm_`` (the hook clips: the optimizer never sees a gradient, only the momentum the ranks sent). With
 ``--method sparseloco`` the model is not wrapped in DDP: torch's AdamW trains each replica, and
 ``gx.SparseLocalSGD(model.parameters())`` (SparseLoCo's exchange: every 8 steps, 1/64 of the drift, 2 bits a value)
 syncs them.
@@ -40,7 +40,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=30, help="learning-rate warm-up steps (then a cosine)")
-    parser.add_argument("--freeze", type=int, default=24, help="the recipe's dense8 steps before the freeze")
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -125,9 +124,7 @@ def main() -> None:
         outer = gx.SparseLocalSGD(model.parameters())
     elif args.method == "adamw-recipe":
         # gtopk_ext: the hook's state and the optimizer that goes with it (AdamW's arguments, plus the state).
-        state = gx.SparseGradState.recipe(density=args.density, optimizer="adamw", warmup_steps=args.freeze,
-                                          path="sparse")
-        state.stats_logging_frequency = 0
+        state = gx.SparseGradState.recipe(density=args.density, optimizer="adamw", stats_logging_frequency=0)
         ddp.register_comm_hook(state, gx.sparse_grad_hook)
         optimizer = gx.SparseAdamW(groups, lr=args.lr, betas=(0.9, 0.95), state=state)
     else:

@@ -16,7 +16,7 @@ from gtopk_ext.averaging import GroupModelAverager  # noqa: E402,F401
 from gtopk_ext.compressors import make_compressor  # noqa: E402,F401
 from gtopk_ext.message import SparseMessage  # noqa: E402,F401
 from gtopk_ext.config import SparseConfig, exponential_warmup  # noqa: E402,F401
-from gtopk_ext.momentum import AdamCorrection, DecoupledMomentum, MomentumCorrection  # noqa: E402,F401
+from gtopk_ext.momentum import DecoupledMomentum, MomentumCorrection  # noqa: E402,F401
 from gtopk_ext.ddp import SparseGradState, sparse_grad_hook  # noqa: E402,F401
 from gtopk_ext.hierarchical import Hierarchical  # noqa: E402,F401
 from gtopk_ext.paths import PathPolicy  # noqa: E402,F401
@@ -27,7 +27,7 @@ from gtopk_ext.utils import destroy_process_group  # noqa: E402,F401
 
 __all__ = ["ops", "reference", "collectives", "compressors", "costs", "dct", "hierarchical", "reduction", "wire",
            "SparseMessage", "make_compressor", "SparseConfig", "SparseGradState", "sparse_grad_hook",
-           "exponential_warmup", "MomentumCorrection", "AdamCorrection", "DecoupledMomentum", "SparseAdamW",
+           "exponential_warmup", "MomentumCorrection", "DecoupledMomentum", "SparseAdamW",
            "Hierarchical", "PathPolicy",
            "paths", "fsdp", "SparseFSDPState", "register_sparse_all_reduce", "GroupModelAverager", "SparseLocalSGD",
            "destroy_process_group", "backends"]

@@ -12,7 +12,7 @@ from gtopk_ext._validate import check_int
 from gtopk_ext.collectives import COLLECTIVES, SPARSE_COLLECTIVES, Collective, collective_named
 from gtopk_ext.compressors import COMPRESSOR_KINDS, Compressor, check_density, make_compressor
 from gtopk_ext.hierarchical import Hierarchical
-from gtopk_ext.momentum import OPTIMIZER_CHECKS, AdamCorrection, DecoupledMomentum, MomentumCorrection
+from gtopk_ext.momentum import OPTIMIZER_CHECKS, DecoupledMomentum, MomentumCorrection
 from gtopk_ext.paths import PathPolicy, path_policy
 from gtopk_ext.wire import Wire, wire_named
 
@@ -42,18 +42,22 @@ OPTIMIZERS = ("sgd", "adamw")
 
 def recipe(density: float, warmup_steps: Optional[int], momentum: float, optimizer: str = "sgd",
            clip_norm: Optional[float] = 1.0) -> dict:
-    """The recipe's ``density`` and ``momentum``, for every front end. ``optimizer="sgd"``: DGC's exponential
-    warm-up from 0.25 to ``density`` over ``warmup_steps`` (None: 44) steps and Nesterov momentum correction
-    ``momentum``, its masking from the warm-up's end. ``"adamw"``: ``warmup_steps`` (None: 24) steps of 8-bit dense
-    averages under AdamW, then ``density`` with Adam's update corrected in the hook (:class:`AdamCorrection`,
-    ``clip_norm``; the betas are :class:`gtopk_ext.SparseAdamW`'s)."""
+    """The recipe's settings, for every front end. ``optimizer="sgd"``: DGC's exponential warm-up from 0.25 to
+    ``density`` over ``warmup_steps`` (None: 44) steps and Nesterov momentum correction ``momentum``, its masking
+    from the warm-up's end. ``"adamw"``: AdamW's momentum decoupled in the hook (:class:`DecoupledMomentum`,
+    ``clip_norm``), sparse from the first compressed step (no ``warmup_steps``): the top ``density`` of each 4,096
+    DCT coefficients (``chunktopk``), exchanged by allgather on the compact wire (every rank's selection applied, as
+    DeMo does); the optimizer is :class:`gtopk_ext.SparseAdamW`."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    if warmup_steps is None:
-        warmup_steps = 24 if optimizer == "adamw" else 44
     if optimizer == "adamw":
-        return {"density": density, "momentum": AdamCorrection(freeze_step=check_int("warmup_steps", warmup_steps, 1),
-                                                               clip_norm=clip_norm)}
+        if warmup_steps is not None:
+            raise ValueError(f"warmup_steps: the AdamW recipe has no warm-up (its momentum is sent sparsely from the "
+                             f"first compressed step), got {warmup_steps!r}")
+        return {"density": density, "compressor": "chunktopk", "collective": "allgather", "wire": "compact",
+                "path": "sparse", "momentum": DecoupledMomentum(clip_norm=clip_norm)}
+    if warmup_steps is None:
+        warmup_steps = 44
     return {"density": exponential_warmup(density, warmup_steps, start_density=max(density, 0.25)),
             "momentum": MomentumCorrection(momentum, nesterov=momentum > 0, masking_start_iter=warmup_steps)}
 
@@ -73,7 +77,7 @@ class SparseConfig:
         start_iter: iterations reduced densely before compressing.
         path: each step's path once a tensor may compress (:class:`gtopk_ext.PathPolicy`): ``"auto"`` or a forced one.
         momentum: :class:`gtopk_ext.MomentumCorrection` (a number m is ``MomentumCorrection(m)``),
-            :class:`gtopk_ext.AdamCorrection` (with :class:`gtopk_ext.SparseAdamW`), or None.
+            :class:`gtopk_ext.DecoupledMomentum` (with :class:`gtopk_ext.SparseAdamW`), or None.
         hierarchical: :class:`gtopk_ext.Hierarchical` (dense inside a node, ``collective`` between nodes), or None.
         error_feedback: keep what is not applied in a residual (default); False drops it.
         optimizer_check: with momentum correction, what an optimizer with momentum or weight decay on the same
@@ -121,11 +125,11 @@ class SparseConfig:
         compressor = (self.compressor.with_density(float(density)) if isinstance(self.compressor, Compressor)
                       else make_compressor(self.compressor, float(density)))
         momentum = self.momentum
-        if momentum is not None and not isinstance(momentum, (MomentumCorrection, AdamCorrection, DecoupledMomentum)):
+        if momentum is not None and not isinstance(momentum, (MomentumCorrection, DecoupledMomentum)):
             momentum = MomentumCorrection(momentum)
-        if isinstance(momentum, (AdamCorrection, DecoupledMomentum)) and not self.error_feedback:
+        if isinstance(momentum, DecoupledMomentum) and not self.error_feedback:
             raise ValueError(f"momentum={type(momentum).__name__} needs error_feedback=True: the residual holds "
-                             f"Adam's momentum or update not yet sent")
+                             f"Adam's momentum not yet sent")
         policy = path_policy(self.path)
         if isinstance(momentum, DecoupledMomentum) and policy.mode != "sparse":
             raise ValueError(f"path: DecoupledMomentum sends a top-k of the momentum every step, and a dense path "

@@ -1,6 +1,6 @@
 """Momentum in the hook, for every front end: Deep Gradient Compression's momentum correction (Lin et al. 2018) for
-SGD, and its AdamW form (1-bit Adam's frozen variance); the velocity lives in the hook, per tensor and rank. And the
-check that no optimizer applies momentum a second time."""
+SGD, the velocity in the hook per tensor and rank; AdamW's momentum decoupled as DeMo does, the residual being the
+momentum. And the check that no optimizer applies momentum a second time."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from gtopk_ext._validate import check_int, check_number
 from gtopk_ext.compressors import hold_unused
 
 OPTIMIZER_CHECKS = ("raise", "warn", "off")
-WARMUP_PATHS = ("dense8", "dense16", "dense")  # AdamCorrection's, before the freeze
 
 
 @dataclass(frozen=True)
@@ -56,81 +55,26 @@ class MomentumCorrection:
 
 
 @dataclass(frozen=True)
-class AdamCorrection:
-    """Momentum correction for AdamW, with :class:`gtopk_ext.SparseAdamW` as the optimizer (1-bit Adam's frozen
-    variance, Tang et al. 2021, with DGC's error feedback and masking). Per tensor and rank the hook keeps m, Adam's
-    first moment of this rank's gradients (``betas[0]``), and the residual, in units of one Adam step.
-
-    Iterations before ``freeze_step``: the gradient is averaged on ``warmup_path`` (``"dense8"``, ``"dense16"`` or
-    ``"dense"``; the rounding kept in the residual) and the optimizer is AdamW. After the optimizer's
-    ``freeze_step``-th step it freezes its variance v into a scale s = sqrt(max(v^, ``variance_floor`` x the
-    tensor's mean v^)) + eps (the floor keeps rows that were never used in the warm-up, e.g. embedding rows, from
-    dividing by ~0). From then on: ``residual += m^ / s`` (m^ bias-corrected); the compressor selects from the
-    residual, so the ranks exchange Adam's update itself; applied slots leave the residual and clear m (masking); the
-    optimizer applies the average as ``w -= lr * (average + weight_decay * w)``.
-
-    ``clip_norm``: the gradients of a tensor (a DDP bucket) are scaled on every rank by one factor,
-    ``min(1, clip_norm / sqrt(mean over ranks of |g_r|^2))`` (one scalar allreduce), so their average is clipped to
-    at most ``clip_norm``: the hook clips, since after the freeze the optimizer never sees a gradient. None: no
-    clipping. ``betas`` and ``eps`` are the optimizer's (:class:`gtopk_ext.SparseAdamW` gives them)."""
-
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    freeze_step: int = 24
-    clip_norm: Optional[float] = 1.0
-    variance_floor: float = 0.05
-    warmup_path: str = "dense8"
-
-    def __post_init__(self):
-        try:
-            betas = tuple(check_number(f"betas[{i}]", b, 0.0, 1.0, high_open=True) for i, b in enumerate(self.betas))
-        except TypeError:
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}") from None
-        if len(betas) != 2 or betas[0] == 0:
-            raise ValueError(f"betas must be two numbers in [0, 1), the first > 0, got {self.betas!r}")
-        eps = check_number("eps", self.eps, 0.0, float("inf"), low_open=True, high_open=True)
-        check_int("freeze_step", self.freeze_step, 1)
-        clip_norm = None if self.clip_norm is None else check_number("clip_norm", self.clip_norm, 0.0, float("inf"),
-                                                                     low_open=True, high_open=True)
-        floor = check_number("variance_floor", self.variance_floor, 0.0, 1.0)
-        if self.warmup_path not in WARMUP_PATHS:
-            raise ValueError(f"warmup_path must be one of {WARMUP_PATHS}, got {self.warmup_path!r}")
-        for name, value in (("betas", betas), ("eps", eps), ("clip_norm", clip_norm), ("variance_floor", floor)):
-            object.__setattr__(self, name, value)
-
-    # What the shared code asks of a momentum correction: a velocity (m), no weight decay in the hook.
-    accumulates = True
-    weight_decay = 0.0
-
-    @property
-    def momentum(self) -> float:
-        return self.betas[0]
-
-    @property
-    def masking_start_iter(self) -> int:
-        return self.freeze_step
-
-    def frozen(self, iteration: int) -> bool:
-        """Whether ``iteration``'s step exchanges Adam's update (the variance is frozen), not the gradient."""
-        return iteration >= self.freeze_step
-
-
-@dataclass(frozen=True)
 class DecoupledMomentum:
     """AdamW's momentum decoupled as DeMo does (Peng, Quesnelle & Kingma 2024), with :class:`gtopk_ext.SparseAdamW`
     as the optimizer: per tensor and rank the residual IS Adam's first moment, kept in the DCT domain of each
-    ``chunk`` consecutive elements of each parameter (:mod:`gtopk_ext.dct`). Every step, from the first:
-    ``m = beta * m + DCT(g)`` (g clipped by one factor over the ranks, as :class:`AdamCorrection` does); the
-    compressor selects from m and what is applied leaves it (the fast components go out as they appear, the rest
-    goes on accumulating and decaying); the ranks' selections are averaged, and the hook returns Q, the inverse DCT of
-    the average: a top-k of a chunk's coefficients moves every element of the chunk. The optimizer normalises Q as
-    Adam does (AdamW with a first beta of 0): ``v = beta2 v + (1 - beta2) Q^2``, ``w = w (1 - lr wd) - lr Q /
-    (sqrt(v^) + eps)``. ``beta`` is the momentum's own decay, DeMo's 0.999, not AdamW's first beta: what leaves m is
-    what was sent, so m holds mostly what is still owed (with 0.9 the language model's loss was 0.12 nats higher
-    at step 160 of docs/language_model.md's run).
+    ``chunk`` consecutive elements of each parameter (:mod:`gtopk_ext.dct`). Every step:
 
-    A dense step (a tensor below the path policy's ``min_compress_numel``, or a rank's non-finite sum) sends all of m,
-    as density 1 would: none stays."""
+    1. The gradient g is clipped: scaled on every rank by one factor, ``min(1, clip_norm / sqrt(mean over ranks of
+       |g_r|^2))`` (one scalar allreduce), so that their average is at most ``clip_norm`` long (None: no clipping).
+       The hook clips: the optimizer never sees a gradient.
+    2. ``m = beta * m + DCT(g)``.
+    3. The compressor selects from m and what is applied leaves m: the fast components go out as they appear, the
+       rest goes on accumulating (and decaying).
+    4. The ranks' selections are averaged, and the hook returns Q, the inverse DCT of the average: a top-k of a
+       chunk's coefficients moves every element of the chunk.
+    5. The optimizer normalises Q as Adam does (AdamW with a first beta of 0): ``v = beta2 v + (1 - beta2) Q^2``,
+       ``w = w (1 - lr wd) - lr Q / (sqrt(v^) + eps)``.
+
+    ``beta`` is the momentum's own decay, DeMo's 0.999, not AdamW's first beta: what leaves m is what was sent, so m
+    holds mostly what is still owed (in a simulation of docs/language_model.md's run, 0.9 was 0.12 nats behind 0.999
+    at step 160). A dense step (the DDP hook's first two, a tensor below the path policy's ``min_compress_numel``, a
+    rank's non-finite sum) sends all of m, as density 1 would: none stays."""
 
     beta: float = 0.999
     chunk: int = 64
@@ -153,42 +97,15 @@ class DecoupledMomentum:
         return self.beta
 
 
-ADAMW_CORRECTIONS = (AdamCorrection, DecoupledMomentum)  # the hook's forms of AdamW, with SparseAdamW
-
-
 class AdamLink:
-    """What the hook and :class:`gtopk_ext.SparseAdamW` share under :class:`gtopk_ext.AdamCorrection`: ``scales``,
-    per parameter (by id) the frozen variance's scale (this rank's piece), published by the optimizer at the freeze
-    (and on a resume); ``flat``, per tensor index (the ids of its parameters, their scales laid end to end);
-    ``norms``, per tensor index (iteration, the L2 norm of the hook's output, the ids of its parameters): the
-    optimizer tells from them whether the gradients were rescaled after the hook (``clip_grad_norm_``). Not
-    pickled: the optimizer publishes the scales again."""
+    """What the hook and :class:`gtopk_ext.SparseAdamW` share under :class:`gtopk_ext.DecoupledMomentum`: ``norms``,
+    per tensor index (iteration, the L2 norm of the hook's output, the ids of its parameters), from which the
+    optimizer tells whether the gradients were rescaled after the hook (``clip_grad_norm_``). Not pickled."""
 
-    __slots__ = ("scales", "flat", "norms")
+    __slots__ = ("norms",)
 
     def __init__(self):
-        self.scales: dict[int, torch.Tensor] = {}
-        self.flat: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
         self.norms: dict[int, tuple[int, torch.Tensor, frozenset[int]]] = {}
-
-    def publish(self, scales: dict[int, torch.Tensor]) -> None:
-        self.scales.update(scales)
-        self.flat.clear()
-
-    def scales_of(self, index: int, parameters: Optional[list[torch.Tensor]]) -> Optional[torch.Tensor]:
-        """The scales of ``parameters`` (bucket ``index``'s) laid end to end; None where one has none yet."""
-        if parameters is None:
-            return None
-        ids = tuple(id(p) for p in parameters)
-        cached = self.flat.get(index)
-        if cached is not None and cached[0] == ids:
-            return cached[1]
-        found = [self.scales.get(i) for i in ids]
-        if any(scale is None for scale in found):
-            return None
-        flat = torch.cat([scale.reshape(-1) for scale in found])
-        self.flat[index] = (ids, flat)
-        return flat
 
 
 def clip_together(tensor: torch.Tensor, max_norm: float, group: dist.ProcessGroup, count: Optional[int] = None) -> None:
@@ -199,26 +116,6 @@ def clip_together(tensor: torch.Tensor, max_norm: float, group: dist.ProcessGrou
     dist.all_reduce(square, group=group)
     mean = square / (count or dist.get_world_size(group))
     tensor.mul_(torch.clamp(max_norm / (mean.sqrt() + 1e-6), max=1.0).to(tensor.dtype))
-
-
-def adam_increment(correction: AdamCorrection, velocity: torch.Tensor, tensor: torch.Tensor,
-                   scales: Optional[torch.Tensor], parts: Optional[list[int]], maxima: list[float],
-                   iteration: int) -> None:
-    """``tensor`` (this rank's clipped gradient) enters m, ``velocity`` (a part unused here, ``maxima`` 0, keeps
-    its m); once ``correction.frozen(iteration)``, ``tensor`` becomes what enters the residual this step:
-    ``m / (1 - beta1^(iteration + 1)) / scales`` (0 on the unused parts)."""
-    beta = correction.betas[0]
-    held = hold_unused(velocity, maxima, parts, zero=False)
-    velocity.mul_(beta).add_(tensor, alpha=1 - beta)
-    for part, saved in held:
-        part.copy_(saved)
-    if not correction.frozen(iteration):
-        return
-    torch.div(velocity, scales, out=tensor)
-    tensor.mul_(1 / (1 - beta ** (iteration + 1)))
-    for part, largest in zip(tensor.split(parts) if parts else [tensor], maxima):
-        if largest == 0:
-            part.zero_()
 
 
 def clip(tensor: torch.Tensor, max_norm: float) -> None:
@@ -292,7 +189,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         config = owner.config
         if ids is None or config.optimizer_check == "off" or not (config.momentum and config.momentum.accumulates):
             continue
-        adam = isinstance(config.momentum, ADAMW_CORRECTIONS)
+        adam = isinstance(config.momentum, DecoupledMomentum)
         if adam and getattr(optimizer, "hook_state", None) is owner:
             continue
         for group in optimizer.param_groups:

@@ -1,125 +1,50 @@
-"""SparseAdamW: the optimizer of the hooks' AdamW recipe (:class:`gtopk_ext.AdamCorrection`). AdamW until the
-recipe's freeze step; then it publishes the frozen variance to the hook, which from then on sends Adam's update
-itself, and applies the hook's average with AdamW's decoupled weight decay."""
+"""SparseAdamW: the optimizer of the hooks' AdamW recipe (:class:`gtopk_ext.DecoupledMomentum`): Adam's first moment
+lives in the hook, which sends it sparsely; the optimizer normalises the hook's average as Adam does and applies it
+with AdamW's decoupled weight decay."""
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import torch
 
-from gtopk_ext.momentum import ADAMW_CORRECTIONS, AdamCorrection, DecoupledMomentum
+from gtopk_ext.momentum import DecoupledMomentum
 
 RESCALED_TOLERANCE = 1e-3  # relative: a norm that differs more was rescaled after the hook
 
 
 class SparseAdamW(torch.optim.AdamW):
-    """AdamW whose momentum and variance move into the hook of ``state`` (a hook state made with
-    ``optimizer="adamw"``, e.g. ``gx.SparseGradState.recipe(density=0.01, optimizer="adamw")``) at the recipe's
-    freeze step. ``lr``, ``betas``, ``eps``, ``weight_decay``, parameter groups and learning-rate schedulers are
-    AdamW's; the betas and eps are the hook's too (given to ``state`` before its first step).
+    """AdamW whose first moment is the hook's (``state``: a hook state made with ``optimizer="adamw"``, e.g.
+    ``gx.SparseGradState.recipe(density=0.01, optimizer="adamw")``). ``lr``, ``betas``, ``eps``, ``weight_decay``,
+    parameter groups, learning-rate schedulers and ``state_dict`` are AdamW's. Each step is
+    ``torch.optim.AdamW``'s with a first beta of 0 on the hook's output Q (the average of what the ranks sent of
+    their momentum, :class:`gtopk_ext.DecoupledMomentum`): ``v = beta2 v + (1 - beta2) Q^2``, ``w = w (1 - lr wd)
+    - lr Q / (sqrt(v^) + eps)``. ``betas[0]`` is AdamW's decay of its first moment, which the hook's momentum
+    replaces with its own (``DecoupledMomentum.beta``): it is accepted, as AdamW's arguments are, and unused.
 
-    1. Steps 1 to ``freeze_step``: ``torch.optim.AdamW``'s own step, on the hook's dense average.
-    2. At the end of step ``freeze_step``: each parameter's bias-corrected variance v^ becomes its scale
-       ``s = sqrt(max(v^, variance_floor x mean(v^))) + eps`` (a parameter that never had a gradient: the mean of
-       all), handed to the hook; AdamW's m and v are dropped (m goes on in the hook, per rank).
-    3. Later steps: ``w = w * (1 - lr * weight_decay) - lr * grad``, the grad being the average over the ranks of
-       Adam's update (m^ / s) that the hook applied.
-
-    Clipping is the hook's (the recipe's ``clip_norm``): after the freeze a gradient's norm is an update's. When
-    the gradients were rescaled after the hook (``clip_grad_norm_``), the step undoes it and warns once."""
+    Clipping is the hook's (the recipe's ``clip_norm``). When the gradients were rescaled after the hook
+    (``clip_grad_norm_``), the step undoes it and warns once."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, state):
         correction = getattr(getattr(state, "config", None), "momentum", None)
-        if not isinstance(correction, ADAMW_CORRECTIONS):
+        if not isinstance(correction, DecoupledMomentum):
             raise ValueError(f"state must be a hook state made for AdamW (gx.SparseGradState.recipe(..., "
-                             f"optimizer='adamw'), momentum=gx.AdamCorrection() or gx.DecoupledMomentum()), got "
-                             f"{type(state).__name__} with momentum={correction!r}")
-        decoupled = isinstance(correction, DecoupledMomentum)
-        try:  # decoupled: the hook's momentum replaces AdamW's first moment; Adam with beta1 = 0 normalises its output
-            inner = (0.0, betas[1]) if decoupled else betas
+                             f"optimizer='adamw') or momentum=gx.DecoupledMomentum()), got {type(state).__name__} "
+                             f"with momentum={correction!r}")
+        try:
+            second = betas[1]
         except (TypeError, IndexError):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}") from None
-        super().__init__(params, lr=lr, betas=inner, eps=eps, weight_decay=weight_decay)
-        shared = {(tuple(group["betas"]), group["eps"]) for group in self.param_groups}
-        if not decoupled:
-            if len(shared) != 1:
-                raise ValueError(f"betas and eps must be the same in every parameter group (the hook keeps one Adam "
-                                 f"momentum), got {sorted(shared)}")
-            (betas, eps), = shared
-            if (tuple(float(b) for b in betas), float(eps)) != (correction.betas, correction.eps):
-                if state.iter:
-                    raise ValueError(f"betas={betas}, eps={eps}: the hook's state has run {state.iter} iterations "
-                                     f"with betas={correction.betas}, eps={correction.eps}; give the optimizer those")
-                state.config = state.config.replace(momentum=dataclasses.replace(correction, betas=betas, eps=eps))
+        super().__init__(params, lr=lr, betas=(0.0, second), eps=eps, weight_decay=weight_decay)
         self.hook_state = state  # the momentum-twice check pairs the two by it
         self._warned = False
-        self.publish()
-
-    @property
-    def correction(self) -> "AdamCorrection | DecoupledMomentum":
-        return self.hook_state.config.momentum
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One step: AdamW's before the freeze (then, at the freeze step, the scales), the hook's update after."""
-        iteration = self.hook_state.iter  # this step applies the hook's iteration - 1
-        self._undo_rescaling(iteration - 1)
-        if isinstance(self.correction, DecoupledMomentum):
-            return super().step(closure)
-        if not self.correction.frozen(iteration - 1):
-            loss = super().step(closure)
-            if iteration == self.correction.freeze_step:
-                self._freeze()
-            return loss
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            lr, decay = float(group["lr"]), float(group["weight_decay"])
-            if decay:
-                torch._foreach_mul_(params, 1 - lr * decay)
-            torch._foreach_add_(params, [p.grad for p in params], alpha=-lr)
-        return loss
-
-    def _freeze(self) -> None:
-        """Step 2: AdamW's variance becomes each parameter's scale (its m and v are dropped)."""
-        floor, eps = self.correction.variance_floor, self.correction.eps
-        variances = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                held = self.state.get(p, {})
-                if "exp_avg_sq" in held:
-                    variances[p] = held["exp_avg_sq"] / (1 - group["betas"][1] ** float(held["step"]))
-        means = {p: float(v.mean()) for p, v in variances.items()}
-        overall = sum(means.values()) / max(len(means), 1)
-        for group in self.param_groups:
-            for p in group["params"]:
-                v = variances.get(p)
-                if v is None or means[p] == 0:
-                    v = torch.full_like(p, overall) if v is None else v.clamp(min=overall)
-                    mean = overall
-                else:
-                    mean = means[p]
-                step = self.state.get(p, {}).get("step", torch.tensor(0.0))
-                self.state[p] = {"step": step, "scale": v.clamp(min=floor * mean).sqrt_().add_(eps)}
-        self.publish()
-
-    def publish(self) -> None:
-        """Hand the scales (after the freeze, or a restore) to the hook: this rank's pieces of them."""
-        scales = {id(p): _local(held["scale"]) for p, held in self.state.items() if "scale" in held}
-        if scales:
-            self.hook_state.adam.publish(scales)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self.publish()
+        """AdamW's step (first beta 0) on the hook's output, after undoing a rescaling of it."""
+        self._undo_rescaling(self.hook_state.iter - 1)  # this step applies the hook's iteration - 1
+        return super().step(closure)
 
     def _undo_rescaling(self, iteration: int) -> None:
         """Put back the hook's output where the gradients were scaled after it (``clip_grad_norm_``)."""
@@ -140,8 +65,8 @@ class SparseAdamW(torch.optim.AdamW):
             self._warned = True
             warnings.warn(f"SparseAdamW: the gradients were rescaled after the hook (norm {found:.4g}, the hook's "
                           f"{sent:.4g}; clip_grad_norm_?): undone. With the AdamW recipe the hook clips (the "
-                          f"recipe's clip_norm={self.correction.clip_norm}); drop clip_grad_norm_", UserWarning,
-                          stacklevel=3)
+                          f"recipe's clip_norm={self.hook_state.config.momentum.clip_norm}); drop clip_grad_norm_",
+                          UserWarning, stacklevel=3)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ method sends between the nodes (inside a node the exchange is far faster and lef
 of its bytes for the dense methods and PowerSGD, the package's byte formula for the sparse ones, a local method's
 once every H steps; at the link's rate with the frames' headers, plus a latency per message. ``--overlap`` of the
 compute hides a per-step method's exchange (DDP's buckets go out during the backward). The dense steps before a
-method's steady state (PowerSGD's 2, the AdamW recipe's 24) are counted apart, and the package's own work per
+method's steady state (PowerSGD's 2, the AdamW recipe's 2) are counted apart, and the package's own work per
 element (selection and error feedback; ``--select-ns``, measured on an H100: 0.48 ms for 25M elements) per step.
 """
 
@@ -25,10 +25,9 @@ from gtopk_ext.collectives import collective_named
 from gtopk_ext.costs import WIRE_OVERHEAD, parse_rate, ring_allreduce_bytes
 from gtopk_ext.wire import wire_named
 
-# Bytes per element of each dense step before a method's steady state: PowerSGD's 2 float32 steps, the AdamW recipe's
-# 24 (2 float32, 22 8-bit) before its freeze.
-POWERSGD_WARMUP = (4, 4)
-ADAM_WARMUP = (4, 4) + (1,) * 22
+# Bytes per element of each dense step before a method's steady state: PowerSGD's and the AdamW recipe's 2 float32
+# steps (DDP rebuilds its buckets after the first).
+DENSE_START = (4, 4)
 
 
 def gpu_ratio(tflops: float, tokens: float, link_bps: float) -> float:
@@ -118,13 +117,13 @@ def sparse_exchange(collective: str, wire: str, density: float):
 METHODS = (
     Method("ddp", "DDP", lambda c: dense(c, 4), 1.0),
     Method("bf16", "bf16_compress_hook", lambda c: dense(c, 2), 1.0),
-    Method("powersgd-4", "PowerSGD rank 4", powersgd(4), 780 / 490, warmup=POWERSGD_WARMUP),
+    Method("powersgd-4", "PowerSGD rank 4", powersgd(4), 780 / 490, warmup=DENSE_START),
     Method("diloco-32", "DiLoCo H=32 (dense; outer lr 0.7, Nesterov 0.9)", lambda c: dense(c, 4), 920 / 490,
            period=32),
-    Method("adamw-0.01", "gtopk_ext AdamW recipe, d=0.01", sparse_exchange("gtopk", "plain", 0.01), 760 / 490,
-           sparse=True, warmup=ADAM_WARMUP),
-    Method("adamw-0.001", "gtopk_ext AdamW recipe, d=0.001", sparse_exchange("gtopk", "plain", 0.001), None,
-           sparse=True, warmup=ADAM_WARMUP),
+    Method("adamw-0.01", "gtopk_ext AdamW recipe, d=0.01", sparse_exchange("allgather", "compact", 0.01), 470 / 490,
+           sparse=True, warmup=DENSE_START),
+    Method("adamw-0.001", "gtopk_ext AdamW recipe, d=0.001", sparse_exchange("allgather", "compact", 0.001), None,
+           sparse=True, warmup=DENSE_START),
     Method("sparse-gtopk-0.02-32", "SparseLocalSGD's earlier defaults (gtopk d=0.02, H=32)",
            sparse_exchange("gtopk", "plain", 0.02), None, period=32, sparse=True),
     Method("sparseloco-0.015625-8", "SparseLocalSGD defaults (SparseLoCo, d=1/64, H=8)",

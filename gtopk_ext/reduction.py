@@ -25,8 +25,7 @@ from gtopk_ext.compressors import hold_unused, k_for_density, part_maxima, selec
 from gtopk_ext.config import SparseConfig
 from gtopk_ext.hierarchical import hierarchical_allreduce
 from gtopk_ext.message import SparseMessage, padding_message
-from gtopk_ext.momentum import (AdamCorrection, DecoupledMomentum, adam_increment, clip, clip_together, increment,
-                                mask)
+from gtopk_ext.momentum import DecoupledMomentum, clip, clip_together, increment, mask
 from gtopk_ext.ops import is_finite
 from gtopk_ext.paths import ROUNDED, PathPlan, agreed_costs, own_seconds, predicted
 from gtopk_ext.wire import Rounding, Wire
@@ -90,22 +89,19 @@ class Memory:
 
 def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: SparseConfig, *, index: int,
                 iteration: int, group: dist.ProcessGroup, what: str, parts: Optional[list[int]] = None,
-                weights: Optional[list[torch.Tensor]] = None, scales: Optional[torch.Tensor] = None,
-                clip_over: Optional[tuple[dist.ProcessGroup, int]] = None, scaling: Optional[LossScaling] = None,
-                queue=None) -> torch.futures.Future:
+                weights: Optional[list[torch.Tensor]] = None, clip_over: Optional[tuple[dist.ProcessGroup, int]] = None,
+                scaling: Optional[LossScaling] = None, queue=None) -> torch.futures.Future:
     """One step of ``tensor`` (flat: this rank's gradient of the front end's tensor ``index``) over ``group``: a
     future of ``tensor``, which becomes the average over the ranks of what was applied.
 
     1. Plan (:func:`plan_path`): k from the iteration's density, and the path every rank takes (dense during the
        warm-up, for small tensors and the dense collective, else ``config.path``'s).
     2. Prepare: DGC's clipping and momentum correction (``weights``: the parameters laid end to end as in
-       ``tensor``, for weight decay), or its AdamW form (``scales``: the frozen variance's scale laid out as
-       ``tensor``; the warm-up's dense path in place of the sparse one; its clipping over ``clip_over``, a group
-       whose ranks hold pieces of that many gradients, by default ``group``), or DeMo's decoupled momentum (the
-       gradient clipped likewise and in DCT coefficients, the residual decayed; the average goes back to elements
-       before it is returned); each part's largest |gradient|
-       (``parts``: their sizes) tells which parts this rank did not use (their residual waits) and whether
-       grad + residual can be non-finite.
+       ``tensor``, for weight decay), or AdamW's decoupled momentum (:func:`prepare_decoupled`: the gradient
+       clipped over ``clip_over``, a group whose ranks hold pieces of that many gradients, by default ``group``,
+       and in DCT coefficients; the residual, m, decayed; the average goes back to elements before it is
+       returned); each part's largest |gradient| (``parts``: their sizes) tells which parts this rank did not use
+       (their residual waits) and whether grad + residual can be non-finite.
     3. Reduce (sparse, :func:`reduce`): acc = grad + residual compressed to k slots, reduced by the collective (or
        the hierarchical one); what was not applied stays in the residual. A rank whose acc is not finite raises a
        flag instead.
@@ -125,20 +121,15 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
                                   traffic=stats.traffic)
     # 2. Prepare.
     correction = config.momentum
-    adam = isinstance(correction, AdamCorrection)
-    decoupled = isinstance(correction, DecoupledMomentum)
     finish = _returned
-    if decoupled:  # from here on plain error feedback, in DCT coefficients; the average goes back to elements
+    if isinstance(correction, DecoupledMomentum):  # then plain error feedback in DCT coefficients, the average back
         prepare_decoupled(tensor, memory, correction, parts, clip_over or (group,))
         finish = functools.partial(_returned, back=functools.partial(dct.inverse_, chunk=correction.chunk,
                                                                      parts=parts))
         correction = None
-    elif adam:
-        path = stats.path = prepare_adam(tensor, slot, memory, correction, scales, parts, iteration, path, what,
-                                         clip_over or (group,))
     elif correction is not None and correction.clip_norm is not None:
         clip(tensor, correction.clip_norm / math.sqrt(dist.get_world_size(group)))
-    accumulates = correction is not None and not adam and correction.accumulates
+    accumulates = correction is not None and correction.accumulates
     record = None if scaling is None else functools.partial(scaling.velocities_before.__setitem__, index)
     if path != "sparse":
         if accumulates and is_finite(tensor):  # an inf must not poison the velocity
@@ -164,8 +155,6 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
             velocity = memory.get("velocity")
             increment(correction, velocity, tensor, weights, parts, maxima, record=record, sent_whole=False)
             maxima = [0.0 if old == 0 else new for old, new in zip(maxima, part_maxima(tensor, parts).tolist())]
-        elif adam:
-            velocity = memory.get("velocity")
         finite = _accumulation_is_finite(tensor, residual, maxima, slot)
         # 3. Reduce: select (unless acc is not finite: then a flag), exchange, keep what was not applied.
         msg = None
@@ -189,31 +178,6 @@ def reduce_step(tensor: torch.Tensor, slot: Slot, memory: Memory, config: Sparse
     if velocity is not None and iteration >= correction.masking_start_iter:
         mask(velocity, outcome.msg.indices, outcome.msg.count, outcome.applied)
     return finish(_done(tensor))
-
-
-def prepare_adam(tensor: torch.Tensor, slot: Slot, memory: Memory, correction: AdamCorrection,
-                 scales: Optional[torch.Tensor], parts: Optional[list[int]], iteration: int, path: str,
-                 what: str, clip_over: tuple) -> str:
-    """Step 2 with :class:`AdamCorrection`: ``tensor`` is clipped over ``clip_over`` (:func:`clip_together`'s
-    group and count), enters m and becomes what enters the residual (the gradient itself before the freeze);
-    returns the path, the warm-up's in place of the sparse one before the freeze."""
-    if correction.clip_norm is not None:
-        clip_together(tensor, correction.clip_norm, *clip_over)
-    frozen = correction.frozen(iteration)
-    if frozen and (scales is None or scales.shape != tensor.shape):
-        raise ValueError(f"{what}: iteration {iteration} is past the freeze step ({correction.freeze_step}), but no "
-                         f"optimizer froze the variance of this tensor's parameters: train with "
-                         f"gx.SparseAdamW(params, ..., state=<this hook's state>), one step per iteration")
-    if iteration == correction.freeze_step:  # the warm-up's roundings, in gradient units, are owed to m
-        tensor.add_(memory.get("residual"))
-        memory.forget("residual")
-        slot.bound = None
-    maxima = part_maxima(tensor, parts).tolist()
-    if all(math.isfinite(m) for m in maxima):  # else the flag takes every rank dense; m stays
-        adam_increment(correction, memory.get("velocity"), tensor, scales, parts, maxima, iteration)
-    if frozen or path != "sparse":
-        return path
-    return correction.warmup_path if correction.warmup_path == "dense" or tensor.dtype == torch.float32 else "dense"
 
 
 def prepare_decoupled(tensor: torch.Tensor, memory: Memory, correction: DecoupledMomentum,

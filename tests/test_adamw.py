@@ -1,16 +1,19 @@
-"""The AdamW recipe (gx.AdamCorrection in the hook, gx.SparseAdamW as the optimizer) on real Gloo groups.
+"""The AdamW recipe: AdamW's momentum decoupled in the hook (gx.DecoupledMomentum, DeMo's form), gx.SparseAdamW as
+the optimizer, on real Gloo groups.
 
-1. The reduction against a plain-PyTorch replay of the algorithm, one rank's view, P = 2, 3, 4: the gradients
-   clipped by one factor over the ranks, m = b1 m + (1 - b1) g; before the freeze the gradient averaged densely;
-   after it ``v += m / (1 - b1^t) / s``, the top-k of v sent, applied slots cleared in v and m, dropped ones back in
-   v. Conserved at every step: what entered the ranks' v = what was applied + what their v keep; with the 8-bit
-   warm-up, g + residual = average + new residual summed over the ranks, and the residual moves into m at the freeze.
-2. Real DDP with SparseAdamW (P = 2): the warm-up is AdamW's, replicas bitwise equal after every step, a resume
-   bitwise equal to an uninterrupted run, clip_grad_norm_ undone with a warning, the pairing checks, bad input.
-3. FSDP2: 2 nodes x 2 ranks and one node of 4 (replicas equal, the loss falls, 16-bit reductions refused); nodes
-   of one rank give DDP's hook's parameters.
+1. The reduction against a plain-PyTorch replay, one rank's view, P = 2, 3, 4 (allgather): the gradients clipped by
+   one factor over the ranks, c = the DCT of each 16 consecutive elements of each parameter (written out here from
+   its formula), m = beta m + c, the top of each 64-chunk of |m| sent and taken out of m (the first two, dense
+   steps: all of m), the output the inverse DCT of the average. Conserved at every step, gTop-k too: the ranks'
+   beta m + c = P x the average + their new m.
+2. Real DDP (P = 2) with the recipe: replicas bitwise equal after every step, the loss falls, a resume bitwise
+   equal to the uninterrupted run, clip_grad_norm_ after the hook undone with a warning, bfloat16 parameters, the
+   pairing checks; FSDP2 with 2 nodes x 2 ranks and one node of 4 (in the P = 4 spawn).
+3. Bad arguments, and examples/train_transformer.py with Hugging Face's GPT-2.
 """
 
+import copy
+import math
 import warnings
 
 import pytest
@@ -21,23 +24,37 @@ from torch import nn
 import gtopk_ext as gx
 from gtopk_ext.ddp import reduce_buffer
 from tests.distributed import run_distributed
-from tests.replay import differs, exchange_topk, imbalance
 
-NUMEL, DENSITY, START_ITER, FREEZE, STEPS, K = 300, 0.05, 2, 4, 9, 15
-SHAPES = [(200,), (100,)]
-BETAS, CLIP = (0.9, 0.95), 8.0
+PARTS, CHUNK, SELECT, DENSITY, BETA, CLIP, START_ITER, STEPS = [200, 100], 16, 64, 0.05, 0.9, 8.0, 2, 7
+NUMEL = sum(PARTS)
 
 
 def gradient(step: int, rank: int) -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * step + rank)) * (1 + rank)
 
 
-def scales() -> torch.Tensor:
-    return torch.rand(NUMEL, generator=torch.Generator().manual_seed(3)) + 0.5
+def dct(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """The orthonormal DCT-II (or its inverse, the DCT-III) of each CHUNK consecutive elements of each part, a part's
+    shorter tail by its own size, from the formula X_k = s_k sum_n x_n cos(pi (n + 1/2) k / N)."""
+    out = []
+    for part in x.double().split(PARTS):
+        for start in range(0, part.numel(), CHUNK):
+            piece = part[start:start + CHUNK]
+            n = piece.numel()
+            position = torch.arange(n, dtype=torch.float64)
+            grid = torch.cos(math.pi / n * (position[None, :] + 0.5) * position[:, None])
+            grid[0] *= math.sqrt(1 / n)
+            grid[1:] *= math.sqrt(2 / n)
+            out.append(grid.T @ piece if inverse else grid @ piece)
+    return torch.cat(out).float()
 
 
-def correction(warmup_path: str = "dense") -> gx.AdamCorrection:
-    return gx.AdamCorrection(betas=BETAS, freeze_step=FREEZE, clip_norm=CLIP, warmup_path=warmup_path)
+def new_state(group, collective: str) -> gx.SparseGradState:
+    return gx.SparseGradState(group, density=DENSITY, compressor=gx.make_compressor("chunktopk", DENSITY, chunk=SELECT),
+                              collective=collective, start_iter=START_ITER,
+                              path=gx.PathPolicy("sparse", min_compress_numel=1),
+                              stats_logging_frequency=0,
+                              momentum=gx.DecoupledMomentum(beta=BETA, chunk=CHUNK, clip_norm=CLIP))
 
 
 def clipped(step: int, rank: int, group, size: int) -> torch.Tensor:
@@ -47,91 +64,44 @@ def clipped(step: int, rank: int, group, size: int) -> torch.Tensor:
     return g * min(1.0, CLIP / (float((square / size).sqrt()) + 1e-6))
 
 
-def replay(group, rank: int, size: int, collective: str):
-    """One rank's view in plain PyTorch: per step (output, m, v, what entered v so far)."""
-    s, b1 = scales(), BETAS[0]
-    m, v, entered = torch.zeros(NUMEL), torch.zeros(NUMEL), torch.zeros(NUMEL, dtype=torch.float64)
-    steps = []
-    for step in range(STEPS):
-        g = clipped(step, rank, group, size)
-        m = b1 * m + (1 - b1) * g
-        if step < FREEZE:
-            output = g / size
-            dist.all_reduce(output, group=group)
-        else:
-            increment = m / (1 - b1 ** (step + 1)) / s
-            entered += increment.double()
-            v = v + increment
-            output, indices, applied = exchange_topk(v, K, group, size, collective)
-            m[indices[applied]] = 0
-        steps.append((output, m.clone(), v.clone(), entered.clone()))
-    return steps
-
-
-def new_state(group, collective: str = "gtopk", warmup_path: str = "dense") -> gx.SparseGradState:
-    return gx.SparseGradState(group, density=DENSITY, compressor="topk", collective=collective, start_iter=START_ITER,
-                              path=gx.PathPolicy("sparse", min_compress_numel=1), stats_logging_frequency=0,
-                              momentum=correction(warmup_path))
-
-
 def check_reduction(group, rank: int, size: int) -> list[str]:
     failures = []
-    params = [torch.zeros(shape) for shape in SHAPES]
-    for collective in ("gtopk", "allgather"):
+    params = [torch.zeros(n) for n in PARTS]
+    k = math.ceil(DENSITY * NUMEL)
+    per_chunk = k // -(-NUMEL // SELECT)
+    for collective in ("allgather", "gtopk"):
         where = f"P={size} {collective}"
         state = new_state(group, collective)
-        state.adam.publish({id(p): piece.reshape(p.shape) for p, piece in zip(params, scales().split([200, 100]))})
-        applied = torch.zeros(NUMEL, dtype=torch.float64)
-        for step, (output, m, v, entered) in enumerate(replay(group, rank, size, collective)):
-            got = reduce_buffer(state, gradient(step, rank), 0, parameters=params).wait()
-            off = differs(state, got, output, m, v, "m", 1e-6)
-            if off:
-                failures.append(f"{where}, step {step}: {off}")
-                break
-            if step < FREEZE:
-                continue
-            # Conserved at every step: what entered the ranks' v = what was applied + what their v keep.
-            applied += size * got.double()
-            lost = imbalance(entered, applied, state, group)
-            if not lost <= 1e-4:  # a NaN fails too
-                failures.append(f"{where}, step {step}: entered != applied + kept by {lost:.3g}")
-                break
-    # The 8-bit warm-up: per step, the ranks' g + residual = P x average + their new residuals; at the freeze the
-    # residual (the roundings still owed) enters m.
-    state = new_state(group, warmup_path="dense8")
-    state.adam.publish({id(p): piece.reshape(p.shape) for p, piece in zip(params, scales().split([200, 100]))})
-    m = torch.zeros(NUMEL)
-    for step in range(FREEZE + 1):
-        g = clipped(step, rank, group, size)
-        before = state.store.residuals.get(0, torch.zeros(NUMEL)).clone()
-        got = reduce_buffer(state, gradient(step, rank), 0, parameters=params).wait()
-        m = BETAS[0] * m + (1 - BETAS[0]) * (g + (before if step == FREEZE else 0))
-        after = state.store.residuals.get(0, torch.zeros(NUMEL))
-        path = state.stats()["buckets"][0]["path"]
-        if step < FREEZE:
-            want = "dense" if step < START_ITER else "dense8"
-            total = torch.stack([(g + before).double(), after.double()])
+        m = torch.zeros(NUMEL)
+        for step in range(STEPS):
+            c = dct(clipped(step, rank, group, size))
+            before = state.store.residuals.get(0, torch.zeros(NUMEL)).clone()
+            got = reduce_buffer(state, gradient(step, rank), 0, parameters=params).wait().clone()
+            after = state.store.residuals.get(0, torch.zeros(NUMEL))
+            # Conserved: the ranks' beta m + c = P x the average (in coefficients) + their new m.
+            total = torch.stack([(BETA * before + c).double(), after.double()])
             dist.all_reduce(total, group=group)
-            lost = float((total[0] - size * got.double() - total[1]).abs().max())
-            if path != want or not lost <= 1e-5:
-                failures.append(f"P={size} dense8 warm-up, step {step}: path {path} (expected {want}), "
-                                f"imbalance {lost:.3g}")
-        else:  # the freeze's step is sparse: m is cleared where a slot was applied (at most K of them)
-            velocity = state.store.tensors["velocity"][0]
-            kept = velocity != 0
-            if int((~kept).sum()) > K or not torch.allclose(velocity[kept], m[kept], atol=1e-6):
-                failures.append(f"P={size} at the freeze: the warm-up's residual did not enter m")
-        if step == START_ITER and not float(after.abs().max()) > 0:
-            failures.append(f"P={size} dense8: no rounding kept in the residual (the test cannot see a loss)")
-    # Past the freeze without an optimizer's scales: the same error on every rank, naming the fix.
-    state = new_state(group)
-    try:
-        for step in range(FREEZE + 1):
-            reduce_buffer(state, gradient(step, rank), 0, parameters=params).wait()
-        failures.append(f"P={size}: no error past the freeze without scales")
-    except (ValueError, RuntimeError) as error:
-        if "SparseAdamW" not in str(error):
-            failures.append(f"P={size}: the error does not name SparseAdamW: {error}")
+            lost = float((total[0] - size * dct(got).double() - total[1]).abs().max())
+            if not lost <= 1e-4:
+                failures.append(f"{where}, step {step}: beta m + c != P x average + new m by {lost:.3g}")
+                break
+            if collective != "allgather":
+                continue
+            # The replay: the top per_chunk of each SELECT-chunk of |m| sent and taken out of m.
+            m = BETA * m + c
+            sent = m.clone() if step < START_ITER else torch.zeros(NUMEL)
+            for start in range(0, NUMEL if step >= START_ITER else 0, SELECT):
+                chunk = m[start:start + SELECT]
+                top = chunk.abs().topk(min(per_chunk, chunk.numel())).indices + start
+                sent[top] = m[top]
+            m = m - sent
+            average = sent.clone()
+            dist.all_reduce(average, group=group)
+            want = dct(average / size, inverse=True)
+            if not (torch.allclose(got, want, rtol=1e-5, atol=1e-6) and torch.allclose(after, m, atol=1e-5)):
+                failures.append(f"{where}, step {step}: output off by {float((got - want).abs().max()):.3g}, m by "
+                                f"{float((after - m).abs().max()):.3g}")
+                break
     return failures
 
 
@@ -144,13 +114,43 @@ def reduction_worker(rank: int, world_size: int) -> list[str]:
     return failures + fsdp_checks(rank, world_size)
 
 
-def test_adamw_reduction_matches_the_algorithm_and_conserves_and_fsdp2_trains():
-    """The reduction on P = 2, 3, 4, then the FSDP2 hook on 4 ranks (one spawn: starting processes costs)."""
+def fsdp_checks(rank: int, world_size: int) -> list[str]:
+    """2 nodes x 2 ranks (FSDP2 inside a node, the decoupled momentum between nodes), and one node of 4."""
+    from tests.test_fsdp import SPARSE, batch, full_parameters, make_model, shard
+
+    failures = []
+    for node_size in (2, 4):
+        where = f"FSDP2, node size {node_size}"
+        state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1, compressor="chunktopk",
+                                   collective="allgather", path=SPARSE, momentum=gx.DecoupledMomentum(chunk=CHUNK))
+        model = shard(make_model(), state.shard_mesh)
+        gx.register_sparse_all_reduce(model, state)
+        optimizer = gx.SparseAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, state=state)
+        losses = []
+        for step in range(10):
+            loss = model(batch(step % 2, rank)).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+            full = full_parameters(model)
+            replicas = [torch.empty_like(full) for _ in range(world_size)]
+            dist.all_gather(replicas, full)
+            if not all(torch.equal(replicas[0], r) for r in replicas):
+                failures.append(f"{where}, step {step}: the full parameters differ between ranks")
+                break
+        paths = {group.slot.stats.path for group in state.groups if group.layout.numel}
+        expected = {"sparse"} if node_size == 2 else {"none"}
+        if paths != expected or not losses[-1] < 0.7 * losses[1]:
+            failures.append(f"{where}: paths {paths} (expected {expected}), loss {losses[1]:.4f} -> {losses[-1]:.4f}")
+    return failures
+
+
+def test_the_reduction_matches_the_algorithm_and_conserves_and_fsdp2_trains():
     results = run_distributed(reduction_worker, 4, timeout=400)
     assert results == [[]] * 4, "\n".join(f for r in results for f in r)
 
 
-# 2. Real DDP.
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
@@ -168,20 +168,14 @@ def batch(step: int, rank: int):
     return tokens[:, 0], tokens[:, 1]
 
 
-def train(steps: int, *, freeze: int = FREEZE, clip_norm=1.0, warmup_path="dense8", plain=False, restore=None,
-          save_at=None, clip_after=None):
-    """Parameters after each step (and the state saved at ``save_at``) of the AdamW recipe, or (``plain``) DDP with
-    torch.optim.AdamW; ``restore``: a saved state to start from."""
+def train(steps: int, restore=None, save_at=None, clip_after=None):
+    """Parameters, loss and gradients of each step of the recipe (and the state saved at ``save_at``);
+    ``restore``: a saved state to start from; ``clip_after``: clip_grad_norm_ after the hook."""
     model = Model()
     ddp = nn.parallel.DistributedDataParallel(model)
-    if plain:
-        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2, betas=BETAS, weight_decay=0.1)
-    else:
-        state = gx.SparseGradState(density=0.05, momentum=gx.AdamCorrection(
-            freeze_step=freeze, clip_norm=clip_norm, warmup_path=warmup_path), path="sparse",
-            stats_logging_frequency=0)
-        ddp.register_comm_hook(state, gx.sparse_grad_hook)
-        optimizer = gx.SparseAdamW(ddp.parameters(), lr=1e-2, betas=BETAS, weight_decay=0.1, state=state)
+    state = gx.SparseGradState.recipe(density=0.05, optimizer="adamw", stats_logging_frequency=0)
+    ddp.register_comm_hook(state, gx.sparse_grad_hook)
+    optimizer = gx.SparseAdamW(ddp.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, state=state)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
     start, saved, history = 0, None, []
     if restore is not None:
@@ -192,48 +186,38 @@ def train(steps: int, *, freeze: int = FREEZE, clip_norm=1.0, warmup_path="dense
         start = restore["step"]
     for step in range(start, steps):
         optimizer.zero_grad()
-        tokens, targets = batch(step, dist.get_rank())
-        nn.functional.cross_entropy(ddp(tokens), targets).backward()
+        tokens, targets = batch(step % 4, dist.get_rank())
+        loss = nn.functional.cross_entropy(ddp(tokens), targets)
+        loss.backward()
         if clip_after is not None:
             nn.utils.clip_grad_norm_(ddp.parameters(), clip_after)
         optimizer.step()
         schedule.step()
-        history.append([p.detach().clone() for p in model.parameters()])
-        if save_at == step + 1:
+        history.append(([p.detach().clone() for p in model.parameters()], float(loss.detach()),
+                        [p.grad.clone() for p in model.parameters()]))  # the gradients as the step used them
+        if save_at == step + 1:  # the optimizer's state_dict holds its live tensors
             saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "step": step + 1,
-                     "hook": state.state_dict(), "optimizer": optimizer.state_dict(),
+                     "hook": state.state_dict(), "optimizer": copy.deepcopy(optimizer.state_dict()),
                      "schedule": schedule.state_dict()}
     return history, saved
 
 
-def same(a: list, b: list) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
-
-
 def ddp_worker(rank: int, world_size: int) -> list[str]:
     failures = []
-    # The warm-up is AdamW's: with the float32 warm-up and no clipping, the first FREEZE steps are DDP + AdamW's.
-    ours, _ = train(FREEZE, clip_norm=None, warmup_path="dense")
-    theirs, _ = train(FREEZE, plain=True)
-    for step, (a, b) in enumerate(zip(ours, theirs)):
-        if not all(torch.allclose(x, y, rtol=1e-6, atol=1e-7) for x, y in zip(a, b)):
-            failures.append(f"warm-up step {step}: not AdamW's")
-            break
-    # Replicas bitwise equal after every step; training moves the loss down.
-    history, saved = train(12, save_at=7)
-    for step, params in enumerate(history):
+    history, saved = train(24, save_at=7)
+    for step, (params, *_) in enumerate(history):
         flat = torch.cat([p.reshape(-1) for p in params])
         other = flat.clone()
         dist.broadcast(other, 0)
         if not torch.equal(flat, other):
             failures.append(f"step {step}: replicas differ by {float((flat - other).abs().max()):.3g}")
             break
-    if not any(not torch.equal(a, b) for a, b in zip(history[FREEZE], history[-1])):
-        failures.append("nothing moved after the freeze")
-    # A resume after the freeze: bitwise the uninterrupted run.
-    resumed, _ = train(12, restore=saved)
-    for step, (a, b) in enumerate(zip(resumed, history[7:])):
-        if not same(a, b):
+    first, last = sum(loss for _, loss, _ in history[:4]), sum(loss for _, loss, _ in history[-4:])
+    if not last < 0.85 * first:
+        failures.append(f"the loss did not fall: {first / 4:.4f} -> {last / 4:.4f}")
+    resumed, _ = train(24, restore=saved)
+    for step, ((a, *_), (b, *_)) in enumerate(zip(resumed, history[7:])):
+        if not all(torch.equal(x, y) for x, y in zip(a, b)):
             failures.append(f"resumed step {7 + step}: differs from the uninterrupted run")
             break
     # clip_grad_norm_ after the hook: undone, with a warning.
@@ -242,13 +226,15 @@ def ddp_worker(rank: int, world_size: int) -> list[str]:
         clipped_run, _ = train(8, clip_after=1e-3)
     if not any("rescaled after the hook" in str(w.message) for w in caught):
         failures.append("clip_grad_norm_ after the hook: no warning")
-    if not all(torch.allclose(x, y, rtol=1e-4, atol=1e-6) for x, y in zip(clipped_run[-1], history[7])):
+    # Compared on the gradients the first two steps used: Adam's normalisation would hide a rescaling in the
+    # parameters, and it makes the DCT's rounding in elements without gradient (unused embedding rows) differ later.
+    if not all(torch.allclose(x, y, rtol=1e-4, atol=1e-8)
+               for ours, theirs in zip(clipped_run[:2], history[:2]) for x, y in zip(ours[2], theirs[2])):
         failures.append("clip_grad_norm_ after the hook: not undone")
     # bfloat16 parameters: the step sees the hook's output as it was (no false alarm from a 16-bit norm).
     model = Model().to(torch.bfloat16)
     ddp = nn.parallel.DistributedDataParallel(model)
-    state = gx.SparseGradState.recipe(density=0.05, optimizer="adamw", warmup_steps=3, path="sparse",
-                                      stats_logging_frequency=0)
+    state = gx.SparseGradState.recipe(density=0.05, optimizer="adamw", stats_logging_frequency=0)
     ddp.register_comm_hook(state, gx.sparse_grad_hook)
     optimizer = gx.SparseAdamW(model.parameters(), lr=1e-2, state=state)
     with warnings.catch_warnings(record=True) as caught:
@@ -275,41 +261,43 @@ def ddp_worker(rank: int, world_size: int) -> list[str]:
         except ValueError as error:
             if message not in str(error):
                 failures.append(f"the refusal does not name {message}: {error}")
-    return failures + same_as_ddp_checks(rank, world_size)
+    return failures
 
 
-def test_sparse_adamw_under_ddp_and_fsdp2_nodes_of_one_rank():
+def test_the_recipe_under_ddp():
     results = run_distributed(ddp_worker, 2, timeout=400)
     assert results == [[]] * 2, "\n".join(f for r in results for f in r)
 
 
 @pytest.mark.parametrize("make, pattern", [
-    (lambda: gx.AdamCorrection(betas=(1.0, 0.9)), r"betas\[0\]"),
-    (lambda: gx.AdamCorrection(betas=(0.0, 0.9)), "the first > 0"),
-    (lambda: gx.AdamCorrection(freeze_step=0), "freeze_step"),
-    (lambda: gx.AdamCorrection(warmup_path="sparse"), "warmup_path"),
-    (lambda: gx.AdamCorrection(variance_floor=2.0), "variance_floor"),
-    (lambda: gx.AdamCorrection(clip_norm=0.0), "clip_norm"),
-    (lambda: gx.SparseGradState.recipe(optimizer="adam"), "optimizer must be one of"),
-    (lambda: gx.SparseGradState(momentum=gx.AdamCorrection(), error_feedback=False), "error_feedback"),
+    (lambda: gx.DecoupledMomentum(beta=1.0), "beta"),
+    (lambda: gx.DecoupledMomentum(chunk=0), "chunk"),
+    (lambda: gx.DecoupledMomentum(clip_norm=-1.0), "clip_norm"),
+    (lambda: gx.SparseGradState(momentum=gx.DecoupledMomentum()), "path='sparse'"),
+    (lambda: gx.SparseGradState(momentum=gx.DecoupledMomentum(), path="sparse", error_feedback=False),
+     "error_feedback"),
     (lambda: gx.SparseGradState.recipe(optimizer="adamw", scaler=torch.amp.GradScaler("cpu")), "scaler"),
+    (lambda: gx.SparseGradState.recipe(optimizer="adamw", warmup_steps=24), "no warm-up"),
+    (lambda: gx.SparseGradState.recipe(optimizer="adam"), "optimizer must be one of"),
+    (lambda: gx.SparseGradState.recipe(density=1e-4, optimizer="adamw"), "density x chunk"),
     (lambda: gx.SparseAdamW([nn.Parameter(torch.zeros(2))], state=gx.SparseGradState()), "state must be"),
-    (lambda: gx.SparseAdamW([{"params": [nn.Parameter(torch.zeros(2))]},
-                             {"params": [nn.Parameter(torch.zeros(2))], "betas": (0.8, 0.9)}],
-                            state=gx.SparseGradState.recipe(optimizer="adamw")), "the same in every parameter group"),
+    (lambda: gx.SparseAdamW([nn.Parameter(torch.zeros(2))], betas=0.9,
+                            state=gx.SparseGradState.recipe(optimizer="adamw")), "betas must be"),
 ])
 def test_bad_adamw_arguments(make, pattern):
     with pytest.raises(ValueError, match=pattern):
         make()
 
 
-def test_sparse_adamw_gives_its_betas_to_the_hook():
-    state = gx.SparseGradState.recipe(optimizer="adamw")
-    gx.SparseAdamW([nn.Parameter(torch.zeros(2))], betas=(0.8, 0.9), eps=1e-6, state=state)
-    assert (state.config.momentum.betas, state.config.momentum.eps) == ((0.8, 0.9), 1e-6)
-    state.iter = 3
-    with pytest.raises(ValueError, match="has run 3 iterations"):
-        gx.SparseAdamW([nn.Parameter(torch.zeros(2))], betas=(0.5, 0.9), state=state)
+def test_the_dct_is_orthonormal_and_its_own_inverse():
+    """gtopk_ext.dct against the formula above, and back."""
+    x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
+    y = x.clone()
+    gx.dct.forward_(y, CHUNK, PARTS)
+    assert torch.allclose(y, dct(x), atol=1e-5)
+    assert torch.allclose(y.norm(), x.norm(), rtol=1e-5)
+    gx.dct.inverse_(y, CHUNK, PARTS)
+    assert torch.allclose(y, x, atol=1e-5)
 
 
 def run_transformer_example(tmp_path, method: str, *args: str) -> tuple[str, float]:
@@ -326,89 +314,8 @@ def run_transformer_example(tmp_path, method: str, *args: str) -> tuple[str, flo
 
 
 def test_the_transformer_example_runs_the_recipe(tmp_path):
-    """The recipe's paths, and a validation loss below the untrained model's (ln 256 = 5.55)."""
-    log, loss = run_transformer_example(tmp_path, "adamw-recipe", "--steps", "30", "--freeze", "8")
+    """The recipe's paths (two dense steps, then sparse), and a validation loss below the untrained model's
+    (ln 256 = 5.55)."""
+    log, loss = run_transformer_example(tmp_path, "adamw-recipe", "--steps", "30")
     assert loss < 4.5, log[-3000:]
-    assert "paths taken (bucket steps): sparse 22, dense8 6, dense 2" in log, log[-3000:]
-
-
-def fsdp_checks(rank: int, world_size: int) -> list[str]:
-    """2 nodes x 2 ranks (FSDP2 inside a node, the AdamW recipe between nodes), and one node of 4."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from tests.test_fsdp import SPARSE, batch as fsdp_batch, full_parameters, make_model, shard
-
-    failures = []
-    for node_size in (2, 4):
-        where = f"FSDP2, node size {node_size}"
-        state = gx.SparseFSDPState.recipe(gx.fsdp.node_mesh(node_size), density=0.1, optimizer="adamw",
-                                          warmup_steps=3, path=SPARSE)
-        model = shard(make_model(), state.shard_mesh)
-        gx.register_sparse_all_reduce(model, state)
-        optimizer = gx.SparseAdamW(model.parameters(), lr=1e-2, betas=BETAS, weight_decay=0.1, state=state)
-        losses = []
-        for step in range(10):
-            loss = model(fsdp_batch(step % 2, rank)).square().mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(float(loss.detach()))
-            full = full_parameters(model)
-            replicas = [torch.empty_like(full) for _ in range(world_size)]
-            dist.all_gather(replicas, full)
-            if not all(torch.equal(replicas[0], r) for r in replicas):
-                failures.append(f"{where}, step {step}: the full parameters differ between ranks")
-                break
-        paths = {group.slot.stats.path for group in state.groups if group.layout.numel}
-        expected = {"sparse"} if node_size == 2 else {"none"}
-        if paths != expected or not losses[-1] < 0.7 * losses[1]:
-            failures.append(f"{where}: paths {paths} (expected {expected}), loss {losses[1]:.4f} -> {losses[-1]:.4f}")
-    # 16-bit reduction is refused on every rank.
-    state = gx.SparseFSDPState.recipe(gx.fsdp.node_mesh(2), optimizer="adamw", path=SPARSE)
-    model = shard(make_model(), state.shard_mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
-    try:
-        gx.register_sparse_all_reduce(model, state)
-        failures.append("FSDP2: a bfloat16 reduction was not refused")
-    except ValueError as error:
-        if "float32" not in str(error):
-            failures.append(f"FSDP2: the refusal does not name float32: {error}")
-    return failures
-
-
-def same_as_ddp_checks(rank: int, world_size: int) -> list[str]:
-    """Nodes of one rank, the model one FSDP group: the FSDP2 hook reduces the same elements as DDP's one bucket
-    (in another order), so with top-k selection both runs give the same parameters, to float rounding."""
-    from torch.distributed.fsdp import fully_shard
-
-    from tests.test_fsdp import SPARSE, batch as fsdp_batch, make_model
-
-    def correction():
-        return gx.AdamCorrection(betas=BETAS, freeze_step=3, warmup_path="dense", clip_norm=0.05)  # active
-
-    runs = []
-    for front in ("ddp", "fsdp"):
-        model = make_model()
-        if front == "ddp":
-            state = gx.SparseGradState(density=0.1, compressor="topk", path=SPARSE, momentum=correction(),
-                                       stats_logging_frequency=0)
-            trained = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=100)
-            trained.register_comm_hook(state, gx.sparse_grad_hook)
-        else:
-            state = gx.SparseFSDPState(gx.fsdp.node_mesh(1), density=0.1, compressor="topk", start_iter=2,
-                                       path=SPARSE, momentum=correction())
-            trained = fully_shard(model, mesh=state.shard_mesh)
-            gx.register_sparse_all_reduce(trained, state)
-        optimizer = gx.SparseAdamW(trained.parameters(), lr=1e-2, betas=BETAS, weight_decay=0.1, state=state)
-        for step in range(8):
-            trained(fsdp_batch(step, rank)).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        runs.append(torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1)
-                               for p in model.parameters()]))
-    ddp, fsdp = runs
-    moved = float((ddp - torch.cat([p.reshape(-1) for p in make_model().parameters()])).abs().max())
-    if not (moved > 1e-3 and torch.allclose(ddp, fsdp, rtol=1e-4, atol=1e-6)):
-        failures = [f"FSDP2 vs DDP: moved {moved:.3g}, differ by {float((ddp - fsdp).abs().max()):.3g}"]
-    else:
-        failures = []
-    return failures
+    assert "paths taken (bucket steps): sparse 28, dense 2" in log, log[-3000:]

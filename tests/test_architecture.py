@@ -15,7 +15,7 @@ PACKAGE = ROOT / "gtopk_ext"
 LAYERS = [
     {"gtopk_ext._contract", "gtopk_ext._validate", "gtopk_ext._worker", "gtopk_ext.costs", "gtopk_ext.reference",
      "gtopk_ext._C"},
-    {"gtopk_ext.backends", "gtopk_ext.ops", "gtopk_ext.torch_kernels", "gtopk_ext.triton_kernels"},
+    {"gtopk_ext.backends", "gtopk_ext.ops", "gtopk_ext.torch_kernels", "gtopk_ext.triton_kernels", "gtopk_ext.dct"},
     {"gtopk_ext.message", "gtopk_ext.wire"},
     {"gtopk_ext.compressors"},
     {"gtopk_ext.collectives"},

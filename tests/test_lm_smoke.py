@@ -122,8 +122,7 @@ def test_adamw_runs_every_peer_and_the_seeds_table_reads_the_curves(tmp_path):
     """The default optimizer, AdamW with a schedule and clipping, under DDP's hooks, PowerSGD, the sparse hook, the
     AdamW recipe (sparse from step 3), the floor and DiLoCo; two seeds merged with a target: each seed's steps and
     bytes to it, their means, the loss at the schedule's end."""
-    flags = [*TINY, "--steps", "6", "--lr-warmup", "2", "--lr-decay-steps", "4", "--clip-norm", "0.5",
-             "--adam-warmup", "2"]
+    flags = [*TINY, "--steps", "6", "--lr-warmup", "2", "--lr-decay-steps", "4", "--clip-norm", "0.5"]
     methods = ["ddp", "bf16", "powersgd-2", "gtopk-0.01", "adamw-0.01", "floor", "diloco-2"]
     out = run_lm(*flags, "--methods", *methods, "--json", str(tmp_path / "seed0.json"))
     assert "AdamW lr 0.002 betas 0.9/0.95, weight decay 0.1 on the matrices, 2 warm-up steps then cosine to 0.1x at " \

@@ -32,12 +32,14 @@ def test_dense_steps_overlap_the_backward_and_local_ones_amortise_their_sync():
     assert by_name("ddp").step_seconds(fast) == 0.3
 
 
-def test_sparse_bytes_are_gtopks_rounds_and_the_selection_is_per_gpu():
+def test_the_adamw_recipe_sends_every_nodes_pairs_on_the_compact_wire_and_the_selection_is_per_gpu():
     c = Cluster(params=1e8, compute_s=0.1, link_bps=1e9, nodes=8, gpus_per_node=8, latency_s=0.0, overlap=0.0,
                 select_s=2e-11)
     k = 0.01 * 1e8
-    # log2(8) = 3 rounds, each message k (index, value) pairs of 8 bytes and a 4-byte header
-    exchange = 8 * FRAMES * 3 * (8 * k + 4) / 1e9
+    # to each of the 7 other nodes: a 1-word head, the shift, the page table (one int32 per 65,536 elements, and
+    # one), then 2 bytes of value and 2 of index a pair
+    payload = 4 * (1 + 1 + math.ceil(1e8 / 65536) + 1) + 4 * k
+    exchange = 8 * FRAMES * 7 * payload / 1e9
     step = by_name("adamw-0.01").step_seconds(c)
     assert step == pytest.approx(0.1 + exchange + 2e-11 * 1e8 / 8, rel=1e-3)
 
@@ -54,7 +56,7 @@ def test_sparseloco_sends_every_nodes_pairs_on_the_2bit_wire_every_8_steps():
     assert step == pytest.approx(0.1 + exchange / 8 + 2e-11 * 1e8 / 8 / 8, rel=1e-3)
 
 
-def test_time_to_target_counts_the_recipes_dense_warmup_and_the_measured_steps():
+def test_time_to_target_counts_the_recipes_dense_steps_and_the_measured_steps():
     c = Cluster(params=1e9, compute_s=0.3, link_bps=10e9, nodes=4, overlap=0.0, latency_s=0.0)
     ddp = by_name("ddp")
     assert ddp.seconds_to(c, 1000) == pytest.approx(1000 * ddp.step_seconds(c))
@@ -62,10 +64,10 @@ def test_time_to_target_counts_the_recipes_dense_warmup_and_the_measured_steps()
     if recipe.steps_vs_ddp is None:
         pytest.fail("the AdamW recipe's steps to the target are measured (docs/race.md)")
     steps = recipe.steps_vs_ddp * 1000
-    # 2 float32 steps, 22 8-bit ones, then the sparse steps
-    dense32, dense8 = 0.3 + 8 * FRAMES * 6e9 / 10e9, 0.3 + 8 * FRAMES * 1.5e9 / 10e9
-    sparse = (steps - 24) * recipe.step_seconds(c)
-    assert recipe.seconds_to(c, 1000) == pytest.approx(2 * dense32 + 22 * dense8 + sparse)
+    # 2 float32 steps, then the sparse steps
+    dense32 = 0.3 + 8 * FRAMES * 6e9 / 10e9
+    sparse = (steps - 2) * recipe.step_seconds(c)
+    assert recipe.seconds_to(c, 1000) == pytest.approx(2 * dense32 + sparse)
     rows = {row["method"]: row for row in plan(c, 1000)}
     assert rows["ddp"]["peer"] and not rows["adamw-0.01"]["peer"]
 

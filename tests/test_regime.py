@@ -95,7 +95,7 @@ def test_tiny_race_at_a_regime(tmp_path):
     """A full run on loopback, then each method timed at R = 20 with the floor given: the links' rate is the
     formula's, each method ran its probe's steps, and DDP's step took at least its exchange's time at that rate."""
     tiny = ["--world-size", "2", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch-size", "4",
-            "--val-windows", "8", "--no-progress", "--adam-warmup", "2", "--steps", "8", "--eval-every", "2"]
+            "--val-windows", "8", "--no-progress", "--steps", "8", "--eval-every", "2"]
     methods = ["ddp", "adamw-0.01", "sparse-gtopk-0.1-4"]
 
     def run(*flags: str) -> str:

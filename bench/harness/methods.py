@@ -87,21 +87,11 @@ def hook_recipe(label: str, state: Callable, momentum_in_hook: bool = False) -> 
 
 
 def adamw_recipe(density: float) -> Recipe:
-    """``gx.SparseGradState.recipe(optimizer="adamw")`` with ``--adam-warmup`` dense8 steps before the freeze and
-    ``--clip-norm`` in the hook, forced sparse after the freeze (repeatable)."""
+    """``gx.SparseGradState.recipe(optimizer="adamw")`` (AdamW's momentum decoupled in the hook, sparse from the
+    third step) with ``--clip-norm`` in the hook."""
     return Recipe(f"gtopk_ext AdamW recipe, d={density:g}", lambda ddp, world_size, args: attached(
-        ddp, gx.SparseGradState.recipe(density=density, optimizer="adamw", warmup_steps=args.adam_warmup,
-                                       clip_norm=args.clip_norm or None, path="sparse", stats_logging_frequency=0)),
-        adamw_in_hook=True)
-
-
-def decoupled_recipe(density: float) -> Recipe:
-    """AdamW's momentum decoupled in the hook (gx.DecoupledMomentum, DeMo's form): top-k per 4,096 DCT coefficients,
-    allgather on the compact wire, ``--clip-norm`` in the hook, sparse from the first step."""
-    return Recipe(f"gtopk_ext AdamW, decoupled momentum, d={density:g}", lambda ddp, world_size, args: attached(
-        ddp, gx.SparseGradState(None, density=density, compressor="chunktopk", collective="allgather",
-                                wire="compact", path="sparse", stats_logging_frequency=0,
-                                momentum=gx.DecoupledMomentum(clip_norm=args.clip_norm or None))),
+        ddp, gx.SparseGradState.recipe(density=density, optimizer="adamw", clip_norm=args.clip_norm or None,
+                                       stats_logging_frequency=0)),
         adamw_in_hook=True)
 
 
@@ -171,8 +161,6 @@ def add_dgc_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auto-choices", nargs="+", default=None, choices=gx.paths.PATHS,
                         help="the paths the recipe methods' auto may take (gx.PathPolicy(choices=); default: "
                              "the hook's, all but dense8)")
-    parser.add_argument("--adam-warmup", type=int, default=24,
-                        help="the adamw- methods' dense8 steps under AdamW before the variance freezes")
 
 
 @dataclass(frozen=True)
@@ -260,7 +248,6 @@ METHODS = {
         lambda args: recipe_state(d, warmup, args.momentum, args.auto_choices), True),
     "dgc-pt-<d>": lambda d: dgc_recipe(d, per_tensor=True),
     "adamw-<d>": lambda d: adamw_recipe(d),  # the AdamW recipe (--optimizer adamw)
-    "decoupled-<d>": lambda d: decoupled_recipe(d),  # AdamW's momentum decoupled (--optimizer adamw)
     "<collective>-<d>": lambda collective, d: hook_recipe(f"Gaussian-k + {collective}, d={d:g}",
                                                           lambda args: hook_state(d, collective=collective)),
     "hook-<collective>-<d>": lambda collective, d: METHODS["<collective>-<d>"](collective, d),

@@ -16,7 +16,7 @@ from gtopk_ext._worker import Disagreement, Worker, complete, fail, future_on
 from gtopk_ext.collectives import DTYPE_CODES, group_rank_and_size
 from gtopk_ext.ddp.state import SparseGradState
 from gtopk_ext.ddp.store import BucketMemory, Layout
-from gtopk_ext.momentum import ADAMW_CORRECTIONS, AdamCorrection
+from gtopk_ext.momentum import DecoupledMomentum
 from gtopk_ext.reduction import Slot, reduce_step
 
 logger = logging.getLogger("gtopk_ext.ddp")
@@ -120,10 +120,10 @@ def _reduce_bucket(state: SparseGradState, buffer: torch.Tensor, index: int, is_
                         total["numel"], total["bytes_sent"], total["bytes_received"], 1e3 * total["select_seconds"],
                         1e3 * total["exchange_seconds"])
     # 5. Complete the bucket's future when its exchange is done; a failure (of a dense allreduce) goes through the
-    # worker, which prefers the cause another rank published. Under AdamCorrection the output's norm is kept, for
+    # worker, which prefers the cause another rank published. Under DecoupledMomentum the output's norm is kept, for
     # SparseAdamW to tell a later rescaling of the gradients.
     worker, iteration = state.worker, state.iter - is_last
-    ids = (frozenset(id(p) for p in parameters) if isinstance(state.config.momentum, ADAMW_CORRECTIONS)
+    ids = (frozenset(id(p) for p in parameters) if isinstance(state.config.momentum, DecoupledMomentum)
            and parameters is not None else None)
 
     def forward(future):
@@ -148,12 +148,10 @@ def _reduce(state: SparseGradState, tensor: torch.Tensor, index: int, layout: La
     if slot is None:
         slot = state.buckets[index] = Slot(config.reducer)
     decays = config.momentum is not None and config.momentum.weight_decay and parameters is not None
-    frozen = isinstance(config.momentum, AdamCorrection) and config.momentum.frozen(state.iter)
     return reduce_step(tensor, slot, BucketMemory(state.store, index, tensor, layout), config, index=index,
                        iteration=state.iter, group=state.worker.group, what="sparse_grad_hook",
                        parts=None if layout is None else [numel for _, numel in layout],
                        weights=[p.detach().reshape(-1) for p in parameters] if decays else None,
-                       scales=state.adam.scales_of(index, parameters) if frozen else None,
                        scaling=state.loss_scaling if state.loss_scaling.scaler is not None else None,
                        queue=state.worker)
 

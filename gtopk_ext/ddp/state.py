@@ -15,7 +15,7 @@ from gtopk_ext.config import DensitySchedule, SparseConfig, recipe
 from gtopk_ext.costs import format_bytes, latest_line, sent_and_received
 from gtopk_ext.ddp.store import BucketStore
 from gtopk_ext.hierarchical import Hierarchical
-from gtopk_ext.momentum import ADAMW_CORRECTIONS, AdamCorrection, AdamLink, DecoupledMomentum, MomentumCorrection, watch
+from gtopk_ext.momentum import AdamLink, DecoupledMomentum, MomentumCorrection, watch
 from gtopk_ext.paths import PathPolicy
 from gtopk_ext.reduction import Slot, StepStats
 from gtopk_ext.resume import StateDicts, plan_resume, world_fields
@@ -60,8 +60,8 @@ class SparseGradState:
 
     Fields: ``process_group``; ``config``; ``iter`` (iterations done); ``store`` (per bucket the residual,
     ``store.residuals``, and the velocity); ``buckets`` (per bucket index, its reduction ``Slot``); ``totals``;
-    ``loss_scaling``; ``adam`` (with :class:`gtopk_ext.AdamCorrection`: the frozen variance's scales that
-    :class:`gtopk_ext.SparseAdamW` publishes, and the norms of the hook's latest outputs, :class:`AdamLink`);
+    ``loss_scaling``; ``adam`` (with :class:`gtopk_ext.DecoupledMomentum`: the norms of the hook's latest outputs,
+    for :class:`gtopk_ext.SparseAdamW`, :class:`AdamLink`);
     ``worker`` (the thread that reduces the buckets in DDP's order); ``stats_logging_frequency``
     (log :meth:`stats` at INFO every this many iterations; 0: never); ``synchronous`` (finish each bucket inside
     the hook call, for debugging).
@@ -92,8 +92,8 @@ class SparseGradState:
         self.buckets: dict[int, Slot] = {}
         self.totals = RunTotals()
         self.loss_scaling = LossScaling(scaler)
-        if isinstance(config.momentum, ADAMW_CORRECTIONS) and scaler is not None:
-            raise ValueError("scaler: the AdamW recipe (momentum=AdamCorrection) does not follow a GradScaler yet; "
+        if isinstance(config.momentum, DecoupledMomentum) and scaler is not None:
+            raise ValueError("scaler: the AdamW recipe (momentum=DecoupledMomentum) does not follow a GradScaler yet; "
                              "train in bfloat16 autocast (no scaler), or use the SGD recipe")
         self.adam = AdamLink()
         self.worker: Optional[Worker] = None
@@ -116,16 +116,16 @@ class SparseGradState:
             state = gx.SparseGradState.recipe(density=0.01, warmup_steps=44)
             ddp_model.register_comm_hook(state, gx.sparse_grad_hook)
 
-        ``"adamw"`` (docs/usage.md, "With AdamW"): ``warmup_steps`` (default 24: about the end of a learning-rate
-        warm-up) of 8-bit dense averages under AdamW, then ``density`` with Adam's momentum and frozen variance in
-        the hook (:class:`gtopk_ext.AdamCorrection`), clipping at ``clip_norm`` in the hook. Train with
+        ``"adamw"`` (docs/usage.md, "With AdamW"): two dense steps, then AdamW's momentum decoupled in the hook
+        (:class:`gtopk_ext.DecoupledMomentum`: the top ``density`` of each 4,096 DCT coefficients of the momentum,
+        allgather on the compact wire; no ``warmup_steps``), clipping at ``clip_norm`` in the hook. Train with
         :class:`gtopk_ext.SparseAdamW` (AdamW's arguments, plus the state), without ``clip_grad_norm_``::
 
             state = gx.SparseGradState.recipe(density=0.01, optimizer="adamw")
             ddp_model.register_comm_hook(state, gx.sparse_grad_hook)
             optimizer = gx.SparseAdamW(ddp_model.parameters(), lr=3e-4, weight_decay=0.1, state=state)
         """
-        return cls(process_group, **recipe(density, warmup_steps, momentum, optimizer, clip_norm), **options)
+        return cls(process_group, **{**recipe(density, warmup_steps, momentum, optimizer, clip_norm), **options})
 
     def __getstate__(self):
         if self.worker is not None:
@@ -265,17 +265,13 @@ def _paths_line(policy: PathPolicy, paths: dict[str, int], measured: int) -> str
     return line + "'auto' from the policy's calibration (repeatable)"
 
 
-def _momentum(correction: Union[MomentumCorrection, AdamCorrection, DecoupledMomentum, None]) -> str:
+def _momentum(correction: Union[MomentumCorrection, DecoupledMomentum, None]) -> str:
     if correction is None:
         return ""
     if isinstance(correction, DecoupledMomentum):
         clipped = f", clip norm {correction.clip_norm:g}" if correction.clip_norm is not None else ""
         return (f", AdamW's momentum decoupled in the hook (beta {correction.beta:g}, DCT chunks of "
                 f"{correction.chunk}{clipped})")
-    if isinstance(correction, AdamCorrection):
-        clipped = f", clip norm {correction.clip_norm:g}" if correction.clip_norm is not None else ""
-        return (f", AdamW's momentum in the hook (betas {correction.betas[0]:g}/{correction.betas[1]:g}, variance "
-                f"frozen after {correction.freeze_step} {correction.warmup_path} steps{clipped})")
     parts = [f"momentum correction {correction.momentum:g}", "nesterov" if correction.nesterov else "",
              f"weight decay {correction.weight_decay:g}" if correction.weight_decay else "",
              f"clip norm {correction.clip_norm:g}" if correction.clip_norm is not None else ""]

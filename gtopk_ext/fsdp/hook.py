@@ -14,9 +14,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMe
 from gtopk_ext.collectives import DTYPE_CODES, Disagreement, agree
 from gtopk_ext.fsdp.layout import fsdp_modules, parameter_group, shard_layout
 from gtopk_ext.fsdp.state import GroupState, SparseFSDPState
-from gtopk_ext.momentum import ADAMW_CORRECTIONS, AdamCorrection, DecoupledMomentum, clip_together, increment
+from gtopk_ext.momentum import DecoupledMomentum, clip_together, increment
 from gtopk_ext.ops import is_finite
-from gtopk_ext.reduction import Memory, Slot, StepStats, prepare_adam, reduce_step
+from gtopk_ext.reduction import Memory, Slot, StepStats, reduce_step
 
 
 def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: torch.Tensor) -> None:
@@ -40,7 +40,7 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     group.calls += 1
     config = state.config
     correction = config.momentum
-    adam = isinstance(correction, ADAMW_CORRECTIONS)
+    adam = isinstance(correction, DecoupledMomentum)
     if layout.numel == 0 or (state.mesh.size(0) == 1 and correction is None):  # one node: FSDP's average is the answer
         group.slot.stats = StepStats("none", layout.numel, 0)
         if adam and correction.clip_norm is not None:  # the other ranks' clipping counts on this one
@@ -55,22 +55,17 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     if tensors["residual"].device != work.device:  # CPU offload: parameters (where it was made) live on the host
         group.memory.tensors = {kind: tensor.to(work.device) for kind, tensor in tensors.items()}
     weights = group.parameters() if correction is not None and correction.weight_decay else None
-    frozen = isinstance(correction, AdamCorrection) and correction.frozen(iteration)
-    scales = state.adam.scales_of(group.index, group.trained()) if frozen else None
     clip_over = (dist.group.WORLD, state.mesh.size(0))  # a module's gradient: its shards on a node's ranks
     if state.mesh.size(0) == 1:  # 2. One node.
         group.slot.stats = StepStats("none", layout.numel, 0)
-        if isinstance(correction, DecoupledMomentum):  # nothing to select: all of m goes, m = the clipped gradient
+        if adam:  # nothing to select: all of m goes, m = the clipped gradient
             if correction.clip_norm is not None:
                 clip_together(work, correction.clip_norm, *clip_over)
-        elif adam:
-            prepare_adam(work, group.slot, group.memory, correction, scales, None, iteration, "dense",
-                         "sparse_all_reduce_hook", clip_over)
         elif is_finite(work):
             increment(correction, group.memory.get("velocity"), work, weights, None, [1.0], sent_whole=True)
     else:  # 3. Reduce over the nodes.
         reduce_step(work, group.slot, group.memory, config, index=group.index, iteration=iteration,
-                    group=state.mesh.get_group(0), what="sparse_all_reduce_hook", weights=weights, scales=scales,
+                    group=state.mesh.get_group(0), what="sparse_all_reduce_hook", weights=weights,
                     clip_over=clip_over).wait()
         group.run_traffic.add(group.slot.stats.traffic.sent, group.slot.stats.traffic.received)
     if adam:  # for SparseAdamW to tell a later rescaling of the gradients
@@ -99,7 +94,7 @@ def register_sparse_all_reduce(model: nn.Module, state: SparseFSDPState) -> None
                 continue
             _check_mesh(param_group, name, shard_ranks)
             _check_divide_factor(param_group, name)
-            if isinstance(state.config.momentum, ADAMW_CORRECTIONS):
+            if isinstance(state.config.momentum, DecoupledMomentum):
                 _check_float32(param_group, name)
             found.append((name, module, param_group, shard_layout(param_group)))
         if not found:
@@ -127,8 +122,8 @@ def register_sparse_all_reduce(model: nn.Module, state: SparseFSDPState) -> None
     for index, (name, module, param_group, layout) in enumerate(found):
         device = param_group.fsdp_params[0].sharded_param.device
         residual = torch.zeros(layout.numel, dtype=torch.float32, device=device)
-        memory = Memory(residual=residual, **({} if state.config.momentum is None else
-                                              {"velocity": torch.zeros_like(residual)}))
+        velocity = state.config.momentum is not None and not isinstance(state.config.momentum, DecoupledMomentum)
+        memory = Memory(residual=residual, **({"velocity": torch.zeros_like(residual)} if velocity else {}))
         group = GroupState(index, name, layout, memory, Slot(state.config.reducer), fsdp_group=param_group)
         state.groups.append(group)
         module.set_reduce_scatter_unused_params(True, recurse=False)
@@ -156,11 +151,11 @@ def _check_divide_factor(param_group, name: str) -> None:
 
 
 def _check_float32(param_group, name: str) -> None:
-    """The AdamW recipe's hook is not linear (clipping, the frozen variance): FSDP's pre- and post-division of a
+    """The AdamW recipe's hook is not linear (clipping, the selection): FSDP's pre- and post-division of a
     16-bit reduction would not pass through it."""
     policy = param_group.mp_policy
     dtypes = {policy.reduce_dtype or policy.param_dtype or p.sharded_param.dtype for p in param_group.fsdp_params}
     if dtypes != {torch.float32}:
         raise ValueError(f"FSDP module {name!r} reduces its gradients in {sorted(map(str, dtypes))}: "
-                         f"the AdamW recipe (momentum=AdamCorrection) needs float32 parameters and reduction "
+                         f"the AdamW recipe (momentum=DecoupledMomentum) needs float32 parameters and reduction "
                          f"(MixedPrecisionPolicy(reduce_dtype=torch.float32))")

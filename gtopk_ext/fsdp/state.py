@@ -46,7 +46,7 @@ def node_mesh(node_size: Optional[int] = None, device_type: str = "cpu") -> Devi
 @dataclass
 class GroupState:
     """One FSDP parameter group on this rank: ``name`` (its module's path), ``layout``, ``memory`` (float32
-    ``"residual"`` and, with momentum correction, ``"velocity"`` of the real elements), ``calls`` (its iteration),
+    ``"residual"`` and, with SGD's momentum correction, ``"velocity"`` of the real elements), ``calls`` (its iteration),
     the reduction's ``slot``, the run's bytes, and FSDP's parameter group (``fsdp_group``, not saved)."""
 
     index: int
@@ -75,9 +75,9 @@ class SparseFSDPState:
       (the ranks with the same local rank on every node, which hold the same shard positions).
     * ``config``: the :class:`gtopk_ext.SparseConfig` of the other arguments, as for DDP, but: the collective is a
       sparse one; ``start_iter`` (default 0) counts the hook's calls; ``momentum`` corrects each shard (the
-      optimizer then runs WITHOUT momentum or weight decay; no ``clip_norm``), or :class:`gtopk_ext.AdamCorrection`
-      (with :class:`gtopk_ext.SparseAdamW`, float32 gradients; it clips each module's gradient over the world);
-      no per-tensor selection.
+      optimizer then runs WITHOUT momentum or weight decay; no ``clip_norm``), or :class:`gtopk_ext.DecoupledMomentum`
+      (with :class:`gtopk_ext.SparseAdamW`, float32 gradients; it clips each module's gradient over the world; on
+      one node nothing is selected and the optimizer gets the clipped gradient); no per-tensor selection.
     * ``groups``: a :class:`GroupState` per FSDP parameter group, filled by
       :func:`gtopk_ext.fsdp.register_sparse_all_reduce`; ``world_size``; ``adam``: what the hook and
       :class:`gtopk_ext.SparseAdamW` share (:class:`gtopk_ext.momentum.AdamLink`).
@@ -139,12 +139,13 @@ class SparseFSDPState:
         ``optimizer="sgd"`` train with an optimizer WITHOUT momentum or weight decay, with ``"adamw"`` with
         :class:`gtopk_ext.SparseAdamW` (the hook clips each module's gradient at ``clip_norm``); ``options``: the
         other arguments."""
-        return cls(mesh, **recipe(density, warmup_steps, momentum, optimizer, clip_norm), **options)
+        return cls(mesh, **{**recipe(density, warmup_steps, momentum, optimizer, clip_norm), **options})
 
     def state_dict(self) -> dict:
         """This rank's resumable state: ``{"world_size", "rank<r>": {"group<i>": {"calls", "numel", "residual",
-        "velocity" (with momentum correction), "oktopk", "plan"}}}`` (the rank keeps the ranks' residuals apart in a
-        ``torch.distributed.checkpoint``); the residual and velocity are the state's own tensors, the rest copies."""
+        "velocity" (with SGD's momentum correction), "oktopk", "plan"}}}`` (the rank keeps the ranks' residuals apart
+        in a ``torch.distributed.checkpoint``); the residual and velocity are the state's own tensors, the rest
+        copies."""
         rank = dist.get_rank()
         return {"world_size": self.world_size,
                 f"rank{rank}": {f"group{g.index}": {"calls": g.calls, "numel": g.layout.numel, **g.memory.tensors,

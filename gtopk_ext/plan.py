@@ -70,9 +70,10 @@ class Method:
     period: int = 1
     sparse: bool = False  # the package's selection runs on every GPU's gradient (its node's share)
     warmup: tuple[int, ...] = ()  # dense steps first: bytes per element of each
+    work: float = 1.0  # the method's own work per element, in units of the selection's (``select_s``)
 
     def step_seconds(self, c: Cluster) -> float:
-        work = c.select_s * c.params / c.gpus_per_node / self.period if self.sparse else 0.0
+        work = self.work * c.select_s * c.params / c.gpus_per_node / self.period if self.sparse else 0.0
         return step_seconds(c, *self.exchange(c), self.period) + work
 
     def seconds_to(self, c: Cluster, ddp_steps: float) -> float | None:
@@ -113,7 +114,10 @@ def sparse_exchange(collective: str, wire: str, density: float):
 
 
 # The LM race's methods (docs/race.md: 4 ranks, the means of seeds 0 and 1): steps to DDP's 500-step loss over DDP's
-# steps (490) on the same 1000-step schedule; None: not reached in 1000 (over 2.04x).
+# steps (490) on the same 1000-step schedule; None: not reached in 1000 (over 2.04x). The AdamW recipe's work per
+# element is 2.9 selections' (the DCT there and back, a top-k per chunk, the decoding of every rank's message),
+# measured at R = 3 on the race's CPUs (docs/race.md); not measured on a GPU.
+ADAMW_WORK = 2.9
 METHODS = (
     Method("ddp", "DDP", lambda c: dense(c, 4), 1.0),
     Method("bf16", "bf16_compress_hook", lambda c: dense(c, 2), 1.0),
@@ -121,9 +125,9 @@ METHODS = (
     Method("diloco-32", "DiLoCo H=32 (dense; outer lr 0.7, Nesterov 0.9)", lambda c: dense(c, 4), 920 / 490,
            period=32),
     Method("adamw-0.01", "gtopk_ext AdamW recipe, d=0.01", sparse_exchange("allgather", "compact", 0.01), 470 / 490,
-           sparse=True, warmup=DENSE_START),
+           sparse=True, warmup=DENSE_START, work=ADAMW_WORK),
     Method("adamw-0.001", "gtopk_ext AdamW recipe, d=0.001", sparse_exchange("allgather", "compact", 0.001), None,
-           sparse=True, warmup=DENSE_START),
+           sparse=True, warmup=DENSE_START, work=ADAMW_WORK),
     Method("sparse-gtopk-0.02-32", "SparseLocalSGD's earlier defaults (gtopk d=0.02, H=32)",
            sparse_exchange("gtopk", "plain", 0.02), None, period=32, sparse=True),
     Method("sparseloco-0.015625-8", "SparseLocalSGD defaults (SparseLoCo, d=1/64, H=8)",

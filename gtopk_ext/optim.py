@@ -40,6 +40,12 @@ class SparseAdamW(torch.optim.AdamW):
         self.hook_state = state  # the momentum-twice check pairs the two by it
         self._warned = False
 
+    def add_param_group(self, param_group: dict) -> None:
+        """AdamW's, with the first beta 0 in every group, its own betas too: the first moment is the hook's."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group["betas"] = (0.0, group["betas"][1])
+
     @torch.no_grad()
     def step(self, closure=None):
         """AdamW's step (first beta 0) on the hook's output, after undoing a rescaling of it."""

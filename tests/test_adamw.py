@@ -319,3 +319,13 @@ def test_the_transformer_example_runs_the_recipe(tmp_path):
     log, loss = run_transformer_example(tmp_path, "adamw-recipe", "--steps", "30")
     assert loss < 4.5, log[-3000:]
     assert "paths taken (bucket steps): sparse 28, dense 2" in log, log[-3000:]
+
+
+def test_sparse_adamw_leaves_the_first_moment_to_the_hook_in_every_group():
+    """A group's own betas keep their second beta; the first is 0 everywhere (else momentum would apply twice)."""
+    state = gx.SparseGradState.recipe(optimizer="adamw")
+    optimizer = gx.SparseAdamW([{"params": [nn.Parameter(torch.zeros(2))]},
+                                {"params": [nn.Parameter(torch.zeros(2))], "betas": (0.8, 0.9)}],
+                               betas=(0.9, 0.95), state=state)
+    optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "betas": (0.7, 0.99)})
+    assert [group["betas"] for group in optimizer.param_groups] == [(0.0, 0.95), (0.0, 0.9), (0.0, 0.99)]

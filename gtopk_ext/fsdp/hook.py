@@ -40,10 +40,10 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     group.calls += 1
     config = state.config
     correction = config.momentum
-    adam = isinstance(correction, DecoupledMomentum)
+    decoupled = isinstance(correction, DecoupledMomentum)
     if layout.numel == 0 or (state.mesh.size(0) == 1 and correction is None):  # one node: FSDP's average is the answer
         group.slot.stats = StepStats("none", layout.numel, 0)
-        if adam and correction.clip_norm is not None:  # the other ranks' clipping counts on this one
+        if decoupled and correction.clip_norm is not None:  # the other ranks' clipping counts on this one
             clip_together(shard.new_zeros(0, dtype=torch.float32), correction.clip_norm, dist.group.WORLD,
                           state.mesh.size(0))
         return
@@ -58,7 +58,7 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
     clip_over = (dist.group.WORLD, state.mesh.size(0))  # a module's gradient: its shards on a node's ranks
     if state.mesh.size(0) == 1:  # 2. One node.
         group.slot.stats = StepStats("none", layout.numel, 0)
-        if adam:  # nothing to select: all of m goes, m = the clipped gradient
+        if decoupled:  # nothing to select: all of m goes, m = the clipped gradient
             if correction.clip_norm is not None:
                 clip_together(work, correction.clip_norm, *clip_over)
         elif is_finite(work):
@@ -68,7 +68,7 @@ def sparse_all_reduce_hook(state: SparseFSDPState, group: GroupState, shard: tor
                     group=state.mesh.get_group(0), what="sparse_all_reduce_hook", weights=weights,
                     clip_over=clip_over).wait()
         group.run_traffic.add(group.slot.stats.traffic.sent, group.slot.stats.traffic.received)
-    if adam:  # for SparseAdamW to tell a later rescaling of the gradients
+    if decoupled:  # for SparseAdamW to tell a later rescaling of the gradients
         state.adam.norms[group.index] = (iteration, torch.linalg.vector_norm(work),
                                          frozenset(id(p) for p in group.trained()))
     # 4. Write back.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -25,9 +26,20 @@ RESTARTABLE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now and below the kernel's ephemeral range: a port the kernel hands out (bind to 0) can be
+    taken by another connection's local end before the store binds it (EADDRINUSE; seen in CI)."""
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    for port in random.Random().sample(range(10000, max(first_ephemeral, 10001)), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in 10000-{first_ephemeral - 1}")
 
 
 def run_on_hosts(commands: list[list[str]], network: Network | None, workdir: Path, names: list[str],

@@ -5,6 +5,12 @@ emulated links (as root) or on loopback; docs/fsdp.md:
 
     python -m bench.emulated_network torchrun --nnodes 2 --nproc-per-node 2 --rate 1gbit -- \\
         -m bench.fsdp_lm --steps 100 --json fsdp_lm.json --plot fsdp_lm.png
+    python -m bench.fsdp_lm --regime 30 --nnodes 2 --nproc-per-node 2 --steps 100 --json fsdp_lm.json
+
+With --regime R (run as above, not under torchrun) it launches the agents itself: first the method ``floor`` on
+loopback for a few steps (the compute floor: FSDP2 inside each node and nothing between the nodes; or --floor-ms),
+then the run on links of the rate where HSDP's float32 all-reduce between the nodes takes R x that step
+(bench/harness/regime.py).
 
 Per method: the step time (the slowest rank's, between two barriers; the median over the steps after the method's
 warm-up and ``--settle`` more), the bytes each node sent on its link (emulated links only; one barrier per step taken
@@ -13,22 +19,29 @@ shards), the paths the hook's groups took, and the validation loss. Paths are re
 """
 
 import argparse
+import json
 import math
 import os
 import re
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import gtopk_ext as gx
-from bench.emulated_network import RANK_IFNAME, TxCounter
+from bench.emulated_network import RANK_IFNAME, Network, TxCounter
 from bench.harness import cli, report
+from bench.harness.launch import ROOT, run_torchrun
+from bench.harness.regime import (CALIBRATION_STEPS, Regime, add_regime_args, check_regime_args, floor_seconds,
+                                  measured_ratio)
 from bench.harness.train import barrier_bytes, gathered, sgd
 from bench.lm import TransformerLM, batch_at, lm_loss, load_corpus, validation_loss
 from gtopk_ext.costs import ring_allreduce_bytes
@@ -41,19 +54,20 @@ warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tenso
 
 
 def parsed(name: str) -> tuple[str, float, str]:
-    """A method's (kind, density, path): ``hsdp`` (no hook; density 1); ``sparse-<d>`` (the momentum in the
+    """A method's (kind, density, path): ``hsdp`` (no hook; density 1); ``floor`` (FSDP2 inside each node, nothing
+    between the nodes: each node trains its own replica; the compute floor's step); ``sparse-<d>`` (the momentum in the
     optimizer), ``dgc-<d>`` (Nesterov momentum correction in the hook) or ``recipe-<d>`` (``gx.SparseFSDPState.recipe``)
     with an optional ``-<path>``, the hook's path policy (default ``auto``). docs/fsdp.md."""
     kind, _, rest = name.partition("-")
     density, _, path = rest.partition("-")
     try:
-        if name == "hsdp":
+        if name in ("hsdp", "floor"):
             return kind, 1.0, ""
         if kind in ("sparse", "dgc", "recipe") and 0 < float(density) <= 1 and path in ("", *MODES):
             return kind, float(density), path or "auto"
     except ValueError:
         pass
-    raise argparse.ArgumentTypeError(f"hsdp, or sparse-, dgc- or recipe-<density>[-<path>] (path: one of "
+    raise argparse.ArgumentTypeError(f"hsdp, floor, or sparse-, dgc- or recipe-<density>[-<path>] (path: one of "
                                      f"{MODES}), got {name!r}")
 
 
@@ -70,7 +84,41 @@ def parse_args(argv=None):
     parser.add_argument("--val-percent", type=float, default=5.0)
     parser.add_argument("--collective", default="gtopk", choices=gx.collectives.SPARSE_COLLECTIVES)
     parser.add_argument("--wire", default="plain", choices=("plain", "compact"))
-    return parser.parse_args(argv)
+    add_regime_args(parser)
+    parser.add_argument("--nnodes", type=int, default=2, help="with --regime: the torchrun agents (nodes) to launch")
+    parser.add_argument("--nproc-per-node", type=int, default=2, help="with --regime: ranks per node")
+    parser.add_argument("--timeout", type=float, default=7200.0, help="with --regime: seconds each launch may take")
+    args = parser.parse_args(argv)
+    check_regime_args(parser, args)
+    for name in ("nnodes", "nproc_per_node"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def launch_in_regime(args: argparse.Namespace, argv: list[str]) -> None:
+    """--regime outside torchrun: the floor (HSDP on loopback, unless --floor-ms), then ``argv`` under torchrun agents
+    as --nnodes nodes behind links at the regime's rate, --floor-ms set so that the workers report the regime."""
+    cli.require_emulation("bench.fsdp_lm --regime")
+    numel = sum(p.numel() for p in TransformerLM(args, args.seed).parameters())
+    with tempfile.TemporaryDirectory(prefix="fsdp_lm_") as tmp:
+        if args.floor_ms is None:
+            out = Path(tmp) / "floor.json"
+            calibration = ["--methods", "floor", "--steps", str(CALIBRATION_STEPS), "--eval-every",
+                           str(CALIBRATION_STEPS), "--json", str(out), "--plot", str(out.with_suffix(".png"))]
+            run_torchrun(["-m", "bench.fsdp_lm", *argv, *calibration], args.nnodes, args.nproc_per_node, None,
+                         Path(tmp), "fsdp-floor", args.timeout)
+            args.floor_ms = 1e3 * floor_seconds(json.loads(out.read_text())["runs"][0]["step_seconds"])
+        # HSDP's exchange on a node's link: its ranks' shards, all-reduced over the nodes, i.e. the whole model's
+        regime = Regime.of(args.regime, args.floor_ms / 1e3, numel, args.nnodes)
+        print(regime.describe().replace("a rank and step", "a node and step (HSDP)"), flush=True)
+        with Network("gxfsdp", args.nnodes, regime.rate_bps) as network:
+            run_torchrun(["-m", "bench.fsdp_lm", *argv, "--floor-ms", repr(args.floor_ms)], args.nnodes,
+                         args.nproc_per_node, network, Path(tmp), "fsdp-lm", args.timeout)
+    if args.json and "hsdp" in args.methods:
+        table = json.loads((ROOT / args.json).read_text())["table"]  # the workers' paths: from the root
+        hsdp = next(row for row in table if row["method"] == "hsdp")
+        print(measured_ratio(hsdp["step_s"], regime.floor_seconds).replace("DDP", "HSDP"))
 
 
 def build(name: str, mesh, args):
@@ -78,7 +126,7 @@ def build(name: str, mesh, args):
     model = TransformerLM(args, args.seed)  # the same weights on every rank and for every method
     kind, density, path = parsed(name)
     state, warmup = None, 0
-    if kind != "hsdp":
+    if kind not in ("hsdp", "floor"):
         options = dict(collective=args.collective, wire=args.wire, start_iter=args.start_iter, path=path)
         if kind == "recipe":
             state = gx.SparseFSDPState.recipe(mesh, density, args.warmup_steps, args.momentum, **options)
@@ -86,7 +134,8 @@ def build(name: str, mesh, args):
             correction = gx.MomentumCorrection(args.momentum, nesterov=True) if kind == "dgc" else None
             state = gx.SparseFSDPState(mesh, density, momentum=correction, **options)
         warmup = args.start_iter + (args.warmup_steps if kind == "recipe" else 0)
-    shard_mesh = mesh if state is None else state.shard_mesh  # HSDP: FSDP2 all-reduces over the 2-D mesh's rows
+    # HSDP: FSDP2 all-reduces over the 2-D mesh's rows; the floor: sharded inside the node only, like the hook's
+    shard_mesh = mesh["shard"] if kind == "floor" else mesh if state is None else state.shard_mesh
     for block in model.blocks:
         fully_shard(block, mesh=shard_mesh)
     fully_shard(model, mesh=shard_mesh)
@@ -114,7 +163,7 @@ def run_method(name: str, mesh, args, train: torch.Tensor, val_batches: torch.Te
         optimizer.zero_grad(set_to_none=True)
         dist.barrier()  # the step ends when the slowest rank's does
         steps.append([time.perf_counter() - begin, tx.read() - link - barrier_tx,
-                      counted() - hook if state else hsdp_bytes, loss.item()])
+                      counted() - hook if state else hsdp_bytes if name == "hsdp" else 0, loss.item()])
         if state and step > first_steady:
             paths.update(g["path"] for g in state.stats()["groups"].values())
         if step % args.eval_every == 0 or step == args.steps:
@@ -185,6 +234,8 @@ def link_name() -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.regime is not None and "LOCAL_RANK" not in os.environ:
+        return launch_in_regime(args, sys.argv[1:] if argv is None else list(argv))
     torch.set_num_threads(1)  # the ranks share the machine's cores
     dist.init_process_group("gloo")
     try:
@@ -196,6 +247,8 @@ def main(argv=None) -> None:
         train, val_batches, _ = load_corpus(args)
         tx = TxCounter(RANK_IFNAME if EMULATED else None)
         records, link = [], link_name()
+        if args.regime is not None and EMULATED:
+            link += f", regime R = {args.regime:g} (floor {args.floor_ms:.0f} ms)"
         title = (f"{mesh.size(0)} nodes x {mesh.size(1)} ranks, Gloo on {link}; byte-level transformer "
                  f"d={args.d_model}, {args.layers} layers, {args.heads} heads, sequence {args.seq_len}, batch "
                  f"{args.batch_size}/rank, {args.steps} steps, SGD lr {args.lr:g} momentum {args.momentum:g}, "

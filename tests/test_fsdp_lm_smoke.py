@@ -1,28 +1,30 @@
 """bench/fsdp_lm.py is not a test; this keeps it from rotting: a tiny run under two torchrun agents as two nodes of
-two ranks, on loopback (and, as root, on emulated 1 Gbit/s links), writes a sane report."""
+two ranks, on loopback (and, as root, in a regime: emulated links at the rate its --regime derives), writes a sane
+report."""
 
 import json
 import math
 import os
 import shutil
+import re
 import subprocess
+import sys
 
 import pytest
 
-from bench.emulated_network import Network
-from gtopk_ext.costs import parse_rate
-from bench.harness.launch import run_torchrun
+from bench.harness.launch import ROOT, run_torchrun
 
 TINY = ["--steps", "6", "--eval-every", "3", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch-size",
         "4", "--val-windows", "8", "--start-iter", "2", "--settle", "1", "--methods", "hsdp", "sparse-0.05-sparse"]
 
 
-def check_report(path, emulated: bool) -> None:
+def check_report(path, emulated: bool) -> dict:
     report = json.loads(path.read_text())
     runs = {run["method"]: run for run in report["runs"]}
     rows = {row["method"]: row for row in report["table"]}
     assert list(runs) == ["hsdp", "sparse-0.05-sparse"]
-    assert report["link"].startswith("1Gbit" if emulated else "loopback")
+    assert report["link"].endswith("/s links (tbf), regime R = 3 (floor %.0f ms)" % report["settings"]["floor_ms"])\
+        if emulated else report["link"] == "loopback"
     for run in runs.values():
         losses = [point["val_loss"] for point in run["curve"]]
         assert [point["step"] for point in run["curve"]] == [0, 3, 6] and all(map(math.isfinite, losses))
@@ -39,6 +41,7 @@ def check_report(path, emulated: bool) -> None:
         assert 0 < 3 * sparse["link_step"] < hsdp["link_step"] and hsdp["link_step"] >= hsdp["sent_step"]
     else:
         assert hsdp["link_step"] == sparse["link_step"] == 0  # nothing counted on loopback
+    return report
 
 
 def test_tiny_run_on_loopback(tmp_path):
@@ -48,10 +51,18 @@ def test_tiny_run_on_loopback(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="namespaces and tc need root and iproute2")
-def test_tiny_run_on_emulated_links(tmp_path):
+def test_tiny_run_in_a_regime(tmp_path):
+    """--regime 3: the floor measured (HSDP on loopback), then links where HSDP's float32 all-reduce between the 2
+    nodes (a ring: each node sends 4 bytes x the parameters) takes 3 floors, TCP/IP's headers included."""
     out = tmp_path / "fsdp_lm.json"
-    with Network("gxsmokefsdp", 2, parse_rate("1gbit")) as network:
-        run_torchrun(["-m", "bench.fsdp_lm", *TINY, "--json", str(out)], 2, 2, network, tmp_path, "fsdp-lm",
-                     timeout=240)
-    check_report(out, emulated=True)
-    assert "gxsmokefsdp" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    run = subprocess.run([sys.executable, "-m", "bench.fsdp_lm", "--regime", "3", *TINY, "--json", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=480)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = check_report(out, emulated=True)
+    floor_s = report["settings"]["floor_ms"] / 1e3
+    assert 0 < floor_s < 5
+    expected_bps = 8 * 4 * report["runs"][0]["parameters"] * (1448 + 66) / 1448 / (3 * floor_s)
+    number, unit = re.search(r"([\d.]+)([KMG]?)bit/s links", report["link"]).groups()
+    assert float(number) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[unit] == pytest.approx(expected_bps, rel=0.02)
+    assert "regime R = 3: DDP sends" in run.stdout and "as HSDP ran" in run.stdout
+    assert "gxfsdp" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

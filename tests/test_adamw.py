@@ -4,8 +4,8 @@ the optimizer, on real Gloo groups.
 1. The reduction against a plain-PyTorch replay, one rank's view, P = 2, 3, 4 (allgather): the gradients clipped by
    one factor over the ranks, c = the DCT of each 16 consecutive elements of each parameter (written out here from
    its formula), m = beta m + c, the top of each 64-chunk of |m| sent and taken out of m (the first two, dense
-   steps: all of m), the output the inverse DCT of the average. Conserved at every step, gTop-k too: the ranks'
-   beta m + c = P x the average + their new m.
+   steps: all of m), the output the inverse DCT of the average. Conserved at every step, gTop-k and the 2-bit wire
+   too: the ranks' beta m + c = P x the average + their new m.
 2. Real DDP (P = 2) with the recipe: replicas bitwise equal after every step, the loss falls, a resume bitwise
    equal to the uninterrupted run, clip_grad_norm_ after the hook undone with a warning, bfloat16 parameters, the
    pairing checks; FSDP2 with 2 nodes x 2 ranks and one node of 4 (in the P = 4 spawn).
@@ -49,9 +49,9 @@ def dct(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     return torch.cat(out).float()
 
 
-def new_state(group, collective: str) -> gx.SparseGradState:
+def new_state(group, collective: str, wire: str = "plain") -> gx.SparseGradState:
     return gx.SparseGradState(group, density=DENSITY, compressor=gx.make_compressor("chunktopk", DENSITY, chunk=SELECT),
-                              collective=collective, start_iter=START_ITER,
+                              collective=collective, wire=wire, start_iter=START_ITER,
                               path=gx.PathPolicy("sparse", min_compress_numel=1),
                               stats_logging_frequency=0,
                               momentum=gx.DecoupledMomentum(beta=BETA, chunk=CHUNK, clip_norm=CLIP))
@@ -69,9 +69,10 @@ def check_reduction(group, rank: int, size: int) -> list[str]:
     params = [torch.zeros(n) for n in PARTS]
     k = math.ceil(DENSITY * NUMEL)
     per_chunk = k // -(-NUMEL // SELECT)
-    for collective in ("allgather", "gtopk"):
-        where = f"P={size} {collective}"
-        state = new_state(group, collective)
+    # the 2-bit wire (the recipe's option for small byte budgets): its rounding stays in m
+    for collective, wire in (("allgather", "plain"), ("gtopk", "plain"), ("allgather", "2bit")):
+        where = f"P={size} {collective} {wire}"
+        state = new_state(group, collective, wire)
         m = torch.zeros(NUMEL)
         for step in range(STEPS):
             c = dct(clipped(step, rank, group, size))
@@ -85,7 +86,7 @@ def check_reduction(group, rank: int, size: int) -> list[str]:
             if not lost <= 1e-4:
                 failures.append(f"{where}, step {step}: beta m + c != P x average + new m by {lost:.3g}")
                 break
-            if collective != "allgather":
+            if (collective, wire) != ("allgather", "plain"):
                 continue
             # The replay: the top per_chunk of each SELECT-chunk of |m| sent and taken out of m.
             m = BETA * m + c

@@ -86,13 +86,14 @@ def hook_recipe(label: str, state: Callable, momentum_in_hook: bool = False) -> 
     return Recipe(label, lambda ddp, world_size, args: attached(ddp, state(args)), momentum_in_hook=momentum_in_hook)
 
 
-def adamw_recipe(density: float) -> Recipe:
+def adamw_recipe(density: float, wire: str | None = None) -> Recipe:
     """``gx.SparseGradState.recipe(optimizer="adamw")`` (AdamW's momentum decoupled in the hook, sparse from the
-    third step) with ``--clip-norm`` in the hook."""
-    return Recipe(f"gtopk_ext AdamW recipe, d={density:g}", lambda ddp, world_size, args: attached(
-        ddp, gx.SparseGradState.recipe(density=density, optimizer="adamw", clip_norm=args.clip_norm or None,
-                                       stats_logging_frequency=0)),
-        adamw_in_hook=True)
+    third step) with ``--clip-norm`` in the hook; ``wire``: another wire than the recipe's."""
+    options = {} if wire is None else {"wire": wire}
+    return Recipe(f"gtopk_ext AdamW recipe, d={density:g}" + (f", {wire} wire" if wire else ""),
+                  lambda ddp, world_size, args: attached(ddp, gx.SparseGradState.recipe(
+                      density=density, optimizer="adamw", clip_norm=args.clip_norm or None,
+                      stats_logging_frequency=0, **options)), adamw_in_hook=True)
 
 
 def no_communication_hook(_, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -230,7 +231,7 @@ def density_of(text: str) -> float:
 # What a <field> of a method's name holds.
 FIELDS = {"collective": one_of(gx.collectives.SPARSE_COLLECTIVES), "d": density_of, "rank": int, "H": int,
           "path": one_of(gx.paths.MODES), "warmup": int, "without": one_of(SPARSELOCO_PIECES),
-          "overlap": int, "fragments": int}
+          "overlap": int, "fragments": int, "wire": one_of(tuple(gx.wire.WIRES))}
 # Every method: the pattern of its name and what builds it from the pattern's fields.
 METHODS = {
     "ddp": lambda: allreduce_recipe("DDP allreduce"),
@@ -248,6 +249,7 @@ METHODS = {
         lambda args: recipe_state(d, warmup, args.momentum, args.auto_choices), True),
     "dgc-pt-<d>": lambda d: dgc_recipe(d, per_tensor=True),
     "adamw-<d>": lambda d: adamw_recipe(d),  # the AdamW recipe (--optimizer adamw)
+    "adamw-<d>-<wire>": lambda d, wire: adamw_recipe(d, wire),  # the AdamW recipe on another wire
     "<collective>-<d>": lambda collective, d: hook_recipe(f"Gaussian-k + {collective}, d={d:g}",
                                                           lambda args: hook_state(d, collective=collective)),
     "hook-<collective>-<d>": lambda collective, d: METHODS["<collective>-<d>"](collective, d),

@@ -5,8 +5,8 @@ report."""
 import json
 import math
 import os
-import shutil
 import re
+import shutil
 import subprocess
 import sys
 
@@ -52,8 +52,9 @@ def test_tiny_run_on_loopback(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="namespaces and tc need root and iproute2")
 def test_tiny_run_in_a_regime(tmp_path):
-    """--regime 3: the floor measured (HSDP on loopback), then links where HSDP's float32 all-reduce between the 2
-    nodes (a ring: each node sends 4 bytes x the parameters) takes 3 floors, TCP/IP's headers included."""
+    """--regime 3: the floor measured (the method 'floor' on loopback), then links where HSDP's float32 all-reduce
+    between the 2 nodes (a ring: each node sends 4 bytes x the parameters) takes 3 floors, TCP/IP's headers
+    included."""
     out = tmp_path / "fsdp_lm.json"
     run = subprocess.run([sys.executable, "-m", "bench.fsdp_lm", "--regime", "3", *TINY, "--json", str(out)], cwd=ROOT,
                          capture_output=True, text=True, timeout=480)

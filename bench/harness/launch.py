@@ -32,7 +32,8 @@ def free_port() -> int:
         first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         first_ephemeral = 32768
-    for port in random.Random().sample(range(10000, max(first_ephemeral, 10001)), 200):
+    ports = range(10000, max(first_ephemeral, 10001))
+    for port in random.Random().sample(ports, min(200, len(ports))):
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))

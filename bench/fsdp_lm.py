@@ -236,6 +236,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.regime is not None and "LOCAL_RANK" not in os.environ:
         return launch_in_regime(args, sys.argv[1:] if argv is None else list(argv))
+    if args.regime is not None and args.floor_ms is None:
+        raise SystemExit("bench.fsdp_lm: --regime launches torchrun itself: run python -m bench.fsdp_lm --regime R "
+                         "directly, not under torchrun (or give the rate with the launcher's --rate instead)")
     torch.set_num_threads(1)  # the ranks share the machine's cores
     dist.init_process_group("gloo")
     try:

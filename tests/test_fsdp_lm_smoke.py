@@ -67,3 +67,10 @@ def test_tiny_run_in_a_regime(tmp_path):
     assert float(number) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[unit] == pytest.approx(expected_bps, rel=0.02)
     assert "regime R = 3: DDP sends" in run.stdout and "as HSDP ran" in run.stdout
     assert "gxfsdp" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_regime_under_torchrun_is_refused_clearly():
+    """A worker (torchrun's LOCAL_RANK set) given --regime without the floor the launcher passes: no link to set."""
+    run = subprocess.run([sys.executable, "-m", "bench.fsdp_lm", "--regime", "3", *TINY], cwd=ROOT,
+                         env={**os.environ, "LOCAL_RANK": "0"}, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "--regime launches torchrun itself" in run.stderr, run.stderr[-2000:]

@@ -236,7 +236,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.regime is not None and "LOCAL_RANK" not in os.environ:
         return launch_in_regime(args, sys.argv[1:] if argv is None else list(argv))
-    if args.regime is not None and args.floor_ms is None:
+    if args.regime is not None and args.floor_ms is None and EMULATED:  # (the launcher's floor run: on loopback)
         raise SystemExit("bench.fsdp_lm: --regime launches torchrun itself: run python -m bench.fsdp_lm --regime R "
                          "directly, not under torchrun (or give the rate with the launcher's --rate instead)")
     torch.set_num_threads(1)  # the ranks share the machine's cores

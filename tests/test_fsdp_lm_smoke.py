@@ -70,7 +70,11 @@ def test_tiny_run_in_a_regime(tmp_path):
 
 
 def test_regime_under_torchrun_is_refused_clearly():
-    """A worker (torchrun's LOCAL_RANK set) given --regime without the floor the launcher passes: no link to set."""
-    run = subprocess.run([sys.executable, "-m", "bench.fsdp_lm", "--regime", "3", *TINY], cwd=ROOT,
-                         env={**os.environ, "LOCAL_RANK": "0"}, capture_output=True, text=True, timeout=120)
+    """A worker on an emulated link (torchrun's LOCAL_RANK set, Gloo on the node's interface) given --regime without
+    the floor the launcher passes: its link was not set by the regime."""
+    from bench.emulated_network import RANK_IFNAME
+
+    env = {**os.environ, "LOCAL_RANK": "0", "GLOO_SOCKET_IFNAME": RANK_IFNAME}
+    run = subprocess.run([sys.executable, "-m", "bench.fsdp_lm", "--regime", "3", *TINY], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "--regime launches torchrun itself" in run.stderr, run.stderr[-2000:]

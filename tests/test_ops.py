@@ -226,7 +226,10 @@ def test_compact_large(backend):
             assert torch.equal(actual.cpu(), expected.cpu())
 
 
-def select_cases(device, sizes=(1, 7, 4097, 65537), large: bool = True, thin: bool = False):
+SELECT_SIZES = (1, 7, 4097, 65537)
+
+
+def select_cases(device, sizes=SELECT_SIZES, large: bool = True, thin: bool = False):
     """(description, grad, residual, k, capacity): small inputs of ``sizes`` (every range re-reads acc) and,
     ``large``, a few million elements at low density (the CPU kernel selects from the candidates of its statistics
     pass), with ties at the threshold and fewer slots than candidates; ``thin``: as :func:`sample_inputs`."""
@@ -267,7 +270,7 @@ def check_gaussian_select(backend: str, cases) -> None:
 def test_gaussian_select_matches_reference(backend):
     device = backend_device(backend)
     thin = interpreted(backend)  # the interpreter: small inputs only
-    check_gaussian_select(backend, select_cases(device, case_sizes(backend, (1, 7, 4097, 65537)), not thin, thin))
+    check_gaussian_select(backend, select_cases(device, case_sizes(backend, SELECT_SIZES), not thin, thin))
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:

@@ -122,7 +122,8 @@ class SparseLocalSGD:
     ``sum over ranks (pseudo-gradient + error_decay x old accumulator) = P x averaged pseudo-gradient + sum over
     ranks (new accumulator)`` up to float rounding (``average="senders"``: ``P x averaged`` becomes the sum of
     what the ranks sent, and each element's average is that sum over its senders). A non-finite pseudo-gradient
-    on any rank raises :class:`FloatingPointError` on every rank and changes nothing.
+    on any rank raises :class:`FloatingPointError` on every rank and changes nothing (with ``overlap``: where its
+    exchange would have been applied; that sync is undone).
     """
 
     def __init__(self, params: Iterable[torch.Tensor], sync_every: int = 8, density: float = 1 / 64,
@@ -236,20 +237,57 @@ class SparseLocalSGD:
                 for shard in self._shards]
 
     def _sync(self, wait: bool, fragment: int | None) -> None:
-        """1. This period's pseudo-gradient: the global weights (as the replicas hold them) minus the weights now;
-        the ranks check their step counts and that it is finite. 2. The accumulators decay. 3. The exchange: waited
-        for, its outer step applied and adopted by every rank; or (``overlap``) started in the background, the
-        weights now kept to apply it against. 4. The buffers are averaged."""
+        """1. This period's pseudo-gradient: the global weights (as the replicas hold them) minus the weights now.
+        2. The exchange (:meth:`_exchange`): waited for, its outer step applied and adopted by every rank; or
+        (``overlap``) all of it, the ranks' checks included, in the background, the weights now kept to apply it
+        against: the inner steps wait on no collective here. 3. The buffers are averaged (once a round of
+        fragments)."""
         group, _, size = group_rank_and_size(self.process_group)
         start = perf_counter()
-        traffic = Traffic()
         # 1.
         slices = self._slices(fragment)
         deltas = [shard.adopted(g)[part].sub(shard.flat()[part]) for shard, g, part in zip(self._shards, self._global,
                                                                                           slices)]
         finite = all(bool(torch.isfinite(d).all()) for d in deltas)
-        headers = agree({"local_step": self.local_step, "syncs": self.syncs}, group, self._shards[0].device,
-                        "SparseLocalSGD.sync", traffic=traffic, reported={"finite": int(finite)})
+        counts = {"local_step": self.local_step, "syncs": self.syncs}
+        # 2.
+        exchanged = None
+        if wait:
+            exchanged = self._counted(self._exchange(deltas, slices, counts, finite, self._send_accumulators, group,
+                                                     size))
+            self._apply(exchanged, merge=False)
+        else:
+            if self._pool is None:  # its own group: the main thread's collectives go on beside the exchange
+                self._exchange_group = dist.new_group(dist.get_process_group_ranks(group),
+                                                      use_local_synchronization=True)
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="SparseLocalSGD")
+            self._at_sync = [shard.flat()[part] for shard, part in zip(self._shards, slices)]
+            self._pending = self._pool.submit(self._exchange, deltas, slices, counts, finite, self._send_accumulators,
+                                              self._exchange_group, size)
+            self._due, self._due_fragment = self.local_step + self.overlap, fragment
+        self._send_accumulators = False
+        # 3.
+        traffic = Traffic()
+        if fragment is None or fragment == self.fragments - 1:
+            self._average_buffers(group, size, traffic)
+        self.syncs += 1
+        self.traffic.add(traffic.sent, traffic.received)
+        self._last = {"numel": sum(s.numel for s in self._shards), "k": 0, "selected": 0,
+                      "bytes_sent": traffic.sent, "bytes_received": traffic.received, "decayed": 0.0,
+                      "seconds": perf_counter() - start}
+        if exchanged is not None:
+            self._add_to_last(exchanged)
+
+    def _exchange(self, deltas: list[torch.Tensor], slices: list[slice], counts: dict[str, int], finite: bool,
+                  fold: bool, group: dist.ProcessGroup, size: int) -> dict:
+        """1. The ranks check their step ``counts`` and that every pseudo-gradient is finite (else all raise, nothing
+        changed). 2. The accumulators decay. 3. Every shard's pseudo-gradient (its part ``slices``) plus its
+        accumulator compressed (``fold``: sent whole) and averaged over the ranks, the accumulators keeping the
+        rest: ``{"averaged": deltas, "slices", "figures": (k, selected, bytes sent, bytes received), "decayed"}``."""
+        traffic, k, selected = Traffic(), 0, 0
+        # 1.
+        headers = agree(counts, group, self._shards[0].device, "SparseLocalSGD.sync", traffic=traffic,
+                        reported={"finite": int(finite)})
         diverged = [rank for rank, h in enumerate(headers) if not h["finite"]]
         if diverged:
             raise FloatingPointError(f"SparseLocalSGD.sync: the pseudo-gradient of rank(s) {diverged} is not finite "
@@ -262,55 +300,36 @@ class SparseLocalSGD:
             for a, part in zip(self._accumulator, slices):
                 a[part].mul_(self.error_decay)
         # 3.
-        fold, self._send_accumulators = self._send_accumulators, False
-        messages = [self._compress(index, delta, fold, part) for index, (delta, part) in enumerate(zip(deltas, slices))]
-        figures = (0, 0, 0, 0)
-        if wait:
-            exchanged = self._counted(self._exchange(deltas, messages, slices, group, size))
-            self._apply(exchanged, merge=False)
-            figures = exchanged["figures"]
-        else:
-            if self._pool is None:  # its own group: the main thread's collectives go on beside the exchange
-                self._exchange_group = dist.new_group(dist.get_process_group_ranks(group),
-                                                      use_local_synchronization=True)
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="SparseLocalSGD")
-            self._at_sync = [shard.flat()[part] for shard, part in zip(self._shards, slices)]
-            self._pending = self._pool.submit(self._exchange, deltas, messages, slices, self._exchange_group, size)
-            self._due, self._due_fragment = self.local_step + self.overlap, fragment
-        # 4. (once a round of fragments)
-        if fragment is None or fragment == self.fragments - 1:
-            self._average_buffers(group, size, traffic)
-        self.syncs += 1
-        self.traffic.add(traffic.sent, traffic.received)
-        self.decayed += decayed
-        k, selected, sent, received = figures
-        self._last = {"numel": sum(s.numel for s in self._shards), "k": k, "selected": selected,
-                      "bytes_sent": traffic.sent + sent, "bytes_received": traffic.received + received,
-                      "decayed": decayed, "seconds": perf_counter() - start}
-
-    def _exchange(self, deltas: list[torch.Tensor], messages: list, slices: list[slice], group: dist.ProcessGroup,
-                  size: int) -> dict:
-        """Every shard's pseudo-gradient (its part ``slices``) averaged over the ranks (this rank's accumulators
-        updated): ``{"averaged": [...], "slices": slices, "figures": (k, selected, bytes sent, bytes received)}``."""
-        traffic, k, selected = Traffic(), 0, 0
-        for index, (delta, msg, part) in enumerate(zip(deltas, messages, slices)):
+        for index, (delta, part) in enumerate(zip(deltas, slices)):
+            msg = self._compress(index, delta, fold, part, counts["syncs"])
             shard_k, shard_selected = self._reduce(index, delta, msg, part, group, size, traffic)
             k, selected = k + shard_k, selected + shard_selected
-        return {"averaged": deltas, "slices": slices, "figures": (k, selected, traffic.sent, traffic.received)}
+        return {"averaged": deltas, "slices": slices, "figures": (k, selected, traffic.sent, traffic.received),
+                "decayed": decayed}
+
+    def _add_to_last(self, exchanged: dict) -> None:
+        """The latest sync's figures, with its exchange's."""
+        k, selected, sent, received = exchanged["figures"]
+        self._last.update(k=k, selected=selected, bytes_sent=self._last["bytes_sent"] + sent,
+                          bytes_received=self._last["bytes_received"] + received, decayed=exchanged["decayed"])
 
     def _counted(self, exchanged: dict) -> dict:
-        """A finished exchange, its bytes added to this rank's."""
+        """A finished exchange, its bytes and what its decay dropped added to this rank's."""
         self.traffic.add(*exchanged["figures"][2:])
+        self.decayed += exchanged["decayed"]
         return exchanged
 
     def _join(self) -> dict | None:
         """The exchange in flight, finished (its bytes counted; kept pending), or None."""
         if isinstance(self._pending, Future):
-            self._pending = self._counted(self._pending.result())
+            try:
+                exchanged = self._pending.result()
+            except Exception:  # the ranks' checks failed: the sync is undone (nothing of it was applied)
+                self._pending, self._at_sync, self.syncs = None, [], self.syncs - 1
+                raise
+            self._pending = self._counted(exchanged)
             if self._last:  # the latest sync's figures, now that its exchange is done
-                k, selected, sent, received = self._pending["figures"]
-                self._last.update(k=k, selected=selected, bytes_sent=self._last["bytes_sent"] + sent,
-                                  bytes_received=self._last["bytes_received"] + received)
+                self._add_to_last(self._pending)
         return self._pending
 
     def _apply(self, exchanged: dict, merge: bool) -> None:
@@ -330,7 +349,7 @@ class SparseLocalSGD:
             shard.adopt(adopted)
         self._pending, self._at_sync = None, []
 
-    def _compress(self, index: int, delta: torch.Tensor, fold: bool, part: slice) -> SparseMessage | None:
+    def _compress(self, index: int, delta: torch.Tensor, fold: bool, part: slice, syncs: int) -> SparseMessage | None:
         """The message of one shard's ``delta + accumulator`` (the accumulator keeps the rest), or None where the
         whole of it is sent: the dense collective, or a fold (``delta`` takes the accumulator, which empties)."""
         if self._compressor is None or fold:
@@ -339,7 +358,7 @@ class SparseLocalSGD:
                 self._accumulator[index][part].zero_()
             return None
         return self._compressor.compress(delta, self._accumulator[index][part],
-                                         step=self.syncs * len(self._shards) + index)
+                                         step=syncs * len(self._shards) + index)
 
     def _reduce(self, index: int, delta: torch.Tensor, msg: SparseMessage | None, part: slice,
                 group: dist.ProcessGroup, size: int, traffic: Traffic) -> tuple[int, int]:
@@ -469,7 +488,8 @@ class SparseLocalSGD:
             for vector, saved in zip(mine, restored[name] or [torch.zeros_like(v) for v in mine]):
                 vector.copy_(saved)
         self._pending = None if pending is None else {"averaged": [p.clone() for p in pending],
-                                                      "slices": self._slices(due_fragment), "figures": (0, 0, 0, 0)}
+                                                      "slices": self._slices(due_fragment), "figures": (0, 0, 0, 0),
+                                                      "decayed": 0.0}
         self._due_fragment = due_fragment
         self._at_sync = [] if at_sync is None else [w.clone() for w in at_sync]
         self._due = due

@@ -45,7 +45,7 @@ def recipe(density: float, warmup_steps: Optional[int], momentum: float, optimiz
     """The recipe's settings, for every front end. ``optimizer="sgd"``: DGC's exponential warm-up from 0.25 to
     ``density`` over ``warmup_steps`` (None: 44) steps and Nesterov momentum correction ``momentum``, its masking
     from the warm-up's end. ``"adamw"``: AdamW's momentum decoupled in the hook (:class:`DecoupledMomentum`,
-    ``clip_norm``), sparse from the first compressed step (no ``warmup_steps``): the top ``density`` of each 4,096
+    ``clip_norm``), sparse from the first step (no ``warmup_steps``): the top ``density`` of each 4,096
     DCT coefficients (``chunktopk``), exchanged by allgather on the compact wire (every rank's selection applied, as
     DeMo does); the optimizer is :class:`gtopk_ext.SparseAdamW`."""
     if optimizer not in OPTIMIZERS:
@@ -53,9 +53,9 @@ def recipe(density: float, warmup_steps: Optional[int], momentum: float, optimiz
     if optimizer == "adamw":
         if warmup_steps is not None:
             raise ValueError(f"warmup_steps: the AdamW recipe has no warm-up (its momentum is sent sparsely from the "
-                             f"first compressed step), got {warmup_steps!r}")
+                             f"first step), got {warmup_steps!r}")
         return {"density": density, "compressor": "chunktopk", "collective": "allgather", "wire": "compact",
-                "path": "sparse", "momentum": DecoupledMomentum(clip_norm=clip_norm)}
+                "path": "sparse", "start_iter": 0, "momentum": DecoupledMomentum(clip_norm=clip_norm)}
     if warmup_steps is None:
         warmup_steps = 44
     return {"density": exponential_warmup(density, warmup_steps, start_density=max(density, 0.25)),

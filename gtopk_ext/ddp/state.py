@@ -52,8 +52,8 @@ class SparseGradState:
         density, compressor, collective, wire, path, momentum, hierarchical, error_feedback, optimizer_check: the
             configuration, each documented in :class:`gtopk_ext.SparseConfig` (``path``: default ``"auto"``, the
             cheapest path predicted from this group's measured steps; :class:`gtopk_ext.PathPolicy`).
-        start_iter: iterations of dense allreduce before compressing: at least 2 with error feedback, as DDP
-            rebuilds its buckets after the first iteration.
+        start_iter: iterations of dense allreduce before compressing (any: the residuals follow the parameters
+            when DDP rebuilds its buckets after the first iteration).
         scaler: a ``torch.amp.GradScaler`` to follow (call ``scaler.update()`` once per step, without
             ``new_scale``): the residuals and velocities follow its loss scale, and a step it skips gives back
             what it took from them (its dense buckets are dropped, as in plain DDP).
@@ -82,9 +82,6 @@ class SparseGradState:
                  stats_logging_frequency: int = 1000):
         config = SparseConfig(density, compressor, collective, wire, start_iter, path, momentum, hierarchical,
                               error_feedback, optimizer_check)
-        if error_feedback and collective != "dense" and start_iter < 2:
-            raise ValueError(f"start_iter must be >= 2 with error feedback (DDP rebuilds its buckets after the first "
-                             f"iteration, which would misplace the residuals), got {start_iter}")
         self.process_group = process_group
         self.config = config
         self.iter = 0
@@ -116,7 +113,7 @@ class SparseGradState:
             state = gx.SparseGradState.recipe(density=0.01, warmup_steps=44)
             ddp_model.register_comm_hook(state, gx.sparse_grad_hook)
 
-        ``"adamw"`` (docs/usage.md, "With AdamW"): two dense steps, then AdamW's momentum decoupled in the hook
+        ``"adamw"`` (docs/usage.md, "With AdamW"): from the first step, AdamW's momentum decoupled in the hook
         (:class:`gtopk_ext.DecoupledMomentum`: the top ``density`` of each 4,096 DCT coefficients of the momentum,
         allgather on the compact wire; no ``warmup_steps``), clipping at ``clip_norm`` in the hook. Train with
         :class:`gtopk_ext.SparseAdamW` (AdamW's arguments, plus the state), without ``clip_grad_norm_``::

@@ -529,6 +529,20 @@ def _case_errors(rank: int, world_size: int) -> None:
     for name in ("global", "accumulator", "momentum"):
         assert all(torch.equal(a, b) for a, b in zip(before[name], after[name])), f"a failed sync changed {name}"
     assert after["syncs"] == 0
+    # With overlap the ranks check in the exchange's thread: the error comes where the exchange would apply, on
+    # every rank, and the sync is undone.
+    overlapped = gx.SparseLocalSGD(params, sync_every=1, density=0.1, overlap=1)  # every rank takes rank 0's
+    before = overlapped.state_dict()
+    with torch.no_grad():
+        if rank == world_size - 1:
+            params[0][0, 0] = float("nan")
+    assert overlapped.step(), "the sync did not start"
+    _expect_error(FloatingPointError, rf"the pseudo-gradient of rank\(s\) \[{world_size - 1}\] is not finite",
+                  overlapped.step)
+    after = overlapped.state_dict()
+    for name in ("global", "accumulator"):
+        assert all(torch.equal(a, b) for a, b in zip(before[name], after[name])), f"overlap: a sync changed {name}"
+    assert after["syncs"] == 0 and not after["pending"], "overlap: the failed sync was not undone"
 
     other = gx.SparseLocalSGD(_model(1)[0].parameters(), sync_every=H, density=0.1)
     _expect_error(ValueError, r"state_dict holds shards of \[\d+\] elements, this optimizer's parameters make",

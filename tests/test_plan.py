@@ -56,18 +56,18 @@ def test_sparseloco_sends_every_nodes_pairs_on_the_2bit_wire_every_8_steps():
     assert step == pytest.approx(0.1 + exchange / 8 + 2e-11 * 1e8 / 8 / 8, rel=1e-3)
 
 
-def test_time_to_target_counts_the_recipes_dense_steps_and_the_measured_steps():
+def test_time_to_target_counts_the_dense_steps_first_and_the_measured_steps():
     c = Cluster(params=1e9, compute_s=0.3, link_bps=10e9, nodes=4, overlap=0.0, latency_s=0.0)
     ddp = by_name("ddp")
     assert ddp.seconds_to(c, 1000) == pytest.approx(1000 * ddp.step_seconds(c))
-    recipe = by_name("adamw-0.01")
-    if recipe.steps_vs_ddp is None:
-        pytest.fail("the AdamW recipe's steps to the target are measured (docs/race.md)")
-    steps = recipe.steps_vs_ddp * 1000
-    # 2 float32 steps, then the sparse steps
+    powersgd, recipe = by_name("powersgd-4"), by_name("adamw-0.01")
+    if powersgd.steps_vs_ddp is None or recipe.steps_vs_ddp is None:
+        pytest.fail("PowerSGD's and the AdamW recipe's steps to the target are measured (docs/race.md)")
+    # PowerSGD: 2 float32 steps, then its own; the AdamW recipe: sparse from the first step
     dense32 = 0.3 + 8 * FRAMES * 6e9 / 10e9
-    sparse = (steps - 2) * recipe.step_seconds(c)
-    assert recipe.seconds_to(c, 1000) == pytest.approx(2 * dense32 + sparse)
+    steps = powersgd.steps_vs_ddp * 1000
+    assert powersgd.seconds_to(c, 1000) == pytest.approx(2 * dense32 + (steps - 2) * powersgd.step_seconds(c))
+    assert recipe.seconds_to(c, 1000) == pytest.approx(recipe.steps_vs_ddp * 1000 * recipe.step_seconds(c))
     rows = {row["method"]: row for row in plan(c, 1000)}
     assert rows["ddp"]["peer"] and not rows["adamw-0.01"]["peer"]
 

@@ -229,24 +229,28 @@ def test_compact_large(backend):
 SELECT_SIZES = (1, 7, 4097, 65537)
 
 
-def select_cases(device, sizes=SELECT_SIZES, large: bool = True, thin: bool = False):
-    """(description, grad, residual, k, capacity): small inputs of ``sizes`` (every range re-reads acc) and,
-    ``large``, a few million elements at low density (the CPU kernel selects from the candidates of its statistics
-    pass), with ties at the threshold and fewer slots than candidates; ``thin``: as :func:`sample_inputs`."""
+LARGE_KINDS = ("laplace", "spiky", "offset", "ties", "nonfinite", "all_equal")
+SPLIT_KINDS = ("laplace", "ties", "nonfinite")  # whose candidates differ most between a kernel's parallel ranges
+
+
+def select_cases(device, sizes=SELECT_SIZES, large=LARGE_KINDS, thin: bool = False):
+    """(description, grad, residual, k, capacity): small inputs of ``sizes`` (every range re-reads acc) and, of each
+    kind in ``large``, a few million elements at low density (the CPU kernel selects from the candidates of its
+    statistics pass), with ties at the threshold and fewer slots than candidates (float32: also all of them, and
+    ten times as many; 16-bit: the fewer slots); ``thin``: as :func:`sample_inputs`."""
     for name, grad, residual in sample_inputs(device, sizes=sizes, thin=thin):
         for density in (0.001, 0.05, 1.0):
             k = max(1, int(np.ceil(density * grad.numel())))
             for capacity in (k, max(1, k // 3)):
                 yield f"{name}-d{density}-cap{capacity}", grad, residual, k, capacity
-    if not large:
-        return
     generator = torch.Generator().manual_seed(7)
     n = 2_600_011
-    for kind in ("laplace", "spiky", "offset", "ties", "nonfinite", "all_equal"):
+    for kind in large:
         for dtype in DTYPES:
             grad = make_values(kind, n, generator).to(dtype)
             residual = (0.1 * make_values("gaussian", n, generator)).to(dtype)
-            for k, capacity in ((2600, 2600), (2600, 1000), (26_000, 26_000)):
+            pairs = ((2600, 2600), (2600, 1000), (26_000, 26_000)) if dtype == torch.float32 else ((2600, 1000),)
+            for k, capacity in pairs:
                 yield f"{kind}-n{n}-{dtype}-k{k}-cap{capacity}", grad.to(device), residual.to(device), k, capacity
 
 
@@ -270,7 +274,8 @@ def check_gaussian_select(backend: str, cases) -> None:
 def test_gaussian_select_matches_reference(backend):
     device = backend_device(backend)
     thin = interpreted(backend)  # the interpreter: small inputs only
-    check_gaussian_select(backend, select_cases(device, case_sizes(backend, SELECT_SIZES), not thin, thin))
+    check_gaussian_select(backend, select_cases(device, case_sizes(backend, SELECT_SIZES), () if thin else LARGE_KINDS,
+                                                thin))
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
@@ -327,18 +332,22 @@ def test_gaussian_select_update_residual_is_residual_update(backend):
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_gaussian_select_with_any_number_of_threads(threads):
-    """The CPU kernel's candidate lists are per parallel range: other splits of the data give the same result."""
+    """The CPU kernel's candidate lists are per parallel range: other splits of the data give the same result (on
+    the large inputs of SPLIT_KINDS)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        check_gaussian_select("cpu", select_cases(torch.device("cpu"), sizes=()))
+        check_gaussian_select("cpu", select_cases(torch.device("cpu"), sizes=(), large=SPLIT_KINDS))
     finally:
         torch.set_num_threads(previous)
 
 
-def scatter_cases(device):
+SCATTER_SIZES = (1, 13, 4097, 100_000)
+
+
+def scatter_cases(device, sizes):
     generator = torch.Generator().manual_seed(4)
-    for n in (1, 13, 4097, 100_000):
+    for n in sizes:
         for m in (1, 8, 5000):
             for dtype in DTYPES:
                 dense = torch.randn(n, generator=generator).to(dtype)
@@ -352,7 +361,7 @@ def test_scatter_matches_reference(backend, op_name):
     device = backend_device(backend)
     kernel = getattr(backends.choose(device, backend).kernels, op_name)
     oracle = getattr(reference, op_name)
-    for name, dense, indices, values in scatter_cases(device):
+    for name, dense, indices, values in scatter_cases(device, case_sizes(backend, SCATTER_SIZES)):
         actual, expected = dense.clone(), dense.clone()
         invalid = kernel(actual, indices, values)
         oracle(expected, indices, values)

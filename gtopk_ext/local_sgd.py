@@ -26,8 +26,9 @@ from gtopk_ext.collectives._transport import allreduce
 from gtopk_ext.compressors import make_compressor
 from gtopk_ext.config import SparseConfig
 from gtopk_ext.costs import format_bytes, latest_line, ring_allreduce_bytes, sent_and_received
-from gtopk_ext.message import SparseMessage
-from gtopk_ext.reduction import reduce
+from gtopk_ext._worker import Disagreement
+from gtopk_ext.message import padded
+from gtopk_ext.reduction import TAG_BITS, reduce
 from gtopk_ext.resume import StateDicts, plan_resume, world_fields
 from gtopk_ext.wire import WIRES
 
@@ -108,7 +109,10 @@ class SparseLocalSGD:
             background (a thread, on a process group of its own made at the first sync) while the next inner steps
             train from where the rank was, and ``overlap`` steps after the sync its outer step is applied with the
             rank's progress since the sync kept on top: ``weights = global + (weights - weights at the sync)``.
-            A rank waits only when an exchange takes longer than ``overlap`` inner steps.
+            A rank waits only when an exchange takes longer than ``overlap`` inner steps. A sparse exchange carries
+            the ranks' checks (step counts, a finite pseudo-gradient) in its payload's flags, not in a round of its
+            own (one round less of the link's latency), where its fragments' payloads are of one size (almost
+            always: each padded to the largest fragment's k; else a round of headers first).
         fragments: F >= 1 dividing ``sync_every``: the parameters (each shard) in F consecutive slices, each synced
             every ``sync_every`` steps at its own offset, one every ``sync_every / F`` steps (Streaming DiLoCo's
             fragments): an exchange carries 1/F of the bytes, so ``overlap`` up to ``sync_every / F`` can hide it.
@@ -204,6 +208,14 @@ class SparseLocalSGD:
             for t in [*self.params, *self.buffers]:
                 self._broadcast(t, group, None)
         self._global = [shard.flat() for shard in self._shards]
+        # Each shard's messages padded to its largest fragment's k: then (where the wire's pages agree too) an
+        # exchange's payload has one size whichever fragment it carries, so a rank out of step cannot garble it,
+        # and an overlapped exchange carries the ranks' checks in its flags instead of a round of its own.
+        numels = [[len(range(shard.numel)[self._part(shard, f)]) for f in range(fragments)] for shard in self._shards]
+        self._k = [max(map(self.config.compressor.k_for, shard_numels)) for shard_numels in numels]
+        self._checks_in_payload = self._compressor is not None and all(
+            len({self.config.wire.payload_size(k, n, torch.float32, 2) for n in shard_numels}) == 1
+            for k, shard_numels in zip(self._k, numels))
         self._momentum = [torch.zeros_like(g) for g in self._global] if self.outer_momentum else []
         self._accumulator = [torch.zeros_like(g) for g in self._global] if self._compressor is not None else []
 
@@ -231,17 +243,19 @@ class SparseLocalSGD:
 
     def _slices(self, fragment: int | None) -> list[slice]:
         """Each shard's part of ``fragment`` (None: the whole shard)."""
+        return [self._part(shard, fragment) for shard in self._shards]
+
+    def _part(self, shard: _Shard, fragment: int | None) -> slice:
         if fragment is None or self.fragments == 1:
-            return [slice(None)] * len(self._shards)
-        return [slice(shard.numel * fragment // self.fragments, shard.numel * (fragment + 1) // self.fragments)
-                for shard in self._shards]
+            return slice(None)
+        return slice(shard.numel * fragment // self.fragments, shard.numel * (fragment + 1) // self.fragments)
 
     def _sync(self, wait: bool, fragment: int | None) -> None:
         """1. This period's pseudo-gradient: the global weights (as the replicas hold them) minus the weights now.
         2. The exchange (:meth:`_exchange`): waited for, its outer step applied and adopted by every rank; or
-        (``overlap``) all of it, the ranks' checks included, in the background, the weights now kept to apply it
-        against: the inner steps wait on no collective here. 3. The buffers are averaged (once a round of
-        fragments)."""
+        (``overlap``) all of it, the ranks' checks included (in its payload where they can be), in the background,
+        the weights now kept to apply it against: the inner steps wait on no collective here. 3. The buffers are
+        averaged (once a round of fragments)."""
         group, _, size = group_rank_and_size(self.process_group)
         start = perf_counter()
         # 1.
@@ -254,7 +268,7 @@ class SparseLocalSGD:
         exchanged = None
         if wait:
             exchanged = self._counted(self._exchange(deltas, slices, counts, finite, self._send_accumulators, group,
-                                                     size))
+                                                     size, in_payload=False))
             self._apply(exchanged, merge=False)
         else:
             if self._pool is None:  # its own group: the main thread's collectives go on beside the exchange
@@ -263,7 +277,8 @@ class SparseLocalSGD:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="SparseLocalSGD")
             self._at_sync = [shard.flat()[part] for shard, part in zip(self._shards, slices)]
             self._pending = self._pool.submit(self._exchange, deltas, slices, counts, finite, self._send_accumulators,
-                                              self._exchange_group, size)
+                                              self._exchange_group, size,
+                                              self._checks_in_payload and not self._send_accumulators)
             self._due, self._due_fragment = self.local_step + self.overlap, fragment
         self._send_accumulators = False
         # 3.
@@ -279,19 +294,26 @@ class SparseLocalSGD:
             self._add_to_last(exchanged)
 
     def _exchange(self, deltas: list[torch.Tensor], slices: list[slice], counts: dict[str, int], finite: bool,
-                  fold: bool, group: dist.ProcessGroup, size: int) -> dict:
-        """1. The ranks check their step ``counts`` and that every pseudo-gradient is finite (else all raise, nothing
-        changed). 2. The accumulators decay. 3. Every shard's pseudo-gradient (its part ``slices``) plus its
-        accumulator compressed (``fold``: sent whole) and averaged over the ranks, the accumulators keeping the
-        rest: ``{"averaged": deltas, "slices", "figures": (k, selected, bytes sent, bytes received), "decayed"}``."""
+                  fold: bool, group: dist.ProcessGroup, size: int, in_payload: bool) -> dict:
+        """1. The ranks check their step ``counts`` and that every pseudo-gradient is ``finite`` (else all raise,
+        nothing changed): in a round of headers first, or (``in_payload``: an overlapped sparse exchange) in the
+        exchange's own flags, a round less on the link, the accumulators restored if they fail. 2. The accumulators
+        decay. 3. Every shard's pseudo-gradient (its part ``slices``) plus its accumulator compressed (``fold``:
+        sent whole) and averaged over the ranks, the accumulators keeping the rest: ``{"averaged": deltas,
+        "slices", "figures": (k, selected, bytes sent, bytes received), "decayed"}``."""
         traffic, k, selected = Traffic(), 0, 0
         # 1.
-        headers = agree(counts, group, self._shards[0].device, "SparseLocalSGD.sync", traffic=traffic,
-                        reported={"finite": int(finite)})
-        diverged = [rank for rank, h in enumerate(headers) if not h["finite"]]
-        if diverged:
-            raise FloatingPointError(f"SparseLocalSGD.sync: the pseudo-gradient of rank(s) {diverged} is not finite "
-                                     f"(inner training diverged); nothing was applied")
+        tag, saved = None, []
+        if in_payload:  # the counts as a tag: two ranks at different steps differ in it
+            tag = zlib.crc32(f"{counts['local_step']} {counts['syncs']}".encode()) & ((1 << TAG_BITS) - 1)
+            saved = [a[part].clone() for a, part in zip(self._accumulator, slices)]
+        else:
+            headers = agree(counts, group, self._shards[0].device, "SparseLocalSGD.sync", traffic=traffic,
+                            reported={"finite": int(finite)})
+            diverged = [rank for rank, h in enumerate(headers) if not h["finite"]]
+            if diverged:
+                raise FloatingPointError(f"SparseLocalSGD.sync: the pseudo-gradient of rank(s) {diverged} is not "
+                                         f"finite (inner training diverged); nothing was applied")
         # 2.
         decayed = 0.0  # the L1 norm of what error_decay drops from the accumulators: (1 - decay) x |old|
         if self.error_decay != 1.0:
@@ -300,10 +322,15 @@ class SparseLocalSGD:
             for a, part in zip(self._accumulator, slices):
                 a[part].mul_(self.error_decay)
         # 3.
-        for index, (delta, part) in enumerate(zip(deltas, slices)):
-            msg = self._compress(index, delta, fold, part, counts["syncs"])
-            shard_k, shard_selected = self._reduce(index, delta, msg, part, group, size, traffic)
-            k, selected = k + shard_k, selected + shard_selected
+        try:
+            for index, (delta, part) in enumerate(zip(deltas, slices)):
+                shard_k, shard_selected = self._reduce(index, delta, part, fold, finite, counts, tag, group, size,
+                                                       traffic)
+                k, selected = k + shard_k, selected + shard_selected
+        except (FloatingPointError, Disagreement):
+            for a, part, old in zip(self._accumulator, slices, saved):
+                a[part].copy_(old)
+            raise
         return {"averaged": deltas, "slices": slices, "figures": (k, selected, traffic.sent, traffic.received),
                 "decayed": decayed}
 
@@ -349,27 +376,33 @@ class SparseLocalSGD:
             shard.adopt(adopted)
         self._pending, self._at_sync = None, []
 
-    def _compress(self, index: int, delta: torch.Tensor, fold: bool, part: slice, syncs: int) -> SparseMessage | None:
-        """The message of one shard's ``delta + accumulator`` (the accumulator keeps the rest), or None where the
-        whole of it is sent: the dense collective, or a fold (``delta`` takes the accumulator, which empties)."""
+    def _reduce(self, index: int, delta: torch.Tensor, part: slice, fold: bool, finite: bool, counts: dict[str, int],
+                tag: int | None, group: dist.ProcessGroup, size: int, traffic: Traffic) -> tuple[int, int]:
+        """``delta`` becomes the average over the ranks of one shard's ``delta + accumulator`` compressed (the
+        accumulator keeps the rest; a non-finite rank sends a flag instead), or sent whole: the dense collective,
+        or a ``fold`` (the accumulator empties). Raises on every rank when a rank was not ``finite`` or the ranks'
+        ``tag`` differed (see :meth:`_exchange`). Returns (k, elements selected)."""
+        accumulator = self._accumulator[index][part] if self._accumulator else None
         if self._compressor is None or fold:
-            if self._accumulator:
-                delta.add_(self._accumulator[index][part])
-                self._accumulator[index][part].zero_()
-            return None
-        return self._compressor.compress(delta, self._accumulator[index][part],
-                                         step=syncs * len(self._shards) + index)
-
-    def _reduce(self, index: int, delta: torch.Tensor, msg: SparseMessage | None, part: slice,
-                group: dist.ProcessGroup, size: int, traffic: Traffic) -> tuple[int, int]:
-        """``delta`` becomes the average over the ranks of one shard's message (or of ``delta``, without one);
-        returns (k, elements selected)."""
-        if msg is None:
+            if accumulator is not None:
+                delta.add_(accumulator)
+                accumulator.zero_()
             allreduce(delta, group, traffic).div_(size)
             return delta.numel(), delta.numel()
-        outcome = reduce(delta, self._accumulator[index][part], msg, self.config.reducer, group, k=msg.k,
+        msg = None
+        if finite:
+            msg = self._compressor.compress(delta, accumulator, step=counts["syncs"] * len(self._shards) + index)
+            msg = padded(msg, self._k[index])
+        outcome = reduce(delta, accumulator, msg, self.config.reducer, group, k=self._k[index],
                          wire=self.config.wire, backend=self._compressor.backend[delta.device], traffic=traffic,
-                         senders=self.average == "senders")
+                         senders=self.average == "senders", tag=tag)
+        if outcome.nonfinite:
+            raise FloatingPointError(f"SparseLocalSGD.sync: a rank's pseudo-gradient is not finite (inner training "
+                                     f"diverged; this rank's is {'' if finite else 'not '}finite); nothing was applied")
+        if outcome.disagreed:
+            raise Disagreement(f"SparseLocalSGD.sync: the ranks' step counts differ (this rank: local_step "
+                               f"{counts['local_step']}, syncs {counts['syncs']}); every rank must call step() and "
+                               f"sync() as often")
         return outcome.msg.k, int(outcome.msg.count)
 
     def _average_buffers(self, group: dist.ProcessGroup, size: int, traffic: Traffic) -> None:

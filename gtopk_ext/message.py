@@ -41,3 +41,13 @@ def padding_message(like: torch.Tensor, k: int) -> SparseMessage:
     device = like.device
     return SparseMessage(like.new_zeros(k), torch.zeros(k, dtype=torch.int32, device=device),
                          torch.zeros(1, dtype=torch.int32, device=device), max(like.numel(), 1))
+
+
+def padded(msg: SparseMessage, k: int) -> SparseMessage:
+    """``msg`` with padding slots added up to ``k`` (its count clamped to its own slots, which the padding follows)."""
+    extra = k - msg.k
+    if extra <= 0:
+        return msg
+    return SparseMessage(torch.cat([msg.values, msg.values.new_zeros(extra)]),
+                         torch.cat([msg.indices, msg.indices.new_zeros(extra)]), msg.count.clamp(max=msg.k), msg.numel,
+                         msg.stats)

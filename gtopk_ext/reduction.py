@@ -31,6 +31,10 @@ from gtopk_ext.paths import ROUNDED, PathPlan, agreed_costs, own_seconds, predic
 from gtopk_ext.wire import Rounding, Wire
 
 FLAG_NONFINITE = 1  # a flag bit carried inside the sparse payload (every rank learns the OR)
+# A tag compared across ranks inside the flags, with no round of its own: its bits, then their complement. The OR
+# over the ranks of both halves shares a bit exactly when two ranks' tags differ in it.
+TAG_BITS = 15
+_TAG_MASK = (1 << TAG_BITS) - 1
 STEPS_PER_ITER = 1 << 20  # randomk's draws: step = iteration * STEPS_PER_ITER + the tensor's index
 _DENSE = {name: COLLECTIVES[name]() for name in ("dense", *ROUNDED)}
 
@@ -323,12 +327,14 @@ def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, co
 class Outcome:
     """What :func:`reduce` did on this rank: ``msg``, the slots it sent; ``applied``, the mask of those in the
     average (None: all); ``errors``, (indices, errors) of the wire's rounding, now in its residual; ``nonfinite``:
-    a rank's sum was not finite, nothing was applied."""
+    a rank's sum was not finite, nothing was applied; ``disagreed``: the ranks' tags differed, nothing was
+    applied."""
 
     msg: SparseMessage
     applied: torch.Tensor | None
     errors: tuple[torch.Tensor, torch.Tensor]
     nonfinite: bool = False
+    disagreed: bool = False
 
     def taken(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices, values) this step took out of the residual: the applied slots less the rounding kept."""
@@ -339,29 +345,38 @@ class Outcome:
 
 def reduce(tensor: torch.Tensor, residual: torch.Tensor | None, msg: SparseMessage | None, collective: Collective,
            group: dist.ProcessGroup, *, k: int, wire: Wire, backend: Backend | None, traffic: Traffic | None = None,
-           state=None, out: torch.Tensor | None = None, senders: bool = False) -> Outcome:
+           state=None, out: torch.Tensor | None = None, senders: bool = False, tag: int | None = None) -> Outcome:
     """The sparse exchange of ``tensor`` (flat) over ``group``: ``msg`` is ``tensor + residual`` compressed to k
     slots, the rest left in ``residual``, or None from a rank whose sum is not finite (it raises a flag). ``out``
     (default ``tensor``) becomes the average of what was applied (``senders``: each element's sum divided by how
     many ranks sent it, SparseLoCo's average; the collective must count them); what was not goes back into the
-    residual. After a flag nothing is applied: a finite rank's ``tensor`` holds all of its ``tensor + residual``."""
+    residual. After a flag nothing is applied: a finite rank's ``tensor`` holds all of its ``tensor + residual``.
+    ``tag`` (an int of TAG_BITS bits): the ranks check that they passed the same one from the payload's flags, in
+    the same exchange; where they did not, nothing is applied, as after a flag (``disagreed``)."""
     if senders and not collective.counts_senders:
         raise ValueError(f"averaging over the ranks that sent each element needs a collective that counts them "
                          f"(allgather), got {collective.name!r}")
     finite = msg is not None
     flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
+    if tag is not None:
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= _TAG_MASK:
+            raise ValueError(f"tag must be an int in [0, {_TAG_MASK}], got {tag!r}")
+        flags[0] = tag << 1 | (~tag & _TAG_MASK) << (1 + TAG_BITS)
     if not finite:
-        flags[0] = FLAG_NONFINITE
+        flags[0] |= FLAG_NONFINITE
         msg = padding_message(tensor, k)
     rounding = Rounding()
     reduced = collective.reduce(msg, group, wire=wire, traffic=traffic, flags=flags, rounding=rounding, state=state,
                                 **({"senders": True} if senders else {}))
-    if int(flags) & FLAG_NONFINITE:
+    raised = int(flags)
+    disagreed = tag is not None and bool(raised >> 1 & raised >> (1 + TAG_BITS) & _TAG_MASK)
+    if raised & FLAG_NONFINITE or disagreed:
         if finite and residual is not None:  # all of this rank's sum goes into the dense average
             ops.scatter_add_(residual, msg.indices, msg.values, backend=backend, check=False)
             tensor.copy_(residual)
         nothing = torch.zeros_like(msg.indices, dtype=torch.bool)
-        return Outcome(msg, nothing, rounding.pairs(tensor.dtype, tensor.device), nonfinite=True)
+        return Outcome(msg, nothing, rounding.pairs(tensor.dtype, tensor.device),
+                       nonfinite=bool(raised & FLAG_NONFINITE), disagreed=disagreed)
     errors = (keep_unapplied(residual, msg, reduced.applied, rounding, backend) if residual is not None
               else rounding.pairs(tensor.dtype, tensor.device))
     reduced.average_into(tensor if out is None else out, dist.get_world_size(group), backend)

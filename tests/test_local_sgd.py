@@ -290,6 +290,17 @@ def _case_overlap(rank: int, world_size: int) -> None:
         outer.sync()
         _assert_replicas_equal(model, f"fragments {fragments}, overlap {overlap}, after the final sync")
         assert not outer.state_dict()["pending"]
+    # Fragments of 10 and 11 elements: k = 1 and 2 at density 0.1, every message padded to 2 slots (one payload
+    # size for both); the padding is nobody's sending: rank 0 alone sends element 0 (the padding's index).
+    vector = torch.zeros(21)
+    outer = gx.SparseLocalSGD([vector], sync_every=2, density=0.1, fragments=2, overlap=1, wire="plain")
+    with torch.no_grad():
+        vector[0 if rank == 0 else 3] = -(rank + 1.0)  # the pseudo-gradient: the global weights (0) minus these
+    assert outer.step() and outer.step()  # fragment 0's exchange applied, fragment 1's in flight
+    expected = torch.zeros(10)
+    expected[0], expected[3] = 1.0, sum(range(2, world_size + 1)) / (world_size - 1)
+    assert torch.equal(-outer.state_dict()["global"][0][:10], expected), outer.state_dict()["global"][0][:10]
+    outer.sync()
     # fragments without overlap: each step's sync adopts its fragment's global weights and leaves the rest
     model = _model(seed=rank)
     outer = gx.SparseLocalSGD(model.parameters(), sync_every=H, density=0.125, compressor_kwargs={"chunk": 32},
@@ -529,20 +540,44 @@ def _case_errors(rank: int, world_size: int) -> None:
     for name in ("global", "accumulator", "momentum"):
         assert all(torch.equal(a, b) for a, b in zip(before[name], after[name])), f"a failed sync changed {name}"
     assert after["syncs"] == 0
-    # With overlap the ranks check in the exchange's thread: the error comes where the exchange would apply, on
-    # every rank, and the sync is undone.
-    overlapped = gx.SparseLocalSGD(params, sync_every=1, density=0.1, overlap=1)  # every rank takes rank 0's
-    before = overlapped.state_dict()
-    with torch.no_grad():
-        if rank == world_size - 1:
-            params[0][0, 0] = float("nan")
-    assert overlapped.step(), "the sync did not start"
-    _expect_error(FloatingPointError, rf"the pseudo-gradient of rank\(s\) \[{world_size - 1}\] is not finite",
-                  overlapped.step)
-    after = overlapped.state_dict()
-    for name in ("global", "accumulator"):
-        assert all(torch.equal(a, b) for a, b in zip(before[name], after[name])), f"overlap: a sync changed {name}"
-    assert after["syncs"] == 0 and not after["pending"], "overlap: the failed sync was not undone"
+    # With overlap the ranks check in the exchange's thread, from its payload's flags (from a round of headers where
+    # the fragments' payloads differ in size: two pages of the compact wire against one): the error comes where the
+    # exchange would apply, on every rank, and the sync is undone, the accumulators as they were.
+    pages = [torch.zeros(2 * 65536 + 1)]  # fragments of 65,536 and 65,537 elements
+    for collective, tensors in (("allgather", params), ("gtopk", params), ("oktopk", params), ("allgather", pages)):
+        what = f"overlap, {collective}, {sum(t.numel() for t in tensors)} elements"
+        overlapped = gx.SparseLocalSGD(tensors, sync_every=2, density=0.1, overlap=1, fragments=2,
+                                       collective=collective, wire="compact")  # every rank takes rank 0's
+        drift = torch.linspace(0, rank + 1.0, tensors[0].numel()).view_as(tensors[0])
+        with torch.no_grad():
+            tensors[0].add_(drift)
+        assert overlapped.step() and overlapped.step(), what  # the first exchange applied, the second in flight
+        overlapped.sync()  # the accumulators hold what was not sent
+        with torch.no_grad():
+            tensors[0].add_(drift)
+        held = overlapped.state_dict()
+        assert any(a.abs().sum() > 0 for a in held["accumulator"]), what
+        in_payload = tensors is params
+        nonfinite = (rf"a rank's pseudo-gradient is not finite \(inner training diverged; this rank's is "
+                     rf"{'not ' if rank == world_size - 1 else ''}finite\)" if in_payload else
+                     rf"the pseudo-gradient of rank\(s\) \[{world_size - 1}\] is not finite")
+        counts = (r"the ranks' step counts differ \(this rank: local_step \d+, syncs \d+\); every rank must call "
+                  r"step\(\) and sync\(\) as often" if in_payload else r"SparseLocalSGD.sync: local_step differs")
+        for error, match, spoil in ((FloatingPointError, nonfinite, "nan"), (ValueError, counts, "local_step")):
+            kept = tensors[0].view(-1)[0].item()
+            with torch.no_grad():
+                if spoil == "nan" and rank == world_size - 1:
+                    tensors[0].view(-1)[0] = float("nan")
+            overlapped.local_step += rank if spoil == "local_step" else 0  # as if a rank had stepped more
+            assert overlapped.step(), f"{what}: the sync did not start"
+            _expect_error(error, match, overlapped.step)
+            now = overlapped.state_dict()
+            for name in ("global", "accumulator"):
+                assert all(torch.equal(a, b) for a, b in zip(held[name], now[name])), f"{what}: changed {name}"
+            assert now["syncs"] == held["syncs"] and not now["pending"], f"{what}: the sync was not undone"
+            overlapped.local_step = held["local_step"]
+            with torch.no_grad():
+                tensors[0].view(-1)[0] = kept
 
     other = gx.SparseLocalSGD(_model(1)[0].parameters(), sync_every=H, density=0.1)
     _expect_error(ValueError, r"state_dict holds shards of \[\d+\] elements, this optimizer's parameters make",

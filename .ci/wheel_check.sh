@@ -1,18 +1,16 @@
 #!/usr/bin/env bash
 # Installs gtopk_ext as a user does, from what a clean clone holds (the tracked files, with this working tree's
 # edits): `pip install --no-build-isolation .` into a fresh virtual environment that has only the pinned torch,
-# numpy and the build tools; with GTOPK_EXT_CUDA=1 (CI: TORCH_CUDA_ARCH_LIST=9.0) the CUDA kernels too, which must
-# then be registered, else the CPU kernels only. Then, in a folder outside the source tree: imports the installed
-# package, checks that every package of the source tree was installed, lists the ops and backends, and runs the
-# README's quick start at 2 ranks (on the CPU).
+# numpy and the build tools; the CPU kernels only (the test build compiles the .cu files). Then, in a folder
+# outside the source tree: imports the installed package, checks that every package of the source tree was
+# installed, lists the ops and backends, and runs the README's quick start at 2 ranks.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-python3}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 torch_pin="$(grep -E '^torch==' "$repo/requirements.txt")"
-unset PYTHONPATH FORCE_CUDA  # nothing of the source tree on sys.path
-cuda="${GTOPK_EXT_CUDA:-0}"
+unset PYTHONPATH FORCE_CUDA  # nothing of the source tree on sys.path; the CPU build below
 
 echo "wheel_check: the tracked files of $repo into $work/src"
 mkdir "$work/src" "$work/run"
@@ -23,12 +21,12 @@ echo "wheel_check: a fresh virtual environment ($python -m venv) with $torch_pin
 # shellcheck disable=SC1091
 . "$work/venv/bin/activate"
 python -m pip install -q --no-compile "$torch_pin" numpy setuptools wheel ninja
-echo "wheel_check: installed in $SECONDS s; pip install --no-build-isolation . (GTOPK_EXT_CUDA=$cuda)"
-(cd "$work/src" && GTOPK_EXT_CUDA=$cuda MAX_JOBS=${MAX_JOBS:-2} bash scripts/pip_install.sh --no-build-isolation --no-compile .)
+echo "wheel_check: installed in $SECONDS s; pip install --no-build-isolation . (GTOPK_EXT_CUDA=0)"
+(cd "$work/src" && GTOPK_EXT_CUDA=0 MAX_JOBS=${MAX_JOBS:-2} bash scripts/pip_install.sh --no-build-isolation --no-compile .)
 
 cd "$work/run"
 echo "wheel_check: after $SECONDS s, importing gtopk_ext in $PWD"
-python - "$work/src" "$cuda" <<'PY'
+python - "$work/src" <<'PY'
 import importlib.util
 import sys
 import sysconfig
@@ -56,7 +54,6 @@ assert not missing, f"ops without a registered kernel: {missing}"
 for op in sorted(registered):
     keys = [key for key in ("CPU", "CUDA") if torch._C._dispatch_has_kernel_for_dispatch_key(f"gtopk_ext::{op}", key)]
     print(f"  op gtopk_ext::{op:<20} kernels: {', '.join(keys) or 'none'}")
-    assert sys.argv[2] != "1" or "CUDA" in keys or op == "merge_topk", f"built with CUDA, {op} has no CUDA kernel"
 for backend in backends.ALL:
     reasons = backend.not_supported_reasons(torch.device("cpu"))
     print(f"  backend {backend.name:<7} on CPU tensors: {'runs' if not reasons else '; '.join(reasons)}")

@@ -28,7 +28,7 @@ from gtopk_ext.config import SparseConfig
 from gtopk_ext.costs import format_bytes, latest_line, ring_allreduce_bytes, sent_and_received
 from gtopk_ext._worker import Disagreement
 from gtopk_ext.message import padded
-from gtopk_ext.reduction import TAG_BITS, reduce
+from gtopk_ext.reduction import TAG_MASK, reduce
 from gtopk_ext.resume import StateDicts, plan_resume, world_fields
 from gtopk_ext.wire import WIRES
 
@@ -305,7 +305,7 @@ class SparseLocalSGD:
         # 1.
         tag, saved = None, []
         if in_payload:  # the counts as a tag: two ranks at different steps differ in it
-            tag = zlib.crc32(f"{counts['local_step']} {counts['syncs']}".encode()) & ((1 << TAG_BITS) - 1)
+            tag = zlib.crc32(f"{counts['local_step']} {counts['syncs']}".encode()) & TAG_MASK
             saved = [a[part].clone() for a, part in zip(self._accumulator, slices)]
         else:
             headers = agree(counts, group, self._shards[0].device, "SparseLocalSGD.sync", traffic=traffic,

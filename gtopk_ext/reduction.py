@@ -34,7 +34,7 @@ FLAG_NONFINITE = 1  # a flag bit carried inside the sparse payload (every rank l
 # A tag compared across ranks inside the flags, with no round of its own: its bits, then their complement. The OR
 # over the ranks of both halves shares a bit exactly when two ranks' tags differ in it.
 TAG_BITS = 15
-_TAG_MASK = (1 << TAG_BITS) - 1
+TAG_MASK = (1 << TAG_BITS) - 1
 STEPS_PER_ITER = 1 << 20  # randomk's draws: step = iteration * STEPS_PER_ITER + the tensor's index
 _DENSE = {name: COLLECTIVES[name]() for name in ("dense", *ROUNDED)}
 
@@ -359,9 +359,9 @@ def reduce(tensor: torch.Tensor, residual: torch.Tensor | None, msg: SparseMessa
     finite = msg is not None
     flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
     if tag is not None:
-        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= _TAG_MASK:
-            raise ValueError(f"tag must be an int in [0, {_TAG_MASK}], got {tag!r}")
-        flags[0] = tag << 1 | (~tag & _TAG_MASK) << (1 + TAG_BITS)
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= TAG_MASK:
+            raise ValueError(f"tag must be an int in [0, {TAG_MASK}], got {tag!r}")
+        flags[0] = tag << 1 | (~tag & TAG_MASK) << (1 + TAG_BITS)
     if not finite:
         flags[0] |= FLAG_NONFINITE
         msg = padding_message(tensor, k)
@@ -369,9 +369,9 @@ def reduce(tensor: torch.Tensor, residual: torch.Tensor | None, msg: SparseMessa
     reduced = collective.reduce(msg, group, wire=wire, traffic=traffic, flags=flags, rounding=rounding, state=state,
                                 **({"senders": True} if senders else {}))
     raised = int(flags)
-    disagreed = tag is not None and bool(raised >> 1 & raised >> (1 + TAG_BITS) & _TAG_MASK)
+    disagreed = tag is not None and bool(raised >> 1 & raised >> (1 + TAG_BITS) & TAG_MASK)
     if raised & FLAG_NONFINITE or disagreed:
-        if finite and residual is not None:  # all of this rank's sum goes into the dense average
+        if finite and residual is not None:  # all of this rank's sum back in tensor (for the hook's dense average)
             ops.scatter_add_(residual, msg.indices, msg.values, backend=backend, check=False)
             tensor.copy_(residual)
         nothing = torch.zeros_like(msg.indices, dtype=torch.bool)

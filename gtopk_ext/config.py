@@ -73,7 +73,8 @@ class SparseConfig:
             (its backend runs every op of the reduction).
         collective: ``"gtopk"`` (default, O(k log P)), ``"allgather"`` (O(kP)), ``"oktopk"`` (O(k) for any P) or
             ``"dense"`` (a plain allreduce).
-        wire: the sparse collectives' wire format (:mod:`gtopk_ext.wire`): ``"plain"``, ``"compact"`` or ``"2bit"``.
+        wire: the sparse collectives' wire format (:mod:`gtopk_ext.wire`): ``"plain"``, ``"compact"``, ``"2bit"``
+            or ``"4bit"``.
         start_iter: iterations reduced densely before compressing.
         path: each step's path once a tensor may compress (:class:`gtopk_ext.PathPolicy`): ``"auto"`` or a forced one.
         momentum: :class:`gtopk_ext.MomentumCorrection` (a number m is ``MomentumCorrection(m)``),

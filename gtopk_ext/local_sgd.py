@@ -94,8 +94,9 @@ class SparseLocalSGD:
             :func:`gtopk_ext.make_compressor`).
         buffers: tensors averaged densely at each sync (``model.buffers()``); integer buffers (BatchNorm's
             ``num_batches_tracked``) are taken from the group's first rank.
-        wire: how a sparse collective sends its pairs (:mod:`gtopk_ext.wire`): ``"plain"``, ``"compact"`` or
-            ``"2bit"`` (whose rounding errors go into the accumulator); the dense collective takes ``"plain"`` only.
+        wire: how a sparse collective sends its pairs (:mod:`gtopk_ext.wire`): ``"plain"``, ``"compact"``,
+            ``"2bit"`` or ``"4bit"`` (whose rounding errors go into the accumulator); the dense collective takes
+            ``"plain"`` only.
             None (default): ``"2bit"`` for a sparse collective, ``"plain"`` for the dense one.
         error_decay: in [0, 1]; each sync first multiplies the accumulator by it (SparseLoCo's decayed
             accumulator). 1.0 (default) is exact error feedback; below 1 the decayed part is dropped, and its L1

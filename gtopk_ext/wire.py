@@ -5,6 +5,9 @@
   the rounding errors go to a :class:`Rounding`, which the reduction adds to the residual (by exactly one rank).
 * :class:`TwoBitWire` (``"2bit"``): the compact wire's indices and 2 bits a value (SparseLoCo's), 2.25 bytes a
   pair; its (large) rounding errors go to the residual as the compact wire's do.
+* :class:`FourBitWire` (``"4bit"``): a 12-bit index within a page of 4,096 elements and a 4-bit value on a
+  geometric scale of that page's own magnitudes: 2 bytes a pair, plus 6 bytes a page (its count and its scale);
+  for selections that fill every page (``chunktopk``'s chunks of 4,096), the rounding kept as on the compact wire.
 
 A payload is one uint8 tensor: the head (int32 words: the count, then any flags), then the format's parts.
 """
@@ -219,7 +222,107 @@ class TwoBitWire(CompactWire):
         return (signs * levels[(codes & 1).long()] * used).to(dtype)
 
 
-WIRES = {wire.name: wire for wire in (PlainWire(), CompactWire(), TwoBitWire())}
+class FourBitWire(CompactWire):
+    """A pair in 16 bits: the index's low 12 bits (its page of 4,096 elements from the page's count) and a 4-bit
+    code, a sign and a magnitude: 0, or one of 7 levels spaced geometrically from the page's smallest to its largest
+    nonzero finite |value| (both sent in bfloat16), the nearer of the two around the value. A page's levels fit
+    its own spread, so a tensor of small values keeps its share of precision beside one of large values."""
+
+    name = "4bit"
+    code = 3
+    PAGE_SHIFT = 12
+    LEVELS = 7  # magnitude codes 1..7; code 0 is the value 0 (a non-finite value too: its flag stops the step)
+
+    @classmethod
+    def num_pages(cls, numel: int) -> int:
+        return (numel + (1 << cls.PAGE_SHIFT) - 1) >> cls.PAGE_SHIFT
+
+    def payload_size(self, k, numel, dtype, head_words):
+        return 4 * head_words + 6 * self.num_pages(numel) + 2 * k
+
+    def pack(self, indices, values, head, numel, backend=None):
+        device, k, pages = values.device, values.numel(), self.num_pages(numel)
+        used = torch.arange(k, device=device) < head[:1].clamp(0, k)
+        page = torch.where(used, indices.long() >> self.PAGE_SHIFT, 0)
+        counts = torch.zeros(pages, dtype=torch.int64, device=device).index_add_(0, page, used.long())
+        magnitude = values.float().abs()
+        scaled = used & magnitude.isfinite() & (magnitude > 0)
+        bounds = torch.stack([self._page_reduce(magnitude, page, scaled, pages, "amin"),
+                              self._page_reduce(magnitude, page, scaled, pages, "amax")]).to(torch.bfloat16)
+        bounds = torch.where(bounds.isinf(), torch.finfo(torch.bfloat16).max, bounds)  # rounded up past the range
+        position = self._position(magnitude, bounds.float()[:, page])
+        below = position.floor().clamp(0, self.LEVELS - 2)
+        candidates = torch.stack([below, below + 1])
+        levels = self._level(bounds.float()[:, page], candidates)
+        step = (levels - magnitude).abs().argmin(dim=0)
+        magnitude_code = torch.where(scaled, candidates.gather(0, step.unsqueeze(0))[0].long() + 1, 0)
+        codes = (magnitude_code | (values < 0).long() << 3) * used
+        pairs = ((indices.long() & ((1 << self.PAGE_SHIFT) - 1)) * used | codes << self.PAGE_SHIFT).to(torch.int32)
+        payload = torch.cat([as_bytes(head), as_bytes(counts.to(torch.int16)), as_bytes(bounds),
+                             as_bytes(pairs.to(torch.int16))])
+        return payload, torch.where(used, indices, 0), self._values(codes, bounds.float()[:, page], values.dtype)
+
+    def unpack(self, payload, k, numel, dtype, head_words, backend=None):
+        device, pages = payload.device, self.num_pages(numel)
+        start = 4 * head_words
+        head = payload[:start].view(torch.int32)
+        counts = payload[start:start + 2 * pages].view(torch.int16).long()
+        bounds = payload[start + 2 * pages:start + 6 * pages].view(torch.bfloat16).float().view(2, pages)
+        pairs = payload[start + 6 * pages:self.payload_size(k, numel, dtype, head_words)].view(torch.int16).long()
+        pairs = pairs & 0xFFFF
+        count = min(max(int(head[0]), 0), k)
+        used = torch.arange(k, device=device) < count
+        lengths = (numel - torch.arange(pages, device=device) * (1 << self.PAGE_SHIFT)).clamp(max=1 << self.PAGE_SHIFT)
+        bad_table = int((counts < 0).sum() + (counts > lengths).sum() + (~bounds.isfinite() | (bounds < 0)).sum())
+        if bad_table or int(counts.sum()) != count:
+            zeros = torch.zeros(k, dtype=torch.int32, device=device)
+            return zeros, zeros.to(dtype), head, torch.tensor([max(bad_table, 1)], dtype=torch.int32, device=device)
+        page = torch.cat([torch.repeat_interleave(torch.arange(pages, device=device), counts),
+                          torch.zeros(k - count, dtype=torch.int64, device=device)])
+        low = pairs & ((1 << self.PAGE_SHIFT) - 1)
+        same_page = torch.cat([torch.zeros(1, dtype=torch.bool, device=device), page[1:] == page[:-1]])
+        descending = same_page & (low < torch.cat([low[:1], low[:-1]]))
+        bad = used & ((low >= lengths[page]) | descending)
+        indices = torch.where(used & ~bad, page << self.PAGE_SHIFT | low, 0).to(torch.int32)
+        codes = torch.where(used & ~bad, pairs >> self.PAGE_SHIFT, 0)
+        invalid = bad.sum().to(torch.int32).reshape(1)
+        return indices, self._values(codes, bounds[:, page], dtype), head, invalid
+
+    @staticmethod
+    def _page_reduce(magnitude, page, mask, pages, how):
+        """Each page's smallest (``amin``) or largest (``amax``) masked magnitude; 0 where none is masked."""
+        out = magnitude.new_zeros(pages)
+        if bool(mask.any()):
+            out.scatter_reduce_(0, page[mask], magnitude[mask], how, include_self=False)
+        return out
+
+    @classmethod
+    def _position(cls, magnitude, bounds):
+        """Where |value| lies on its page's log scale: 0 at the smallest level, LEVELS - 1 at the largest."""
+        low, span = cls._log_scale(bounds)
+        return torch.where(span > 0, (magnitude.clamp(min=1e-45).log() - low) / span.clamp(min=1e-30) * (
+            cls.LEVELS - 1), 0.0)
+
+    @classmethod
+    def _level(cls, bounds, position):
+        """The magnitude of level ``position`` (0 .. LEVELS - 1) between a page's bounds."""
+        low, span = cls._log_scale(bounds)
+        return (low + span * (position / (cls.LEVELS - 1))).exp()
+
+    @staticmethod
+    def _log_scale(bounds):
+        low = bounds[0].clamp(min=torch.finfo(torch.float32).tiny).log()
+        return low, torch.where(bounds[0] > 0, bounds[1].clamp(min=torch.finfo(torch.float32).tiny).log() - low, 0.0)
+
+    @classmethod
+    def _values(cls, codes, bounds, dtype):
+        """The values 4-bit ``codes`` stand for on pages of ``bounds`` (each slot's page's): code 0 is 0."""
+        magnitude = cls._level(bounds, ((codes & 7) - 1).clamp(min=0).float())
+        signs = 1.0 - (codes >> 3).float() * 2
+        return torch.where((codes & 7) > 0, signs * magnitude, 0.0).to(dtype)
+
+
+WIRES = {wire.name: wire for wire in (PlainWire(), CompactWire(), TwoBitWire(), FourBitWire())}
 WireLike = Union[str, Wire]
 
 

@@ -70,8 +70,8 @@ def check_reduction(group, rank: int, size: int) -> list[str]:
     params = [torch.zeros(n) for n in PARTS]
     k = math.ceil(DENSITY * NUMEL)
     per_chunk = k // -(-NUMEL // SELECT)
-    # the 2-bit wire (the recipe's option for small byte budgets): its rounding stays in m
-    for collective, wire in (("allgather", "plain"), ("gtopk", "plain"), ("allgather", "2bit")):
+    # the 2- and 4-bit wires (the recipe's options for small byte budgets): their rounding stays in m
+    for collective, wire in (("allgather", "plain"), ("gtopk", "plain"), ("allgather", "2bit"), ("allgather", "4bit")):
         where = f"P={size} {collective} {wire}"
         state = new_state(group, collective, wire)
         m = torch.zeros(NUMEL)

@@ -496,7 +496,8 @@ def _case_errors(rank: int, world_size: int) -> None:
     _expect_error(ValueError, r"error_decay must be a number in \[0, 1\], got '0.9'", make(error_decay="0.9"))
     _expect_error(ValueError, r"collective='dense' has none and takes error_decay=1.0 only, got 0.9",
                   make(collective="dense", density=1.0, error_decay=0.9))
-    _expect_error(ValueError, r"wire must be one of \('plain', 'compact', '2bit'\), got 'zip'", make(wire="zip"))
+    _expect_error(ValueError, r"wire must be one of \('plain', 'compact', '2bit', '4bit'\), got 'zip'",
+                  make(wire="zip"))
     _expect_error(ValueError, r"collective='dense' allreduces float32 on the plain wire, got wire='compact'",
                   make(collective="dense", density=1.0, wire="compact"))
     _expect_error(ValueError, r"average must be 'ranks' or 'senders', got 'mean'", make(average="mean"))
@@ -582,7 +583,7 @@ def _case_errors(rank: int, world_size: int) -> None:
     other = gx.SparseLocalSGD(_model(1)[0].parameters(), sync_every=H, density=0.1)
     _expect_error(ValueError, r"state_dict holds shards of \[\d+\] elements, this optimizer's parameters make",
                   lambda: other.load_state_dict(before))
-    _expect_error(ValueError, r"state_dict\['wire'\] must be one of \('plain', 'compact', '2bit'\), got 'zip'",
+    _expect_error(ValueError, r"state_dict\['wire'\] must be one of \('plain', 'compact', '2bit', '4bit'\), got 'zip'",
                   lambda: outer.load_state_dict({**before, "wire": "zip"}))
     _expect_error(KeyError, r"state_dict is missing \['global'\]",
                   lambda: outer.load_state_dict({k: v for k, v in before.items() if k != "global"}))

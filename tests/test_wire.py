@@ -234,6 +234,72 @@ def test_two_bit_wire_sends_signs_and_two_magnitudes():
     assert int(two_bit.unpack(payload, 600, 140_000, torch.float32, 1)[3]) > 0
 
 
+def four_bit_expected(values: torch.Tensor, indices: torch.Tensor, count: int) -> list[float]:
+    """The 4-bit wire's values, found by a loop: per page of 4,096 elements, 7 levels spaced geometrically from
+    the bfloat16 of the page's smallest nonzero |value| to that of its largest; each value the sign times the level
+    nearest its |value|, 0 for 0."""
+    magnitudes = [abs(float(v)) for v in values[:count].float()]
+    pages = [int(i) >> 12 for i in indices[:count]]
+    bounds = {}
+    for page, magnitude in zip(pages, magnitudes):
+        if magnitude > 0:
+            low, high = bounds.get(page, (magnitude, magnitude))
+            bounds[page] = (min(low, magnitude), max(high, magnitude))
+    out = []
+    for page, magnitude, value in zip(pages, magnitudes, values[:count].float().tolist()):
+        if magnitude == 0:
+            out.append(0.0)
+            continue
+        low, high = (float(torch.tensor(b).to(torch.bfloat16)) for b in bounds[page])
+        levels = [low * (high / low) ** (j / 6) for j in range(7)]
+        out.append(math.copysign(min(levels, key=lambda level: abs(level - magnitude)), value))
+    return out
+
+
+def test_four_bit_wire_sends_twelve_bit_indices_and_a_level_of_its_page():
+    """Indices exact, padding (0, 0), each used value the sign times the nearest of its page's 7 geometric levels
+    (found by a loop); 2 bytes a pair and 6 a page; corrupted tables and slots are counted, never decoded out of
+    bounds."""
+    generator = torch.Generator().manual_seed(5)
+    four_bit = wire.WIRES["4bit"]
+    for numel, k, count in ((70_000, 300, 300), (12_289, 40, 37), (4096, 5, 0), (10, 2, 2)):
+        for dtype in DTYPES:
+            indices, values = sorted_message(numel, k, dtype, generator, duplicates=False)
+            values[::7] = 0  # code 0
+            values[1::5] *= 1e3  # pages whose spread is wide
+            head = torch.tensor([count, 6], dtype=torch.int32)
+            payload, sent_indices, sent_values = four_bit.pack(indices, values, head, numel)
+            assert payload.numel() == four_bit.payload_size(k, numel, dtype, 2) == 8 + 6 * -(-numel // 4096) + 2 * k
+            got_indices, got_values, got_head, invalid = four_bit.unpack(payload, k, numel, dtype, 2)
+            assert int(invalid) == 0 and got_head.tolist() == [count, 6]
+            assert torch.equal(got_indices, sent_indices) and torch.equal(got_values, sent_values)
+            assert got_indices[:count].tolist() == indices[:count].tolist() and not got_indices[count:].any()
+            for value, got, want in zip(values[:count].float().tolist(), got_values[:count].float().tolist(),
+                                        four_bit_expected(values, indices, count)):
+                expected = float(torch.tensor(want).to(dtype).float())
+                assert got == pytest.approx(expected, rel=1e-4, abs=1e-30), (numel, k, dtype, value, got, want)
+            assert not got_values[count:].float().any()
+    # Corruption: descending slots, a count that no page table sums to, a slot past the tensor's end.
+    indices, values = sorted_message(140_000, 600, torch.float32, generator)
+    pack = lambda n=140_000: four_bit.pack(indices, values, torch.tensor([600], dtype=torch.int32), n)[0]  # noqa: E731
+    pairs_start = 4 + 6 * -(-140_000 // 4096)
+    payload = pack()
+    assert int(indices[1]) < 4096  # the first two slots share page 0: swapped, they descend
+    first_two = slice(pairs_start, pairs_start + 4)
+    payload[first_two] = payload[first_two].view(torch.int16).flip(0).view(torch.uint8)
+    assert int(four_bit.unpack(payload, 600, 140_000, torch.float32, 1)[3]) == 1
+    payload = pack()
+    payload[:4] = torch.tensor([599], dtype=torch.int32).view(torch.uint8)
+    got_indices, _, _, invalid = four_bit.unpack(payload, 600, 140_000, torch.float32, 1)
+    assert int(invalid) > 0 and not got_indices.any()
+    # Packed for 143,360 elements (the same 35 pages), decoded as 140,000: index 140,500 lies past the last page's
+    # 736 elements.
+    past = torch.tensor([5, 139_300, 140_500], dtype=torch.int32)
+    payload = four_bit.pack(past, torch.ones(3), torch.tensor([3], dtype=torch.int32), 143_360)[0]
+    got_indices, _, _, invalid = four_bit.unpack(payload, 3, 140_000, torch.float32, 1)
+    assert int(invalid) == 1 and got_indices.tolist() == [5, 139_300, 0]
+
+
 # ----- the collectives on real groups -----
 
 WIRE_COLLECTIVES = ("gtopk", "allgather", "oktopk")
@@ -302,7 +368,8 @@ def check_collectives(members: Members) -> list[str]:
         shuffled = torch.randperm(msg.k, generator=torch.Generator().manual_seed(members.me))
         hostile = gx.SparseMessage(msg.values[shuffled], msg.indices[shuffled], msg.count + 5, msg.numel)
         for variant, m, lossy in (("sorted", msg, "compact"), ("unsorted", hostile, "compact"),
-                                  ("sorted", msg, "2bit"), ("unsorted", hostile, "2bit")):
+                                  ("sorted", msg, "2bit"), ("unsorted", hostile, "2bit"),
+                                  ("sorted", msg, "4bit"), ("unsorted", hostile, "4bit")):
             variant = f"{variant}, {lossy}"
             rounding = wire.Rounding()
             result = run_collective(name, m, members.group, wire=lossy, rounding=rounding)

@@ -26,9 +26,9 @@ def sparse_allgather(msg: SparseMessage, group: dist.ProcessGroup | None = None,
     rank passes the same k, numel, dtype, wire and flags or none. ``flags`` (int32[1], optional): bits this rank
     raises; on return it holds their OR over the group.
 
-    ``wire`` (:mod:`gtopk_ext.wire`): ``"plain"`` or ``"compact"`` (4 bytes a pair, the used slots only). With
-    compact, what the wire took off this rank's values is added to ``rounding`` when given: add it to the
-    residual, or it is lost. A corrupted compact payload raises ValueError on every rank, nothing written.
+    ``wire`` (:mod:`gtopk_ext.wire`): ``"plain"`` (exact) or a lossy one (``"compact"``, ``"2bit"``,
+    ``"4bit"``). With a lossy wire, what it took off this rank's values is added to ``rounding`` when given: add
+    it to the residual, or it is lost. A corrupted lossy payload raises ValueError on every rank, nothing written.
     ``senders`` (float32, ``msg.numel`` elements): 1 is added at each index for every rank that sent it (its used
     slots), for an average over the ranks that sent each element."""
     group, _, size = group_rank_and_size(group)

@@ -3,6 +3,7 @@ DDP with gtopk_ext's AdamW recipe, or each rank on its own with SparseLocalSGD, 
 machine, 4 ranks:
 
     torchrun --nproc-per-node 4 examples/train_transformer.py                  # the AdamW recipe, density 0.01
+    torchrun --nproc-per-node 4 examples/train_transformer.py --density 0.004 --wire 4bit  # 1/4 of its bytes
     torchrun --nproc-per-node 4 examples/train_transformer.py --method sparseloco  # SparseLocalSGD's defaults
     torchrun --nproc-per-node 4 examples/train_transformer.py --method ddp     # DDP + torch.optim.AdamW, to compare
 
@@ -37,6 +38,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--method", default="adamw-recipe", choices=("adamw-recipe", "sparseloco", "ddp", "bf16"),
                         help="the AdamW recipe, DDP's allreduce, or bf16_compress_hook (both with torch's AdamW)")
     parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--wire", default="compact", choices=tuple(gx.wire.WIRES),
+                        help="the AdamW recipe's wire: 4bit sends a coefficient in 2 bytes, compact in 4")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=30, help="learning-rate warm-up steps (then a cosine)")
@@ -124,7 +127,8 @@ def main() -> None:
         outer = gx.SparseLocalSGD(model.parameters())
     elif args.method == "adamw-recipe":
         # gtopk_ext: the hook's state and the optimizer that goes with it (AdamW's arguments, plus the state).
-        state = gx.SparseGradState.recipe(density=args.density, optimizer="adamw", stats_logging_frequency=0)
+        state = gx.SparseGradState.recipe(density=args.density, optimizer="adamw", wire=args.wire,
+                                          stats_logging_frequency=0)
         ddp.register_comm_hook(state, gx.sparse_grad_hook)
         optimizer = gx.SparseAdamW(groups, lr=args.lr, betas=(0.9, 0.95), state=state)
     else:

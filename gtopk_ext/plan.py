@@ -113,10 +113,11 @@ def sparse_exchange(collective: str, wire: str, density: float):
     return exchange
 
 
-# The LM race's methods (docs/race.md: 4 ranks, the means of seeds 0 and 1): steps to DDP's 500-step loss over DDP's
-# steps (490) on the same 1000-step schedule; None: not reached in 1000 (over 2.04x). The AdamW recipe's work per
-# element is 2.9 selections' (the DCT there and back, a top-k per chunk, the decoding of every rank's message),
-# measured at R = 3 on the race's CPUs (docs/race.md); not measured on a GPU.
+# The LM race's methods (docs/race.md: 4 ranks, the means of seeds 0 and 1; the 4-bit wire's in
+# docs/language_model.md): steps to DDP's 500-step loss over DDP's steps (490) on the same 1000-step schedule; None:
+# not reached in 1000 (over 2.04x). The AdamW recipe's work per element is 2.9 selections' (the DCT there and back,
+# a top-k per chunk, the decoding of every rank's message), measured at R = 3 on the race's CPUs (docs/race.md); not
+# measured on a GPU.
 ADAMW_WORK = 2.9
 METHODS = (
     Method("ddp", "DDP", lambda c: dense(c, 4), 1.0),
@@ -128,6 +129,8 @@ METHODS = (
            sparse=True, work=ADAMW_WORK),
     Method("adamw-0.001", "gtopk_ext AdamW recipe, d=0.001", sparse_exchange("allgather", "compact", 0.001), None,
            sparse=True, work=ADAMW_WORK),
+    Method("adamw-0.004-4bit", "gtopk_ext AdamW recipe, d=0.004, 4-bit wire",
+           sparse_exchange("allgather", "4bit", 0.004), 570 / 490, sparse=True, work=ADAMW_WORK),
     Method("sparse-gtopk-0.02-32", "SparseLocalSGD's earlier defaults (gtopk d=0.02, H=32)",
            sparse_exchange("gtopk", "plain", 0.02), None, period=32, sparse=True),
     Method("sparseloco-0.015625-8", "SparseLocalSGD defaults (SparseLoCo, d=1/64, H=8)",

@@ -376,12 +376,14 @@ def run_transformer_example(tmp_path, method: str, *args: str) -> tuple[str, flo
     return log, float(found[0].split("validation loss ")[1].split()[0])
 
 
-def test_the_transformer_example_runs_the_recipe(tmp_path):
+@pytest.mark.parametrize("options", [(), ("--density", "0.004", "--wire", "4bit")])
+def test_the_transformer_example_runs_the_recipe(tmp_path, options):
     """The recipe's paths (sparse from the first step), and a validation loss below the untrained model's
-    (ln 256 = 5.55)."""
-    log, loss = run_transformer_example(tmp_path, "adamw-recipe", "--steps", "30")
+    (ln 256 = 5.55); with the defaults and with the 4-bit wire."""
+    log, loss = run_transformer_example(tmp_path, "adamw-recipe", "--steps", "30", *options)
     assert loss < 4.5, log[-3000:]
     assert "paths taken (bucket steps): sparse 30;" in log, log[-3000:]
+    assert ("4bit wire" in log) == ("4bit" in options), log[-3000:]
 
 
 def test_sparse_adamw_leaves_the_first_moment_to_the_hook_in_every_group():

@@ -44,6 +44,17 @@ def test_the_adamw_recipe_sends_every_nodes_pairs_on_the_compact_wire_and_the_se
     assert step == pytest.approx(0.1 + exchange + ADAMW_WORK * 2e-11 * 1e8 / 8, rel=1e-3)
 
 
+def test_the_adamw_recipe_on_the_4bit_wire_sends_two_bytes_a_pair_and_six_a_page():
+    c = Cluster(params=1e8, compute_s=0.1, link_bps=1e9, nodes=8, gpus_per_node=8, latency_s=0.0, overlap=0.0,
+                select_s=2e-11)
+    k = round(0.004 * 1e8)
+    # to each of the 7 other nodes: a 1-word head, a count and two bfloat16 bounds per 4,096 elements, 2 bytes a pair
+    payload = 4 + 6 * math.ceil(1e8 / 4096) + 2 * k
+    exchange = 8 * FRAMES * 7 * payload / 1e9
+    step = by_name("adamw-0.004-4bit").step_seconds(c)
+    assert step == pytest.approx(0.1 + exchange + ADAMW_WORK * 2e-11 * 1e8 / 8, rel=1e-3)
+
+
 def test_sparseloco_sends_every_nodes_pairs_on_the_2bit_wire_every_8_steps():
     c = Cluster(params=1e8, compute_s=0.1, link_bps=1e9, nodes=8, gpus_per_node=8, latency_s=1e-4, overlap=0.5,
                 select_s=2e-11)

@@ -247,20 +247,17 @@ class FourBitWire(CompactWire):
         counts = torch.zeros(pages, dtype=torch.int64, device=device).index_add_(0, page, used.long())
         magnitude = values.float().abs()
         scaled = used & magnitude.isfinite() & (magnitude > 0)
-        bounds = torch.stack([self._page_reduce(magnitude, page, scaled, pages, "amin"),
-                              self._page_reduce(magnitude, page, scaled, pages, "amax")]).to(torch.bfloat16)
+        bounds = self._page_bounds(magnitude, page, scaled, pages).to(torch.bfloat16)
         bounds = torch.where(bounds.isinf(), torch.finfo(torch.bfloat16).max, bounds)  # rounded up past the range
-        position = self._position(magnitude, bounds.float()[:, page])
-        below = position.floor().clamp(0, self.LEVELS - 2)
-        candidates = torch.stack([below, below + 1])
-        levels = self._level(bounds.float()[:, page], candidates)
-        step = (levels - magnitude).abs().argmin(dim=0)
-        magnitude_code = torch.where(scaled, candidates.gather(0, step.unsqueeze(0))[0].long() + 1, 0)
-        codes = (magnitude_code | (values < 0).long() << 3) * used
+        slot_bounds = bounds.float()[:, page]
+        below = self._position(magnitude, slot_bounds).floor().clamp(0, self.LEVELS - 2)
+        lower, upper = self._level(slot_bounds, below), self._level(slot_bounds, below + 1)
+        nearer = below + ((upper - magnitude).abs() < (magnitude - lower).abs())  # a tie takes the lower level
+        codes = (torch.where(scaled, nearer.long() + 1, 0) | (values < 0).long() << 3) * used
         pairs = ((indices.long() & ((1 << self.PAGE_SHIFT) - 1)) * used | codes << self.PAGE_SHIFT).to(torch.int32)
         payload = torch.cat([as_bytes(head), as_bytes(counts.to(torch.int16)), as_bytes(bounds),
                              as_bytes(pairs.to(torch.int16))])
-        return payload, torch.where(used, indices, 0), self._values(codes, bounds.float()[:, page], values.dtype)
+        return payload, torch.where(used, indices, 0), self._values(codes, slot_bounds, values.dtype)
 
     def unpack(self, payload, k, numel, dtype, head_words, backend=None):
         device, pages = payload.device, self.num_pages(numel)
@@ -289,12 +286,12 @@ class FourBitWire(CompactWire):
         return indices, self._values(codes, bounds[:, page], dtype), head, invalid
 
     @staticmethod
-    def _page_reduce(magnitude, page, mask, pages, how):
-        """Each page's smallest (``amin``) or largest (``amax``) masked magnitude; 0 where none is masked."""
-        out = magnitude.new_zeros(pages)
-        if bool(mask.any()):
-            out.scatter_reduce_(0, page[mask], magnitude[mask], how, include_self=False)
-        return out
+    def _page_bounds(magnitude, page, mask, pages):
+        """Each page's smallest and largest masked magnitude, stacked; 0 and 0 where none is masked."""
+        low = magnitude.new_full((pages,), float("inf")).scatter_reduce_(
+            0, page, torch.where(mask, magnitude, float("inf")), "amin")
+        high = magnitude.new_zeros(pages).scatter_reduce_(0, page, torch.where(mask, magnitude, 0.0), "amax")
+        return torch.stack([torch.where(low.isinf(), 0.0, low), high])
 
     @classmethod
     def _position(cls, magnitude, bounds):

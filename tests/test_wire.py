@@ -292,6 +292,11 @@ def test_four_bit_wire_sends_twelve_bit_indices_and_a_level_of_its_page():
     payload[:4] = torch.tensor([599], dtype=torch.int32).view(torch.uint8)
     got_indices, _, _, invalid = four_bit.unpack(payload, 600, 140_000, torch.float32, 1)
     assert int(invalid) > 0 and not got_indices.any()
+    # Duplicate indices, more than a page's 4,096 elements: each slot arrives as it was sent.
+    same = torch.full((5000,), 4097, dtype=torch.int32)
+    payload, _, sent_values = four_bit.pack(same, torch.ones(5000), torch.tensor([5000], dtype=torch.int32), 9000)
+    got_indices, got_values, _, invalid = four_bit.unpack(payload, 5000, 9000, torch.float32, 1)
+    assert int(invalid) == 0 and torch.equal(got_indices, same) and torch.equal(got_values, torch.ones(5000))
     # Packed for 143,360 elements (the same 35 pages), decoded as 140,000: index 140,500 lies past the last page's
     # 736 elements.
     past = torch.tensor([5, 139_300, 140_500], dtype=torch.int32)

@@ -46,7 +46,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--collective", default="gtopk", help="between nodes: gtopk, allgather or oktopk")
-    parser.add_argument("--wire", default="plain", choices=("plain", "compact"))
+    parser.add_argument("--wire", default="plain", choices=tuple(gx.wire.WIRES))
     parser.add_argument("--path", default="auto", choices=gx.paths.MODES,
                         help="each call's path (gx.PathPolicy): auto takes the cheapest as measured")
     parser.add_argument("--min-compress-numel", type=int, default=1024,

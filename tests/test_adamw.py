@@ -117,14 +117,16 @@ def reduction_worker(rank: int, world_size: int) -> list[str]:
 
 
 def fsdp_checks(rank: int, world_size: int) -> list[str]:
-    """2 nodes x 2 ranks (FSDP2 inside a node, the decoupled momentum between nodes), and one node of 4."""
+    """2 nodes x 2 ranks (FSDP2 inside a node, the decoupled momentum between nodes; the plain and the 4-bit wire),
+    and one node of 4."""
     from tests.test_fsdp import SPARSE, batch, full_parameters, make_model, shard
 
     failures = []
-    for node_size in (2, 4):
-        where = f"FSDP2, node size {node_size}"
+    for node_size, wire in ((2, "plain"), (2, "4bit"), (4, "plain")):
+        where = f"FSDP2, node size {node_size}, {wire} wire"
         state = gx.SparseFSDPState(gx.fsdp.node_mesh(node_size), density=0.1, compressor="chunktopk",
-                                   collective="allgather", path=SPARSE, momentum=gx.DecoupledMomentum(chunk=CHUNK))
+                                   collective="allgather", wire=wire, path=SPARSE,
+                                   momentum=gx.DecoupledMomentum(chunk=CHUNK))
         model = shard(make_model(), state.shard_mesh)
         gx.register_sparse_all_reduce(model, state)
         optimizer = gx.SparseAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, state=state)

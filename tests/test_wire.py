@@ -1,7 +1,8 @@
-"""The compact wire: its ops (wire_encode, wire_decode) against gtopk_ext/reference.py on every backend, their
-contract (bad arguments, opcheck), corrupted payloads, and every sparse collective with wire="compact" on real
-Gloo groups of 2, 3, 4, 5 and 8 ranks, the hierarchical one on 4 and 3 nodes of 2 (one spawn): conservation through
-the hook, identical results on every rank, corruption and bad arguments failing alike on every rank."""
+"""The wires: the compact wire's ops (wire_encode, wire_decode) against gtopk_ext/reference.py on every backend,
+their contract (bad arguments, opcheck), corrupted payloads; the 2- and 4-bit wires against loops; and every sparse
+collective on the lossy wires on real Gloo groups of 2, 3, 4, 5 and 8 ranks, the hierarchical one on 4 and 3 nodes
+of 2 (one spawn): conservation through the hook, identical results on every rank, corruption and bad arguments
+failing alike on every rank."""
 
 from __future__ import annotations
 

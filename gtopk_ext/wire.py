@@ -250,15 +250,18 @@ class FourBitWire(CompactWire):
         scaled = used & magnitude.isfinite() & (magnitude > 0)
         bounds = self._page_bounds(magnitude, page, scaled, pages).to(torch.bfloat16)
         bounds = torch.where(bounds.isinf(), torch.finfo(torch.bfloat16).max, bounds)  # rounded up past the range
-        slot_bounds = bounds.float()[:, page]
-        below = self._position(magnitude, slot_bounds).floor().clamp(0, self.LEVELS - 2)
-        lower, upper = self._level(slot_bounds, below), self._level(slot_bounds, below + 1)
+        scale = self._log_scale(bounds.float()[:, page])
+        low, span = scale
+        position = torch.where(span > 0, (magnitude.clamp(min=1e-45).log() - low) / span.clamp(min=1e-30) * (
+            self.LEVELS - 1), 0.0)  # 0 at the page's smallest level, LEVELS - 1 at its largest
+        below = position.floor().clamp(0, self.LEVELS - 2)
+        lower, upper = self._level(scale, below), self._level(scale, below + 1)
         nearer = below + ((upper - magnitude).abs() < (magnitude - lower).abs())  # a tie takes the lower level
         codes = (torch.where(scaled, nearer.long() + 1, 0) | (values < 0).long() << 3) * used
         pairs = ((indices.long() & ((1 << self.PAGE_SHIFT) - 1)) * used | codes << self.PAGE_SHIFT).to(torch.int32)
         payload = torch.cat([as_bytes(head), as_bytes(counts.to(torch.int16)), as_bytes(bounds),
                              as_bytes(pairs.to(torch.int16))])
-        return payload, torch.where(used, indices, 0), self._values(codes, slot_bounds, values.dtype)
+        return payload, torch.where(used, indices, 0), self._values(codes, scale, values.dtype)
 
     def unpack(self, payload, k, numel, dtype, head_words, backend=None):
         device, pages = payload.device, self.num_pages(numel)
@@ -266,16 +269,18 @@ class FourBitWire(CompactWire):
         head = payload[:start].view(torch.int32)
         counts = payload[start:start + 2 * pages].view(torch.int16).long() & 0xFFFF
         bounds = payload[start + 2 * pages:start + 6 * pages].view(torch.bfloat16).float().view(2, pages)
-        pairs = payload[start + 6 * pages:self.payload_size(k, numel, dtype, head_words)].view(torch.int16).long()
-        pairs = pairs & 0xFFFF
-        count = min(max(int(head[0]), 0), k)
-        used = torch.arange(k, device=device) < count
-        lengths = (numel - torch.arange(pages, device=device) * (1 << self.PAGE_SHIFT)).clamp(max=1 << self.PAGE_SHIFT)
-        bad_table = int((~bounds.isfinite() | (bounds < 0)).sum())
-        if bad_table or int(counts.sum()) != count:
+        end = self.payload_size(k, numel, dtype, head_words)
+        pairs = payload[start + 6 * pages:end].view(torch.int16).long() & 0xFFFF
+        # One host sync: the count, the table's bad bounds, and what its counts sum to.
+        count, bad_table, total = torch.stack([head[0].long(), (~bounds.isfinite() | (bounds < 0)).sum(),
+                                               counts.sum()]).tolist()
+        count = min(max(count, 0), k)
+        if bad_table or total != count:
             zeros = torch.zeros(k, dtype=torch.int32, device=device)
             return zeros, zeros.to(dtype), head, torch.tensor([max(bad_table, 1)], dtype=torch.int32, device=device)
-        page = torch.cat([torch.repeat_interleave(torch.arange(pages, device=device), counts),
+        used = torch.arange(k, device=device) < count
+        lengths = (numel - torch.arange(pages, device=device) * (1 << self.PAGE_SHIFT)).clamp(max=1 << self.PAGE_SHIFT)
+        page = torch.cat([torch.repeat_interleave(torch.arange(pages, device=device), counts, output_size=count),
                           torch.zeros(k - count, dtype=torch.int64, device=device)])
         low = pairs & ((1 << self.PAGE_SHIFT) - 1)
         same_page = torch.cat([torch.zeros(1, dtype=torch.bool, device=device), page[1:] == page[:-1]])
@@ -284,7 +289,7 @@ class FourBitWire(CompactWire):
         indices = torch.where(used & ~bad, page << self.PAGE_SHIFT | low, 0).to(torch.int32)
         codes = torch.where(used & ~bad, pairs >> self.PAGE_SHIFT, 0)
         invalid = bad.sum().to(torch.int32).reshape(1)
-        return indices, self._values(codes, bounds[:, page], dtype), head, invalid
+        return indices, self._values(codes, self._log_scale(bounds[:, page]), dtype), head, invalid
 
     @staticmethod
     def _page_bounds(magnitude, page, mask, pages):
@@ -294,28 +299,24 @@ class FourBitWire(CompactWire):
         high = magnitude.new_zeros(pages).scatter_reduce_(0, page, torch.where(mask, magnitude, 0.0), "amax")
         return torch.stack([torch.where(low.isinf(), 0.0, low), high])
 
-    @classmethod
-    def _position(cls, magnitude, bounds):
-        """Where |value| lies on its page's log scale: 0 at the smallest level, LEVELS - 1 at the largest."""
-        low, span = cls._log_scale(bounds)
-        return torch.where(span > 0, (magnitude.clamp(min=1e-45).log() - low) / span.clamp(min=1e-30) * (
-            cls.LEVELS - 1), 0.0)
-
-    @classmethod
-    def _level(cls, bounds, position):
-        """The magnitude of level ``position`` (0 .. LEVELS - 1) between a page's bounds."""
-        low, span = cls._log_scale(bounds)
-        return (low + span * (position / (cls.LEVELS - 1))).exp()
-
     @staticmethod
     def _log_scale(bounds):
-        low = bounds[0].clamp(min=torch.finfo(torch.float32).tiny).log()
-        return low, torch.where(bounds[0] > 0, bounds[1].clamp(min=torch.finfo(torch.float32).tiny).log() - low, 0.0)
+        """(log of the smallest level, log of the largest minus it) of pages' ``bounds``; a span of 0 where the
+        smallest is 0."""
+        tiny = torch.finfo(torch.float32).tiny
+        low = bounds[0].clamp(min=tiny).log()
+        return low, torch.where(bounds[0] > 0, bounds[1].clamp(min=tiny).log() - low, 0.0)
 
     @classmethod
-    def _values(cls, codes, bounds, dtype):
-        """The values 4-bit ``codes`` stand for on pages of ``bounds`` (each slot's page's): code 0 is 0."""
-        magnitude = cls._level(bounds, ((codes & 7) - 1).clamp(min=0).float())
+    def _level(cls, scale, position):
+        """The magnitude of level ``position`` (0 .. LEVELS - 1) on a :meth:`_log_scale`."""
+        low, span = scale
+        return (low + span * (position / (cls.LEVELS - 1))).exp()
+
+    @classmethod
+    def _values(cls, codes, scale, dtype):
+        """The values 4-bit ``codes`` stand for on each slot's page's :meth:`_log_scale`: code 0 is 0."""
+        magnitude = cls._level(scale, ((codes & 7) - 1).clamp(min=0).float())
         signs = 1.0 - (codes >> 3).float() * 2
         return torch.where((codes & 7) > 0, signs * magnitude, 0.0).to(dtype)
 

@@ -5,14 +5,14 @@
 # whole run within GPU_CHECK_BUDGET seconds (default 480: a lent machine runs one call for at most 10 minutes; what
 # does not fit is reported as skipped, to be run in a second call by naming it):
 #   build    python setup.py build_ext --inplace (GTOPK_EXT_CUDA=1, this GPU's arch); the versions -> versions.json
-#   graph    scripts/gpu_selection.py: Gaussian-k compress with error feedback on the CUDA kernels (fused and legacy
-#            paths) and the Triton ones at 25M and 100M elements, d = 0.001: kernels, launches and allocations per
-#            call, host syncs, and the time eager and captured in a CUDA graph against x.add_(y) (CUDA events, median
-#            of 15) -> selection.json, selection.md
 #   ops      the op tests on CUDA tensors for the CUDA and Triton backends (against gtopk_ext/reference.py, CUDA
 #            graphs, the launch budget), one pytest process per file so that a crash names its file; the cases of
 #            the CPU backend (CI runs those) are left out unless GPU_CHECK_ALL_TESTS=1
 #   hook     the DDP hook with two processes on the one GPU: tests/test_gpu.py
+#   graph    scripts/gpu_selection.py: Gaussian-k compress with error feedback on the CUDA kernels (fused and legacy
+#            paths) and the Triton ones at 25M and 100M elements, d = 0.001: kernels, launches and allocations per
+#            call, host syncs, and the time eager and captured in a CUDA graph against x.add_(y) (CUDA events, median
+#            of 15) -> selection.json, selection.md
 #   bench    python -m bench.selection --device cuda for each backend, and its --profile at 25M, d = 0.001
 #   legacy   the CUDA cases of test_ops.py and test_compressors.py again on GTOPK_EXT_CUDA_PATH=legacy
 #     bash scripts/gpu_check.sh [--dry-run] [OUT_DIR [PHASE ...]]   # OUT_DIR: default $OUT, else gpu_check/
@@ -35,7 +35,7 @@ fi
 out=$(realpath -m "${1:-${OUT:-gpu_check}}")
 shift || true
 phases=("$@")
-[ ${#phases[@]} -gt 0 ] || phases=(build graph ops hook bench legacy)
+[ ${#phases[@]} -gt 0 ] || phases=(build ops hook graph bench legacy)
 mkdir -p "$out"
 logs=$(mktemp -d)
 python=${PYTHON:-python3}
@@ -155,7 +155,7 @@ GPU_CASES="(cuda or triton or gpu or devices) and not builds_for_sm80"
 ops() {
   local status=0 file cap select=(-k "$GPU_CASES")
   [ "${GPU_CHECK_ALL_TESTS:-0}" = 1 ] && select=()
-  for file in tests/test_ops.py tests/test_triton_path.py tests/test_backends.py tests/test_compressors.py; do
+  for file in tests/test_ops.py tests/test_triton_path.py tests/test_wire.py tests/test_backends.py tests/test_compressors.py; do
     case $file in
       */test_ops.py) cap=180 ;;
       */test_triton_path.py) cap=150 ;;
@@ -167,7 +167,7 @@ ops() {
 }
 
 hook() {
-  pytest_file tests/test_gpu.py 150
+  pytest_file tests/test_gpu.py 200
 }
 
 bench() {

@@ -1,8 +1,9 @@
 """The DDP hook on a GPU: two processes share the one GPU (Gloo with CUDA tensors; NCCL cannot put two ranks on
-one device), for every sparse collective, both GPU backends (the CUDA kernels and the compiled Triton ones) and
-float32 and bfloat16: the replicas are bitwise equal, the asynchronous path is bitwise the synchronous one, no
-gradient is lost (float32, per bucket and step: what the ranks put in = P * what was applied + what the
-residuals keep) and the model learns. The ops themselves run on CUDA tensors in test_ops.py and test_triton_path.py.
+one device), for every sparse collective, both GPU backends (the CUDA kernels and the compiled Triton ones),
+float32 and bfloat16, and the AdamW recipe on the compact and the 4-bit wire: the replicas are bitwise equal, the
+asynchronous path is bitwise the synchronous one, no gradient is lost (float32, per bucket and step: what the
+ranks put in = P * what was applied + what the residuals keep) and the model learns. The ops themselves run on CUDA
+tensors in test_ops.py, test_triton_path.py and test_wire.py.
 
 No `from __future__ import annotations` here: DDP checks a hook's annotations against dist.GradBucket.
 """
@@ -58,6 +59,30 @@ def train(rank: int, device: torch.device, backend: str, collective: str, dtype:
     return [p.detach().cpu() for p in model.parameters()], losses, failures
 
 
+def train_adamw(rank: int, device: torch.device, wire: str,
+                synchronous: bool) -> tuple[list[torch.Tensor], list[float]]:
+    """The AdamW recipe (the momentum decoupled in the hook, clipping, SparseAdamW) on ``wire``: parameters and
+    losses after STEPS steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Tanh(), nn.Linear(4 * WIDTH, 1)).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    state = gx.SparseGradState.recipe(density=0.05, optimizer="adamw", wire=wire, stats_logging_frequency=0)
+    state.synchronous = synchronous
+    ddp.register_comm_hook(state, gx.sparse_grad_hook)
+    optimizer = gx.SparseAdamW(ddp.parameters(), lr=3e-3, weight_decay=0.1, state=state)
+    target = torch.randn(WIDTH, 1, generator=torch.Generator().manual_seed(7)).to(device)
+    losses = []
+    for step in range(STEPS):
+        x = torch.randn(32, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank)).to(device)
+        optimizer.zero_grad()
+        loss = (ddp(x) - x @ target / WIDTH**0.5).square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    state.stats()  # waits for the buckets in flight
+    return [p.detach().cpu() for p in model.parameters()], losses
+
+
 def hook_on_gpu(rank: int, size: int) -> list[str]:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -83,6 +108,16 @@ def hook_on_gpu(rank: int, size: int) -> list[str]:
             failures.append(f"{path}: the replicas differ")
         if not sum(losses[-3:]) < 0.7 * sum(losses[:3]):
             failures.append(f"{path}: the loss did not fall: {losses}")
+    # The AdamW recipe (its momentum and the 4-bit wire's packing are torch ops on the gradient's device).
+    for wire in ("compact", "4bit"):
+        threaded, losses = train_adamw(rank, device, wire, False)
+        inline, _ = train_adamw(rank, device, wire, True)
+        if not same_on_every_rank(threaded):
+            failures.append(f"adamw {wire}: the replicas differ")
+        if not all(torch.equal(a, b) for a, b in zip(threaded, inline)):
+            failures.append(f"adamw {wire}: the asynchronous path differs from the synchronous one")
+        if not sum(losses[-3:]) < 0.7 * sum(losses[:3]):
+            failures.append(f"adamw {wire}: the loss did not fall: {losses}")
     return failures
 
 

@@ -63,6 +63,7 @@ PyObject* PyInit__C(void) {
       {"WIRE_SHIFT_MAX", gtopk_ext::kWireShiftMax},
       {"WIRE_SHIFT_BASE", gtopk_ext::kWireShiftBase},
       {"WIRE_HALF_NAN", gtopk_ext::kWireHalfNan},
+      {"WIRE_FLOAT_NAN", gtopk_ext::kWireFloatNan},
       // clang-format on
   };
   for (const auto& constant : constants) {

@@ -29,8 +29,11 @@ GTOPK_HOST_DEVICE inline int32_t wire_shift(float max_abs) {
 // 2^e for e in [-126, 127], exactly.
 GTOPK_HOST_DEVICE inline float wire_pow2(int32_t e) { return bits_float(static_cast<uint32_t>(e + 127) << 23); }
 
+// A NaN (any payload: a corrupted message may hold one) decodes to kWireFloatNan: a CPU's product keeps the
+// payload, a GPU's gives its own NaN.
 GTOPK_HOST_DEVICE inline float wire_value(uint16_t half_bits, int32_t shift) {
-  return static_cast<float>(c10::Half(half_bits, c10::Half::from_bits())) * wire_pow2(-shift);
+  const float half = static_cast<float>(c10::Half(half_bits, c10::Half::from_bits()));
+  return half != half ? bits_float(kWireFloatNan) : half * wire_pow2(-shift);
 }
 
 // value * 2^shift rounded to float16 (to nearest even); a finite value whose rounding would decode to infinity

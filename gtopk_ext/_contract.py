@@ -25,11 +25,13 @@ FINE_BINS = 1 << (HIST_SHIFT - FINE_SHIFT)
 SCATTER_TILE = 256
 # The compact wire (wire_encode, wire_decode): an index is its low 16 bits plus a table of pages of 2^16 elements;
 # a value is float16 after a multiplication by 2^shift, shift = min(WIRE_SHIFT_MAX, WIRE_SHIFT_BASE - the biased
-# exponent of the message's largest finite |value|); every NaN is sent as WIRE_HALF_NAN.
+# exponent of the message's largest finite |value|); every NaN is sent as WIRE_HALF_NAN, and every NaN half (a
+# corrupted message may hold any) decodes to the float32 pattern WIRE_FLOAT_NAN.
 WIRE_PAGE_SHIFT = 16
 WIRE_SHIFT_MAX = 126
 WIRE_SHIFT_BASE = 141
 WIRE_HALF_NAN = 0x7E00
+WIRE_FLOAT_NAN = 0x7FC00000
 
 LAYOUT = {name: value for name, value in globals().items() if name.isupper() and isinstance(value, int)}
 

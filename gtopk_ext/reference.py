@@ -179,7 +179,10 @@ def _wire_pow2(e: int) -> np.float32:
 
 
 def _wire_value(half_bits: int, shift: int) -> np.float32:
-    return np.float32(np.array([half_bits], dtype=np.uint16).view(np.float16)[0]) * _wire_pow2(-shift)
+    half = np.float32(np.array([half_bits], dtype=np.uint16).view(np.float16)[0])
+    if np.isnan(half):
+        return np.array([_contract.WIRE_FLOAT_NAN], dtype=np.uint32).view(np.float32)[0]
+    return half * _wire_pow2(-shift)
 
 
 def wire_encode(indices: torch.Tensor, values: torch.Tensor, count: torch.Tensor, numel: int):

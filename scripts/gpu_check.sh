@@ -88,8 +88,16 @@ pytest_file() {
 }
 
 build() {
-  "$python" - <<'EOF' >"$out/versions.json"
-import json, platform, shutil, subprocess, sys
+  # The system's compiler, not the image's CC/CXX: on the lent H200 those are a wrapper (/opt/gcc/bin/g++) whose
+  # extension crashes at the first failing TORCH_CHECK that formats a number; /usr/bin/g++, the same GCC 13.3,
+  # builds one that raises.
+  local cc=${GPU_CHECK_CC:-/usr/bin/gcc} cxx=${GPU_CHECK_CXX:-/usr/bin/g++}
+  if [ ! -x "$cc" ] || [ ! -x "$cxx" ]; then
+    cc=${CC:-gcc}
+    cxx=${CXX:-g++}
+  fi
+  GPU_CHECK_BUILD_CXX=$cxx "$python" - <<'EOF' >"$out/versions.json"
+import json, os, platform, shutil, subprocess, sys
 from importlib import metadata
 import torch
 versions = {"python": sys.version.split()[0], "torch": torch.__version__, "torch_cuda": torch.version.cuda,
@@ -109,7 +117,7 @@ def output(*command):
     return result.stdout.strip().splitlines() if result.returncode == 0 else []
 versions["driver"] = next(iter(output("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")), None)
 versions["nvcc"] = next((line for line in output("nvcc", "--version") if "release" in line), None)
-versions["cxx"] = next(iter(output("c++", "--version")), None)
+versions["cxx"] = next(iter(output(os.environ["GPU_CHECK_BUILD_CXX"], "--version")), None)
 versions["git_commit"] = next(iter(output("git", "rev-parse", "HEAD")), None)
 for dist in ("pytest", "pytest-timeout", "hypothesis", "numpy", "expecttest"):
     try:
@@ -120,9 +128,10 @@ print(json.dumps(versions, indent=1))
 EOF
   cat "$out/versions.json"
   if [ "$dry_run" = 1 ]; then
-    echo "dry run: would run GTOPK_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST=<arch> $python setup.py build_ext --inplace"
+    echo "dry run: would run CC=$cc CXX=$cxx GTOPK_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST=<arch> $python setup.py build_ext" \
+      "--inplace"
   else
-    GTOPK_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-$(nproc)} \
+    CC=$cc CXX=$cxx GTOPK_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-$(nproc)} \
       timeout -k 10 "$(limit 300)" "$python" setup.py build_ext --inplace || return
   fi
   # An in-place build has no editable install to map gtopk_ext.triton_kernels to triton_kernels/ (.gitignore'd link).
@@ -130,7 +139,8 @@ EOF
   "$python" -c 'import gtopk_ext, gtopk_ext.triton_kernels as triton_kernels; from gtopk_ext import backends
 print("built: CUDA kernels", backends.cuda_kernels_built(), "path", backends.cuda_path(), gtopk_ext.__file__,
       triton_kernels.__file__)' || return
-  # A failing TORCH_CHECK must reach Python as an error (a C++ ABI other than torch's crashes there instead).
+  # A failing TORCH_CHECK must reach Python as an error (an extension of another C++ ABI, or of the wrapper above,
+  # crashes there instead).
   "$python" -c 'import torch, gtopk_ext
 try:
     torch.ops.gtopk_ext.compact(torch.randn(8), torch.ones(1), 0)

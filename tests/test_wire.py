@@ -136,6 +136,21 @@ def test_decoding_a_corrupted_message_stays_in_bounds(backend):
         assert int(invalid) > 0, name
 
 
+def test_every_nan_half_decodes_to_one_pattern(backend):
+    """A NaN half of any sign and payload (a corrupted message holds any) decodes to the float32 pattern
+    0x7FC00000 on every backend: a CPU's product keeps a NaN's payload, a GPU's gives its own."""
+    device = backend_device(backend)
+    patterns = [0x7E00, 0xFE00, 0x7C01, 0xFD23, 0x7FFF, 0x3C00]  # five NaNs, then 1.0
+    halves = torch.tensor(patterns, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    low = torch.arange(len(patterns), dtype=torch.int16)
+    pages, shift = torch.tensor([0, len(patterns)], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    count = torch.tensor([len(patterns)], dtype=torch.int32)
+    _, values, invalid = ops.wire_decode(*[p.to(device) for p in (halves, low, pages, shift, count)], 100,
+                                         backend=backend)
+    assert int(invalid) == 0
+    assert values.cpu().view(torch.int32).tolist() == [0x7FC00000] * 5 + [0x3E000000]  # 1.0 * 2^-3
+
+
 @settings(max_examples=30, deadline=None)
 @given(numel=st.integers(1, 300_000), data=st.data(), dtype=st.sampled_from(DTYPES),
        scale=st.sampled_from([1e-8, 1e-3, 1.0, 1e4]))

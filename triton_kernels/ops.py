@@ -235,6 +235,6 @@ def wire_decode(halves: torch.Tensor, low: torch.Tensor, pages: torch.Tensor, sh
     values = torch.empty(k, dtype=torch.float32, device=device)
     wrap_triton(wire_kernels.wire_decode_kernel)[(_num_blocks(k),)](
         halves, low, pages, shift, count, indices, values, invalid, num_pages, numel, k,
-        PAGE_SHIFT=_contract.WIRE_PAGE_SHIFT, SHIFT_MAX=_contract.WIRE_SHIFT_MAX, BLOCK=kernels.BLOCK,
-        num_warps=kernels.NUM_WARPS)
+        PAGE_SHIFT=_contract.WIRE_PAGE_SHIFT, SHIFT_MAX=_contract.WIRE_SHIFT_MAX,
+        FLOAT_NAN=_contract.WIRE_FLOAT_NAN, BLOCK=kernels.BLOCK, num_warps=kernels.NUM_WARPS)
     return indices, values, invalid

@@ -103,10 +103,10 @@ def wire_check_pages_kernel(pages_ptr, count_ptr, invalid_ptr, num_pages, k, BLO
 @triton.jit
 def wire_decode_kernel(halves_ptr, low_ptr, pages_ptr, shift_ptr, count_ptr, indices_ptr, values_ptr, invalid_ptr,
                        num_pages, numel, k, PAGE_SHIFT: tl.constexpr, SHIFT_MAX: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """Each used slot's index (page << PAGE_SHIFT | low) and value (half * 2^-shift); a slot whose index reaches
-    numel or descends within its page, and a shift out of range, count into invalid[0]; such slots and the
-    slots past the used ones are (0, 0)."""
+                       FLOAT_NAN: tl.constexpr, BLOCK: tl.constexpr):
+    """Each used slot's index (page << PAGE_SHIFT | low) and value (half * 2^-shift; a NaN half as the pattern
+    FLOAT_NAN, which a GPU's product would not keep); a slot whose index reaches numel or descends within its page,
+    and a shift out of range, count into invalid[0]; such slots and the slots past the used ones are (0, 0)."""
     slots = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_k = slots < k
     live = slots < wire_used(count_ptr, k)
@@ -123,6 +123,8 @@ def wire_decode_kernel(halves_ptr, low_ptr, pages_ptr, shift_ptr, count_ptr, ind
     ok = live & ~bad
     half = tl.load(halves_ptr + slots, mask=ok, other=0.0).to(tl.float32)
     tl.store(indices_ptr + slots, tl.where(ok, index, 0).to(tl.int32), mask=in_k)
-    tl.store(values_ptr + slots, tl.where(ok, half * wire_pow2(-shift), 0.0), mask=in_k)
+    nan = tl.full([BLOCK], FLOAT_NAN, tl.uint32).to(tl.float32, bitcast=True)
+    value = tl.where(half != half, nan, half * wire_pow2(-shift))
+    tl.store(values_ptr + slots, tl.where(ok, value, 0.0), mask=in_k)
     count = tl.sum(bad.to(tl.int32), axis=0) + (bad_shift & (tl.program_id(0) == 0)).to(tl.int32)
     tl.atomic_add(invalid_ptr, count, mask=count > 0, sem="relaxed")

@@ -43,7 +43,7 @@ constexpr int64_t kScatterTile = 256;
 constexpr int kWirePageShift = 16;
 constexpr int kWireShiftMax = 126;   // 2^shift and 2^-shift are normal float32 numbers
 constexpr int kWireShiftBase = 141;  // shift = min(kWireShiftMax, kWireShiftBase - biased exponent of max |value|)
-constexpr uint16_t kWireHalfNan = 0x7E00;  // every NaN is sent as this float16 pattern, on every backend
+constexpr uint16_t kWireHalfNan = 0x7E00;        // every NaN is sent as this float16 pattern, on every backend
 constexpr uint32_t kWireFloatNan = 0x7FC00000u;  // every NaN half decodes to this float32 pattern, on every backend
 
 GTOPK_HOST_DEVICE inline uint32_t float_bits(float x) {

@@ -12,34 +12,14 @@
 #include <tuple>
 
 #include "checks.h"
-#include "cuda_path.h"
 #include "layout.h"
 #include "wire_format.h"
 
-namespace {
-
-// gtopk_ext._C.cuda_path(): the CUDA kernels' host path (cuda_path.h); ValueError for a bad $GTOPK_EXT_CUDA_PATH.
-PyObject* cuda_path_name_py(PyObject*, PyObject*) {
-  try {
-    return PyUnicode_FromString(gtopk_ext::cuda_path_name(gtopk_ext::cuda_path()));
-  } catch (const c10::Error& error) {
-    PyErr_SetString(PyExc_ValueError, error.what_without_backtrace());
-    return nullptr;
-  }
-}
-
-PyMethodDef module_methods[] = {
-    {"cuda_path", cuda_path_name_py, METH_NOARGS, "The CUDA kernels' host path: 'fused' or 'legacy'."},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-}  // namespace
-
 extern "C" {
 // Importing gtopk_ext._C loads this library, which runs the TORCH_LIBRARY blocks below. The module carries the
-// layout constants of layout.h, which a test compares with gtopk_ext/_contract.py, and cuda_path().
+// layout constants of layout.h, which a test compares with gtopk_ext/_contract.py.
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, module_methods};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   const struct {

@@ -15,7 +15,7 @@ from typing import Union
 
 import torch
 
-from gtopk_ext import _C, torch_kernels
+from gtopk_ext import torch_kernels
 from gtopk_ext._contract import FLOAT_DTYPES
 
 BACKEND_NAMES = ("auto", "cpu", "cuda", "triton")
@@ -76,11 +76,6 @@ class CppCpuBackend(Backend):
 @functools.cache
 def cuda_kernels_built() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("gtopk_ext::compact", "CUDA")
-
-
-# The CUDA kernels' host path, from $GTOPK_EXT_CUDA_PATH as read at the library's first call: "fused" (default) or
-# "legacy" (kept until a GPU run confirms the fused one); ValueError for another.
-cuda_path = _C.cuda_path
 
 
 class CudaBackend(Backend):

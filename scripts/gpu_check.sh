@@ -9,12 +9,11 @@
 #            graphs, the launch budget), one pytest process per file so that a crash names its file; the cases of
 #            the CPU backend (CI runs those) are left out unless GPU_CHECK_ALL_TESTS=1
 #   hook     the DDP hook with two processes on the one GPU: tests/test_gpu.py
-#   graph    scripts/gpu_selection.py: Gaussian-k compress with error feedback on the CUDA kernels (fused and legacy
-#            paths) and the Triton ones at 25M and 100M elements, d = 0.001: kernels, launches and allocations per
-#            call, host syncs, and the time eager and captured in a CUDA graph against x.add_(y) (CUDA events, median
-#            of 15) -> selection.json, selection.md
+#   graph    scripts/gpu_selection.py: Gaussian-k compress with error feedback on the CUDA kernels and the Triton
+#            ones at 25M and 100M elements, d = 0.001: kernels, launches and allocations per call, host syncs, and
+#            the time eager and captured in a CUDA graph against x.add_(y) (CUDA events, median of 15) ->
+#            selection.json, selection.md
 #   bench    python -m bench.selection --device cuda for each backend, and its --profile at 25M, d = 0.001
-#   legacy   the CUDA cases of test_ops.py and test_compressors.py again on GTOPK_EXT_CUDA_PATH=legacy
 #     bash scripts/gpu_check.sh [--dry-run] [OUT_DIR [PHASE ...]]   # OUT_DIR: default $OUT, else gpu_check/
 # Phases named without build get it first when the CUDA kernels are not built (a fresh machine).
 # --dry-run runs every phase on the CPU instead (no GPU needed), to check this script: no build (the extension
@@ -35,7 +34,7 @@ fi
 out=$(realpath -m "${1:-${OUT:-gpu_check}}")
 shift || true
 phases=("$@")
-[ ${#phases[@]} -gt 0 ] || phases=(build ops hook graph bench legacy)
+[ ${#phases[@]} -gt 0 ] || phases=(build ops hook graph bench)
 mkdir -p "$out"
 logs=$(mktemp -d)
 python=${PYTHON:-python3}
@@ -76,7 +75,7 @@ pack() {
 pytest_file() {
   local file=$1 cap=$2 log
   shift 2
-  log="$logs/pytest_$(basename "$file" .py)${LOG_SUFFIX:-}.log"
+  log="$logs/pytest_$(basename "$file" .py).log"
   if [ "$dry_run" = 1 ]; then
     set -- --collect-only "$@"
   fi
@@ -137,8 +136,7 @@ EOF
   # An in-place build has no editable install to map gtopk_ext.triton_kernels to triton_kernels/ (.gitignore'd link).
   [ -e gtopk_ext/triton_kernels ] || ln -s ../triton_kernels gtopk_ext/triton_kernels
   "$python" -c 'import gtopk_ext, gtopk_ext.triton_kernels as triton_kernels; from gtopk_ext import backends
-print("built: CUDA kernels", backends.cuda_kernels_built(), "path", backends.cuda_path(), gtopk_ext.__file__,
-      triton_kernels.__file__)' || return
+print("built: CUDA kernels", backends.cuda_kernels_built(), gtopk_ext.__file__, triton_kernels.__file__)' || return
   # A failing TORCH_CHECK must reach Python as an error (an extension of another C++ ABI, or of the wrapper above,
   # crashes there instead).
   "$python" -c 'import torch, gtopk_ext
@@ -154,8 +152,8 @@ graph() {
     args+=(--sizes 20000 --repeats 3)
   fi
   cap=$(limit 240)
-  # Three configurations (two on the CPU), each in its own process with a third of the phase's time.
-  timeout -k 10 "$cap" "$python" scripts/gpu_selection.py "${args[@]}" --timeout "$((cap / 3))"
+  # Two backends, each in its own process with half of the phase's time.
+  timeout -k 10 "$cap" "$python" scripts/gpu_selection.py "${args[@]}" --timeout "$((cap / 2))"
 }
 
 # The GPU backends' cases (a module's name counts: all of test_triton_path), less the Triton build for sm_80 and
@@ -193,14 +191,6 @@ bench() {
     timeout -k 10 "$(limit 60)" "$python" -m bench.selection --device "$device" --backend "$backend" --profile \
       --sizes "$([ "$dry_run" = 1 ] && echo 5000 || echo 25000000)" --densities 0.001 || status=$?
   done
-  return "$status"
-}
-
-legacy() {
-  local status=0
-  export GTOPK_EXT_CUDA_PATH=legacy LOG_SUFFIX=_legacy
-  pytest_file tests/test_ops.py 90 -k "cuda or devices" || status=$?
-  pytest_file tests/test_compressors.py 60 -k cuda || status=$?
   return "$status"
 }
 

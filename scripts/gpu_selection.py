@@ -1,14 +1,14 @@
-"""The selection step on a GPU, for scripts/gpu_check.sh: Gaussian-k compress with error feedback, per backend and
-CUDA path, at each size: its kernels, launches and allocations per call (torch.profiler, the caching allocator's
+"""The selection step on a GPU, for scripts/gpu_check.sh: Gaussian-k compress with error feedback, per backend, at
+each size: its kernels, launches and allocations per call (torch.profiler, the caching allocator's
 counters), whether it synchronises with the host (torch.cuda's sync debug mode), and its time eager and captured
 in a CUDA graph, against ``x.add_(y)`` on two float32 tensors of the same size (CUDA events, median of --repeats).
 
     python scripts/gpu_selection.py --json selection.json --markdown selection.md   # 25M and 100M, d = 0.001
     python scripts/gpu_selection.py --device cpu --sizes 20000 --repeats 3 ...      # the dry run: no GPU needed
 
-Each configuration (the CUDA kernels on the fused and on the legacy path, the Triton kernels) runs in a process of
-its own: GTOPK_EXT_CUDA_PATH is read once per process. On the CPU (--device cpu) the configurations are the C++
-kernels and the Triton interpreter, timed with perf_counter, without graphs or device counters.
+Each backend (the CUDA kernels, the Triton kernels) runs in a process of its own, so that a crash or a timeout
+names it. On the CPU (--device cpu) the backends are the C++ kernels and the Triton interpreter, timed with
+perf_counter, without graphs or device counters.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_CONFIGS = [("cuda", "fused"), ("cuda", "legacy"), ("triton", "fused")]
-CPU_CONFIGS = [("cpu", "fused"), ("triton", "fused")]
+GPU_BACKENDS = ["cuda", "triton"]
+CPU_BACKENDS = ["cpu", "triton"]
 
 
 def timed_ms(fn, device, repeats: int, before=None) -> list[float]:
@@ -108,8 +108,7 @@ def measure(backend: str, n: int, density: float, repeats: int, device_name: str
     initial = (0.1 * torch.randn(n, generator=generator)).to(device)
     residual = initial.clone()
     compressor = gx.make_compressor("gaussiank", density, backend=backend)
-    row = {"backend": backend, "cuda_path": gx.backends.cuda_path() if backend == "cuda" else None, "n": n,
-           "density": density, "k": compressor.k_for(n), "repeats": repeats}
+    row = {"backend": backend, "n": n, "density": density, "k": compressor.k_for(n), "repeats": repeats}
 
     def restore():
         residual.copy_(initial)
@@ -159,19 +158,19 @@ def worker(args) -> None:
 
 
 def markdown(rows: list[dict], header: str) -> str:
-    lines = [header, "", "| backend | path | n | k | selected | device ops/call | launch calls/call | allocations/call "
+    lines = [header, "", "| backend | n | k | selected | device ops/call | launch calls/call | allocations/call "
              "| cudaMalloc/call | syncs | floor ms | eager ms | eager/floor | graph ms | graph/floor | graph = eager |",
-             "|" + "---|" * 16]
+             "|" + "---|" * 15]
 
     def cell(value, spec=""):
         return "-" if value is None else format(value, spec)
 
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['backend']} | {r.get('cuda_path') or '-'} | error: {r['error']} |" + " |" * 13)
+            lines.append(f"| {r['backend']} | error: {r['error']} |" + " |" * 13)
             continue
         lines.append(" | ".join([
-            f"| {r['backend']}", cell(r["cuda_path"]), f"{r['n']:,}", f"{r['k']:,}", f"{r['selected']:,}",
+            f"| {r['backend']}", f"{r['n']:,}", f"{r['k']:,}", f"{r['selected']:,}",
             cell(r["device_ops_per_call"], ".1f"), cell(r["launch_calls_per_call"], ".1f"),
             cell(r["allocations_per_call"], ".1f"), cell(r["cuda_mallocs_per_call"], ".1f"), cell(r["synchronises"]),
             f"{r['floor_ms']:.3f}", f"{r['eager_ms']:.3f}", f"{r['eager_over_floor']:.2f}",
@@ -197,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     rows, failed = [], False
-    for backend, path in GPU_CONFIGS if args.device == "cuda" else CPU_CONFIGS:
-        env = {**os.environ, "GTOPK_EXT_CUDA_PATH": path}
+    for backend in GPU_BACKENDS if args.device == "cuda" else CPU_BACKENDS:
+        env = dict(os.environ)
         if args.device == "cpu" and backend == "triton":
             env["TRITON_INTERPRET"] = "1"
         command = [sys.executable, __file__, "--worker", "--backend", backend, "--device", args.device,
@@ -213,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += found
         if error is not None:
             failed = True
-            rows.append({"backend": backend, "cuda_path": path if backend == "cuda" else None, "error": error})
-        print(f"{backend} {path}: {len(found)} rows" + (f", {error}" if error else ""), flush=True)
+            rows.append({"backend": backend, "error": error})
+        print(f"{backend}: {len(found)} rows" + (f", {error}" if error else ""), flush=True)
 
     import torch
 

@@ -3,12 +3,8 @@ once that reaches every op call of a compressor, the collectives and the DDP hoo
 
 from __future__ import annotations
 
-import os
 import pickle
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -59,34 +55,6 @@ def test_the_environment_variable_only_sets_the_default(monkeypatch):
     assert backends.choose(CPU) is backends.TRITON
     assert backends.choose(CPU, "cpu") is backends.CPU
     assert backends.choose(CPU, backends.CPU) is backends.CPU
-
-
-# Prints the CUDA path twice: before and after the environment variable changes in the process.
-CUDA_PATH_SCRIPT = """
-import os
-from gtopk_ext import backends
-try:
-    print(backends.cuda_path())
-except ValueError as error:
-    print("ValueError:", error)
-os.environ["GTOPK_EXT_CUDA_PATH"] = "legacy" if os.environ.get("GTOPK_EXT_CUDA_PATH") != "legacy" else "fused"
-print(backends.cuda_path())
-"""
-
-
-@pytest.mark.parametrize("value, first, second", [
-    (None, "fused", "fused"), ("", "fused", "fused"), ("fused", "fused", "fused"), ("legacy", "legacy", "legacy"),
-    ("Legacy", "ValueError: GTOPK_EXT_CUDA_PATH must be fused (the default) or legacy, got 'Legacy'", "legacy")])
-def test_the_cuda_path_is_read_once_from_the_environment(value, first, second):
-    """$GTOPK_EXT_CUDA_PATH picks the CUDA kernels' host path once per process (a later change is not seen); a
-    value other than fused or legacy raises at every call until one is set (the library reads it then)."""
-    env = {name: v for name, v in os.environ.items() if name != "GTOPK_EXT_CUDA_PATH"}
-    if value is not None:
-        env["GTOPK_EXT_CUDA_PATH"] = value
-    result = subprocess.run([sys.executable, "-c", CUDA_PATH_SCRIPT], env=env, capture_output=True, text=True,
-                            timeout=300, cwd=Path(__file__).parents[1])
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.splitlines() == [first, second]
 
 
 def test_the_choice_is_made_once_per_device_and_survives_pickling(monkeypatch):

@@ -1,6 +1,6 @@
 // What the CUDA kernel files share: launch shapes, the grid size of grid-stride kernels, the finishing blocks' scan
-// over 8192 counts, the last-block test of the fused path, its workspace (workspace.cu), and the host functions that
-// gaussian_select (select.cu) composes.
+// over 8192 counts, the last-block test, the workspace (workspace.cu), and the host functions that gaussian_select
+// (select.cu) composes.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -23,13 +23,12 @@
 #include <utility>
 #include <vector>
 
-#include "../cuda_path.h"
 #include "../dispatch.h"
 #include "../histogram.h"
 
 namespace gtopk_ext::cuda {
 
-// The fused path's workspace (workspace.cu): one buffer per (device, stream) that starts with these counters, which
+// The workspace (workspace.cu): one buffer per (device, stream) that starts with these counters, which
 // are zero before every call because the kernels that use them leave them zeroed (the finishing blocks zero what
 // they have read), followed by scratch that every call overwrites.
 struct ZeroedCounters {
@@ -60,9 +59,8 @@ T* take_scratch(char*& cursor, int64_t count) {
   return piece;
 }
 
-// The passes that gaussian_select composes, each in two versions. Fused (cuda_path() == kFused): the scratch it
-// needs, and its launches into a leased workspace (launch counts in select.cu). Legacy: the op as it was, allocating
-// its temporaries and zero-filled outputs.
+// The passes that gaussian_select composes: the scratch each needs, and its launches into a leased workspace
+// (launch counts in select.cu).
 size_t statistics_scratch_bytes(const at::Tensor& grad, bool accumulate, int64_t k);
 void launch_statistics(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k,
                        float* stats, ZeroedCounters* zeroed, char* scratch, cudaStream_t stream);
@@ -70,17 +68,10 @@ size_t compact_scratch_bytes(const at::Tensor& acc, int64_t capacity);
 void launch_compact(const at::Tensor& acc, const float* threshold, int64_t capacity, const at::Tensor& values,
                     const at::Tensor& indices, const at::Tensor& count, bool update_acc, char* scratch,
                     cudaStream_t stream);
-at::Tensor gaussian_threshold_legacy(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z,
-                                     int64_t k);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_legacy(const at::Tensor& acc, const at::Tensor& threshold,
-                                                              int64_t capacity);
-// residual_update's sorting scatter without its checks (scatter.cu): the legacy path's update_residual.
-at::Tensor residual_update_unchecked(const at::Tensor& residual, const at::Tensor& indices, const at::Tensor& values);
 
 namespace {
 
-constexpr int kThreads = 256;        // threads per block of the streaming kernels
-constexpr int kFinishThreads = 512;  // the legacy path's one block that merges the partials and scans the histogram
+constexpr int kThreads = 256;  // threads per block of the streaming kernels
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 
@@ -128,7 +119,7 @@ constexpr int bins_per_thread() {
   return kHistBins / kBlockThreads;
 }
 
-// A bin count that a finishing block reads, from L2: in the fused path other blocks of the same kernel wrote it.
+// A bin count that a finishing block reads, from L2: other blocks of the same kernel wrote it.
 __device__ __forceinline__ int32_t load_count(const int32_t* bin_counts, int bin) { return __ldcg(bin_counts + bin); }
 
 // The scan of the finishing blocks over 8192 counts: thread t sums the bins_per_thread() of them from

@@ -1,7 +1,6 @@
 // CUDA kernels of compact (schema in csrc/ops.cpp), with the semantics of csrc/cpu/compact.cpp. The threshold is
-// read on the device: no host synchronisation. Fused path: 3 launches (the partition's 2, the merge, which also
-// writes the padding slots: the outputs need no fills), the scratch from the leased workspace; legacy path: 3
-// output fills, then the same 3 launches, the scratch allocated per call.
+// read on the device: no host synchronisation. 3 launches (the partition's 2, the merge, which also writes the
+// padding slots: the outputs need no fills), the scratch from the leased workspace.
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/iterator/discard_iterator.h>
 #include <thrust/iterator/tabulate_output_iterator.h>
@@ -58,14 +57,13 @@ __device__ __forceinline__ int64_t lower_bound(const int32_t* list, int64_t leng
 
 // Output slot of each kept candidate: its rank in its own list plus the number of kept entries of the other
 // list with a smaller index (the lists are disjoint and ascending), so the output is ascending. part_totals ==
-// nullptr: nothing was partitioned (acc is empty). With pad, the slots past the kept ones get (index 0, value 0);
-// with update, each kept element of acc (the residual) becomes acc - value: what was sent leaves it, as
+// nullptr: nothing was partitioned (acc is empty). The slots past the kept ones get (index 0, value 0); with
+// update, each kept element of acc (the residual) becomes acc - value: what was sent leaves it, as
 // residual_update would do (its indices are unique here, so no sort is needed).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     merge_selected_kernel(const scalar_t* acc, const int32_t* sure, const int32_t* boundary, const int32_t* part_totals,
-                          int64_t capacity, scalar_t* values, int32_t* indices, int32_t* count, bool pad,
-                          scalar_t* update) {
+                          int64_t capacity, scalar_t* values, int32_t* indices, int32_t* count, scalar_t* update) {
   const int64_t sure_total = part_totals != nullptr ? part_totals[0] : 0;
   const int64_t boundary_total = part_totals != nullptr ? part_totals[1] : 0;
   const int64_t sure_kept = sure_total < capacity ? sure_total : capacity;
@@ -75,7 +73,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (first == 0) count[0] = static_cast<int32_t>(sure_total + boundary_total);  // < 2^31: at most numel
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t t = first; t < (pad ? capacity : kept); t += stride) {
+  for (int64_t t = first; t < capacity; t += stride) {
     if (t >= kept) {
       indices[t] = 0;
       values[t] = static_cast<scalar_t>(0.0f);
@@ -148,45 +146,10 @@ void launch_compact(const at::Tensor& acc, const float* threshold, int64_t capac
     }
     merge_selected_kernel<scalar_t><<<merge_grid<scalar_t>(capacity, acc.device()), kThreads, 0, stream>>>(
         acc_ptr, sure_list, boundary_list, part_totals, capacity, values.mutable_data_ptr<scalar_t>(),
-        indices.mutable_data_ptr<int32_t>(), count.mutable_data_ptr<int32_t>(), true,
+        indices.mutable_data_ptr<int32_t>(), count.mutable_data_ptr<int32_t>(),
         update_acc ? acc.mutable_data_ptr<scalar_t>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_legacy(const at::Tensor& acc, const at::Tensor& threshold,
-                                                              int64_t capacity) {
-  const c10::cuda::CUDAGuard guard(acc.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor acc_contig = acc.contiguous();
-  const int64_t n = acc.numel();
-  at::Tensor values = at::zeros({capacity}, acc.options());
-  at::Tensor indices = at::zeros({capacity}, acc.options().dtype(at::kInt));
-  at::Tensor count = at::zeros({1}, acc.options().dtype(at::kInt));
-  if (n == 0) return {values, indices, count};
-
-  const int64_t slots = std::min(capacity, n);  // no list can hold more
-  at::Tensor lists = at::empty({2 * slots}, acc.options().dtype(at::kInt));
-  at::Tensor part_totals = at::empty({2}, acc.options().dtype(at::kInt));
-  int32_t* sure_list = lists.mutable_data_ptr<int32_t>();
-  int32_t* boundary_list = sure_list + slots;
-  const float* threshold_ptr = threshold.const_data_ptr<float>();
-
-  GTOPK_DISPATCH_FLOAT_TYPES(acc.scalar_type(), "compact_legacy", [&] {
-    const scalar_t* acc_ptr = acc_contig.const_data_ptr<scalar_t>();
-    int32_t* totals = part_totals.mutable_data_ptr<int32_t>();
-    size_t temp_bytes = 0;
-    C10_CUDA_CHECK(partition_indices(static_cast<void*>(nullptr), temp_bytes, acc_ptr, threshold_ptr, n, slots,
-                                     sure_list, boundary_list, totals, stream));
-    at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, acc.options().dtype(at::kByte));
-    C10_CUDA_CHECK(partition_indices(temp.mutable_data_ptr(), temp_bytes, acc_ptr, threshold_ptr, n, slots, sure_list,
-                                     boundary_list, totals, stream));
-    merge_selected_kernel<scalar_t><<<merge_grid<scalar_t>(slots, acc.device()), kThreads, 0, stream>>>(
-        acc_ptr, sure_list, boundary_list, totals, capacity, values.mutable_data_ptr<scalar_t>(),
-        indices.mutable_data_ptr<int32_t>(), count.mutable_data_ptr<int32_t>(), false, nullptr);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  return {values, indices, count};
 }
 
 namespace {
@@ -195,7 +158,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_cuda(const at::Tensor& ac
                                                             int64_t capacity) {
   static const OpChecks<decltype(compact_cuda)> checks("gtopk_ext::compact");
   checks(acc, threshold, capacity);
-  if (cuda_path() == CudaPath::kLegacy) return compact_legacy(acc, threshold, capacity);
   const c10::cuda::CUDAGuard guard(acc.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor acc_contig = acc.contiguous();

@@ -98,14 +98,6 @@ at::Tensor signed_scatter_cuda(const at::Tensor& dense, const at::Tensor& indice
   return invalid;
 }
 
-}  // namespace
-
-at::Tensor residual_update_unchecked(const at::Tensor& residual, const at::Tensor& indices, const at::Tensor& values) {
-  return signed_scatter_cuda<true>(residual, indices, values);
-}
-
-namespace {
-
 at::Tensor scatter_add_cuda(const at::Tensor& dense, const at::Tensor& indices, const at::Tensor& values) {
   static const OpChecks<decltype(scatter_add_cuda)> checks("gtopk_ext::scatter_add");
   checks(dense, indices, values);
@@ -115,7 +107,7 @@ at::Tensor scatter_add_cuda(const at::Tensor& dense, const at::Tensor& indices, 
 at::Tensor residual_update_cuda(const at::Tensor& residual, const at::Tensor& indices, const at::Tensor& values) {
   static const OpChecks<decltype(residual_update_cuda)> checks("gtopk_ext::residual_update");
   checks(residual, indices, values);
-  return residual_update_unchecked(residual, indices, values);
+  return signed_scatter_cuda<true>(residual, indices, values);
 }
 
 }  // namespace

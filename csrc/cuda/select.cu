@@ -2,7 +2,7 @@
 // CPU's, so it runs the statistics pass (threshold.cu), the refinement of its threshold (a counting pass), then
 // compact's passes (compact.cu), in sequence on the same stream.
 //
-// Launches per call on the fused path (the default, cuda_path.h), as the code below makes them:
+// Launches per call, as the code below makes them:
 //   1  accumulate_kernel: acc = grad + residual, moments, histogram; its last block: stats and the histogram
 //      threshold, the histogram zeroed
 //   1  fine_count_kernel: the threshold's bin by sub-bin; its last block: the refined threshold, the counts zeroed
@@ -11,10 +11,6 @@
 //      elements of the residual (acc - value)
 // = 5, plus one memset on a call that creates or grows the (device, stream)'s workspace. Allocations: the four
 // outputs (torch's caching allocator), nothing else once the workspace is large enough. No host synchronisation.
-// The legacy path (by the same reading): statistics 3 (a histogram fill, the pass, a finishing kernel), refinement
-// 3 (a fill, the pass, a finishing kernel), compact 6 (3 output fills, the partition's 2, the merge) = 12, and with
-// update_residual residual_update's sorting scatter: a fill, an arange, cub's radix sort of the k indices (its
-// histogram and scan kernels, then a memset and a kernel per 8-bit digit: about 10), 2 kernels; 16 allocations.
 #include "common.cuh"
 
 namespace gtopk_ext::cuda {
@@ -23,11 +19,11 @@ namespace {
 // The sub-bin search of the refinement (histogram.h fine_threshold) over fine_counts (the threshold's bin by
 // sub-bin, then the count above the bin), done by one block: stats[kStatThreshold] becomes fine_threshold(bin,
 // sub_bin), the sub-bin found as finish_statistics finds the histogram bin (scan_from_top, then one thread's walk),
-// so that it equals sub_bin_reaching(). With zero_counts each thread then zeroes the counts it read.
+// so that it equals sub_bin_reaching(). Each thread then zeroes the counts it read: the workspace stays zeroed.
 static_assert(kFineBins == kHistBins, "scan_from_top serves both levels");
 
 template <int kBlockThreads>
-__device__ void refine_threshold(int32_t* fine_counts, int64_t k, float* stats, bool zero_counts) {
+__device__ void refine_threshold(int32_t* fine_counts, int64_t k, float* stats) {
   const float threshold = stats[kStatThreshold];
   if (!refinable(threshold)) return;  // the same for every thread
   const int bin = hist_key(threshold);
@@ -51,15 +47,13 @@ __device__ void refine_threshold(int32_t* fine_counts, int64_t k, float* stats, 
   } else if (threadIdx.x == blockDim.x - 1 && above + own < k) {  // the whole bin falls short
     stats[kStatThreshold] = fine_threshold(bin, 0);
   }
-  if (zero_counts) {  // each thread its own counts, after its last read of them
-    for (int j = 0; j < kBins; ++j) fine_counts[top - j] = 0;
-    if (threadIdx.x == 0) fine_counts[kFineBins] = 0;
-  }
+  for (int j = 0; j < kBins; ++j) fine_counts[top - j] = 0;  // each thread its own counts, after its last read
+  if (threadIdx.x == 0) fine_counts[kFineBins] = 0;
 }
 
 // Adds the count of |acc| above the threshold's bin into fine_counts[kFineBins] and those in the bin by
-// sub-bin into fine_counts[sub-bin] (histogram.h fine_threshold), through a block histogram in shared memory.
-// Fused path (blocks_done != nullptr): the last block then refines the threshold and zeroes fine_counts.
+// sub-bin into fine_counts[sub-bin] (histogram.h fine_threshold), through a block histogram in shared memory; the
+// last block then refines the threshold and zeroes fine_counts.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     fine_count_kernel(const scalar_t* acc, int64_t n, float* stats, int32_t* fine_counts, unsigned int* blocks_done,
@@ -90,12 +84,7 @@ __global__ void __launch_bounds__(kThreads)
     if (block_counts[s] != 0) atomicAdd(&fine_counts[s], block_counts[s]);
   }
   if (threadIdx.x == 0 && block_above != 0) atomicAdd(&fine_counts[kFineBins], block_above);
-  if (blocks_done != nullptr && is_last_block(blocks_done)) refine_threshold<kThreads>(fine_counts, k, stats, true);
-}
-
-// The legacy path's refinement: one block after the counting pass.
-__global__ void __launch_bounds__(kFinishThreads) fine_finish_kernel(int32_t* fine_counts, int64_t k, float* stats) {
-  refine_threshold<kFinishThreads>(fine_counts, k, stats, false);
+  if (is_last_block(blocks_done)) refine_threshold<kThreads>(fine_counts, k, stats);
 }
 
 template <typename scalar_t>
@@ -103,37 +92,11 @@ int fine_count_grid(int64_t n, const at::Device& device) {
   return resident_grid(fine_count_kernel<scalar_t>, kThreads, 0, (n + kThreads - 1) / kThreads, device);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_legacy(
-    const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity,
-    bool update_residual) {
-  at::Tensor stats = gaussian_threshold_legacy(grad, residual, z, k);
-  const at::Tensor acc = residual.has_value() ? *residual : grad.contiguous();
-  const c10::cuda::CUDAGuard guard(grad.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t n = acc.numel();
-  at::Tensor fine_counts = at::zeros({kFineBins + 1}, acc.options().dtype(at::kInt));  // sub-bins, then above
-  GTOPK_DISPATCH_FLOAT_TYPES(acc.scalar_type(), "gaussian_select_legacy", [&] {
-    fine_count_kernel<scalar_t><<<fine_count_grid<scalar_t>(n, acc.device()), kThreads, 0, stream>>>(
-        acc.const_data_ptr<scalar_t>(), n, stats.mutable_data_ptr<float>(), fine_counts.mutable_data_ptr<int32_t>(),
-        nullptr, k);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  fine_finish_kernel<<<1, kFinishThreads, 0, stream>>>(fine_counts.mutable_data_ptr<int32_t>(), k,
-                                                       stats.mutable_data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  auto [values, indices, count] = compact_legacy(acc, stats.narrow(0, kStatThreshold, 1), capacity);
-  if (update_residual && residual.has_value()) residual_update_unchecked(*residual, indices, values);
-  return {values, indices, count, stats};
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_cuda(
     const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z, int64_t k, int64_t capacity,
     bool update_residual) {
   static const OpChecks<decltype(gaussian_select_cuda)> checks("gtopk_ext::gaussian_select");
   checks(grad, residual, z, k, capacity, update_residual);
-  if (cuda_path() == CudaPath::kLegacy) {
-    return gaussian_select_legacy(grad, residual, z, k, capacity, update_residual);
-  }
   const c10::cuda::CUDAGuard guard(grad.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor grad_contig = grad.contiguous();

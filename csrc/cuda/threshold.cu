@@ -1,7 +1,7 @@
 // CUDA kernels of gaussian_threshold (schema in csrc/ops.cpp), with the semantics of csrc/cpu/threshold.cpp and
 // gtopk_ext/reference.py. No kernel synchronises with the host: the statistics are written on the device, so the
-// op can be captured in a CUDA graph and overlaps the host's work. Fused path: one launch, the last block of the
-// pass finishing (and zeroing the histogram it read); legacy path: the pass, then a finishing kernel.
+// op can be captured in a CUDA graph and overlaps the host's work. One launch: the last block of the pass finishes
+// (and zeroes the histogram it read).
 #include "common.cuh"
 
 namespace gtopk_ext::cuda {
@@ -36,7 +36,7 @@ __device__ __forceinline__ Moments warp_merge(Moments m) {
   return m;
 }
 
-// A block's partial, read from L2 (__ldcg): in the fused path other blocks of the same kernel wrote it.
+// A block's partial, read from L2 (__ldcg): other blocks of the same kernel wrote it.
 __device__ __forceinline__ Moments load_partial(const Moments* p) {
   return {__ldcg(&p->count), __ldcg(&p->mean), __ldcg(&p->m2), __ldcg(&p->max_abs)};
 }
@@ -64,11 +64,11 @@ __device__ __forceinline__ float acc_value(float grad, float residual) {
 // Merges the per-block partials (fixed order) into mean, std, max |acc| and the Gaussian threshold, and when
 // k > 0 finds the histogram threshold: each thread sums bins_per_thread() consecutive bins (thread 0 the top ones),
 // a block scan gives the count above each thread's bins, and the one thread whose bins hold the k-th largest
-// walks them as bin_reaching() does and calls threshold_in_bin(), so CPU and CUDA agree bit for bit. With
-// zero_histogram each thread then zeroes the bins it read (the fused path's workspace stays zeroed).
+// walks them as bin_reaching() does and calls threshold_in_bin(), so CPU and CUDA agree bit for bit. Each thread
+// then zeroes the bins it read: the workspace stays zeroed.
 template <int kBlockThreads>
 __device__ void finish_statistics(const Moments* partials, int num_partials, int32_t* histogram, double z, int64_t k,
-                                  float* stats, bool zero_histogram) {
+                                  float* stats) {
   Moments m{0.0, 0.0, 0.0, 0.0f};
   for (int p = threadIdx.x; p < num_partials; p += blockDim.x) m = merge(m, load_partial(partials + p));
   m = block_merge(m);
@@ -108,13 +108,10 @@ __device__ void finish_statistics(const Moments* partials, int num_partials, int
   } else if (threadIdx.x == blockDim.x - 1 && above + own < k) {  // fewer than k non-NaN elements
     stats[kStatThreshold] = threshold_in_bin(-1, above + own, 0, k, max_abs);
   }
-  if (zero_histogram) {  // each thread its own bins, after its last read of them
-    for (int j = 0; j < kBins; ++j) histogram[top_bin - j] = 0;
-  }
+  for (int j = 0; j < kBins; ++j) histogram[top_bin - j] = 0;  // each thread its own bins, after its last read
 }
 
-// The fused path's finish, done by the last block of the statistics pass (blocks_done == nullptr: the legacy path,
-// which launches finish_kernel instead).
+// The finish, done by the last block of the statistics pass.
 struct LastBlockFinish {
   unsigned int* blocks_done;
   double z;
@@ -123,8 +120,8 @@ struct LastBlockFinish {
 };
 
 // One grid-stride pass: residual = acc (when kAccumulate), per-block moments into partials[blockIdx.x] and, when
-// kHistogram, the counts of |acc| by hist_key() added into histogram; then, in the fused path, the last block
-// finishes (finish_statistics, zeroing the histogram). Each warp walks whole tiles of
+// kHistogram, the counts of |acc| by hist_key() added into histogram; then the last block finishes
+// (finish_statistics, zeroing the histogram). Each warp walks whole tiles of
 // 32 * kItems elements, so the loop is warp-uniform and the histogram can use warp votes; lane l reads elements
 // tile + j * 32 + l (coalesced). grad and residual may alias: every element is read and written by one thread.
 template <typename scalar_t, bool kAccumulate, bool kHistogram>
@@ -217,15 +214,9 @@ __global__ void __launch_bounds__(kThreads)
       if (c != 0) atomicAdd(&histogram[bin], c);
     }
   }
-  if (finish.blocks_done != nullptr && is_last_block(finish.blocks_done)) {
-    finish_statistics<kThreads>(partials, gridDim.x, histogram, finish.z, finish.k, finish.stats, true);
+  if (is_last_block(finish.blocks_done)) {
+    finish_statistics<kThreads>(partials, gridDim.x, histogram, finish.z, finish.k, finish.stats);
   }
-}
-
-// The legacy path's finish: one block after the pass.
-__global__ void __launch_bounds__(kFinishThreads)
-    finish_kernel(const Moments* partials, int num_partials, int32_t* histogram, double z, int64_t k, float* stats) {
-  finish_statistics<kFinishThreads>(partials, num_partials, histogram, z, k, stats, false);
 }
 
 // The statistics pass's instance for the dtype and flags, with its dynamic shared memory and grid:
@@ -268,42 +259,12 @@ void launch_statistics(const at::Tensor& grad, const std::optional<at::Tensor>& 
   });
 }
 
-at::Tensor gaussian_threshold_legacy(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z,
-                                     int64_t k) {
-  const c10::cuda::CUDAGuard guard(grad.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor grad_contig = grad.contiguous();
-  const int64_t n = grad.numel();
-  at::Tensor stats = at::empty({kNumStats}, grad.options().dtype(at::kFloat));
-  at::Tensor histogram = k > 0 ? at::zeros({kHistBins}, grad.options().dtype(at::kInt)) : at::Tensor();
-  int32_t* histogram_ptr = k > 0 ? histogram.mutable_data_ptr<int32_t>() : nullptr;
-
-  GTOPK_DISPATCH_FLOAT_TYPES(grad.scalar_type(), "gaussian_threshold_legacy", [&] {
-    const scalar_t* grad_ptr = grad_contig.const_data_ptr<scalar_t>();
-    scalar_t* residual_ptr = residual.has_value() ? residual->mutable_data_ptr<scalar_t>() : nullptr;
-    with_statistics_kernel<scalar_t>(
-        residual_ptr != nullptr, k > 0, n, grad.device(), [&](auto kernel, size_t shared_bytes, int grid) {
-          at::Tensor partials =
-              at::empty({static_cast<int64_t>(grid * sizeof(Moments))}, grad.options().dtype(at::kByte));
-          Moments* partials_ptr = reinterpret_cast<Moments*>(partials.mutable_data_ptr());
-          kernel<<<grid, kThreads, shared_bytes, stream>>>(grad_ptr, residual_ptr, n, partials_ptr, histogram_ptr,
-                                                           LastBlockFinish{nullptr, z, k, nullptr});
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-          finish_kernel<<<1, kFinishThreads, 0, stream>>>(partials_ptr, grid, histogram_ptr, z, k,
-                                                          stats.mutable_data_ptr<float>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        });
-  });
-  return stats;
-}
-
 namespace {
 
 at::Tensor gaussian_threshold_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double z,
                                    int64_t k) {
   static const OpChecks<decltype(gaussian_threshold_cuda)> checks("gtopk_ext::gaussian_threshold");
   checks(grad, residual, z, k);
-  if (cuda_path() == CudaPath::kLegacy) return gaussian_threshold_legacy(grad, residual, z, k);
   const c10::cuda::CUDAGuard guard(grad.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor grad_contig = grad.contiguous();

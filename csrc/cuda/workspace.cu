@@ -1,4 +1,4 @@
-// The fused path's workspace (common.cuh): one per (device, stream), kept for the life of the process.
+// The kernels' workspace (common.cuh): one per (device, stream), kept for the life of the process.
 #include "common.cuh"
 
 namespace gtopk_ext::cuda {

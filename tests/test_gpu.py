@@ -83,6 +83,19 @@ def train_adamw(rank: int, device: torch.device, wire: str,
     return [p.detach().cpu() for p in model.parameters()], losses
 
 
+def run_failures(where: str, parameters: list[torch.Tensor], losses: list[float],
+                 synchronous: list[torch.Tensor] | None = None) -> list[str]:
+    """What is wrong with a run: replicas that differ, parameters other than the synchronous run's, no learning."""
+    failures = []
+    if not same_on_every_rank(parameters):
+        failures.append(f"{where}: the replicas differ")
+    if synchronous is not None and not all(torch.equal(a, b) for a, b in zip(parameters, synchronous)):
+        failures.append(f"{where}: the asynchronous path differs from the synchronous one")
+    if not sum(losses[-3:]) < 0.7 * sum(losses[:3]):
+        failures.append(f"{where}: the loss did not fall: {losses}")
+    return failures
+
+
 def hook_on_gpu(rank: int, size: int) -> list[str]:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -93,31 +106,16 @@ def hook_on_gpu(rank: int, size: int) -> list[str]:
                 where = f"{backend} {collective} {dtype}"
                 threaded, losses, broken = train(rank, device, backend, collective, dtype, False)
                 inline, _, broken_inline = train(rank, device, backend, collective, dtype, True)
-                failures += broken + broken_inline
-                if not same_on_every_rank(threaded):
-                    failures.append(f"{where}: the replicas differ")
-                if not all(torch.equal(a, b) for a, b in zip(threaded, inline)):
-                    failures.append(f"{where}: the asynchronous path differs from the synchronous one")
-                if not sum(losses[-3:]) < 0.7 * sum(losses[:3]):
-                    failures.append(f"{where}: the loss did not fall: {losses}")
+                failures += broken + broken_inline + run_failures(where, threaded, losses, inline)
     # The rounded dense paths on CUDA tensors (their ring sends from host memory on Gloo).
     for path in ("dense16", "dense8"):
         parameters, losses, broken = train(rank, device, "cuda", "gtopk", torch.float32, False, path)
-        failures += broken
-        if not same_on_every_rank(parameters):
-            failures.append(f"{path}: the replicas differ")
-        if not sum(losses[-3:]) < 0.7 * sum(losses[:3]):
-            failures.append(f"{path}: the loss did not fall: {losses}")
+        failures += broken + run_failures(path, parameters, losses)
     # The AdamW recipe (its momentum and the 4-bit wire's packing are torch ops on the gradient's device).
     for wire in ("compact", "4bit"):
         threaded, losses = train_adamw(rank, device, wire, False)
         inline, _ = train_adamw(rank, device, wire, True)
-        if not same_on_every_rank(threaded):
-            failures.append(f"adamw {wire}: the replicas differ")
-        if not all(torch.equal(a, b) for a, b in zip(threaded, inline)):
-            failures.append(f"adamw {wire}: the asynchronous path differs from the synchronous one")
-        if not sum(losses[-3:]) < 0.7 * sum(losses[:3]):
-            failures.append(f"adamw {wire}: the loss did not fall: {losses}")
+        failures += run_failures(f"adamw {wire}", threaded, losses, inline)
     return failures
 
 

@@ -67,15 +67,26 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) block_above = 0;
   __syncthreads();
   int32_t above = 0;  // n < 2^31
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float magnitude = fabsf(static_cast<float>(acc[i]));
-    if (isnan(magnitude)) continue;
-    const int key = hist_key(magnitude);
-    if (key > bin) {
-      ++above;
-    } else if (key == bin) {
-      atomicAdd(&block_counts[fine_key(magnitude)], 1);
+  // kItems loads in flight per thread before any is used (one a loop step leaves most of the bandwidth unused);
+  // element tile + j * blockDim.x + threadIdx.x, so each load is coalesced.
+  constexpr int kItems = items_per_thread<scalar_t>();
+  const int64_t block_tile = static_cast<int64_t>(blockDim.x) * kItems;
+  for (int64_t tile = blockIdx.x * block_tile; tile < n; tile += gridDim.x * block_tile) {
+    float magnitude[kItems];
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int64_t i = tile + j * blockDim.x + threadIdx.x;
+      magnitude[j] = i < n ? fabsf(static_cast<float>(acc[i])) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      if (tile + j * blockDim.x + threadIdx.x >= n || isnan(magnitude[j])) continue;
+      const int key = hist_key(magnitude[j]);
+      if (key > bin) {
+        ++above;
+      } else if (key == bin) {
+        atomicAdd(&block_counts[fine_key(magnitude[j])], 1);
+      }
     }
   }
   if (above != 0) atomicAdd(&block_above, above);
@@ -89,7 +100,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename scalar_t>
 int fine_count_grid(int64_t n, const at::Device& device) {
-  return resident_grid(fine_count_kernel<scalar_t>, kThreads, 0, (n + kThreads - 1) / kThreads, device);
+  const int64_t block_tile = static_cast<int64_t>(kThreads) * items_per_thread<scalar_t>();
+  return resident_grid(fine_count_kernel<scalar_t>, kThreads, 0, (n + block_tile - 1) / block_tile, device);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gaussian_select_cuda(

@@ -2,7 +2,7 @@
 # shellcheck disable=SC2317  # the phases are functions called by name
 # On a machine with a GPU (a lent one has its own torch, triton and python3, and no network): builds gtopk_ext in
 # place with the CUDA kernels for that GPU, then checks it in phases, in this order, each bounded in time and the
-# whole run within GPU_CHECK_BUDGET seconds (default 480: a lent machine runs one call for at most 10 minutes; what
+# whole run within GPU_CHECK_BUDGET seconds (default 540: a lent machine runs one call for at most 10 minutes; what
 # does not fit is reported as skipped, to be run in a second call by naming it):
 #   build    python setup.py build_ext --inplace (GTOPK_EXT_CUDA=1, this GPU's arch); the versions -> versions.json
 #   ops      the op tests on CUDA tensors for the CUDA and Triton backends (against gtopk_ext/reference.py, CUDA
@@ -38,8 +38,9 @@ phases=("$@")
 mkdir -p "$out"
 logs=$(mktemp -d)
 python=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-budget=${GPU_CHECK_BUDGET:-480}
+# GTOPK_EXT_PRINT_FAILURES (tests/conftest.py): a failure's traceback as it happens, in case a crash follows.
+export PYTHONUNBUFFERED=1 GTOPK_EXT_PRINT_FAILURES=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+budget=${GPU_CHECK_BUDGET:-540}
 deadline=$((SECONDS + budget))
 
 if [ "$dry_run" = 1 ]; then

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import subprocess
 import sys
 
 import pytest
@@ -503,3 +504,18 @@ def test_two_torchrun_agents_as_nodes(tmp_path):
     summary = json.loads([line for line in logs[0].splitlines() if line.startswith("{")][-1])
     assert summary["mode"] == "sparse" and (summary["nodes"], summary["node_size"]) == (2, 2), summary
     assert 0 < summary["cross_node_bytes_last_step"] < summary["cross_node_bytes_run"], summary
+
+
+def test_the_fsdp2_front_end_is_imported_at_its_first_use():
+    """`import gtopk_ext` leaves torch.distributed.fsdp unimported (about a second a process, which a DDP program's
+    every rank would pay); gx.fsdp, gx.SparseFSDPState and gx.register_sparse_all_reduce import it when asked."""
+    script = ("import sys, gtopk_ext as gx\n"
+              "print('torch.distributed.fsdp' in sys.modules)\n"
+              "from gtopk_ext.fsdp import SparseFSDPState, register_sparse_all_reduce\n"
+              "print(gx.SparseFSDPState is SparseFSDPState, gx.register_sparse_all_reduce is "
+              "register_sparse_all_reduce, gx.fsdp.SparseFSDPState is SparseFSDPState, 'SparseFSDPState' in dir(gx))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["False", "True", "True", "True", "True"]
+    with pytest.raises(AttributeError, match="no attribute 'SparseFSDPStat'"):
+        gx.SparseFSDPStat  # noqa: B018 - a misspelt name still raises

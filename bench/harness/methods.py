@@ -10,7 +10,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
-from torch.distributed.optim import PostLocalSGDOptimizer
 
 import gtopk_ext as gx
 from gtopk_ext.collectives import ring_allreduce_bytes
@@ -330,6 +329,9 @@ class LocalExchange:
         self.average_bytes = ring_allreduce_bytes(4 * numel_of(model), world_size)
         self.counted, self.steps, self.finished = 0, 0, False
         if method.kind == "postlocal":
+            # Imported here: torch.distributed.optim imports FSDP, a second of every rank's start for other methods.
+            from torch.distributed.optim import PostLocalSGDOptimizer
+
             self.optimizer = PostLocalSGDOptimizer(inner, PeriodicModelAverager(period=method.period, warmup_steps=0))
         else:
             self.outer = gx.SparseLocalSGD(

@@ -1,6 +1,5 @@
 """gtopk_ext: sparse gradient communication for PyTorch data-parallel training."""
 
-import importlib
 from typing import TYPE_CHECKING
 
 import torch  # noqa: F401  (first: the compiled library links against torch's libraries)
@@ -44,6 +43,8 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str):
     if name == "fsdp" or name in _FSDP_NAMES:
+        import importlib  # not `from gtopk_ext import fsdp`: it would ask this function for fsdp again
+
         fsdp = importlib.import_module("gtopk_ext.fsdp")  # binds gtopk_ext.fsdp
         for lazy in _FSDP_NAMES:
             globals()[lazy] = getattr(fsdp, lazy)

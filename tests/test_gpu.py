@@ -23,6 +23,21 @@ STEPS = 12
 WIDTH = 64
 
 
+def regress(ddp: DDP, optimizer: torch.optim.Optimizer, rank: int, device: torch.device,
+            dtype: torch.dtype) -> list[float]:
+    """STEPS steps of a linear regression (rank-specific inputs, one target), the losses."""
+    target = torch.randn(WIDTH, 1, generator=torch.Generator().manual_seed(7)).to(device=device, dtype=dtype)
+    losses = []
+    for step in range(STEPS):
+        x = torch.randn(32, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank)).to(device, dtype)
+        optimizer.zero_grad()
+        loss = (ddp(x) - x @ target / WIDTH**0.5).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def train(rank: int, device: torch.device, backend: str, collective: str, dtype: torch.dtype, synchronous: bool,
           path: str = "sparse") -> tuple[list[torch.Tensor], list[float], list[str]]:
     """Parameters (copied to the CPU) after STEPS steps of a regression, the losses, and conservation failures."""
@@ -39,16 +54,7 @@ def train(rank: int, device: torch.device, backend: str, collective: str, dtype:
     state.synchronous = synchronous
     recorder = Recorder(state)
     ddp.register_comm_hook(recorder, recording_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    target = torch.randn(WIDTH, 1, generator=torch.Generator().manual_seed(7)).to(device=device, dtype=dtype)
-    losses = []
-    for step in range(STEPS):
-        x = torch.randn(32, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank)).to(device, dtype)
-        optimizer.zero_grad()
-        loss = (ddp(x) - x @ target / WIDTH**0.5).float().square().mean()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
+    losses = regress(ddp, torch.optim.SGD(model.parameters(), lr=0.1), rank, device, dtype)
     state.stats()  # waits for the buckets in flight
     where = f"{backend} {collective} {dtype} synchronous={synchronous}"
     recorder.calls = {key: tuple(t.cpu() for t in call) for key, call in recorder.calls.items()}
@@ -70,15 +76,7 @@ def train_adamw(rank: int, device: torch.device, wire: str,
     state.synchronous = synchronous
     ddp.register_comm_hook(state, gx.sparse_grad_hook)
     optimizer = gx.SparseAdamW(ddp.parameters(), lr=3e-3, weight_decay=0.1, state=state)
-    target = torch.randn(WIDTH, 1, generator=torch.Generator().manual_seed(7)).to(device)
-    losses = []
-    for step in range(STEPS):
-        x = torch.randn(32, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank)).to(device)
-        optimizer.zero_grad()
-        loss = (ddp(x) - x @ target / WIDTH**0.5).square().mean()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
+    losses = regress(ddp, optimizer, rank, device, torch.float32)
     state.stats()  # waits for the buckets in flight
     return [p.detach().cpu() for p in model.parameters()], losses
 

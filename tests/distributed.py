@@ -1,6 +1,9 @@
 """Runs a function on P real processes joined in a Gloo process group, with a timeout so that no test hangs.
 
-Each check that needs a group should run many cases inside one call: starting a process costs seconds.
+The processes are forked from a server that has already imported torch and gtopk_ext (multiprocessing's
+forkserver, one per test process): a spawned process would import them again, 3 s of CPU a rank, which on CI's
+two cores was about a tenth of the suite. Each process is still new to the test (no group, no state of a test
+before it). Each check that needs a group should still run many cases inside one call.
 """
 
 from __future__ import annotations
@@ -31,10 +34,14 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
         results.put((rank, False, traceback.format_exc()))
 
 
+_PRELOAD = ["torch", "torch.distributed", "gtopk_ext", "tests.distributed"]
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
     """``[fn(rank, world_size, *args) for each rank]``, each in its own process; ``fn`` must be picklable
     (defined at module level) and so must its result. Raises if any rank fails or the timeout passes."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts: at this test process's first call
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")

@@ -293,16 +293,17 @@ def _accumulation_is_finite(tensor: torch.Tensor, residual: Optional[torch.Tenso
 
 def plan_path(tensor: torch.Tensor, group: dist.ProcessGroup, plan: PathPlan, config: SparseConfig, *,
               iteration: int, k: int | None, index: int, what: str, traffic: Traffic | None = None) -> str:
-    """Step 1: the ranks check they share ``tensor``'s plan (size, dtype, k, wire, policy; the header crosses only
-    when it changes) and take the same path (``k`` None: the tensor may not compress, it goes dense). With ``auto``
-    the path follows from the mean of the ranks' measured costs in the header, or from the policy's calibration."""
+    """Step 1: the ranks check they share ``tensor``'s plan (size, dtype, k, wire, and the configuration: a rank
+    with another collective would wait in another protocol; the header crosses only when the plan changes) and
+    take the same path (``k`` None: the tensor may not compress, it goes dense). With ``auto`` the path follows
+    from the mean of the ranks' measured costs in the header, or from the policy's calibration."""
     numel, size, policy, wire = tensor.numel(), dist.get_world_size(group), config.path, config.wire
     compress = k is not None and numel >= max(policy.min_compress_numel, 1)
     auto = compress and policy.mode == "auto"
     if auto and iteration >= plan.until:
         plan.round += 1
     fields = {**message_fields(numel, tensor.dtype, compress, k if compress else numel, wire),
-              "policy": policy.code, "round": plan.round if auto else 0}
+              "round": plan.round if auto else 0, **config.fields()}
     headers = agree(fields, group, tensor.device, what, traffic=traffic, agreement=plan.agreement,
                     volatile={"iter": iteration, "index": index}, reported=plan.costs.report())
     if not compress:

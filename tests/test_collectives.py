@@ -468,6 +468,14 @@ def check_hook_edge_cases(members: Members) -> list[str]:
             failures.append(f"{members.name}: states at different iterations: {failure}")
         state.iter = 0
         reduce_buffer(state, torch.ones(numel), 0).wait()
+        # Another collective is another protocol: the ranks would wait in different collectives, not raise.
+        other = gx.SparseGradState(group, density=0.05, collective="allgather" if me == last else "gtopk",
+                                   start_iter=0, stats_logging_frequency=0, path="sparse")
+        listing = ", ".join(f"rank {r}: '{'allgather' if r == last else 'gtopk'}'" for r in range(size))
+        failure = expect_error(lambda: reduce_buffer(other, torch.ones(numel), 0).wait(), ValueError,
+                               re.escape(f"sparse_grad_hook: collective differs across ranks ({listing})"))
+        if failure:
+            failures.append(f"{members.name}: states with different collectives: {failure}")
     return failures
 
 

@@ -22,7 +22,7 @@ from gtopk_ext._worker import Disagreement
 from gtopk_ext.backends import Backend, BackendChoice, BackendLike
 from gtopk_ext.collectives._transport import Traffic, gather_counts
 from gtopk_ext.message import SparseMessage
-from gtopk_ext.wire import Rounding, Wire, WireLike, wire_named
+from gtopk_ext.wire import WIRES, Rounding, Wire, WireLike, wire_named
 
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(FLOAT_DTYPES, start=1)}  # header codes of the op dtypes
 MAX_NUMEL = 2**31 - 1
@@ -55,9 +55,21 @@ def require_same(headers: list[dict[str, int]], names: tuple[str, ...], what: st
     for name in names:
         seen = [h[name] for h in headers]
         if len(set(seen)) > 1:
-            listing = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(seen))
+            listing = ", ".join(f"rank {rank}: {_readable(name, value)}" for rank, value in enumerate(seen))
             raise Disagreement(f"{what}: {name} differs across ranks ({listing}); every rank must pass the same "
                              f"{', '.join(names)}")
+
+
+def _readable(name: str, value: int) -> object:
+    """A header field as the user wrote it: the name behind a code (a dtype, a wire, a collective, a compressor),
+    else the number."""
+    from gtopk_ext.collectives import COLLECTIVES  # here: the collectives import this module
+    from gtopk_ext.compressors import COMPRESSOR_KINDS
+
+    names = {"dtype": {code: str(dtype) for dtype, code in DTYPE_CODES.items()},
+             "wire": {wire.code: wire.name for wire in WIRES.values()}, "collective": dict(enumerate(COLLECTIVES)),
+             "compressor": dict(enumerate(COMPRESSOR_KINDS))}.get(name, {})
+    return repr(names[value]) if value in names else value
 
 
 def check_message(msg: SparseMessage, flags: torch.Tensor | None) -> None:

@@ -41,8 +41,15 @@ def sparse_grad_hook(state: SparseGradState, bucket: dist.GradBucket) -> torch.f
     completed the previous collective, so ranks could issue collectives in different orders; one thread per state
     issues them in DDP's order. The last bucket returns once every bucket is issued (DDP's own collectives follow).
     """
-    return reduce_buffer(state, bucket.buffer(), bucket.index(), is_last=bucket.is_last(),
-                         parameters=bucket.parameters())
+    result = reduce_buffer(state, bucket.buffer(), bucket.index(), is_last=bucket.is_last(),
+                           parameters=bucket.parameters())
+    # DDP reads the future in C++, where an exception set on it from Python reads "Unable to cast <message> to
+    # Tensor"; raised again in a callback, it reaches backward() as an error naming its type and message.
+    return result.then(_value)
+
+
+def _value(future: torch.futures.Future) -> torch.Tensor:
+    return future.value()
 
 
 def reduce_buffer(state: SparseGradState, buffer: torch.Tensor, bucket_index: int, *, is_last: bool = True,

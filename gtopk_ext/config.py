@@ -58,6 +58,8 @@ def recipe(density: float, warmup_steps: Optional[int], momentum: float, optimiz
                 "path": "sparse", "start_iter": 0, "momentum": DecoupledMomentum(clip_norm=clip_norm)}
     if warmup_steps is None:
         warmup_steps = 44
+    check_density(density, "density")  # here: the warm-up's checks would name its own arguments
+    check_int("warmup_steps", warmup_steps)
     return {"density": exponential_warmup(density, warmup_steps, start_density=max(density, 0.25)),
             "momentum": MomentumCorrection(momentum, nesterov=momentum > 0, masking_start_iter=warmup_steps)}
 
@@ -182,6 +184,22 @@ class SparseConfig:
         if compressor is None:
             compressor = self._compressors[density] = self.compressor.with_density(density)
         return compressor
+
+    def describe(self, iteration: int) -> str:
+        """The configuration in a line, for the summaries: compressor, collective, density at ``iteration``, wire,
+        error feedback, momentum."""
+        momentum, parts = self.momentum, []
+        if isinstance(momentum, DecoupledMomentum):
+            clipped = f", clip norm {momentum.clip_norm:g}" if momentum.clip_norm is not None else ""
+            parts = [f"AdamW's momentum decoupled in the hook (beta {momentum.beta:g}, DCT chunks of "
+                     f"{momentum.chunk}{clipped})"]
+        elif momentum is not None:
+            parts = [f"momentum correction {momentum.momentum:g}", "nesterov" if momentum.nesterov else "",
+                     f"weight decay {momentum.weight_decay:g}" if momentum.weight_decay else "",
+                     f"clip norm {momentum.clip_norm:g}" if momentum.clip_norm is not None else ""]
+        return (f"{self.compressor.kind} + {self.collective}, density {self.density_at(iteration):g}, "
+                f"{self.wire.name} wire, error feedback {'on' if self.error_feedback else 'off'}"
+                + "".join(f", {part}" for part in parts if part))
 
     def fields(self) -> dict[str, int]:
         """The configuration as header fields, for the ranks to check they share it."""

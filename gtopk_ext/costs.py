@@ -25,6 +25,9 @@ def parse_rate(text: str) -> int:
     return int(float(match[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match[2]])
 
 
+SUMMARY_ROWS = 12  # rows of buckets or groups a summary shows: it fits one screen
+
+
 def format_bytes(count: float) -> str:
     """A byte count to read: 812 B, 4.1 kB, 2.35 MB (powers of 1000)."""
     units, power = ("B", "kB", "MB", "GB"), 0

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 import gtopk_ext as gx
+from gtopk_ext.costs import format_bytes
 from tests.distributed import run_distributed
 
 STEPS = 3
@@ -449,15 +450,25 @@ def one_node_case(rank: int, world: int) -> bytes:
     replicated = shard(make_model(), state.shard_mesh)
     gx.register_sparse_all_reduce(replicated, state)
     train(replicated, rank, range(STEPS))
-    return as_bytes((no_op, full_parameters(replicated), state.stats()["total"]))
+    return as_bytes((no_op, full_parameters(replicated), state.stats(), state.summary()))
 
 
 def test_one_node_is_a_no_op_and_one_rank_nodes_exchange_everything():
     results = [from_bytes(r) for r in run_distributed(one_node_case, 4)]
-    assert all(no_op for no_op, _, _ in results)
-    assert all(torch.equal(results[0][1], parameters) for _, parameters, _ in results)
-    stats = results[0][2]
-    assert stats["numel"] == stats["padded_numel"] and 0 < stats["k"] < stats["numel"] and stats["bytes_sent"], stats
+    assert all(no_op for no_op, *_ in results)
+    assert all(torch.equal(results[0][1], parameters) for _, parameters, *_ in results)
+    stats, summary = results[0][2], results[0][3].splitlines()
+    total = stats["total"]
+    assert total["numel"] == total["padded_numel"] and 0 < total["k"] < total["numel"] and total["bytes_sent"], total
+    # The summary, as the DDP state's: the configuration, the run beside HSDP's bytes, a row per group.
+    assert summary[0] == ("SparseFSDPState: gaussiank + gtopk, density 0.1, plain wire, error feedback on; 4 node(s) "
+                          "of 1 ranks"), summary
+    assert summary[1].startswith(f"run: {STEPS} calls a group; between nodes this rank sent "), summary
+    hsdp = 2 * 3 * total["padded_numel"] * 4 // 4
+    assert summary[2] == f"  (HSDP's float32 all-reduce of these shards between nodes: {format_bytes(hsdp)} a call)"
+    rows = [line.split() for line in summary[4:]]
+    assert [(int(row[0]), row[1], row[-1]) for row in rows] == [
+        (index, group["path"], group["name"]) for index, group in stats["groups"].items()], summary
 
 
 def convergence_case(rank: int, world: int) -> list[dict]:

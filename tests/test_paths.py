@@ -63,6 +63,11 @@ def test_recipe_is_one_call():
     correction = state.config.momentum
     assert (correction.momentum, correction.nesterov, correction.masking_start_iter) == (0.9, True, 20)
     assert gx.SparseGradState.recipe(density=0.5).config.density_at(0) == 0.5  # above the warm-up's start: none
+    # Errors name the recipe's arguments, not those of the warm-up it builds.
+    with pytest.raises(ValueError, match="warmup_steps must be an int >= 0"):
+        gx.SparseGradState.recipe(density=0.01, warmup_steps=-5)
+    with pytest.raises(ValueError, match=r"^density must be a number in \(0, 1\]"):
+        gx.SparseGradState.recipe(density=0)
 
 
 def test_cost_model_predictions():

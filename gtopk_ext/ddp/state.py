@@ -12,7 +12,7 @@ from gtopk_ext._worker import Worker
 from gtopk_ext.amp import LossScaling
 from gtopk_ext.compressors import Compressor
 from gtopk_ext.config import DensitySchedule, SparseConfig, recipe
-from gtopk_ext.costs import format_bytes, latest_line, sent_and_received
+from gtopk_ext.costs import SUMMARY_ROWS, format_bytes, latest_line, sent_and_received
 from gtopk_ext.ddp.store import BucketStore
 from gtopk_ext.hierarchical import Hierarchical
 from gtopk_ext.momentum import AdamLink, DecoupledMomentum, MomentumCorrection, watch
@@ -21,8 +21,6 @@ from gtopk_ext.reduction import Slot, StepStats
 from gtopk_ext.resume import StateDicts, plan_resume, world_fields
 
 logger = logging.getLogger("gtopk_ext.ddp")
-
-SUMMARY_BUCKETS = 12  # rows of buckets a summary shows: it fits one screen
 
 
 class RunTotals:
@@ -222,9 +220,7 @@ class SparseGradState:
         run, total, config = stats["run"], stats["total"], self.config
         size = dist.get_world_size(self.process_group) if dist.is_initialized() else 1
         dense = sum(2 * (size - 1) * s.stats.numel * 4 // size for s in self.buckets.values() if s.stats is not None)
-        lines = [f"SparseGradState: {config.compressor.kind} + {config.collective}, density "
-                 f"{config.density_at(self.iter):g}, {config.wire.name} wire, error feedback "
-                 f"{'on' if config.error_feedback else 'off'}{_momentum(config.momentum)}",
+        lines = [f"SparseGradState: {config.describe(self.iter)}",
                  f"run: {run['steps']} steps ({run['compressed_steps']} compressed); "
                  + sent_and_received(run["bytes_sent"], run["bytes_received"], run["steps"], "step"),
                  f"  (DDP's float32 allreduce of these buckets: {format_bytes(dense)} a step)",
@@ -237,12 +233,12 @@ class SparseGradState:
         lines.append(f"  {'bucket':>6} {'path':<9} {'elements':>11} {'k':>9} {'sent':>10} {'select ms':>9} "
                      f"{'exchange ms':>11}")
         rows = list(stats["buckets"].items())
-        for index, b in rows[:SUMMARY_BUCKETS]:
+        for index, b in rows[:SUMMARY_ROWS]:
             lines.append(f"  {index:>6} {b['path']:<9} {b['numel']:>11,} {b['k']:>9,} "
                          f"{format_bytes(b['bytes_sent']):>10} {1e3 * b['select_seconds']:>9.2f} "
                          f"{1e3 * b['exchange_seconds']:>11.2f}")
-        if len(rows) > SUMMARY_BUCKETS:
-            lines.append(f"  ... {len(rows) - SUMMARY_BUCKETS} more buckets (state.stats()['buckets'])")
+        if len(rows) > SUMMARY_ROWS:
+            lines.append(f"  ... {len(rows) - SUMMARY_ROWS} more buckets (state.stats()['buckets'])")
         return "\n".join(lines)
 
 
@@ -260,17 +256,3 @@ def _paths_line(policy: PathPolicy, paths: dict[str, int], measured: int) -> str
                        f"other paths; to repeat these choices, pass path=gx.PathPolicy('auto',\n  "
                        f"calibration=state.state_dict()['calibration'])")
     return line + "'auto' from the policy's calibration (repeatable)"
-
-
-def _momentum(correction: Union[MomentumCorrection, DecoupledMomentum, None]) -> str:
-    if correction is None:
-        return ""
-    if isinstance(correction, DecoupledMomentum):
-        clipped = f", clip norm {correction.clip_norm:g}" if correction.clip_norm is not None else ""
-        return (f", AdamW's momentum decoupled in the hook (beta {correction.beta:g}, DCT chunks of "
-                f"{correction.chunk}{clipped})")
-    parts = [f"momentum correction {correction.momentum:g}", "nesterov" if correction.nesterov else "",
-             f"weight decay {correction.weight_decay:g}" if correction.weight_decay else "",
-             f"clip norm {correction.clip_norm:g}" if correction.clip_norm is not None else ""]
-    return "".join(f", {p}" for p in parts if p)
-

@@ -16,6 +16,7 @@ from gtopk_ext._validate import check_int
 from gtopk_ext.collectives import SPARSE_COLLECTIVES, Traffic, agree
 from gtopk_ext.compressors import Compressor
 from gtopk_ext.config import DensitySchedule, SparseConfig, recipe
+from gtopk_ext.costs import SUMMARY_ROWS, format_bytes, sent_and_received
 from gtopk_ext.fsdp.layout import ShardLayout
 from gtopk_ext.momentum import AdamLink, MomentumCorrection, watch
 from gtopk_ext.paths import PathPolicy
@@ -194,6 +195,27 @@ class SparseFSDPState:
                   for g in self.groups}
         summed = (*StepStats.SUMMED, "padded_numel", "run_bytes_sent", "run_bytes_received")
         return {"groups": groups, "total": {key: sum(g[key] for g in groups.values()) for key in summed}}
+
+    def summary(self) -> str:
+        """:meth:`stats` as a few lines to print: the configuration, this rank's bytes between nodes beside HSDP's
+        all-reduce of the same shards, each group's latest call."""
+        stats = self.stats()
+        total, nodes = stats["total"], self.mesh.size(0)
+        hsdp = 2 * (nodes - 1) * total["padded_numel"] * 4 // nodes  # a float32 ring all-reduce of the padded shards
+        lines = [f"SparseFSDPState: {self.config.describe(self.iter)}; {nodes} node(s) of {self.mesh.size(1)} ranks",
+                 f"run: {self.iter} calls a group; between nodes "
+                 + sent_and_received(total["run_bytes_sent"], total["run_bytes_received"], self.iter, "call"),
+                 f"  (HSDP's float32 all-reduce of these shards between nodes: {format_bytes(hsdp)} a call)"]
+        if not self.iter:
+            return "\n".join(lines + ["latest call: none yet"])
+        lines.append(f"  {'group':>5} {'path':<9} {'elements':>11} {'k':>9} {'sent':>10}  name")
+        rows = list(stats["groups"].items())
+        for index, g in rows[:SUMMARY_ROWS]:
+            lines.append(f"  {index:>5} {g['path']:<9} {g['numel']:>11,} {g['k']:>9,} "
+                         f"{format_bytes(g['bytes_sent']):>10}  {g['name']}")
+        if len(rows) > SUMMARY_ROWS:
+            lines.append(f"  ... {len(rows) - SUMMARY_ROWS} more groups (state.stats()['groups'])")
+        return "\n".join(lines)
 
 
 def _reduced_parameters(state: SparseFSDPState) -> Optional[set[int]]:

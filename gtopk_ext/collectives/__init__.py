@@ -5,8 +5,8 @@ maps names to the :class:`Collective` classes that the reduction (:mod:`gtopk_ex
 """
 
 from gtopk_ext.backends import BackendLike
-from gtopk_ext.collectives._protocol import (DTYPE_CODES, MAX_NUMEL, Agreement, Collective, Disagreement, Reduced,
-                                             agree, carried_dtype, group_rank_and_size, keep_unapplied)
+from gtopk_ext.collectives._protocol import (DTYPE_CODES, FIELD_NAMES, MAX_NUMEL, Agreement, Collective, Disagreement,
+                                             Reduced, agree, carried_dtype, group_rank_and_size, keep_unapplied)
 from gtopk_ext.collectives.allgather import Allgather, sparse_allgather
 from gtopk_ext.collectives.dense import Dense8, Dense16, DenseAllreduce, RoundedDense
 from gtopk_ext.collectives.gtopk import GTopK, gtopk_allreduce
@@ -18,6 +18,7 @@ from gtopk_ext.costs import ring_allgather_bytes, ring_allreduce_bytes
 COLLECTIVES: dict[str, type[Collective]] = {c.name: c for c in (GTopK, Allgather, OkTopk, DenseAllreduce, Dense16,
                                                                    Dense8)}
 SPARSE_COLLECTIVES = tuple(name for name, c in COLLECTIVES.items() if c.sparse)
+FIELD_NAMES["collective"] = dict(enumerate(COLLECTIVES))  # SparseConfig.fields()'s code, named in errors
 
 
 def collective_named(name: str, backend: BackendLike = None) -> Collective:

@@ -20,11 +20,17 @@ from gtopk_ext import ops
 from gtopk_ext._contract import FLOAT_DTYPES
 from gtopk_ext._worker import Disagreement
 from gtopk_ext.backends import Backend, BackendChoice, BackendLike
+from gtopk_ext.compressors import COMPRESSOR_KINDS
 from gtopk_ext.collectives._transport import Traffic, gather_counts
 from gtopk_ext.message import SparseMessage
 from gtopk_ext.wire import WIRES, Rounding, Wire, WireLike, wire_named
 
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(FLOAT_DTYPES, start=1)}  # header codes of the op dtypes
+# The names behind the header fields that are codes, for the errors; gtopk_ext.collectives, which defines the
+# collectives, adds theirs.
+FIELD_NAMES: dict[str, dict[int, str]] = {"dtype": {code: str(dtype) for dtype, code in DTYPE_CODES.items()},
+                                          "wire": {wire.code: wire.name for wire in WIRES.values()},
+                                          "compressor": dict(enumerate(COMPRESSOR_KINDS))}
 MAX_NUMEL = 2**31 - 1
 _INVALID = -1  # a header field of a rank whose own input was invalid
 
@@ -61,14 +67,8 @@ def require_same(headers: list[dict[str, int]], names: tuple[str, ...], what: st
 
 
 def _readable(name: str, value: int) -> object:
-    """A header field as the user wrote it: the name behind a code (a dtype, a wire, a collective, a compressor),
-    else the number."""
-    from gtopk_ext.collectives import COLLECTIVES  # here: the collectives import this module
-    from gtopk_ext.compressors import COMPRESSOR_KINDS
-
-    names = {"dtype": {code: str(dtype) for dtype, code in DTYPE_CODES.items()},
-             "wire": {wire.code: wire.name for wire in WIRES.values()}, "collective": dict(enumerate(COLLECTIVES)),
-             "compressor": dict(enumerate(COMPRESSOR_KINDS))}.get(name, {})
+    """A header field as the user wrote it: the name behind a code (FIELD_NAMES), else the number."""
+    names = FIELD_NAMES.get(name, {})
     return repr(names[value]) if value in names else value
 
 

@@ -1,9 +1,9 @@
 """Runs a function on P real processes joined in a Gloo process group, with a timeout so that no test hangs.
 
 The processes are forked from a server that has already imported torch and gtopk_ext (multiprocessing's
-forkserver, one per test process): a spawned process would import them again, 3 s of CPU a rank, which on CI's
-two cores was about a tenth of the suite. Each process is still new to the test (no group, no state of a test
-before it). Each check that needs a group should still run many cases inside one call.
+forkserver, one per test process): a spawned process imports them again, 3 s of CPU a rank (4 ranks of a no-op:
+6.9 s spawned, 0.3 s forked). Each process is still new to the test (no group, no state of a test before it).
+Each check that needs a group should still run many cases inside one call.
 """
 
 from __future__ import annotations

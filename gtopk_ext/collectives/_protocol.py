@@ -20,8 +20,8 @@ from gtopk_ext import ops
 from gtopk_ext._contract import FLOAT_DTYPES
 from gtopk_ext._worker import Disagreement
 from gtopk_ext.backends import Backend, BackendChoice, BackendLike
-from gtopk_ext.compressors import COMPRESSOR_KINDS
 from gtopk_ext.collectives._transport import Traffic, gather_counts
+from gtopk_ext.compressors import COMPRESSOR_KINDS
 from gtopk_ext.message import SparseMessage
 from gtopk_ext.wire import WIRES, Rounding, Wire, WireLike, wire_named
 

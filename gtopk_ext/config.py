@@ -103,6 +103,7 @@ class SparseConfig:
     schedule: Union[None, Callable[[int], float], list[tuple[int, float]]] = field(init=False)
     reducer: Collective = field(init=False, repr=False, compare=False)
     _compressors: dict = field(init=False, repr=False, compare=False)  # by density: one object each
+    _fields: dict = field(init=False, repr=False, compare=False)  # fields(), made once: every bucket's header has it
 
     def __post_init__(self):
         density, schedule = self.density, None
@@ -160,6 +161,11 @@ class SparseConfig:
                             ("momentum", momentum), ("_compressors", {float(density): compressor}),
                             ("reducer", collective_named(self.collective, compressor.backend))):
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "_fields", {
+            "density_ppb": round(self.density * 1e9), "collective": list(COLLECTIVES).index(self.reducer.name),
+            "wire": self.wire.code, "start_iter": self.start_iter, "path": self.path.code,
+            "compressor": COMPRESSOR_KINDS.index(self.compressor.kind), "schedule": int(self.schedule is not None),
+            "momentum": zlib.crc32(repr(self.momentum).encode())})
 
     def replace(self, **changes) -> "SparseConfig":
         """This configuration with ``changes`` (made and checked anew)."""
@@ -202,8 +208,5 @@ class SparseConfig:
                 + "".join(f", {part}" for part in parts if part))
 
     def fields(self) -> dict[str, int]:
-        """The configuration as header fields, for the ranks to check they share it."""
-        return {"density_ppb": round(self.density * 1e9), "collective": list(COLLECTIVES).index(self.reducer.name),
-                "wire": self.wire.code, "start_iter": self.start_iter, "path": self.path.code,
-                "compressor": COMPRESSOR_KINDS.index(self.compressor.kind), "schedule": int(self.schedule is not None),
-                "momentum": zlib.crc32(repr(self.momentum).encode())}
+        """The configuration as header fields, for the ranks to check they share it (not to be changed)."""
+        return self._fields
